@@ -1,0 +1,58 @@
+"""``export(cfg)``: the whole export as a plain function (the CLI and the tests both call it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from exporters.artifacts import ExportResult
+from exporters.config import ExportConfig, check_config, to_typed
+from exporters.errors import UserError
+from exporters.pipeline import Stage, run_pipeline
+from exporters.stages.capture import CaptureStage
+from exporters.stages.emit import EmitStage
+from exporters.stages.load import LoadStage
+from exporters.stages.lower import LowerStage
+from exporters.stages.package import PackageStage
+from exporters.stages.quantize import QuantizeStage
+from exporters.stages.validate import ValidateStage
+
+log = logging.getLogger("exporters")
+
+
+def build_stages(cfg: ExportConfig, output_dir: Path, resolved: dict[str, Any], timings: dict[str, float]) -> list[Stage]:
+    """The pipeline for one export; each stage gets only its own part of the config."""
+    ex = cfg.export
+    return [
+        LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir),
+        QuantizeStage(cfg.quant),
+        CaptureStage(ex.methods, ex.max_seq_len, cfg.backend.dynamic_shapes, ex.prefill_chunk),
+        LowerStage(cfg.backend, ex.max_seq_len),
+        EmitStage(output_dir / ex.output_name),
+        ValidateStage(cfg.validation, cfg.quant, enabled=cfg.validate),
+        PackageStage(resolved, timings),
+    ]
+
+
+def export(cfg: DictConfig | ExportConfig, output_dir: str | Path | None = None) -> ExportResult:
+    """Export one model as described by a composed config; returns where the program and manifest are."""
+    if isinstance(cfg, DictConfig):
+        typed = to_typed(cfg)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    else:
+        check_config(cfg)
+        typed, resolved = cfg, dataclasses.asdict(cfg)
+    target = output_dir or typed.export.output_dir
+    if target is None:
+        raise UserError("no output folder: pass output_dir to export() or set export.output_dir.")
+    out = Path(target)
+    out.mkdir(parents=True, exist_ok=True)
+    assert isinstance(resolved, dict)
+    timings: dict[str, float] = {}
+    result = run_pipeline(build_stages(typed, out, resolved, timings), timings)
+    assert isinstance(result, ExportResult)
+    return result

@@ -1,0 +1,38 @@
+"""``python -m exporters.llm model=... quant=... backend=...``: thin Hydra entry point around ``export()``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from exporters.api import export
+from exporters.errors import REPORTED_ERRORS
+
+log = logging.getLogger("exporters")
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    output_dir = cfg.export.output_dir or HydraConfig.get().runtime.output_dir
+    try:
+        result = export(cfg, output_dir)
+    except REPORTED_ERRORS as e:
+        log.error("export failed: %s", e)
+        sys.exit(2)
+    m = result.manifest
+    validation = m["validation"]
+    verdict = "skipped (validate=false)" if validation is None else (
+        f"passed (max rel err {validation['max_rel_error']:.2g}, greedy agreement {validation['token_agreement']:.0%})")
+    log.info(
+        "exported %s\n  size: %.2f MB  sha256: %s\n  methods: %s\n  constants: %s\n  validation: %s\n  manifest: %s",
+        result.pte_path, m["program"]["size_bytes"] / 1e6, m["program"]["sha256"][:16],
+        ", ".join(m["methods"]), ", ".join(m["constant_methods"]), verdict, result.manifest_path,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Methods are data: each exported method is a name, example inputs and dynamic shapes.
+
+All methods call the same module with the same signature ``(tokens[1, T], input_pos[1])``; they
+differ only in how many tokens they accept, so they capture the same weights and KV-cache buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.export import Dim
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    example_inputs: tuple[torch.Tensor, torch.Tensor]
+    dynamic_shapes: Any
+    min_tokens: int
+    max_tokens: int
+
+    @property
+    def dynamic(self) -> bool:
+        return self.dynamic_shapes is not None
+
+
+def _inputs(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(1, num_tokens, dtype=torch.int64), torch.tensor([0], dtype=torch.int64)
+
+
+def _many_tokens(name: str, max_seq_len: int, dynamic: bool, chunk: int) -> MethodSpec:
+    """Prompt processing: dynamic T in [1, max_seq_len - 1], or a fixed chunk on static-shape backends."""
+    if not dynamic:
+        return MethodSpec(name, _inputs(chunk), None, chunk, chunk)
+    max_tokens = max_seq_len - 1
+    tokens = Dim("num_tokens", min=1, max=max_tokens)
+    # Example with 2 tokens: 1 would let torch.export specialise the dimension to a constant.
+    return MethodSpec(name, _inputs(min(2, max_tokens)), ({1: tokens}, None), 1, max_tokens)
+
+
+def prefill(max_seq_len: int, dynamic: bool, chunk: int) -> MethodSpec:
+    return _many_tokens("prefill", max_seq_len, dynamic, chunk)
+
+
+def forward(max_seq_len: int, dynamic: bool, chunk: int) -> MethodSpec:
+    """What ExecuTorch's stock ``TextLLMRunner`` calls, for both prompt and generation."""
+    return _many_tokens("forward", max_seq_len, dynamic, chunk)
+
+
+def decode(max_seq_len: int, dynamic: bool, chunk: int) -> MethodSpec:
+    return MethodSpec("decode", _inputs(1), None, 1, 1)
+
+
+METHOD_KINDS: dict[str, Callable[[int, bool, int], MethodSpec]] = {
+    "prefill": prefill,
+    "decode": decode,
+    "forward": forward,
+}
+
+
+def method_specs(names: list[str], max_seq_len: int, dynamic: bool, chunk: int) -> dict[str, MethodSpec]:
+    return {name: METHOD_KINDS[name](max_seq_len, dynamic, chunk) for name in names}

@@ -1,0 +1,41 @@
+"""Load and run a ``.pte`` in the ExecuTorch runtime (Python bindings)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def register_runtime_kernels() -> None:
+    """Kernels some programs need that the bindings do not load by themselves (quantized embeddings)."""
+    with contextlib.suppress(ImportError):
+        import executorch.kernels.quantized  # noqa: F401
+
+
+class LoadedProgram:
+    """A ``.pte`` loaded once; methods are loaded on first use and share the program's mutable buffers."""
+
+    def __init__(self, path: str | Path) -> None:
+        from executorch.runtime import Runtime
+
+        register_runtime_kernels()
+        self.path = Path(path)
+        self._program = Runtime.get().load_program(str(self.path))
+        self._methods: dict[str, Any] = {}
+
+    @property
+    def method_names(self) -> set[str]:
+        return set(self._program.method_names)
+
+    def run(self, method: str, *inputs: torch.Tensor) -> list[Any]:
+        if method not in self._methods:
+            self._methods[method] = self._program.load_method(method)
+        return list(self._methods[method].execute(list(inputs)))
+
+    def constant(self, method: str) -> Any:
+        """Value of a constant method (a list for list-valued ones such as ``get_eos_ids``)."""
+        values = [v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in self.run(method)]
+        return values[0] if len(values) == 1 else values

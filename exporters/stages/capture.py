@@ -1,0 +1,60 @@
+"""Capture: one ``torch.export`` per method over the same module (same weights, same KV-cache buffers).
+
+Each method is captured separately: ``to_edge_transform_and_lower`` rewrites the programs it is given,
+so one ExportedProgram must not appear under two names (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from exporters.artifacts import CapturedMethods, QuantizedModel
+from exporters.methods import method_specs
+from exporters.pipeline import Stage
+
+
+def _tensor_spec(value: Any, name: str) -> dict[str, Any]:
+    shape = [d if isinstance(d, int) else str(d) for d in value.shape]
+    return {"name": name, "shape": shape, "dtype": str(value.dtype).removeprefix("torch.")}
+
+
+def signature(program: torch.export.ExportedProgram) -> dict[str, Any]:
+    """Input and output shapes/dtypes of a captured method; dynamic dims appear by name."""
+    sig = program.graph_signature
+    nodes = {n.name: n for n in program.graph.nodes}
+    inputs = [_tensor_spec(nodes[name].meta["val"], name) for name in sig.user_inputs]
+    output_node = next(n for n in program.graph.nodes if n.op == "output")
+    outputs = output_node.args[0]
+    user_outputs = [o for o in outputs[len(outputs) - len(sig.user_outputs):]]
+    return {
+        "inputs": inputs,
+        "outputs": [_tensor_spec(o.meta["val"], f"output_{i}") for i, o in enumerate(user_outputs)],
+    }
+
+
+class CaptureStage(Stage):
+    name = "capture"
+
+    def __init__(self, methods: list[str], max_seq_len: int, dynamic_shapes: bool, prefill_chunk: int) -> None:
+        self.methods = methods
+        self.max_seq_len = max_seq_len
+        self.dynamic_shapes = dynamic_shapes
+        self.prefill_chunk = prefill_chunk
+
+    def run(self, quantized: QuantizedModel) -> CapturedMethods:
+        specs = method_specs(self.methods, self.max_seq_len, self.dynamic_shapes, self.prefill_chunk)
+        model = quantized.model
+        programs = {}
+        with torch.no_grad():
+            for name, spec in specs.items():
+                programs[name] = torch.export.export(
+                    model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, strict=False
+                )
+        return CapturedMethods(
+            quantized=quantized,
+            specs=specs,
+            programs=programs,
+            signatures={name: signature(p) for name, p in programs.items()},
+        )

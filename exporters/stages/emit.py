@@ -1,0 +1,68 @@
+"""Emit: ``to_executorch`` with one KV cache shared by all methods, written to disk atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from exporters.artifacts import EmittedProgram, LoweredProgram
+from exporters.pipeline import Stage
+
+
+def backend_config():  # type: ignore[no-untyped-def]
+    """Shared mutable buffers: decode continues the cache prefill wrote (DESIGN.md: 0.31 error without)."""
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.passes import MemoryPlanningPass
+
+    return ExecutorchBackendConfig(
+        memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
+        emit_mutable_buffer_names=True,
+        # The KV-cache update (index_copy -> index_put) is rewritten in place instead of copying the cache.
+        run_reinplace_pass=True,
+        do_quant_fusion_and_const_prop=True,
+    )
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write to a temporary name in the same folder, fsync, then rename: never a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def provisional_path(final: Path) -> Path:
+    """Where the program sits until validation accepts it: cannot be mistaken for a finished export."""
+    return final.with_name(final.stem + ".unvalidated" + final.suffix)
+
+
+class EmitStage(Stage):
+    name = "emit"
+
+    def __init__(self, final_path: Path) -> None:
+        self.final_path = final_path
+
+    def run(self, lowered: LoweredProgram) -> EmittedProgram:
+        program = lowered.edge.to_executorch(backend_config())
+        data = program.buffer
+        path = provisional_path(self.final_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, data)
+        captured = lowered.captured
+        return EmittedProgram(
+            quantized=captured.quantized,
+            specs=captured.specs,
+            signatures=captured.signatures,
+            constant_methods=lowered.constant_methods,
+            delegated_partitions=lowered.delegated_partitions,
+            path=path,
+            final_path=self.final_path,
+            size_bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+        )

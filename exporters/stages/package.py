@@ -1,0 +1,88 @@
+"""Package: accept or reject the program, copy the tokenizer beside it, write ``manifest.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from exporters.artifacts import ExportResult, ValidatedProgram
+from exporters.errors import ValidationFailed
+from exporters.pipeline import Stage
+from exporters.stages.emit import write_atomically
+
+PACKAGES = ("torch", "executorch", "torchao", "transformers", "hydra-core", "tokenizers", "safetensors")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def rejected_path(final: Path) -> Path:
+    return final.with_name(final.stem + ".rejected" + final.suffix)
+
+
+class PackageStage(Stage):
+    name = "package"
+
+    def __init__(self, resolved_config: dict[str, Any], timings: dict[str, float]) -> None:
+        self.resolved_config = resolved_config
+        self.timings = timings
+
+    def run(self, validated: ValidatedProgram) -> ExportResult:
+        emitted = validated.emitted
+        report = validated.report
+        ok = report is None or report.passed
+        pte = emitted.final_path if ok else rejected_path(emitted.final_path)
+        os.replace(emitted.path, pte)
+        out_dir = pte.parent
+        ckpt = emitted.quantized.loaded.checkpoint
+        copied = []
+        for src in [*ckpt.tokenizer_files, ckpt.generation_config_file]:
+            if src is not None and src.parent.resolve() != out_dir.resolve():
+                shutil.copy2(src, out_dir / src.name)
+            if src is not None:
+                copied.append(src.name)
+        manifest = {
+            "status": "ok" if ok else "failed validation",
+            "program": {"file": pte.name, "size_bytes": emitted.size_bytes, "sha256": emitted.sha256},
+            "methods": {
+                name: {**emitted.signatures[name], "dynamic_tokens": spec.dynamic,
+                       "tokens": [spec.min_tokens, spec.max_tokens],
+                       "delegated_partitions": emitted.delegated_partitions.get(name, 0)}
+                for name, spec in emitted.specs.items()
+            },
+            "constant_methods": emitted.constant_methods,
+            "model": {"checkpoint": str(ckpt.path), "architecture": list(ckpt.hf_config.architectures or []),
+                      "parameters": sum(p.numel() for p in emitted.quantized.model.parameters())},
+            "quantization": emitted.quantized.quantization.as_dict(),
+            "validation": None if report is None else {
+                "passed": report.passed, "prompt_tokens": report.prompt_tokens, "decode_steps": report.decode_steps,
+                "max_abs_error": report.max_abs_error, "max_rel_error": report.max_rel_error,
+                "token_agreement": report.token_agreement, "tolerance": report.tolerance, "per_step": report.per_step,
+            },
+            "tokenizer_files": copied,
+            "timings_s": self.timings,
+            "versions": package_versions(),
+            "config": self.resolved_config,
+        }
+        manifest_path = out_dir / "manifest.json"
+        write_atomically(manifest_path, (json.dumps(manifest, indent=2) + "\n").encode())
+        if not ok:
+            assert report is not None
+            raise ValidationFailed(
+                f"the exported program does not match the eager model: {report.describe()}. "
+                f"It was kept as {pte} for inspection, not as {emitted.final_path.name}; details per step are in "
+                f"{manifest_path}. If the error is expected for this scheme, raise quant.max_rel_error or lower "
+                "quant.min_token_agreement; validate=false skips the check."
+            )
+        return ExportResult(pte_path=pte, manifest_path=manifest_path, manifest=manifest)

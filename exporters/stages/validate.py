@@ -1,0 +1,104 @@
+"""Validate: run the written ``.pte`` and compare it step by step with the eager model it came from.
+
+Prefill on a fixed prompt, then N decode steps fed the eager model's greedy tokens (teacher forcing),
+so each step compares logits for identical inputs; both sides use their own KV cache, so a runtime
+cache that does not carry over between methods shows up as a large error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from exporters.artifacts import EmittedProgram, ValidatedProgram, ValidationReport
+from exporters.config import QuantConfig, ValidationConfig
+from exporters.pipeline import Stage
+from exporters.runtime import LoadedProgram
+
+
+def prompt_tokens(emitted: EmittedProgram, prompt: str, limit: int) -> torch.Tensor:
+    """The validation prompt as ids (bos first), from the checkpoint's tokenizer when it has one."""
+    ckpt = emitted.quantized.loaded.checkpoint
+    vocab = emitted.quantized.model.args.vocab_size
+    tok_file = next((f for f in ckpt.tokenizer_files if f.name == "tokenizer.json"), None)
+    if tok_file is not None:
+        from tokenizers import Tokenizer
+
+        ids = Tokenizer.from_file(str(tok_file)).encode(prompt, add_special_tokens=False).ids
+    else:  # random-init models have no tokenizer: a fixed, spread-out id sequence
+        ids = [(7919 * i + 13) % vocab for i in range(len(prompt.split()) * 2)]
+    if ckpt.bos_id is not None:
+        ids = [ckpt.bos_id] + ids
+    return torch.tensor([ids[:limit]], dtype=torch.int64)
+
+
+def _compare(step: str, got: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
+    got, ref = got.float().reshape(ref.shape), ref.float()
+    err = (got - ref).abs().max().item()
+    scale = ref.abs().max().item() or 1.0
+    return {
+        "step": step,
+        "max_abs_error": err,
+        "max_rel_error": err / scale,
+        "runtime_token": int(got.argmax(-1).flatten()[-1]),
+        "eager_token": int(ref.argmax(-1).flatten()[-1]),
+    }
+
+
+class ValidateStage(Stage):
+    name = "validate"
+
+    def __init__(self, validation_cfg: ValidationConfig, quant_cfg: QuantConfig, enabled: bool) -> None:
+        self.cfg = validation_cfg
+        self.tolerance = {"max_rel_error": quant_cfg.max_rel_error, "min_token_agreement": quant_cfg.min_token_agreement}
+        self.enabled = enabled
+
+    def run(self, emitted: EmittedProgram) -> ValidatedProgram:
+        if not self.enabled:
+            return ValidatedProgram(emitted=emitted, report=None)
+        return ValidatedProgram(emitted=emitted, report=self.compare(emitted))
+
+    def compare(self, emitted: EmittedProgram) -> ValidationReport:
+        specs = emitted.specs
+        prompt_method = next((m for m in ("prefill", "forward") if m in specs), "decode")
+        step_method = next((m for m in ("decode", "forward", "prefill") if m in specs and specs[m].min_tokens == 1),
+                           None)
+        max_seq_len = emitted.quantized.loaded.max_seq_len
+        steps = self.cfg.decode_steps if step_method else 0
+        spec = specs[prompt_method]
+        limit = min(spec.max_tokens, max_seq_len - steps - 1)
+        tokens = prompt_tokens(emitted, self.cfg.prompt, limit)
+        if tokens.shape[1] < spec.min_tokens:  # static-shape prefill takes exactly its chunk
+            pad = tokens[:, -1:].expand(1, spec.min_tokens - tokens.shape[1])
+            tokens = torch.cat([tokens, pad], dim=1)
+
+        model = emitted.quantized.model
+        program = LoadedProgram(emitted.path)
+        model.reset_cache()
+        records = []
+        with torch.no_grad():
+            pos = torch.tensor([0])
+            ref = model(tokens, pos)
+            records.append(_compare(prompt_method, program.run(prompt_method, tokens, pos)[0], ref))
+            position = tokens.shape[1]
+            for i in range(steps):
+                token = ref.argmax(-1).reshape(1, 1)
+                pos = torch.tensor([position])
+                ref = model(token, pos)
+                records.append(_compare(f"{step_method}[{i}]", program.run(step_method, token, pos)[0], ref))
+                position += 1
+        model.reset_cache()
+
+        max_rel = max(r["max_rel_error"] for r in records)
+        agreement = sum(r["runtime_token"] == r["eager_token"] for r in records) / len(records)
+        return ValidationReport(
+            passed=max_rel <= self.tolerance["max_rel_error"] and agreement >= self.tolerance["min_token_agreement"],
+            prompt_tokens=int(tokens.shape[1]),
+            decode_steps=steps,
+            max_abs_error=max(r["max_abs_error"] for r in records),
+            max_rel_error=max_rel,
+            token_agreement=agreement,
+            per_step=records,
+            tolerance=self.tolerance,
+        )

@@ -1,0 +1,170 @@
+"""Read a Hugging Face checkpoint directory into the exportable decoder.
+
+Only safetensors are read (no pickle). The model is built on the meta device and the tensors are
+assigned into it (``load_state_dict(assign=True)``), so at most one full-precision copy of the weights
+exists at any time. Every file problem is a :class:`ModelError` naming the file (and tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.decoder import CausalLM
+from models.errors import ModelError
+from models.families import decoder_args
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
+# Buffers some checkpoints carry that this decoder recomputes itself.
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint directory holds, checked but not yet loaded."""
+
+    path: Path
+    hf_config: Any
+    weight_files: list[Path]
+    tokenizer_files: list[Path] = field(default_factory=list)
+    generation_config_file: Path | None = None
+    bos_id: int | None = None
+    eos_ids: list[int] = field(default_factory=list)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path}: cannot be read as JSON ({e}). Re-download or re-save the checkpoint.") from e
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / WEIGHTS_INDEX
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelError(f"{index}: has no 'weight_map'. Re-save the checkpoint with save_pretrained.")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelError(
+                f"{path}: shard(s) {', '.join(missing)} listed in {WEIGHTS_INDEX} are missing. "
+                "Copy every shard of the checkpoint into the directory."
+            )
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
+        hint = (
+            f" It holds {', '.join(found)}: pickle checkpoints are not read; convert them with "
+            "`transformers` (from_pretrained(...).save_pretrained(dir, safe_serialization=True))."
+            if found
+            else ""
+        )
+        raise ModelError(f"{path}: no *.safetensors weights found.{hint}")
+    return files
+
+
+def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoint:
+    """Check a checkpoint directory and read its configs (not its weights)."""
+    from transformers import AutoConfig
+
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ModelError(
+            f"checkpoint directory {path} does not exist. Give a Hugging Face checkpoint directory with "
+            "model.checkpoint=/path/to/dir (config.json, *.safetensors, tokenizer.json)."
+        )
+    if not (path / "config.json").exists():
+        raise ModelError(f"{path}: config.json is missing; a Hugging Face checkpoint directory needs one.")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises several types for a bad config
+        raise ModelError(f"{path / 'config.json'}: not a valid Hugging Face config ({e}).") from e
+
+    gen_file = path / "generation_config.json"
+    gen = _read_json(gen_file) if gen_file.exists() else {}
+    bos = gen.get("bos_token_id", getattr(hf_config, "bos_token_id", None))
+    eos = _as_id_list(gen.get("eos_token_id", getattr(hf_config, "eos_token_id", None)))
+    return Checkpoint(
+        path=path,
+        hf_config=hf_config,
+        weight_files=_weight_files(path) if need_weights else [],
+        tokenizer_files=[path / n for n in TOKENIZER_FILES if (path / n).exists()],
+        generation_config_file=gen_file if gen_file.exists() else None,
+        bos_id=None if bos is None else int(bos),
+        eos_ids=eos,
+    )
+
+
+def build_model(ckpt: Checkpoint, max_context_len: int, *, random_init: bool = False, seed: int = 0) -> CausalLM:
+    """The decoder for ``ckpt``'s architecture, with its weights (or seeded random ones)."""
+    args = decoder_args(ckpt.hf_config, max_context_len, source=str(ckpt.path / "config.json"))
+    if random_init:
+        torch.manual_seed(seed)
+        return CausalLM(args).eval()
+    with torch.device("meta"):
+        model = CausalLM(args)
+    load_weights(model, ckpt.weight_files)
+    model.init_buffers()
+    return model.eval()
+
+
+def load_weights(model: CausalLM, files: list[Path]) -> None:
+    """Stream tensors file by file into a meta-device model, checking names and shapes."""
+    from safetensors import SafetensorError, safe_open
+
+    expected = {name: p for name, p in model.state_dict(keep_vars=True).items()}
+    tied = model.args.tie_word_embeddings
+    loaded: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as fh:
+                for name in fh.keys():
+                    if name.endswith(IGNORED_TENSOR_SUFFIXES):
+                        continue
+                    if name not in expected:
+                        unexpected.append(name)
+                        continue
+                    want = expected[name]
+                    tensor = fh.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(want.shape):
+                        raise ModelError(
+                            f"{file}: tensor {name} has shape {tuple(tensor.shape)}, but config.json implies "
+                            f"{tuple(want.shape)}. The weights and config.json come from different models."
+                        )
+                    loaded[name] = tensor.to(torch.float32)
+        except SafetensorError as e:
+            raise ModelError(f"{file}: damaged or truncated safetensors file ({e}). Re-download it.") from e
+    if tied:
+        loaded.pop("lm_head.weight", None)
+    missing = sorted(n for n in expected if n not in loaded and not (tied and n == "lm_head.weight"))
+    if missing:
+        raise ModelError(
+            f"{files[0].parent}: tensor(s) missing from the safetensors files: {', '.join(missing[:8])}"
+            f"{' ...' if len(missing) > 8 else ''}. The checkpoint is incomplete or of another architecture."
+        )
+    if unexpected:
+        raise ModelError(
+            f"{files[0].parent}: tensor(s) this architecture does not use: {', '.join(sorted(unexpected)[:8])}. "
+            "config.json's architecture does not match the weights."
+        )
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if tied:
+        model.tie_weights()

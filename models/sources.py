@@ -1,0 +1,69 @@
+"""Where a model's checkpoint comes from: ``model.source`` in ``conf/model/*.yaml`` picks one.
+
+Each source returns a :class:`Checkpoint` (config, weight files, tokenizer, bos/eos ids); loading the
+weights is the same code for all of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from models.checkpoint import Checkpoint, open_checkpoint
+from models.errors import ModelError
+from models.tiny import write_tiny_checkpoint
+
+CheckpointSource = Callable[[Any, Path], Checkpoint]
+
+SOURCES: dict[str, CheckpointSource] = {}
+
+REQUIRED_ARCH = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def register_source(name: str) -> Callable[[CheckpointSource], CheckpointSource]:
+    def wrap(fn: CheckpointSource) -> CheckpointSource:
+        SOURCES[name] = fn
+        return fn
+
+    return wrap
+
+
+def arch_overrides(model_cfg: Any) -> dict[str, Any]:
+    arch = model_cfg.arch
+    items = vars(arch).items() if hasattr(arch, "__dict__") else dict(arch).items()
+    return {k: v for k, v in items if v is not None}
+
+
+@register_source("hf")
+def hf_checkpoint(model_cfg: Any, work_dir: Path) -> Checkpoint:
+    """A Hugging Face checkpoint directory on disk (``model.checkpoint``)."""
+    overrides = arch_overrides(model_cfg)
+    if model_cfg.checkpoint is None:
+        if not model_cfg.random_init:
+            raise ModelError(
+                f"model={model_cfg.name} needs a checkpoint: add model.checkpoint=/path/to/hf_dir (a directory with "
+                "config.json, *.safetensors, tokenizer.json, generation_config.json), or model.random_init=true "
+                "with the architecture in model.arch.* to benchmark random weights."
+            )
+        missing = [k for k in REQUIRED_ARCH if k not in overrides]
+        if missing:
+            raise ModelError(
+                "model.random_init=true without model.checkpoint builds the architecture from model.arch, but "
+                f"{', '.join('model.arch.' + k for k in missing)} is not set. Set them, e.g. model.arch.hidden_size=768, "
+                "or give model.checkpoint to take the architecture from its config.json."
+            )
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(**overrides, architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
+        return Checkpoint(path=Path("<random-init>"), hf_config=config, weight_files=[], bos_id=1, eos_ids=[2])
+    ckpt = open_checkpoint(model_cfg.checkpoint, need_weights=not model_cfg.random_init)
+    for key, value in overrides.items():
+        setattr(ckpt.hf_config, key, value)
+    return ckpt
+
+
+@register_source("tiny")
+def tiny_checkpoint(model_cfg: Any, work_dir: Path) -> Checkpoint:
+    """A deterministic tiny Llama with a trained tokenizer, written into the run folder."""
+    path = write_tiny_checkpoint(work_dir / "checkpoint", arch=arch_overrides(model_cfg), seed=model_cfg.seed)
+    return open_checkpoint(path)

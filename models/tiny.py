@@ -1,0 +1,87 @@
+"""A tiny Llama checkpoint built offline and deterministically: the default model and the test fixture.
+
+It is written as a real Hugging Face checkpoint directory (``config.json``, ``model.safetensors``,
+``tokenizer.json``, ``generation_config.json``) by transformers itself, so the default export goes
+through exactly the loading path a user's checkpoint takes, and tests can compare against
+transformers' ``LlamaForCausalLM`` on the same files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+CORPUS = """\
+Once upon a time there was a small language model that lived on a phone.
+It read every word the user typed and guessed the next one, quickly and quietly.
+The model was exported with ExecuTorch, quantized to four bits, and shipped in an app.
+Engineers measured its speed in tokens per second and its size in megabytes.
+A good export is one that runs, that matches the original model, and that fits in memory.
+The cache holds the keys and values of every token the model has already seen.
+Prefill reads the whole prompt at once; decode adds one token at a time.
+Hello world! How are you today? I am fine, thank you. What is the weather like?
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { } - _ + = / \\ * & % $ # @
+"""
+
+DEFAULT_ARCH: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 384,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.2,
+}
+
+
+def train_tokenizer(vocab_size: int, corpus: str = CORPUS) -> Any:
+    """A byte-level BPE tokenizer trained on ``corpus`` (deterministic: same input, same merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus.splitlines(), trainer=trainer)
+    return tok
+
+
+def write_tiny_checkpoint(out_dir: str | Path, arch: dict[str, Any] | None = None, seed: int = 0,
+                          architecture: str = "LlamaForCausalLM") -> Path:
+    """Write a seeded, randomly initialised checkpoint of ``architecture`` to ``out_dir``."""
+    import transformers
+    from transformers import AutoConfig, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arch = {**DEFAULT_ARCH, **(arch or {})}
+    tokenizer = train_tokenizer(arch["vocab_size"])
+    model_type = {"LlamaForCausalLM": "llama"}.get(architecture, architecture)
+    config = AutoConfig.for_model(
+        model_type, **arch, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=None,
+        architectures=[architecture],
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).eval()
+    model.save_pretrained(out)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(out)
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", '
+        '"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048}\n'
+    )
+    return out
