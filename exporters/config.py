@@ -131,6 +131,11 @@ def check_config(cfg: ExportConfig | DictConfig) -> None:
         raise UserError("export.methods is empty: give at least one of " + ", ".join(sorted(METHOD_KINDS)) + ".")
     if cfg.export.max_seq_len < 2:
         raise UserError(f"export.max_seq_len={cfg.export.max_seq_len} is too small: use 2 or more.")
+    if not 0 <= cfg.validation.decode_steps < cfg.export.max_seq_len - 1:
+        raise UserError(
+            f"validation.decode_steps={cfg.validation.decode_steps} must be between 0 and export.max_seq_len - 2 "
+            f"({cfg.export.max_seq_len - 2}) so the prompt and the steps fit in the context."
+        )
     if cfg.quant.group_size < 0:
         raise UserError(f"quant.group_size={cfg.quant.group_size}: use 0 (per channel) or a positive group size.")
     if cfg.quant.linear not in cfg.backend.supported_linear:

@@ -39,7 +39,7 @@ DEFAULT_ARCH: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "max_position_embeddings": 2048,
-    "initializer_range": 0.2,
+    "initializer_range": 0.02,
 }
 
 
@@ -60,9 +60,31 @@ def train_tokenizer(vocab_size: int, corpus: str = CORPUS) -> Any:
     return tok
 
 
+def fit_to_corpus(model: torch.nn.Module, ids: list[int], steps: int, seed: int, window: int = 32) -> None:
+    """A few seconds of training on the corpus, so the tiny model has peaked, input-dependent logits.
+
+    Purely random weights give either a model that repeats one token (small init) or a chaotic one
+    whose activations amplify rounding (large init); neither exercises validation like a real model.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.tensor(ids)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - window - 1, (8,), generator=gen)
+        batch = torch.stack([data[s:s + window] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 def write_tiny_checkpoint(out_dir: str | Path, arch: dict[str, Any] | None = None, seed: int = 0,
-                          architecture: str = "LlamaForCausalLM") -> Path:
-    """Write a seeded, randomly initialised checkpoint of ``architecture`` to ``out_dir``."""
+                          architecture: str = "LlamaForCausalLM", train_steps: int = 150) -> Path:
+    """Write a seeded checkpoint of ``architecture`` to ``out_dir``, briefly fitted to ``CORPUS``.
+
+    ``train_steps=0`` keeps the random initialisation.
+    """
     import transformers
     from transformers import AutoConfig, GenerationConfig
 
@@ -75,9 +97,12 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: dict[str, Any] | None = Non
         model_type, **arch, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=None,
         architectures=[architecture],
     )
+    transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(config).eval()
-    model.save_pretrained(out)
+    model = getattr(transformers, architecture)(config)
+    if train_steps:
+        fit_to_corpus(model, tokenizer.encode(CORPUS).ids, train_steps, seed)
+    model.eval().save_pretrained(out)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(out)
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(

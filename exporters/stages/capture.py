@@ -15,22 +15,22 @@ from exporters.methods import method_specs
 from exporters.pipeline import Stage
 
 
-def _tensor_spec(value: Any, name: str) -> dict[str, Any]:
-    shape = [d if isinstance(d, int) else str(d) for d in value.shape]
+def _tensor_spec(value: Any, name: str, dim_name: str) -> dict[str, Any]:
+    shape = [d if isinstance(d, int) else dim_name for d in value.shape]
     return {"name": name, "shape": shape, "dtype": str(value.dtype).removeprefix("torch.")}
 
 
-def signature(program: torch.export.ExportedProgram) -> dict[str, Any]:
-    """Input and output shapes/dtypes of a captured method; dynamic dims appear by name."""
+def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens") -> dict[str, Any]:
+    """Input and output shapes/dtypes of a captured method; the dynamic token dim appears as ``dim_name``."""
     sig = program.graph_signature
     nodes = {n.name: n for n in program.graph.nodes}
-    inputs = [_tensor_spec(nodes[name].meta["val"], name) for name in sig.user_inputs]
+    inputs = [_tensor_spec(nodes[name].meta["val"], name, dim_name) for name in sig.user_inputs]
     output_node = next(n for n in program.graph.nodes if n.op == "output")
     outputs = output_node.args[0]
     user_outputs = [o for o in outputs[len(outputs) - len(sig.user_outputs):]]
     return {
         "inputs": inputs,
-        "outputs": [_tensor_spec(o.meta["val"], f"output_{i}") for i, o in enumerate(user_outputs)],
+        "outputs": [_tensor_spec(o.meta["val"], f"output_{i}", dim_name) for i, o in enumerate(user_outputs)],
     }
 
 

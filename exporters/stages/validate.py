@@ -13,6 +13,7 @@ import torch
 
 from exporters.artifacts import EmittedProgram, ValidatedProgram, ValidationReport
 from exporters.config import QuantConfig, ValidationConfig
+from exporters.methods import MethodSpec
 from exporters.pipeline import Stage
 from exporters.runtime import LoadedProgram
 
@@ -31,6 +32,16 @@ def prompt_tokens(emitted: EmittedProgram, prompt: str, limit: int) -> torch.Ten
     if ckpt.bos_id is not None:
         ids = [ckpt.bos_id] + ids
     return torch.tensor([ids[:limit]], dtype=torch.int64)
+
+
+def prompt_chunks(tokens: torch.Tensor, spec: MethodSpec) -> list[torch.Tensor]:
+    """Split the prompt into calls the method accepts: one dynamic call, fixed-size chunks, or single tokens."""
+    if not spec.dynamic and spec.min_tokens > 1:  # static prefill: whole chunks, the first padded if short
+        if tokens.shape[1] < spec.min_tokens:
+            tokens = torch.cat([tokens, tokens[:, -1:].expand(1, spec.min_tokens - tokens.shape[1])], dim=1)
+        usable = tokens.shape[1] - tokens.shape[1] % spec.min_tokens
+        tokens = tokens[:, :usable]
+    return list(torch.split(tokens, spec.max_tokens, dim=1))
 
 
 def _compare(step: str, got: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
@@ -61,27 +72,25 @@ class ValidateStage(Stage):
 
     def compare(self, emitted: EmittedProgram) -> ValidationReport:
         specs = emitted.specs
-        prompt_method = next((m for m in ("prefill", "forward") if m in specs), "decode")
+        prompt_method = next(m for m in ("prefill", "forward", "decode") if m in specs)
         step_method = next((m for m in ("decode", "forward", "prefill") if m in specs and specs[m].min_tokens == 1),
                            None)
-        max_seq_len = emitted.quantized.loaded.max_seq_len
         steps = self.cfg.decode_steps if step_method else 0
-        spec = specs[prompt_method]
-        limit = min(spec.max_tokens, max_seq_len - steps - 1)
-        tokens = prompt_tokens(emitted, self.cfg.prompt, limit)
-        if tokens.shape[1] < spec.min_tokens:  # static-shape prefill takes exactly its chunk
-            pad = tokens[:, -1:].expand(1, spec.min_tokens - tokens.shape[1])
-            tokens = torch.cat([tokens, pad], dim=1)
+        max_seq_len = emitted.quantized.loaded.max_seq_len
+        chunks = prompt_chunks(prompt_tokens(emitted, self.cfg.prompt, max_seq_len - steps - 1), specs[prompt_method])
 
         model = emitted.quantized.model
         program = LoadedProgram(emitted.path)
         model.reset_cache()
         records = []
+        position = 0
         with torch.no_grad():
-            pos = torch.tensor([0])
-            ref = model(tokens, pos)
-            records.append(_compare(prompt_method, program.run(prompt_method, tokens, pos)[0], ref))
-            position = tokens.shape[1]
+            for i, chunk in enumerate(chunks):
+                pos = torch.tensor([position])
+                ref = model(chunk, pos)
+                name = prompt_method if len(chunks) == 1 else f"{prompt_method}[{i}]"
+                records.append(_compare(name, program.run(prompt_method, chunk, pos)[0], ref))
+                position += chunk.shape[1]
             for i in range(steps):
                 token = ref.argmax(-1).reshape(1, 1)
                 pos = torch.tensor([position])
@@ -90,11 +99,12 @@ class ValidateStage(Stage):
                 position += 1
         model.reset_cache()
 
+        prompt_len = sum(c.shape[1] for c in chunks)
         max_rel = max(r["max_rel_error"] for r in records)
         agreement = sum(r["runtime_token"] == r["eager_token"] for r in records) / len(records)
         return ValidationReport(
             passed=max_rel <= self.tolerance["max_rel_error"] and agreement >= self.tolerance["min_token_agreement"],
-            prompt_tokens=int(tokens.shape[1]),
+            prompt_tokens=prompt_len,
             decode_steps=steps,
             max_abs_error=max(r["max_abs_error"] for r in records),
             max_rel_error=max_rel,

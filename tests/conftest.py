@@ -1,0 +1,48 @@
+"""Shared fixtures: real Hydra composition of conf/, a tiny HF checkpoint, and exports cached per session.
+
+Exports are the slow part (tens of seconds each on 2 cores), so each distinct configuration is
+exported once per session and shared by every test that reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from exporters.api import export
+from exporters.artifacts import ExportResult
+from exporters.config import CONF_DIR
+from models.tiny import write_tiny_checkpoint
+
+logging.getLogger("torchao").setLevel(logging.ERROR)
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    """Compose the real conf/ tree exactly as the CLI does, without Hydra parsing pytest's argv."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny model as a Hugging Face checkpoint directory (the same files model=tiny writes)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"))
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., ExportResult]:
+    """``exported("quant=8da4w", "backend=xnnpack")``: export once per distinct override set, then reuse."""
+    cache: dict[tuple[str, ...], ExportResult] = {}
+
+    def get(*overrides: str) -> ExportResult:
+        key = tuple(sorted(overrides))
+        if key not in cache:
+            cache[key] = export(compose_config(*overrides), tmp_path_factory.mktemp("export"))
+        return cache[key]
+
+    return get

@@ -1,0 +1,94 @@
+"""Config composition: every option of every group composes and validates; bad input fails clearly."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf.errors import ValidationError
+
+from exporters.config import CONF_DIR, ExportConfig, to_typed
+from exporters.errors import UserError
+from tests.conftest import compose_config
+
+GROUPS = {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for group in ("model", "quant", "backend")}
+
+
+def test_groups_have_the_required_options() -> None:
+    assert {"tiny", "llama"} <= set(GROUPS["model"])
+    assert {"fp32", "8da4w"} <= set(GROUPS["quant"])
+    assert {"portable", "xnnpack"} <= set(GROUPS["backend"])
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_option_composes_against_the_schema(group: str, option: str) -> None:
+    cfg = compose_config(f"{group}={option}", *(["backend=xnnpack"] if group == "quant" else []))
+    assert getattr(cfg, group).name == option, "each option file names itself"
+    typed = to_typed(cfg)
+    assert isinstance(typed, ExportConfig)
+
+
+def test_defaults_are_tiny_fp32_xnnpack() -> None:
+    cfg = to_typed(compose_config())
+    assert (cfg.model.name, cfg.quant.name, cfg.backend.name) == ("tiny", "fp32", "xnnpack")
+    assert cfg.export.methods == ["prefill", "decode"] and cfg.validate
+
+
+def test_fields_can_be_overridden_from_the_command_line() -> None:
+    cfg = to_typed(compose_config("quant=8da4w", "quant.group_size=64", "export.max_seq_len=256",
+                                  "export.methods=[prefill,decode,forward]"))
+    assert cfg.quant.group_size == 64 and cfg.export.max_seq_len == 256
+    assert cfg.export.methods == ["prefill", "decode", "forward"]
+
+
+def test_unknown_group_option_lists_the_available_ones() -> None:
+    with pytest.raises(MissingConfigException) as err:
+        compose_config("quant=9da9w")
+    assert "8da4w" in str(err.value) and "fp32" in str(err.value)
+
+
+def test_unknown_field_is_named() -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config("quant.grup_size=64")
+    assert "grup_size" in str(err.value.__cause__ or err.value)
+
+
+def test_wrong_type_is_named() -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config("export.max_seq_len=lots")
+    cause = err.value.__cause__
+    assert isinstance(cause, ValidationError) and "max_seq_len" in str(cause)
+
+
+def test_typo_inside_an_option_file_fails_at_composition(tmp_path) -> None:
+    """A field the schema does not know, written in a YAML option file, is refused."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "quant" / "bad.yaml").write_text("name: bad\nlinear: 8da4w\ngroupsize: 32\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException) as err:
+            compose(config_name="config", overrides=["quant=bad"])
+    assert "Key 'groupsize' not in 'QuantConfig'" in str(err.value)
+
+
+def test_pair_that_cannot_run_is_refused_with_the_working_pairs() -> None:
+    with pytest.raises(UserError) as err:
+        to_typed(compose_config("backend=portable", "quant=8da4w"))
+    msg = str(err.value)
+    assert "backend=portable" in msg and "supports: none" in msg and "backend=xnnpack quant=8da4w" in msg
+
+
+@pytest.mark.parametrize("override,named", [
+    ("export.methods=[prefil]", "prefil"),
+    ("export.methods=[]", "export.methods"),
+    ("export.max_seq_len=1", "max_seq_len"),
+    ("quant.group_size=-1", "group_size"),
+    ("validation.decode_steps=500", "decode_steps"),
+])
+def test_bad_values_are_refused_before_any_work(override: str, named: str) -> None:
+    cfg = compose_config(override)
+    with pytest.raises(UserError, match=named):
+        to_typed(cfg)

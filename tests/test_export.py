@@ -1,0 +1,161 @@
+"""Real exports of the tiny model, each .pte run in the ExecuTorch runtime.
+
+The reference for fp32 is transformers' own LlamaForCausalLM on the same checkpoint (independent of
+our decoder); for quantized exports it is our eager model with the same torchao quantization.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from exporters.artifacts import ExportResult
+from exporters.quantization import quantize_linears
+from exporters.runtime import LoadedProgram
+from models.checkpoint import build_model, open_checkpoint
+
+PAIRS = [("portable", "fp32"), ("xnnpack", "fp32"), ("xnnpack", "8da4w")]
+CONSTANTS = {"get_max_seq_len", "get_max_context_len", "get_vocab_size", "get_bos_id", "get_eos_ids",
+             "get_n_layers", "use_kv_cache", "enable_dynamic_shape"}
+PROMPT_LEN, DECODE_STEPS = 10, 12
+
+
+def export_pair(exported, backend: str, quant: str) -> ExportResult:  # type: ignore[no-untyped-def]
+    return exported(f"backend={backend}", f"quant={quant}")
+
+
+def eager_reference(result: ExportResult, quant: str):  # type: ignore[no-untyped-def]
+    """The model the export must match: transformers for fp32, our quantized eager model otherwise."""
+    ckpt_dir = result.pte_path.parent / "checkpoint"
+    if quant == "fp32":
+        from transformers import LlamaForCausalLM
+
+        ref = LlamaForCausalLM.from_pretrained(str(ckpt_dir), torch_dtype=torch.float32).eval()
+        return lambda tokens: ref(tokens).logits[0]
+    cfg = result.manifest["config"]
+    model = build_model(open_checkpoint(ckpt_dir), cfg["export"]["max_seq_len"])
+    quantize_linears(model, cfg["quant"]["linear"], cfg["quant"]["group_size"])
+
+    def full_sequence(tokens: torch.Tensor) -> torch.Tensor:
+        model.reset_cache()
+        return model(tokens, torch.tensor([0]), full_logits=True)[0]
+
+    return full_sequence
+
+
+@pytest.mark.parametrize("backend,quant", PAIRS)
+def test_program_has_methods_and_constants(exported, backend: str, quant: str) -> None:
+    result = export_pair(exported, backend, quant)
+    program = LoadedProgram(result.pte_path)
+    assert program.method_names == {"prefill", "decode"} | CONSTANTS | {"get_prefill_max_tokens", "get_decode_max_tokens"}
+    expected = {
+        "get_max_seq_len": 128, "get_max_context_len": 128, "get_vocab_size": 384, "get_bos_id": 1,
+        "get_n_layers": 2, "use_kv_cache": True, "enable_dynamic_shape": True,
+    }
+    for name, value in expected.items():
+        assert program.constant(name) == value, name
+    assert program.constant("get_eos_ids") == 2  # a one-element list comes back as its element
+    assert result.manifest["constant_methods"]["get_eos_ids"] == [2]
+
+
+@pytest.mark.parametrize("backend,quant", PAIRS)
+def test_prefill_then_decode_continue_one_sequence(exported, backend: str, quant: str) -> None:
+    """Prefill writes the shared KV cache, decode steps read it: logits match the reference at every step."""
+    result = export_pair(exported, backend, quant)
+    reference = eager_reference(result, quant)
+    program = LoadedProgram(result.pte_path)
+    tokens = torch.randint(3, 384, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    logits = program.run("prefill", tokens, torch.tensor([0]))[0]
+    rel_tol = 1e-4 if quant == "fp32" else 0.05
+    generated = []
+    for step in range(DECODE_STEPS):
+        expected = reference(tokens)[-1]
+        assert (logits[0] - expected).abs().max() <= rel_tol * expected.abs().max(), f"step {step}"
+        assert int(logits.argmax()) == int(expected.argmax()), f"greedy token differs at step {step}"
+        next_token = logits.argmax(-1).view(1, 1)
+        generated.append(int(next_token))
+        logits = program.run("decode", next_token, torch.tensor([tokens.shape[1]]))[0]
+        tokens = torch.cat([tokens, next_token], dim=1)
+    assert len(set(generated)) > 1, "a degenerate model would hide cache bugs"
+
+
+@pytest.mark.parametrize("backend,quant", [("xnnpack", "fp32")])
+def test_decode_without_prefill_sees_an_empty_cache(exported, backend: str, quant: str) -> None:
+    """Negative control for the test above: the cache, not luck, carries the prompt into decode."""
+    result = export_pair(exported, backend, quant)
+    tokens = torch.randint(3, 384, (1, PROMPT_LEN + 1), generator=torch.Generator().manual_seed(2))
+    warm = LoadedProgram(result.pte_path)
+    warm.run("prefill", tokens[:, :-1], torch.tensor([0]))
+    with_cache = warm.run("decode", tokens[:, -1:], torch.tensor([PROMPT_LEN]))[0]
+    cold = LoadedProgram(result.pte_path).run("decode", tokens[:, -1:], torch.tensor([PROMPT_LEN]))[0]
+    assert (with_cache - cold).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("backend,quant", PAIRS)
+def test_manifest_records_the_export(exported, backend: str, quant: str) -> None:
+    result = export_pair(exported, backend, quant)
+    m = json.loads(result.manifest_path.read_text())
+    assert m["status"] == "ok"
+    pte = result.pte_path.read_bytes()
+    assert m["program"]["size_bytes"] == len(pte)
+    import hashlib
+
+    assert m["program"]["sha256"] == hashlib.sha256(pte).hexdigest()
+    assert m["methods"]["decode"]["inputs"][0] == {"name": "tokens", "shape": [1, 1], "dtype": "int64"}
+    assert m["methods"]["prefill"]["inputs"][0]["shape"][1] == "num_tokens"
+    assert m["methods"]["prefill"]["outputs"][0]["shape"] == [1, 384]
+    assert m["validation"]["passed"] and m["validation"]["decode_steps"] == 8
+    assert m["validation"]["token_agreement"] == 1.0
+    assert set(m["timings_s"]) == {"load", "quantize", "capture", "lower", "emit", "validate"}
+    assert m["config"]["backend"]["name"] == backend and m["config"]["quant"]["name"] == quant
+    assert m["versions"]["executorch"] == "1.4.1"
+    if quant == "8da4w":
+        assert m["quantization"]["torchao_config"] == "Int8DynamicActivationIntxWeightConfig"
+        assert "lm_head" in m["quantization"]["layers"]
+    for name in ("tokenizer.json", "generation_config.json"):
+        assert (result.pte_path.parent / name).exists()
+
+
+def test_second_method_stores_no_second_copy_of_the_weights(exported) -> None:
+    """XNNPACK keys weights by content across methods: prefill+decode is barely larger than decode alone."""
+    both = exported("backend=xnnpack", "quant=fp32")
+    one = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]")
+    ratio = both.manifest["program"]["size_bytes"] / one.manifest["program"]["size_bytes"]
+    weights = sum(p.numel() for p in build_model(open_checkpoint(both.pte_path.parent / "checkpoint"), 8).parameters()) * 4
+    assert one.manifest["program"]["size_bytes"] > weights, "the one-method program holds the weights"
+    assert ratio <= 1.03, f"two methods / one method = {ratio:.3f}"
+
+
+def test_decode_only_program_validates_token_by_token(exported) -> None:
+    result = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]")
+    assert LoadedProgram(result.pte_path).method_names >= {"decode"}
+    assert "prefill" not in result.manifest["methods"]
+    assert result.manifest["validation"]["passed"]
+    assert result.manifest["validation"]["per_step"][0]["step"] == "decode[0]"
+
+
+def test_failed_validation_leaves_no_finished_looking_program(tmp_path: Path) -> None:
+    from exporters.api import export
+    from exporters.errors import ValidationFailed
+    from tests.conftest import compose_config
+
+    cfg = compose_config("backend=portable", "quant.max_rel_error=0.0", "validation.decode_steps=2")
+    with pytest.raises(ValidationFailed, match="does not match the eager model"):
+        export(cfg, tmp_path)
+    assert not (tmp_path / "model.pte").exists()
+    assert (tmp_path / "model.rejected.pte").exists()
+    assert not list(tmp_path.glob("*.unvalidated.pte")) and not list(tmp_path.glob(".*.tmp"))
+    assert json.loads((tmp_path / "manifest.json").read_text())["status"] == "failed validation"
+
+
+def test_failed_load_writes_no_program(tmp_path: Path) -> None:
+    from exporters.api import export
+    from models.errors import ModelError
+    from tests.conftest import compose_config
+
+    with pytest.raises(ModelError):
+        export(compose_config("model=llama", f"model.checkpoint={tmp_path / 'missing'}"), tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.pte"))
