@@ -8,7 +8,7 @@ torch 2.13 (see DESIGN.md). This module keeps everything ``torch.export`` and Ex
 
 * the KV cache is a pair of fixed-size buffers per layer, ``[1, n_kv_heads, max_context_len, head_dim]``,
   with the same names in every exported method, so methods share them in the runtime;
-* the cache update is ``index_put`` on those buffers (re-inplaced by ExecuTorch at emit time);
+* the cache update is ``index_copy_`` on those buffers (lowered to an in-place ``index_put_`` at emit);
 * attention always covers the whole cache with a position mask, so shapes stay static except the
   number of new tokens ``T``.
 """
@@ -83,13 +83,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if h.dim() == 3:  # [1, T, dim]: a 4-D mean over dims (2, 3) with -1 views, the form XNNPACK delegates
+            mean_sq = (h * h).view(1, -1, h.shape[-1], 1).mean(dim=(2, 3), keepdim=True).view(1, -1, 1)
+        else:
+            mean_sq = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(mean_sq + self.variance_epsilon)
         return self.weight * h.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -114,31 +113,38 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        bsz, seq_len, _ = x.shape
+        # Shapes use -1 for the token dimension: a named symbolic size would stop XNNPACK from
+        # delegating the reshape in dynamic-length prefill and split the graph into many partitions.
         a = self.args
-        # q is laid out [1, kv_heads, n_rep, T, head_dim]: the n_rep query heads sharing a kv head
-        # (grouped-query attention) sit next to each other, so attention needs no copy of the cache.
-        q = self.q_proj(x).view(bsz, seq_len, a.num_key_value_heads, a.n_rep, a.head_dim).permute(0, 2, 3, 1, 4)
-        k = self.k_proj(x).view(bsz, seq_len, a.num_key_value_heads, a.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, seq_len, a.num_key_value_heads, a.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv, rep, d = a.num_key_value_heads, a.n_rep, a.head_dim
+        q = self.q_proj(x).view(1, -1, a.num_attention_heads, d)
+        k = self.k_proj(x).view(1, -1, kv, d)
+        v = self.v_proj(x).view(1, -1, kv, d)
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [1, heads, T, d]
+        k = apply_rope(k, cos, sin).transpose(1, 2)  # [1, kv, T, d]
+        v = v.transpose(1, 2)
 
         self.k_cache.index_copy_(2, positions, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, positions, v.to(self.v_cache.dtype))
 
-        q = q.reshape(bsz, a.num_key_value_heads, a.n_rep * seq_len, a.head_dim)
+        # Grouped-query attention without copying the cache: the n_rep query heads of one kv head are
+        # stacked along the query axis, [1, kv, rep * T, d] against the [1, kv, max_context, d] cache.
+        q = q.contiguous().view(1, kv, -1, d)
         scores = torch.matmul(q, self.k_cache.transpose(2, 3)) * self.scale
-        scores = scores.view(bsz, a.num_key_value_heads, a.n_rep, seq_len, a.max_context_len) + mask
-        probs = F.softmax(scores.float(), dim=-1).to(q.dtype)
-        probs = probs.view(bsz, a.num_key_value_heads, a.n_rep * seq_len, a.max_context_len)
-        out = torch.matmul(probs, self.v_cache)  # [1, kv_heads, n_rep * T, head_dim]
-        out = out.view(bsz, a.num_key_value_heads, a.n_rep, seq_len, a.head_dim).permute(0, 3, 1, 2, 4)
-        out = out.reshape(bsz, seq_len, a.num_attention_heads * a.head_dim)
+        scores = scores.view(1, kv, rep, -1, a.max_context_len) + mask
+        probs = F.softmax(scores.float(), dim=-1).to(q.dtype).view(1, kv, -1, a.max_context_len)
+        out = torch.matmul(probs, self.v_cache).view(1, kv, rep, -1, d).permute(0, 3, 1, 2, 4)  # [1, T, kv, rep, d]
+        out = out.contiguous().view(1, -1, a.num_attention_heads * d)
         return self.o_proj(out)
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` features (all of them unless rotary is partial)."""
+    """Rotate the first ``cos.shape[-1]`` features of ``x`` [1, T, heads, d] (all unless rotary is partial)."""
     rot_dim = cos.shape[-1]
     if rot_dim == x.shape[-1]:
         return x * cos + rotate_half(x) * sin
@@ -226,8 +232,8 @@ class CausalLM(nn.Module):
         seq_len = tokens.shape[1]
         positions = input_pos[0] + torch.arange(seq_len, dtype=torch.int64)
         h = self.model.embed_tokens(tokens)
-        cos = self.rope_cos[positions].to(h.dtype)
-        sin = self.rope_sin[positions].to(h.dtype)
+        cos = self.rope_cos[positions].to(h.dtype).unsqueeze(1)  # [T, 1, rot_dim]: broadcasts over heads
+        sin = self.rope_sin[positions].to(h.dtype).unsqueeze(1)
         # Additive causal mask over the whole cache: query at position p sees cache slots <= p.
         visible = self.cache_positions[None, :] <= positions[:, None]
         mask = torch.where(visible, 0.0, float("-inf")).to(h.dtype)

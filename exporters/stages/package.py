@@ -12,6 +12,7 @@ from typing import Any
 from exporters.artifacts import ExportResult, ValidatedProgram
 from exporters.errors import ValidationFailed
 from exporters.pipeline import Stage
+from exporters.pte_contents import storage_breakdown
 from exporters.stages.emit import write_atomically
 
 PACKAGES = ("torch", "executorch", "torchao", "transformers", "hydra-core", "tokenizers", "safetensors")
@@ -54,7 +55,8 @@ class PackageStage(Stage):
                 copied.append(src.name)
         manifest = {
             "status": "ok" if ok else "failed validation",
-            "program": {"file": pte.name, "size_bytes": emitted.size_bytes, "sha256": emitted.sha256},
+            "program": {"file": pte.name, "size_bytes": emitted.size_bytes, "sha256": emitted.sha256,
+                        "storage": storage_breakdown(pte.read_bytes())},
             "methods": {
                 name: {**emitted.signatures[name], "dynamic_tokens": spec.dynamic,
                        "tokens": [spec.min_tokens, spec.max_tokens],

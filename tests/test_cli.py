@@ -1,0 +1,52 @@
+"""The command line as a user runs it: a subprocess of ``python -m exporters.llm``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "exporters.llm", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_export_writes_program_manifest_and_log_into_the_run_folder(tmp_path: Path) -> None:
+    proc = run_cli("backend=portable", "validation.decode_steps=3", f"hydra.run.dir={tmp_path}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for stage in ("load", "quantize", "capture", "lower", "emit", "validate", "package"):
+        assert f"{stage} done" in out
+    assert "exported" in out and "validation: passed" in out and "methods: prefill, decode" in out
+    assert (tmp_path / "model.pte").stat().st_size > 0
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["status"] == "ok" and manifest["validation"]["decode_steps"] == 3
+    assert "validate done" in (tmp_path / "llm.log").read_text()
+    assert (tmp_path / ".hydra" / "config.yaml").exists()
+
+
+def test_user_mistake_is_one_message_without_traceback(tmp_path: Path) -> None:
+    proc = run_cli("model=llama", f"hydra.run.dir={tmp_path}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2
+    assert "model=llama needs a checkpoint" in out and "model.checkpoint=" in out
+    assert "Traceback" not in out
+    assert not list(tmp_path.glob("*.pte"))
+
+
+def test_config_typo_names_the_field_without_traceback() -> None:
+    proc = run_cli("quant.grup_size=64")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "grup_size" in out and "Traceback" not in out
+
+
+def test_help_lists_groups_and_options() -> None:
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    assert "backend: portable, xnnpack" in proc.stdout
+    assert "model: llama, tiny" in proc.stdout
+    assert "quant: 8da4w, fp32" in proc.stdout
