@@ -30,10 +30,11 @@ def build_stages(cfg: ExportConfig, output_dir: Path, resolved: dict[str, Any], 
     return [
         LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir),
         QuantizeStage(cfg.quant),
-        CaptureStage(ex.methods, ex.max_seq_len, cfg.backend.dynamic_shapes, ex.prefill_chunk),
+        CaptureStage(ex.methods, ex.max_seq_len, cfg.backend.dynamic_shapes, ex.prefill_chunk,
+                     keep_reference=cfg.validate and not cfg.backend.runs_here),
         LowerStage(cfg.backend, ex.max_seq_len),
         EmitStage(output_dir / ex.output_name),
-        ValidateStage(cfg.validation, cfg.quant, enabled=cfg.validate),
+        ValidateStage(cfg.validation, cfg.quant, enabled=cfg.validate, runs_here=cfg.backend.runs_here),
         PackageStage(resolved, timings),
     ]
 

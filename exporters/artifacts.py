@@ -39,8 +39,7 @@ class QuantizedModel:
         return self.loaded.model
 
     def summary(self) -> str:
-        q = self.quantization
-        return "no quantization" if q.linear_scheme is None else f"{q.linear_scheme} on {len(q.layers)} linear layers"
+        return self.quantization.describe()
 
 
 @dataclass
@@ -49,6 +48,7 @@ class CapturedMethods:
     specs: dict[str, MethodSpec]
     programs: dict[str, Any]  # method name -> torch.export.ExportedProgram
     signatures: dict[str, dict[str, Any]]
+    reference_programs: dict[str, Any] | None = None  # untouched copies, for hosts that cannot run the delegate
 
     def summary(self) -> str:
         return ", ".join(f"{n}{'(dynamic)' if s.dynamic else ''}" for n, s in self.specs.items())
@@ -76,6 +76,7 @@ class EmittedProgram:
     final_path: Path
     size_bytes: int
     sha256: str
+    reference_programs: dict[str, Any] | None = None
 
     def summary(self) -> str:
         return f"{self.size_bytes / 1e6:.2f} MB"
@@ -91,10 +92,14 @@ class ValidationReport:
     token_agreement: float
     per_step: list[dict[str, Any]] = field(default_factory=list)
     tolerance: dict[str, float] = field(default_factory=dict)
+    # What was compared with the eager model: the .pte in the ExecuTorch runtime, or (for a delegate
+    # this host cannot run) the captured programs before delegation.
+    checked: str = "runtime"
 
     def describe(self) -> str:
         verdict = "passed" if self.passed else "FAILED"
-        return (f"{verdict}: prompt {self.prompt_tokens} tokens + {self.decode_steps} decode steps, "
+        where = "" if self.checked == "runtime" else " [captured programs only: the delegate cannot run on this host]"
+        return (f"{verdict}{where}: prompt {self.prompt_tokens} tokens + {self.decode_steps} decode steps, "
                 f"max abs err {self.max_abs_error:.3g}, max rel err {self.max_rel_error:.3g} "
                 f"(limit {self.tolerance.get('max_rel_error')}), greedy agreement {self.token_agreement:.0%}")
 

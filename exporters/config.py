@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -52,10 +52,18 @@ class ModelConfig:
 @dataclass
 class QuantConfig:
     name: str = MISSING
-    # Linear-layer scheme (a key of exporters.quantization.LINEAR_SCHEMES), or null for none.
+    # Dtype of weights and activations left in floating point: fp32, fp16 or bf16.
+    dtype: str = "fp32"
+    # Scheme of the linear layers (a key of exporters.quantization.LINEAR_SCHEMES), or null for none.
     linear: Optional[str] = None
     # Elements per quantization group along the input dimension; 0 = one scale per output channel.
     group_size: int = 32
+    # The output projection may use its own scheme; by default it follows the linear layers.
+    lm_head: Optional[str] = "${.linear}"
+    lm_head_group_size: int = "${.group_size}"  # type: ignore[assignment]
+    # Scheme of the token embedding (a key of exporters.quantization.EMBEDDING_SCHEMES), or null.
+    embedding: Optional[str] = None
+    embedding_group_size: int = 32
     # Largest allowed |runtime - eager| / max|eager| over validated logits, and the share of
     # validated steps whose greedy token must agree.
     max_rel_error: float = 1e-4
@@ -65,12 +73,18 @@ class QuantConfig:
 @dataclass
 class BackendConfig:
     name: str = MISSING
-    # Key of exporters.backends.PARTITIONERS.
+    # Key of exporters.backends.PARTITIONERS; `options` are passed to it.
     partitioner: str = MISSING
+    options: Dict[str, Any] = field(default_factory=dict)
     # Whether prefill/forward get a dynamic token dimension (else a fixed export.prefill_chunk).
     dynamic_shapes: bool = True
-    # Linear quant schemes this backend can execute (null = no linear quantization).
+    # Whether this machine's ExecuTorch runtime can execute the delegate (else validation runs the
+    # captured programs before delegation, and the manifest says so).
+    runs_here: bool = True
+    # What the backend's kernels can execute; anything else is refused at config time.
+    supported_dtypes: List[str] = field(default_factory=lambda: ["fp32"])
     supported_linear: List[Optional[str]] = field(default_factory=lambda: [None])
+    supported_embedding: List[Optional[str]] = field(default_factory=lambda: [None])
 
 
 @dataclass
@@ -110,46 +124,64 @@ def register_configs() -> None:
 register_configs()
 
 
+def _names(values: Any) -> str:
+    return ", ".join("none" if v is None else str(v) for v in values)
+
+
 def check_config(cfg: ExportConfig | DictConfig) -> None:
     """Rules that span fields or groups; each failure says what is allowed instead."""
     from exporters.backends import PARTITIONERS
     from exporters.methods import METHOD_KINDS
-    from exporters.quantization import LINEAR_SCHEMES
+    from exporters.quantization import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES
     from models.sources import SOURCES
 
     def one_of(what: str, value: Any, allowed: Any, fix: str) -> None:
         if value not in allowed:
-            raise UserError(f"{what}={value!r} is not known. Allowed: {', '.join(map(str, allowed))}. {fix}")
+            raise UserError(f"{what}={value!r} is not known. Allowed: {_names(allowed)}. {fix}")
 
+    q, b, ex = cfg.quant, cfg.backend, cfg.export
     one_of("model.source", cfg.model.source, sorted(SOURCES), "Fix the model option file.")
-    one_of("backend.partitioner", cfg.backend.partitioner, sorted(PARTITIONERS), "Fix the backend option file.")
-    if cfg.quant.linear is not None:
-        one_of("quant.linear", cfg.quant.linear, sorted(LINEAR_SCHEMES), "Pick another quant option.")
-    for method in cfg.export.methods:
+    one_of("backend.partitioner", b.partitioner, sorted(PARTITIONERS), "Fix the backend option file.")
+    one_of("quant.dtype", q.dtype, list(DTYPES), "Pick another quant option or override quant.dtype.")
+    for role, value, table in (("linear", q.linear, LINEAR_SCHEMES), ("lm_head", q.lm_head, LINEAR_SCHEMES),
+                               ("embedding", q.embedding, EMBEDDING_SCHEMES)):
+        if value is not None:
+            one_of(f"quant.{role}", value, [None, *sorted(table)], f"Set quant.{role} to one of those.")
+    for method in ex.methods:
         one_of("export.methods entry", method, sorted(METHOD_KINDS), "Fix export.methods.")
-    if not cfg.export.methods:
+    if not ex.methods:
         raise UserError("export.methods is empty: give at least one of " + ", ".join(sorted(METHOD_KINDS)) + ".")
-    if cfg.export.max_seq_len < 2:
-        raise UserError(f"export.max_seq_len={cfg.export.max_seq_len} is too small: use 2 or more.")
-    if not 0 <= cfg.validation.decode_steps < cfg.export.max_seq_len - 1:
+    if ex.max_seq_len < 2:
+        raise UserError(f"export.max_seq_len={ex.max_seq_len} is too small: use 2 or more.")
+    if not 0 <= cfg.validation.decode_steps < ex.max_seq_len - 1:
         raise UserError(
             f"validation.decode_steps={cfg.validation.decode_steps} must be between 0 and export.max_seq_len - 2 "
-            f"({cfg.export.max_seq_len - 2}) so the prompt and the steps fit in the context."
+            f"({ex.max_seq_len - 2}) so the prompt and the steps fit in the context."
         )
-    if cfg.quant.group_size < 0:
-        raise UserError(f"quant.group_size={cfg.quant.group_size}: use 0 (per channel) or a positive group size.")
-    if cfg.quant.linear not in cfg.backend.supported_linear:
-        pairs = ", ".join("none" if s is None else s for s in cfg.backend.supported_linear)
+    for name in ("group_size", "lm_head_group_size", "embedding_group_size"):
+        if getattr(q, name) < 0:
+            raise UserError(f"quant.{name}={getattr(q, name)}: use 0 (per channel) or a positive group size.")
+    check_backend_supports(cfg)
+    if not b.dynamic_shapes and not (1 <= ex.prefill_chunk < ex.max_seq_len):
         raise UserError(
-            f"quant={cfg.quant.name} (linear scheme {cfg.quant.linear}) cannot run on backend={cfg.backend.name}: "
-            f"that backend has no kernels for it. Linear schemes backend={cfg.backend.name} supports: {pairs}. "
-            "Pick another quant or backend (e.g. backend=xnnpack quant=8da4w)."
+            f"export.prefill_chunk={ex.prefill_chunk} must be between 1 and export.max_seq_len - 1 "
+            f"({ex.max_seq_len - 1})."
         )
-    if not cfg.backend.dynamic_shapes and not (1 <= cfg.export.prefill_chunk < cfg.export.max_seq_len):
-        raise UserError(
-            f"export.prefill_chunk={cfg.export.prefill_chunk} must be between 1 and export.max_seq_len - 1 "
-            f"({cfg.export.max_seq_len - 1})."
-        )
+
+
+def check_backend_supports(cfg: ExportConfig | DictConfig) -> None:
+    """Refuse a quant/backend pair the backend's kernels cannot execute, listing what would work."""
+    q, b = cfg.quant, cfg.backend
+    wanted = (("dtype", q.dtype, b.supported_dtypes), ("linear", q.linear, b.supported_linear),
+              ("lm_head", q.lm_head, b.supported_linear), ("embedding", q.embedding, b.supported_embedding))
+    for role, value, supported in wanted:
+        if value not in supported:
+            raise UserError(
+                f"quant={q.name} asks for {role} {value or 'none'}, which backend={b.name} cannot run. "
+                f"backend={b.name} supports dtypes {_names(b.supported_dtypes)}; linear/lm_head schemes "
+                f"{_names(b.supported_linear)}; embedding schemes {_names(b.supported_embedding)}. "
+                f"Pick another quant or backend, or override quant.{role}."
+            )
 
 
 def to_typed(cfg: DictConfig) -> ExportConfig:

@@ -26,7 +26,8 @@ def main(cfg: DictConfig) -> None:
     m = result.manifest
     validation = m["validation"]
     verdict = "skipped (validate=false)" if validation is None else (
-        f"passed (max rel err {validation['max_rel_error']:.2g}, greedy agreement {validation['token_agreement']:.0%})")
+        f"passed (max rel err {validation['max_rel_error']:.2g}, greedy agreement {validation['token_agreement']:.0%})"
+        + ("" if validation["checked"] == "runtime" else f"; checked on {validation['checked']}"))
     log.info(
         "exported %s\n  size: %.2f MB  sha256: %s\n  methods: %s\n  constants: %s\n  validation: %s\n  manifest: %s",
         result.pte_path, m["program"]["size_bytes"] / 1e6, m["program"]["sha256"][:16],

@@ -39,3 +39,31 @@ class LoadedProgram:
         """Value of a constant method (a list for list-valued ones such as ``get_eos_ids``)."""
         values = [v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in self.run(method)]
         return values[0] if len(values) == 1 else values
+
+
+class CapturedPrograms:
+    """Runs captured (not yet delegated) programs eagerly, for backends this host cannot execute.
+
+    Each method's ``ExportedProgram.module()`` holds its own copy of the KV-cache buffers, so the cache
+    is carried from method to method by hand, as the runtime's shared mutable buffers would.
+    """
+
+    def __init__(self, programs: dict[str, Any], cache_buffers: list[str]) -> None:
+        self._modules = {name: ep.module() for name, ep in programs.items()}
+        self._cache_buffers = cache_buffers
+        self._state: dict[str, torch.Tensor] | None = None
+
+    @property
+    def method_names(self) -> set[str]:
+        return set(self._modules)
+
+    def run(self, method: str, *inputs: torch.Tensor) -> list[Any]:
+        module = self._modules[method]
+        with torch.no_grad():
+            if self._state is None:  # first call: every method starts from an empty cache
+                self._state = {n: torch.zeros_like(module.get_buffer(n)) for n in self._cache_buffers}
+            for name, value in self._state.items():
+                module.get_buffer(name).copy_(value)
+            out = module(*inputs)
+            self._state = {n: module.get_buffer(n).clone() for n in self._cache_buffers}
+        return [out]

@@ -46,3 +46,16 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., ExportRe
         return cache[key]
 
     return get
+
+
+def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
+    """Rebuild, independently of the pipeline, the eager model an export must match (same quantization)."""
+    from exporters.quantization import quantize_model
+    from models.checkpoint import build_model, open_checkpoint
+
+    cfg = result.manifest["config"]
+    q = cfg["quant"]
+    model = build_model(open_checkpoint(result.pte_path.parent / "checkpoint"), cfg["export"]["max_seq_len"])
+    quantize_model(model, q["dtype"], q["linear"], q["group_size"], q["lm_head"], q["lm_head_group_size"],
+                   q["embedding"], q["embedding_group_size"])
+    return model

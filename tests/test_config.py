@@ -15,13 +15,14 @@ GROUPS = {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for g
 
 def test_groups_have_the_required_options() -> None:
     assert {"tiny", "llama"} <= set(GROUPS["model"])
-    assert {"fp32", "8da4w"} <= set(GROUPS["quant"])
-    assert {"portable", "xnnpack"} <= set(GROUPS["backend"])
+    assert {"fp32", "fp16", "bf16", "8da4w", "8da8w"} <= set(GROUPS["quant"])
+    assert {"portable", "xnnpack", "coreml", "vulkan"} <= set(GROUPS["backend"])
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_against_the_schema(group: str, option: str) -> None:
-    cfg = compose_config(f"{group}={option}", *(["backend=xnnpack"] if group == "quant" else []))
+    backend = "backend=coreml" if option in ("4w", "8w") else "backend=xnnpack"
+    cfg = compose_config(f"{group}={option}", *([backend] if group == "quant" else []))
     assert getattr(cfg, group).name == option, "each option file names itself"
     typed = to_typed(cfg)
     assert isinstance(typed, ExportConfig)
@@ -78,7 +79,26 @@ def test_pair_that_cannot_run_is_refused_with_the_working_pairs() -> None:
     with pytest.raises(UserError) as err:
         to_typed(compose_config("backend=portable", "quant=8da4w"))
     msg = str(err.value)
-    assert "backend=portable" in msg and "supports: none" in msg and "backend=xnnpack quant=8da4w" in msg
+    assert "quant=8da4w asks for linear 8da4w, which backend=portable cannot run" in msg
+    assert "linear/lm_head schemes none;" in msg and "embedding schemes none, 4w, 8w" in msg
+
+
+@pytest.mark.parametrize("overrides,role", [
+    (("backend=vulkan", "quant=fp16"), "dtype fp16"),
+    (("backend=xnnpack", "quant=fp32", "quant.lm_head=4w"), "lm_head 4w"),
+    (("backend=vulkan", "quant.embedding=4w"), "embedding 4w"),
+])
+def test_each_part_of_a_quant_scheme_is_checked_against_the_backend(overrides, role) -> None:
+    with pytest.raises(UserError, match=role):
+        to_typed(compose_config(*overrides))
+
+
+def test_lm_head_follows_linear_unless_overridden() -> None:
+    cfg = to_typed(compose_config("quant=8da4w"))
+    assert (cfg.quant.lm_head, cfg.quant.lm_head_group_size) == ("8da4w", 32)
+    cfg = to_typed(compose_config("quant=8da4w", "quant.lm_head=8da8w", "quant.lm_head_group_size=0"))
+    assert (cfg.quant.lm_head, cfg.quant.lm_head_group_size) == ("8da8w", 0)
+    assert to_typed(compose_config("quant=8da4w", "quant.lm_head=null")).quant.lm_head is None
 
 
 @pytest.mark.parametrize("override,named", [

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from exporters.artifacts import ExportResult
-from exporters.quantization import quantize_linears
 from exporters.runtime import LoadedProgram
 from models.checkpoint import build_model, open_checkpoint
+from tests.conftest import eager_model_of
 
 PAIRS = [("portable", "fp32"), ("xnnpack", "fp32"), ("xnnpack", "8da4w")]
 CONSTANTS = {"get_max_seq_len", "get_max_context_len", "get_vocab_size", "get_bos_id", "get_eos_ids",
@@ -35,9 +35,7 @@ def eager_reference(result: ExportResult, quant: str):  # type: ignore[no-untype
 
         ref = LlamaForCausalLM.from_pretrained(str(ckpt_dir), torch_dtype=torch.float32).eval()
         return lambda tokens: ref(tokens).logits[0]
-    cfg = result.manifest["config"]
-    model = build_model(open_checkpoint(ckpt_dir), cfg["export"]["max_seq_len"])
-    quantize_linears(model, cfg["quant"]["linear"], cfg["quant"]["group_size"])
+    model = eager_model_of(result)
 
     def full_sequence(tokens: torch.Tensor) -> torch.Tensor:
         model.reset_cache()
@@ -113,8 +111,9 @@ def test_manifest_records_the_export(exported, backend: str, quant: str) -> None
     assert m["config"]["backend"]["name"] == backend and m["config"]["quant"]["name"] == quant
     assert m["versions"]["executorch"] == "1.4.1"
     if quant == "8da4w":
-        assert m["quantization"]["torchao_config"] == "Int8DynamicActivationIntxWeightConfig"
-        assert "lm_head" in m["quantization"]["layers"]
+        assert m["quantization"]["linear"]["torchao_config"] == "Int8DynamicActivationIntxWeightConfig"
+        assert m["quantization"]["lm_head"]["layers"] == ["lm_head"]
+        assert m["quantization"]["untied_embeddings"]
     for name in ("tokenizer.json", "generation_config.json"):
         assert (result.pte_path.parent / name).exists()
 

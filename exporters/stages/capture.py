@@ -37,8 +37,12 @@ def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens
 class CaptureStage(Stage):
     name = "capture"
 
-    def __init__(self, methods: list[str], max_seq_len: int, dynamic_shapes: bool, prefill_chunk: int) -> None:
+    def __init__(self, methods: list[str], max_seq_len: int, dynamic_shapes: bool, prefill_chunk: int,
+                 keep_reference: bool = False) -> None:
         self.methods = methods
+        # Backends this host cannot run are validated on a second, untouched capture (lowering
+        # rewrites the programs it is given).
+        self.keep_reference = keep_reference
         self.max_seq_len = max_seq_len
         self.dynamic_shapes = dynamic_shapes
         self.prefill_chunk = prefill_chunk
@@ -46,15 +50,18 @@ class CaptureStage(Stage):
     def run(self, quantized: QuantizedModel) -> CapturedMethods:
         specs = method_specs(self.methods, self.max_seq_len, self.dynamic_shapes, self.prefill_chunk)
         model = quantized.model
-        programs = {}
-        with torch.no_grad():
-            for name, spec in specs.items():
-                programs[name] = torch.export.export(
-                    model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, strict=False
-                )
+
+        def capture_all() -> dict[str, torch.export.ExportedProgram]:
+            with torch.no_grad():
+                return {name: torch.export.export(model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes,
+                                                  strict=False)
+                        for name, spec in specs.items()}
+
+        programs = capture_all()
         return CapturedMethods(
             quantized=quantized,
             specs=specs,
             programs=programs,
             signatures={name: signature(p) for name, p in programs.items()},
+            reference_programs=capture_all() if self.keep_reference else None,
         )

@@ -65,4 +65,5 @@ class EmitStage(Stage):
             final_path=self.final_path,
             size_bytes=len(data),
             sha256=hashlib.sha256(data).hexdigest(),
+            reference_programs=captured.reference_programs,
         )

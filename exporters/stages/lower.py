@@ -57,7 +57,7 @@ class LowerStage(Stage):
         constants = constant_methods(captured, self.max_seq_len, self.cfg.dynamic_shapes)
         edge = to_edge_transform_and_lower(
             captured.programs,
-            partitioner=partitioners(self.cfg.partitioner),
+            partitioner=partitioners(self.cfg.partitioner, self.cfg.options),
             constant_methods=constants,
             # torchao's quantized ops are not core ATen; the backend consumes them.
             compile_config=EdgeCompileConfig(_check_ir_validity=False),

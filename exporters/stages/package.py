@@ -68,7 +68,7 @@ class PackageStage(Stage):
                       "parameters": sum(p.numel() for p in emitted.quantized.model.parameters())},
             "quantization": emitted.quantized.quantization.as_dict(),
             "validation": None if report is None else {
-                "passed": report.passed, "prompt_tokens": report.prompt_tokens, "decode_steps": report.decode_steps,
+                "passed": report.passed, "checked": report.checked, "prompt_tokens": report.prompt_tokens, "decode_steps": report.decode_steps,
                 "max_abs_error": report.max_abs_error, "max_rel_error": report.max_rel_error,
                 "token_agreement": report.token_agreement, "tolerance": report.tolerance, "per_step": report.per_step,
             },

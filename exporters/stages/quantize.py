@@ -1,11 +1,11 @@
-"""Quantize: torchao source transforms on the eager model, before capture."""
+"""Quantize: dtype cast and torchao source transforms on the eager model, before capture."""
 
 from __future__ import annotations
 
 from exporters.artifacts import LoadedModel, QuantizedModel
 from exporters.config import QuantConfig
 from exporters.pipeline import Stage
-from exporters.quantization import quantize_linears
+from exporters.quantization import quantize_model
 
 
 class QuantizeStage(Stage):
@@ -15,5 +15,7 @@ class QuantizeStage(Stage):
         self.cfg = quant_cfg
 
     def run(self, loaded: LoadedModel) -> QuantizedModel:
-        applied = quantize_linears(loaded.model, self.cfg.linear, self.cfg.group_size)
+        c = self.cfg
+        applied = quantize_model(loaded.model, c.dtype, c.linear, c.group_size, c.lm_head, c.lm_head_group_size,
+                                 c.embedding, c.embedding_group_size)
         return QuantizedModel(loaded=loaded, quantization=applied)

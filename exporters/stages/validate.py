@@ -15,7 +15,7 @@ from exporters.artifacts import EmittedProgram, ValidatedProgram, ValidationRepo
 from exporters.config import QuantConfig, ValidationConfig
 from exporters.methods import MethodSpec
 from exporters.pipeline import Stage
-from exporters.runtime import LoadedProgram
+from exporters.runtime import CapturedPrograms, LoadedProgram
 
 
 def prompt_tokens(emitted: EmittedProgram, prompt: str, limit: int) -> torch.Tensor:
@@ -60,8 +60,10 @@ def _compare(step: str, got: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
 class ValidateStage(Stage):
     name = "validate"
 
-    def __init__(self, validation_cfg: ValidationConfig, quant_cfg: QuantConfig, enabled: bool) -> None:
+    def __init__(self, validation_cfg: ValidationConfig, quant_cfg: QuantConfig, enabled: bool,
+                 runs_here: bool = True) -> None:
         self.cfg = validation_cfg
+        self.runs_here = runs_here
         self.tolerance = {"max_rel_error": quant_cfg.max_rel_error, "min_token_agreement": quant_cfg.min_token_agreement}
         self.enabled = enabled
 
@@ -80,7 +82,11 @@ class ValidateStage(Stage):
         chunks = prompt_chunks(prompt_tokens(emitted, self.cfg.prompt, max_seq_len - steps - 1), specs[prompt_method])
 
         model = emitted.quantized.model
-        program = LoadedProgram(emitted.path)
+        if self.runs_here:
+            program: LoadedProgram | CapturedPrograms = LoadedProgram(emitted.path)
+        else:
+            assert emitted.reference_programs is not None, "capture keeps reference programs for such backends"
+            program = CapturedPrograms(emitted.reference_programs, model.kv_cache_buffers())
         model.reset_cache()
         records = []
         position = 0
@@ -111,4 +117,5 @@ class ValidateStage(Stage):
             token_agreement=agreement,
             per_step=records,
             tolerance=self.tolerance,
+            checked="runtime" if self.runs_here else "captured programs (delegate cannot run on this host)",
         )
