@@ -92,7 +92,7 @@ class ExportSection:
     # Longest sequence (prompt + generated) the program accepts; also the KV-cache length.
     max_seq_len: int = 128
     # Methods to capture, each a key of exporters.methods.METHOD_KINDS.
-    methods: List[str] = field(default_factory=lambda: ["prefill", "decode"])
+    methods: List[str] = field(default_factory=lambda: ["prefill", "decode", "forward"])
     # Token count of prefill on static-shape backends.
     prefill_chunk: int = 32
     output_name: str = "model.pte"

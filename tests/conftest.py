@@ -6,7 +6,6 @@ exported once per session and shared by every test that reads it.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Callable
 
@@ -19,7 +18,7 @@ from exporters.artifacts import ExportResult
 from exporters.config import CONF_DIR
 from models.tiny import write_tiny_checkpoint
 
-logging.getLogger("torchao").setLevel(logging.ERROR)
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def compose_config(*overrides: str) -> DictConfig:

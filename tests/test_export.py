@@ -48,7 +48,8 @@ def eager_reference(result: ExportResult, quant: str):  # type: ignore[no-untype
 def test_program_has_methods_and_constants(exported, backend: str, quant: str) -> None:
     result = export_pair(exported, backend, quant)
     program = LoadedProgram(result.pte_path)
-    assert program.method_names == {"prefill", "decode"} | CONSTANTS | {"get_prefill_max_tokens", "get_decode_max_tokens"}
+    methods = {"prefill", "decode", "forward"}
+    assert program.method_names == methods | CONSTANTS | {f"get_{m}_max_tokens" for m in methods}
     expected = {
         "get_max_seq_len": 128, "get_max_context_len": 128, "get_vocab_size": 384, "get_bos_id": 1,
         "get_n_layers": 2, "use_kv_cache": True, "enable_dynamic_shape": True,
@@ -120,7 +121,7 @@ def test_manifest_records_the_export(exported, backend: str, quant: str) -> None
 
 def test_second_method_stores_no_second_copy_of_the_weights(exported) -> None:
     """XNNPACK keys weights by content across methods: adding prefill adds graph bytes, no weight bytes."""
-    both = exported("backend=xnnpack", "quant=fp32")
+    both = exported("backend=xnnpack", "quant=fp32", "export.methods=[prefill,decode]")
     one = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]")
     s2, s1 = both.manifest["program"]["storage"], one.manifest["program"]["storage"]
     assert s1["named_data_entries"] == 15, "14 layer linears + lm_head, each its own entry"

@@ -22,7 +22,8 @@ RUNNABLE = [
 
 
 def _export(exported, backend: str, quant: str, *extra: str):  # type: ignore[no-untyped-def]
-    return exported(f"backend={backend}", f"quant={quant}", f"validation.decode_steps={DECODE_STEPS}", *extra)
+    return exported(f"backend={backend}", f"quant={quant}", f"validation.decode_steps={DECODE_STEPS}",
+                    "export.methods=[prefill,decode]", *extra)
 
 
 @pytest.mark.parametrize("pair", RUNNABLE, ids=["-".join(p) for p in RUNNABLE])
@@ -84,7 +85,7 @@ def test_unquantized_tied_embedding_is_stored_once_on_portable(exported) -> None
 
 @pytest.mark.parametrize("backend", ["coreml", "vulkan"])
 def test_static_shape_backends_lower_and_their_captured_programs_validate(exported, backend: str) -> None:
-    result = exported(f"backend={backend}", "export.prefill_chunk=16")
+    result = exported(f"backend={backend}", "export.prefill_chunk=16", "export.methods=[prefill,decode]")
     m = result.manifest
     assert set(m["methods"]) == {"prefill", "decode"}
     assert m["methods"]["prefill"]["inputs"][0]["shape"] == [1, 16] and not m["methods"]["prefill"]["dynamic_tokens"]
@@ -95,7 +96,7 @@ def test_static_shape_backends_lower_and_their_captured_programs_validate(export
 
 
 def test_coreml_shares_weights_between_methods(exported) -> None:
-    both = exported("backend=coreml", "export.prefill_chunk=16")
+    both = exported("backend=coreml", "export.prefill_chunk=16", "export.methods=[prefill,decode]")
     one = exported("backend=coreml", "export.prefill_chunk=16", "export.methods=[decode]")
     ratio = both.manifest["program"]["size_bytes"] / one.manifest["program"]["size_bytes"]
     assert ratio <= 1.02, f"Core ML two methods / one method = {ratio:.3f}"

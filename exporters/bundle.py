@@ -1,0 +1,154 @@
+"""Release bundles: a directory and a ``.tar.gz`` an app team can ship, with every file's sha256.
+
+The archive is deterministic (sorted entries, fixed mtime/owner, gzip without timestamp): packaging
+the same export twice gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+from typing import Any
+
+from exporters.errors import UserError
+
+BUNDLED = ("model.pte", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json")
+MANIFEST = "manifest.json"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _readme(name: str, m: dict[str, Any]) -> str:
+    cfg = m["config"]
+    rows = "\n".join(
+        f"| `{method}` | " + ", ".join(f"`{i['name']}`: {i['dtype']}{i['shape']}" for i in sig["inputs"])
+        + " | " + ", ".join(f"{o['dtype']}{o['shape']}" for o in sig["outputs"]) + " |"
+        for method, sig in m["methods"].items()
+    )
+    constants = "\n".join(f"| `{k}` | `{v}` |" for k, v in m["constant_methods"].items())
+    v = m.get("validation") or {}
+    return f"""# {name}
+
+ExecuTorch program exported by llm-exporters: model `{cfg['model']['name']}`, quantization
+`{cfg['quant']['name']}`, backend `{cfg['backend']['name']}`, context {cfg['export']['max_seq_len']} tokens.
+
+## Load it
+
+```python
+from executorch.runtime import Runtime
+program = Runtime.get().load_program("model.pte")
+prefill = program.load_method("prefill")   # tokens int64[1, T], input_pos int64[1] -> logits[1, vocab]
+decode = program.load_method("decode")     # tokens int64[1, 1], input_pos int64[1] -> logits[1, vocab]
+```
+
+All methods share one KV cache: call `prefill` on the prompt at position 0, then `decode` with each
+new token at the next position. With a `forward` method the program also runs unchanged in
+ExecuTorch's stock runner (`executorch.extension.llm.runner.TextLLMRunner("model.pte", "tokenizer.json")`).
+In C++, load it with `executorch::extension::Module` and the same method names.
+
+## Methods
+
+| method | inputs | outputs |
+|---|---|---|
+{rows}
+
+## Constant methods
+
+| method | value |
+|---|---|
+{constants}
+
+## Validation
+
+Run in the ExecuTorch runtime ({v.get('checked', 'not run')}) against the eager model: max relative
+logit error {v.get('max_rel_error', 'n/a')}, greedy agreement {v.get('token_agreement', 'n/a')} over
+{v.get('decode_steps', 'n/a')} decode steps.
+
+Every file's sha256 is in `manifest.json`; check them with `python -m exporters.package --verify <this folder>`.
+"""
+
+
+def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
+    """Write ``<out>/<name>/`` and ``<out>/<name>.tar.gz`` from a finished run folder."""
+    manifest_file = run_dir / MANIFEST
+    if not manifest_file.is_file() or not (run_dir / "model.pte").is_file():
+        raise UserError(f"{run_dir}: not a finished export (needs model.pte and manifest.json).")
+    m = json.loads(manifest_file.read_text())
+    if m.get("status") != "ok":
+        raise UserError(f"{run_dir}: the export's status is {m.get('status')!r}; only validated exports are packaged.")
+    cfg = m["config"]
+    name = f"{cfg['model']['name']}-{cfg['quant']['name']}-{cfg['backend']['name']}-{m['program']['sha256'][:12]}"
+    out = out or run_dir / "release"
+    bundle = out / name
+    if bundle.exists():
+        shutil.rmtree(bundle)
+    bundle.mkdir(parents=True)
+    for file in BUNDLED:
+        if (run_dir / file).is_file():
+            shutil.copy2(run_dir / file, bundle / file)
+    (bundle / "README.md").write_text(_readme(name, m))
+    files = {p.name: {"sha256": sha256_of(p), "size_bytes": p.stat().st_size} for p in sorted(bundle.iterdir())}
+    if files["model.pte"]["sha256"] != m["program"]["sha256"]:
+        raise UserError(f"{run_dir / 'model.pte'} no longer matches the sha256 its manifest recorded.")
+    bundle_manifest = {
+        "bundle": name,
+        "model": {**m["model"], "id": cfg["model"].get("checkpoint") or cfg["model"]["name"], "family":
+                  (m["model"].get("architecture") or ["unknown"])[0]},
+        "quant": m["quantization"], "backend": cfg["backend"]["name"],
+        "methods": m["methods"], "constant_methods": m["constant_methods"],
+        "validation": {k: v for k, v in (m.get("validation") or {}).items() if k != "per_step"},
+        "versions": m["versions"], "config": cfg, "files": files,
+    }
+    (bundle / MANIFEST).write_text(json.dumps(bundle_manifest, indent=2) + "\n")
+    archive = out / f"{name}.tar.gz"
+    archive.write_bytes(_deterministic_tar_gz(bundle))
+    return bundle, archive
+
+
+def _deterministic_tar_gz(folder: Path) -> bytes:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(folder.iterdir()):
+            info = tar.gettarinfo(str(path), arcname=f"{folder.name}/{path.name}")
+            info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
+            with open(path, "rb") as fh:
+                tar.addfile(info, fh)
+    return gzip.compress(raw.getvalue(), mtime=0)
+
+
+def verify_bundle(path: Path) -> list[str]:
+    """Problems found in a bundle folder or archive (empty when every file matches its sha256)."""
+    if path.is_file() and path.name.endswith(".tar.gz"):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp, tarfile.open(path) as tar:
+            tar.extractall(tmp, filter="data")
+            folders = [p for p in Path(tmp).iterdir() if p.is_dir()]
+            if len(folders) != 1:
+                return [f"{path}: expected one bundle folder inside, found {len(folders)}"]
+            return verify_bundle(folders[0])
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        return [f"{path}: no {MANIFEST}; not a bundle made by `python -m exporters.package`"]
+    files = json.loads(manifest_file.read_text())["files"]
+    problems = []
+    for name, expected in files.items():
+        f = path / name
+        if not f.is_file():
+            problems.append(f"missing: {name}")
+        elif (actual := sha256_of(f)) != expected["sha256"]:
+            problems.append(f"changed: {name} (sha256 {actual[:16]}..., manifest says {expected['sha256'][:16]}...)")
+    extra = sorted(p.name for p in path.iterdir() if p.name not in files and p.name != MANIFEST)
+    problems += [f"not in the manifest: {name}" for name in extra]
+    return problems

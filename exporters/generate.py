@@ -1,0 +1,73 @@
+"""``python -m exporters.generate <run folder or .pte> prompt="..." [key=value ...]``
+
+Same ``key=value`` style as the exporter; the keys are checked against :class:`GenerateArgs`, so a
+typo or a wrong type is an error naming the key.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from exporters.errors import REPORTED_ERRORS, UserError
+from exporters.generation import Generator, SamplingConfig, chat_prompt
+
+USAGE = """usage: python -m exporters.generate <run folder or .pte> prompt="..." [key=value ...]
+
+keys: prompt (required), max_new_tokens=128, temperature=0.0 (greedy), top_p=1.0, seed=0,
+      chat=false (apply tokenizer_config.json's chat template), tokenizer=<tokenizer.json>
+"""
+
+
+@dataclass
+class GenerateArgs:
+    prompt: str = "???"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    chat: bool = False
+    tokenizer: Optional[str] = None
+
+
+def parse(argv: list[str]) -> tuple[str, GenerateArgs]:
+    if not argv or argv[0] in ("-h", "--help") or "=" in argv[0]:
+        raise UserError(USAGE)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(GenerateArgs), OmegaConf.from_dotlist(argv[1:]))
+        args = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise UserError(f"{e}\n{USAGE}") from None
+    assert isinstance(args, GenerateArgs)
+    if not 0 < args.top_p <= 1 or args.temperature < 0 or args.max_new_tokens < 1:
+        raise UserError("need 0 < top_p <= 1, temperature >= 0 and max_new_tokens >= 1.")
+    return argv[0], args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        path, args = parse(sys.argv[1:] if argv is None else argv)
+        generator = Generator(path, args.tokenizer)
+        prompt = chat_prompt(generator.pte, args.prompt) if args.chat else args.prompt
+        ids = generator.encode(prompt)
+        generator.check_fits(ids)
+        sys.stdout.write(args.prompt if not args.chat else "")
+        result = generator.generate(
+            prompt, SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed), prompt_ids=ids,
+            on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
+        )
+    except REPORTED_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"\n\n[prompt {len(result.prompt_ids)} tokens at {result.prompt_tokens_per_s:.1f} tok/s; "
+          f"generated {len(result.new_ids)} tokens at {result.generation_tokens_per_s:.1f} tok/s; "
+          f"stopped: {result.stop_reason}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

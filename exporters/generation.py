@@ -1,0 +1,188 @@
+"""Text generation with an exported program: prompt in, streamed text out, tokens/s measured.
+
+Works with whatever the program holds: ``prefill`` + ``decode`` (ours), ``forward`` only (ExecuTorch's
+stock layout), fixed-size prefill chunks (static-shape backends), or ``decode`` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from exporters.errors import UserError
+from exporters.runtime import LoadedProgram
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    prompt_ids: list[int]
+    new_ids: list[int]
+    stop_reason: str  # "eos", "max_new_tokens" or "context_full"
+    prompt_tokens_per_s: float
+    generation_tokens_per_s: float
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_program(path: str | Path) -> Path:
+    """A run folder (its model.pte) or a .pte file."""
+    p = Path(path)
+    pte = p / "model.pte" if p.is_dir() else p
+    if not pte.is_file():
+        raise UserError(f"{path}: no ExecuTorch program there. Give a .pte file or a run folder holding model.pte.")
+    return pte
+
+
+class TextStream:
+    """Turns token ids into text pieces, holding back bytes until they form whole UTF-8 characters.
+
+    Byte-level BPE splits non-ASCII characters across tokens; decoding one token at a time (as the
+    stock runner's Python callback does) yields broken characters or raises.
+    """
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for its next byte
+            return ""
+        piece, self.emitted = text[len(self.emitted):], text
+        return piece
+
+
+def load_tokenizer(pte: Path, tokenizer: str | None) -> object:
+    from tokenizers import Tokenizer
+
+    path = Path(tokenizer) if tokenizer else pte.parent / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"no tokenizer at {path}: pass tokenizer=/path/to/tokenizer.json.")
+    return Tokenizer.from_file(str(path))
+
+
+def chat_prompt(pte: Path, prompt: str) -> str:
+    """Apply the chat template of the tokenizer_config.json next to the program."""
+    config_file = pte.parent / "tokenizer_config.json"
+    template = json.loads(config_file.read_text()).get("chat_template") if config_file.is_file() else None
+    if not template:
+        raise UserError(f"chat=true needs a chat_template in {config_file}; this model has none. Use chat=false.")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(pte.parent), local_files_only=True)
+    return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> int:
+    logits = logits.float().reshape(-1, logits.shape[-1])[-1]
+    if cfg.temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / cfg.temperature, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(0) - sorted_probs < cfg.top_p  # smallest set reaching top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+class Generator:
+    """A loaded program plus its metadata; ``generate`` may be called repeatedly (the cache is rewritten)."""
+
+    def __init__(self, pte: str | Path, tokenizer: str | None = None) -> None:
+        self.pte = resolve_program(pte)
+        self.program = LoadedProgram(self.pte)
+        self.tokenizer = load_tokenizer(self.pte, tokenizer)
+        names = self.program.method_names
+        self.max_seq_len = int(self.program.constant("get_max_seq_len"))
+        self.bos_id = self.program.constant("get_bos_id") if "get_bos_id" in names else None
+        eos = self.program.constant("get_eos_ids") if "get_eos_ids" in names else []
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.step_method = next((m for m in ("decode", "forward") if m in names), None)
+        self.prompt_method = next((m for m in ("prefill", "forward", "decode") if m in names), None)
+        if self.step_method is None or self.prompt_method is None:
+            raise UserError(f"{self.pte} has neither decode nor forward: it is not an LLM program from this tool.")
+        self.chunk = self._fixed_chunk(self.prompt_method)
+
+    def _fixed_chunk(self, method: str) -> int | None:
+        """Token count of a static-shape prompt method (None when its length is dynamic)."""
+        key = f"get_{method}_max_tokens"
+        if key not in self.program.method_names or self.program.constant("enable_dynamic_shape"):
+            return None
+        return int(self.program.constant(key))
+
+    def encode(self, prompt: str) -> list[int]:
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids  # type: ignore[attr-defined]
+        return ([self.bos_id] if self.bos_id is not None else []) + ids
+
+    def _prefill(self, ids: list[int]) -> torch.Tensor:
+        tokens = torch.tensor([ids], dtype=torch.int64)
+        pos, logits = 0, None
+        if self.chunk:  # whole chunks through the static prompt method, the rest one token at a time
+            while pos + self.chunk <= len(ids):
+                logits = self.program.run(self.prompt_method, tokens[:, pos:pos + self.chunk], torch.tensor([pos]))[0]
+                pos += self.chunk
+        elif self.prompt_method != "decode":
+            logits = self.program.run(self.prompt_method, tokens, torch.tensor([0]))[0]
+            pos = len(ids)
+        for p in range(pos, len(ids)):
+            logits = self.program.run(self.step_method, tokens[:, p:p + 1], torch.tensor([p]))[0]
+        assert logits is not None
+        return logits
+
+    def check_fits(self, ids: list[int]) -> None:
+        if not ids:
+            raise UserError("the prompt is empty and the model has no bos token: give a non-empty prompt.")
+        if len(ids) >= self.max_seq_len:
+            raise UserError(
+                f"the prompt is {len(ids)} tokens but the program's context is {self.max_seq_len} tokens "
+                f"(get_max_seq_len), leaving no room to generate. Shorten the prompt or re-export with a larger "
+                f"export.max_seq_len."
+            )
+
+    def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
+                 prompt_ids: list[int] | None = None) -> GenerationResult:
+        ids = prompt_ids if prompt_ids is not None else self.encode(prompt)
+        self.check_fits(ids)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        stream = TextStream(self.tokenizer)
+        start = time.perf_counter()
+        logits = self._prefill(ids)
+        prompt_s = time.perf_counter() - start
+        new_ids: list[int] = []
+        stop = "max_new_tokens"
+        start = time.perf_counter()
+        while len(new_ids) < cfg.max_new_tokens:
+            token = sample(logits, cfg, gen)
+            if token in self.eos_ids:
+                stop = "eos"
+                break
+            new_ids.append(token)
+            piece = stream.push(token)
+            if piece and on_text:
+                on_text(piece)
+            position = len(ids) + len(new_ids) - 1
+            if position + 1 >= self.max_seq_len:
+                stop = "context_full"
+                break
+            logits = self.program.run(self.step_method, torch.tensor([[token]]), torch.tensor([position]))[0]
+        gen_s = time.perf_counter() - start
+        return GenerationResult(
+            text=stream.emitted, prompt_ids=ids, new_ids=new_ids, stop_reason=stop,
+            prompt_tokens_per_s=len(ids) / prompt_s if prompt_s else float("inf"),
+            generation_tokens_per_s=len(new_ids) / gen_s if gen_s and new_ids else 0.0,
+        )
