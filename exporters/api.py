@@ -28,7 +28,7 @@ def build_stages(cfg: ExportConfig, output_dir: Path, resolved: dict[str, Any], 
     """The pipeline for one export; each stage gets only its own part of the config."""
     ex = cfg.export
     return [
-        LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir),
+        LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir, attention=cfg.backend.attention),
         QuantizeStage(cfg.quant),
         CaptureStage(ex.methods, ex.max_seq_len, cfg.backend.dynamic_shapes, ex.prefill_chunk,
                      keep_reference=cfg.validate and not cfg.backend.runs_here),

@@ -78,6 +78,9 @@ class BackendConfig:
     options: Dict[str, Any] = field(default_factory=dict)
     # Whether prefill/forward get a dynamic token dimension (else a fixed export.prefill_chunk).
     dynamic_shapes: bool = True
+    # Attention implementation (a key of models.decoder.ATTENTION): "custom_ops" uses ExecuTorch's LLM
+    # CPU kernels (runtimes must link them), "aten" plain ops any delegate can take.
+    attention: str = "aten"
     # Whether this machine's ExecuTorch runtime can execute the delegate (else validation runs the
     # captured programs before delegation, and the manifest says so).
     runs_here: bool = True
@@ -133,6 +136,7 @@ def check_config(cfg: ExportConfig | DictConfig) -> None:
     from exporters.backends import PARTITIONERS
     from exporters.methods import METHOD_KINDS
     from exporters.quantization import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES
+    from models.decoder import ATTENTION
     from models.sources import SOURCES
 
     def one_of(what: str, value: Any, allowed: Any, fix: str) -> None:
@@ -142,6 +146,7 @@ def check_config(cfg: ExportConfig | DictConfig) -> None:
     q, b, ex = cfg.quant, cfg.backend, cfg.export
     one_of("model.source", cfg.model.source, sorted(SOURCES), "Fix the model option file.")
     one_of("backend.partitioner", b.partitioner, sorted(PARTITIONERS), "Fix the backend option file.")
+    one_of("backend.attention", b.attention, sorted(ATTENTION), "Fix the backend option file.")
     one_of("quant.dtype", q.dtype, list(DTYPES), "Pick another quant option or override quant.dtype.")
     for role, value, table in (("linear", q.linear, LINEAR_SCHEMES), ("lm_head", q.lm_head, LINEAR_SCHEMES),
                                ("embedding", q.embedding, EMBEDDING_SCHEMES)):

@@ -141,7 +141,9 @@ def quantize_model(model: nn.Module, dtype: str, linear: str | None, group_size:
                    lm_head: str | None, lm_head_group_size: int,
                    embedding: str | None, embedding_group_size: int) -> AppliedQuantization:
     """Cast to ``dtype`` then quantize linears, ``lm_head`` and the embedding in place."""
-    model.to(DTYPES[dtype])
+    if dtype != "fp32":
+        model.to(DTYPES[dtype])
+        model.init_buffers()  # KV caches in the model's dtype (fp32 where the attention kernels need it)
     applied = AppliedQuantization(dtype=dtype)
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)

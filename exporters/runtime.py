@@ -13,6 +13,8 @@ def register_runtime_kernels() -> None:
     """Kernels some programs need that the bindings do not load by themselves (quantized embeddings)."""
     with contextlib.suppress(ImportError):
         import executorch.kernels.quantized  # noqa: F401
+    with contextlib.suppress(ImportError):
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (llama::custom_sdpa, update_cache)
 
 
 class LoadedProgram:

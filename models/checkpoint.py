@@ -7,6 +7,7 @@ exists at any time. Every file problem is a :class:`ModelError` naming the file 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -112,9 +113,11 @@ def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoin
     )
 
 
-def build_model(ckpt: Checkpoint, max_context_len: int, *, random_init: bool = False, seed: int = 0) -> CausalLM:
+def build_model(ckpt: Checkpoint, max_context_len: int, *, random_init: bool = False, seed: int = 0,
+                attention: str = "aten") -> CausalLM:
     """The decoder for ``ckpt``'s architecture, with its weights (or seeded random ones)."""
     args = decoder_args(ckpt.hf_config, max_context_len, source=str(ckpt.path / "config.json"))
+    args = dataclasses.replace(args, attention=attention)
     if random_init:
         torch.manual_seed(seed)
         return CausalLM(args).eval()

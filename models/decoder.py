@@ -43,6 +43,9 @@ class DecoderArgs:
     # Inverse RoPE frequencies and the cos/sin scale, computed by transformers for the config's rope type.
     rope_inv_freq: tuple[float, ...] = field(default=(), repr=False)
     rope_attention_scaling: float = 1.0
+    # "aten": portable ATen ops any backend can take; "custom_ops": ExecuTorch's llama::update_cache and
+    # llama::custom_sdpa kernels (CPU: attends only to filled cache slots, the fast path for XNNPACK).
+    attention: str = "aten"
 
     @property
     def n_rep(self) -> int:
@@ -138,6 +141,43 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
+class CustomOpsAttention(Attention):
+    """Attention on ExecuTorch's LLM kernels; the cache is laid out [1, max_context, kv_heads, head_dim]."""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers llama:: ops)
+
+        super().__init__(args)
+        shape = (1, args.max_context_len, args.num_key_value_heads, args.head_dim)
+        self.k_cache = torch.zeros(shape)
+        self.v_cache = torch.zeros(shape)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        a = self.args
+        dtype = x.dtype
+        q = apply_rope(self.q_proj(x).view(1, -1, a.num_attention_heads, a.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(1, -1, a.num_key_value_heads, a.head_dim), cos, sin)
+        v = self.v_proj(x).view(1, -1, a.num_key_value_heads, a.head_dim)
+        start_pos = positions[0].item()
+        torch._check_is_size(start_pos)
+        torch._check(start_pos < a.max_context_len)
+        # The kernels take fp32; casting around them is cheaper than doing without them.
+        torch.ops.llama.update_cache(k.float(), self.k_cache, start_pos)
+        torch.ops.llama.update_cache(v.float(), self.v_cache, start_pos)
+        out = torch.ops.llama.custom_sdpa(q.float(), self.k_cache, self.v_cache, start_pos, None, 0.0, True, self.scale)
+        return self.o_proj(out.to(dtype).view(1, -1, a.num_attention_heads * a.head_dim))
+
+
+ATTENTION: dict[str, type[Attention]] = {"aten": Attention, "custom_ops": CustomOpsAttention}
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -166,7 +206,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = ATTENTION[args.attention](args)
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -225,8 +265,9 @@ class CausalLM(nn.Module):
         dtype = self.lm_head.weight.dtype if self.lm_head.weight.is_floating_point() else torch.float32
         for layer in self.model.layers:
             attn = layer.self_attn
-            attn.k_cache = torch.zeros(attn.k_cache.shape, dtype=dtype, device=device)
-            attn.v_cache = torch.zeros(attn.v_cache.shape, dtype=dtype, device=device)
+            cache_dtype = torch.float32 if isinstance(attn, CustomOpsAttention) else dtype
+            attn.k_cache = torch.zeros(attn.k_cache.shape, dtype=cache_dtype, device=device)
+            attn.v_cache = torch.zeros(attn.v_cache.shape, dtype=cache_dtype, device=device)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, full_logits: bool = False) -> torch.Tensor:
         seq_len = tokens.shape[1]

@@ -31,7 +31,8 @@ def test_every_option_composes_against_the_schema(group: str, option: str) -> No
 def test_defaults_are_tiny_fp32_xnnpack() -> None:
     cfg = to_typed(compose_config())
     assert (cfg.model.name, cfg.quant.name, cfg.backend.name) == ("tiny", "fp32", "xnnpack")
-    assert cfg.export.methods == ["prefill", "decode"] and cfg.validate
+    assert cfg.export.methods == ["prefill", "decode", "forward"] and cfg.validate
+    assert (cfg.backend.attention, cfg.backend.dynamic_shapes) == ("custom_ops", True)
 
 
 def test_fields_can_be_overridden_from_the_command_line() -> None:

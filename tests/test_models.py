@@ -27,17 +27,18 @@ VARIANTS = {
 }
 
 
-def reference_and_ours(ckpt_dir: Path, max_context: int = 64):  # type: ignore[no-untyped-def]
+def reference_and_ours(ckpt_dir: Path, max_context: int = 64, attention: str = "aten"):  # type: ignore[no-untyped-def]
     from transformers import LlamaForCausalLM
 
     ref = LlamaForCausalLM.from_pretrained(str(ckpt_dir), torch_dtype=torch.float32).eval()
-    ours = build_model(open_checkpoint(ckpt_dir), max_context)
+    ours = build_model(open_checkpoint(ckpt_dir), max_context, attention=attention)
     return ref, ours
 
 
+@pytest.mark.parametrize("attention", ["aten", "custom_ops"])
 @pytest.mark.parametrize("arch", VARIANTS.values(), ids=list(VARIANTS))
-def test_logits_match_transformers_prefill_and_decode(tmp_path: Path, arch: dict) -> None:
-    ref, ours = reference_and_ours(write_tiny_checkpoint(tmp_path, arch=arch, seed=3))
+def test_logits_match_transformers_prefill_and_decode(tmp_path: Path, arch: dict, attention: str) -> None:
+    ref, ours = reference_and_ours(write_tiny_checkpoint(tmp_path, arch=arch, seed=3), attention=attention)
     vocab = ours.args.vocab_size
     tokens = torch.randint(0, vocab, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -14,12 +14,14 @@ from models.sources import SOURCES
 class LoadStage(Stage):
     name = "load"
 
-    def __init__(self, model_cfg: ModelConfig, max_seq_len: int, work_dir: Path) -> None:
+    def __init__(self, model_cfg: ModelConfig, max_seq_len: int, work_dir: Path, attention: str = "aten") -> None:
         self.cfg = model_cfg
+        self.attention = attention
         self.max_seq_len = max_seq_len
         self.work_dir = work_dir
 
     def run(self, artifact: None) -> LoadedModel:
         checkpoint = SOURCES[self.cfg.source](self.cfg, self.work_dir)
-        model = build_model(checkpoint, self.max_seq_len, random_init=self.cfg.random_init, seed=self.cfg.seed)
+        model = build_model(checkpoint, self.max_seq_len, random_init=self.cfg.random_init, seed=self.cfg.seed,
+                            attention=self.attention)
         return LoadedModel(model=model, checkpoint=checkpoint, max_seq_len=self.max_seq_len)
