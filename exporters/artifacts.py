@@ -89,7 +89,8 @@ class ValidationReport:
     decode_steps: int
     max_abs_error: float
     max_rel_error: float
-    token_agreement: float
+    token_agreement: float  # greedy tokens equal, or a near-tie within the error tolerance
+    exact_token_agreement: float
     per_step: list[dict[str, Any]] = field(default_factory=list)
     tolerance: dict[str, float] = field(default_factory=dict)
     # What was compared with the eager model: the .pte in the ExecuTorch runtime, or (for a delegate
@@ -101,7 +102,8 @@ class ValidationReport:
         where = "" if self.checked == "runtime" else " [captured programs only: the delegate cannot run on this host]"
         return (f"{verdict}{where}: prompt {self.prompt_tokens} tokens + {self.decode_steps} decode steps, "
                 f"max abs err {self.max_abs_error:.3g}, max rel err {self.max_rel_error:.3g} "
-                f"(limit {self.tolerance.get('max_rel_error')}), greedy agreement {self.token_agreement:.0%}")
+                f"(limit {self.tolerance.get('max_rel_error')}), greedy agreement {self.token_agreement:.0%} "
+                f"({self.exact_token_agreement:.0%} exact)")
 
 
 @dataclass

@@ -31,7 +31,7 @@ def test_runtime_matches_the_quantized_eager_model(exported, pair: tuple[str, ..
     result = _export(exported, *pair)
     validation = result.manifest["validation"]
     assert validation["passed"] and validation["checked"] == "runtime"
-    assert validation["decode_steps"] == DECODE_STEPS and validation["token_agreement"] == 1.0
+    assert validation["decode_steps"] == DECODE_STEPS and validation["exact_token_agreement"] == 1.0
 
     # Independent of the pipeline's own check: rebuild the eager model and run the .pte ourselves.
     model = eager_model_of(result)

@@ -70,7 +70,8 @@ class PackageStage(Stage):
             "validation": None if report is None else {
                 "passed": report.passed, "checked": report.checked, "prompt_tokens": report.prompt_tokens, "decode_steps": report.decode_steps,
                 "max_abs_error": report.max_abs_error, "max_rel_error": report.max_rel_error,
-                "token_agreement": report.token_agreement, "tolerance": report.tolerance, "per_step": report.per_step,
+                "token_agreement": report.token_agreement,
+                "exact_token_agreement": report.exact_token_agreement, "tolerance": report.tolerance, "per_step": report.per_step,
             },
             "tokenizer_files": copied,
             "timings_s": self.timings,

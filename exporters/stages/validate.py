@@ -44,16 +44,28 @@ def prompt_chunks(tokens: torch.Tensor, spec: MethodSpec) -> list[torch.Tensor]:
     return list(torch.split(tokens, spec.max_tokens, dim=1))
 
 
-def _compare(step: str, got: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
+def _compare(step: str, got: torch.Tensor, ref: torch.Tensor, max_rel_error: float) -> dict[str, Any]:
+    """Errors of one step, and whether the runtime's greedy token agrees with the eager model's.
+
+    A different token counts as agreeing when the eager model scores it within the error tolerance
+    of its own best token: a near-tie flipped by allowed rounding is not a wrong program (random-weight
+    models are full of near-ties).
+    """
     got, ref = got.float().reshape(ref.shape), ref.float()
     err = (got - ref).abs().max().item()
     scale = ref.abs().max().item() or 1.0
+    last = ref.reshape(-1, ref.shape[-1])[-1]
+    runtime_token = int(got.reshape(-1, got.shape[-1])[-1].argmax())
+    eager_token = int(last.argmax())
+    margin = (last[eager_token] - last[runtime_token]).item()
     return {
         "step": step,
         "max_abs_error": err,
         "max_rel_error": err / scale,
-        "runtime_token": int(got.argmax(-1).flatten()[-1]),
-        "eager_token": int(ref.argmax(-1).flatten()[-1]),
+        "runtime_token": runtime_token,
+        "eager_token": eager_token,
+        "eager_margin": margin,
+        "agrees": runtime_token == eager_token or margin <= max_rel_error * scale,
     }
 
 
@@ -82,6 +94,7 @@ class ValidateStage(Stage):
         chunks = prompt_chunks(prompt_tokens(emitted, self.cfg.prompt, max_seq_len - steps - 1), specs[prompt_method])
 
         model = emitted.quantized.model
+        tol = self.tolerance["max_rel_error"]
         if self.runs_here:
             program: LoadedProgram | CapturedPrograms = LoadedProgram(emitted.path)
         else:
@@ -95,19 +108,20 @@ class ValidateStage(Stage):
                 pos = torch.tensor([position])
                 ref = model(chunk, pos)
                 name = prompt_method if len(chunks) == 1 else f"{prompt_method}[{i}]"
-                records.append(_compare(name, program.run(prompt_method, chunk, pos)[0], ref))
+                records.append(_compare(name, program.run(prompt_method, chunk, pos)[0], ref, tol))
                 position += chunk.shape[1]
             for i in range(steps):
                 token = ref.argmax(-1).reshape(1, 1)
                 pos = torch.tensor([position])
                 ref = model(token, pos)
-                records.append(_compare(f"{step_method}[{i}]", program.run(step_method, token, pos)[0], ref))
+                records.append(_compare(f"{step_method}[{i}]", program.run(step_method, token, pos)[0], ref, tol))
                 position += 1
         model.reset_cache()
 
         prompt_len = sum(c.shape[1] for c in chunks)
         max_rel = max(r["max_rel_error"] for r in records)
-        agreement = sum(r["runtime_token"] == r["eager_token"] for r in records) / len(records)
+        agreement = sum(r["agrees"] for r in records) / len(records)
+        exact = sum(r["runtime_token"] == r["eager_token"] for r in records) / len(records)
         return ValidationReport(
             passed=max_rel <= self.tolerance["max_rel_error"] and agreement >= self.tolerance["min_token_agreement"],
             prompt_tokens=prompt_len,
@@ -115,6 +129,7 @@ class ValidateStage(Stage):
             max_abs_error=max(r["max_abs_error"] for r in records),
             max_rel_error=max_rel,
             token_agreement=agreement,
+            exact_token_agreement=exact,
             per_step=records,
             tolerance=self.tolerance,
             checked="runtime" if self.runs_here else "captured programs (delegate cannot run on this host)",
