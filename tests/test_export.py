@@ -14,7 +14,6 @@ import torch
 
 from exporters.artifacts import ExportResult
 from exporters.runtime import LoadedProgram
-from models.checkpoint import build_model, open_checkpoint
 from tests.conftest import eager_model_of
 
 PAIRS = [("portable", "fp32"), ("xnnpack", "fp32"), ("xnnpack", "8da4w")]
