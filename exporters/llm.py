@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from exporters.api import export
@@ -22,6 +24,10 @@ def main(cfg: DictConfig) -> None:
         result = export(cfg, output_dir)
     except REPORTED_ERRORS as e:
         log.error("export failed: %s", e)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            # A sweep goes on with its other configs; this job's folder says why it failed.
+            (Path(output_dir) / "FAILED").write_text(f"{e}\n")
+            return
         sys.exit(2)
     m = result.manifest
     validation = m["validation"]
