@@ -108,6 +108,18 @@ class Attention(nn.Module):
         self.register_buffer("v_cache", torch.zeros(cache_shape), persistent=False)
         self.scale = 1.0 / math.sqrt(d)
 
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Projections with RoPE applied, each [1, T, heads, head_dim].
+
+        Shapes use -1 for the token dimension: a named symbolic size would stop XNNPACK from
+        delegating the reshape in dynamic-length prefill and split the graph into many partitions.
+        """
+        a = self.args
+        q = apply_rope(self.q_proj(x).view(1, -1, a.num_attention_heads, a.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(1, -1, a.num_key_value_heads, a.head_dim), cos, sin)
+        v = self.v_proj(x).view(1, -1, a.num_key_value_heads, a.head_dim)
+        return q, k, v
+
     def forward(
         self,
         x: torch.Tensor,
@@ -116,16 +128,9 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        # Shapes use -1 for the token dimension: a named symbolic size would stop XNNPACK from
-        # delegating the reshape in dynamic-length prefill and split the graph into many partitions.
+        q, k, v = (t.transpose(1, 2) for t in self._qkv(x, cos, sin))  # [1, heads, T, d]
         a = self.args
         kv, rep, d = a.num_key_value_heads, a.n_rep, a.head_dim
-        q = self.q_proj(x).view(1, -1, a.num_attention_heads, d)
-        k = self.k_proj(x).view(1, -1, kv, d)
-        v = self.v_proj(x).view(1, -1, kv, d)
-        q = apply_rope(q, cos, sin).transpose(1, 2)  # [1, heads, T, d]
-        k = apply_rope(k, cos, sin).transpose(1, 2)  # [1, kv, T, d]
-        v = v.transpose(1, 2)
 
         self.k_cache.index_copy_(2, positions, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, positions, v.to(self.v_cache.dtype))
@@ -162,9 +167,7 @@ class CustomOpsAttention(Attention):
     ) -> torch.Tensor:
         a = self.args
         dtype = x.dtype
-        q = apply_rope(self.q_proj(x).view(1, -1, a.num_attention_heads, a.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(1, -1, a.num_key_value_heads, a.head_dim), cos, sin)
-        v = self.v_proj(x).view(1, -1, a.num_key_value_heads, a.head_dim)
+        q, k, v = self._qkv(x, cos, sin)
         start_pos = positions[0].item()
         torch._check_is_size(start_pos)
         torch._check(start_pos < a.max_context_len)
