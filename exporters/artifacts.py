@@ -76,6 +76,7 @@ class EmittedProgram:
     final_path: Path
     size_bytes: int
     sha256: str
+    storage: dict[str, Any]  # bytes by kind: shared weights, other constants, graphs (pte_contents)
     reference_programs: dict[str, Any] | None = None
 
     def summary(self) -> str:

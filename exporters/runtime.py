@@ -55,10 +55,6 @@ class CapturedPrograms:
         self._cache_buffers = cache_buffers
         self._state: dict[str, torch.Tensor] | None = None
 
-    @property
-    def method_names(self) -> set[str]:
-        return set(self._modules)
-
     def run(self, method: str, *inputs: torch.Tensor) -> list[Any]:
         module = self._modules[method]
         with torch.no_grad():

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from exporters.artifacts import EmittedProgram, LoweredProgram
 from exporters.pipeline import Stage
+from exporters.pte_contents import storage_breakdown
 
 
 def backend_config():  # type: ignore[no-untyped-def]
@@ -65,5 +66,6 @@ class EmitStage(Stage):
             final_path=self.final_path,
             size_bytes=len(data),
             sha256=hashlib.sha256(data).hexdigest(),
+            storage=storage_breakdown(data),
             reference_programs=captured.reference_programs,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import os
 import shutil
 from importlib import metadata
@@ -12,7 +13,6 @@ from typing import Any
 from exporters.artifacts import ExportResult, ValidatedProgram
 from exporters.errors import ValidationFailed
 from exporters.pipeline import Stage
-from exporters.pte_contents import storage_breakdown
 from exporters.stages.emit import write_atomically
 
 PACKAGES = ("torch", "executorch", "torchao", "transformers", "hydra-core", "tokenizers", "safetensors")
@@ -56,7 +56,7 @@ class PackageStage(Stage):
         manifest = {
             "status": "ok" if ok else "failed validation",
             "program": {"file": pte.name, "size_bytes": emitted.size_bytes, "sha256": emitted.sha256,
-                        "storage": storage_breakdown(pte.read_bytes())},
+                        "storage": emitted.storage},
             "methods": {
                 name: {**emitted.signatures[name], "dynamic_tokens": spec.dynamic,
                        "tokens": [spec.min_tokens, spec.max_tokens],
@@ -67,12 +67,7 @@ class PackageStage(Stage):
             "model": {"checkpoint": str(ckpt.path), "architecture": list(ckpt.hf_config.architectures or []),
                       "parameters": sum(p.numel() for p in emitted.quantized.model.parameters())},
             "quantization": emitted.quantized.quantization.as_dict(),
-            "validation": None if report is None else {
-                "passed": report.passed, "checked": report.checked, "prompt_tokens": report.prompt_tokens, "decode_steps": report.decode_steps,
-                "max_abs_error": report.max_abs_error, "max_rel_error": report.max_rel_error,
-                "token_agreement": report.token_agreement,
-                "exact_token_agreement": report.exact_token_agreement, "tolerance": report.tolerance, "per_step": report.per_step,
-            },
+            "validation": None if report is None else asdict(report),
             "tokenizer_files": copied,
             "timings_s": self.timings,
             "versions": package_versions(),
