@@ -22,11 +22,19 @@ class LoadedModel:
     checkpoint: Checkpoint
     max_seq_len: int
 
+    @property
+    def family(self) -> str | None:
+        from models.families import family_of_architecture
+
+        found = family_of_architecture(list(self.checkpoint.hf_config.architectures or []))
+        return found.name if found else None
+
     def summary(self) -> str:
         a = self.model.args
         params = sum(p.numel() for p in self.model.parameters())
-        return (f"{params / 1e6:.2f}M parameters, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
-                f"vocab {a.vocab_size}{', tied embeddings' if a.tie_word_embeddings else ''}")
+        return (f"{self.family} family, {params / 1e6:.2f}M parameters, {a.num_hidden_layers} layers, "
+                f"hidden {a.hidden_size}, vocab {a.vocab_size}{', tied embeddings' if a.tie_word_embeddings else ''}, "
+                f"{a.attention} attention")
 
 
 @dataclass

@@ -33,13 +33,17 @@ class ArchOverrides:
     tie_word_embeddings: Optional[bool] = None
     rope_theta: Optional[float] = None
     rms_norm_eps: Optional[float] = None
+    sliding_window: Optional[int] = None
 
 
 @dataclass
 class ModelConfig:
     name: str = MISSING
+    # Model family (a key of models.families.FAMILIES): the checkpoint must be of this family, and
+    # random_init without a checkpoint builds one. null = take the family from config.json.
+    family: Optional[str] = None
     # Which loader builds the checkpoint directory: "hf" reads model.checkpoint, "tiny" writes a
-    # deterministic tiny Llama checkpoint (with tokenizer) into the run folder first.
+    # deterministic tiny checkpoint of model.family (with tokenizer) into the run folder first.
     source: str = "hf"
     checkpoint: Optional[str] = None
     # Build the architecture with seeded random weights (benchmarks, size studies): needs config.json
@@ -137,6 +141,7 @@ def check_config(cfg: ExportConfig | DictConfig) -> None:
     from exporters.methods import METHOD_KINDS
     from exporters.quantization import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES
     from models.decoder import ATTENTION
+    from models.families import FAMILIES
     from models.sources import SOURCES
 
     def one_of(what: str, value: Any, allowed: Any, fix: str) -> None:
@@ -145,6 +150,8 @@ def check_config(cfg: ExportConfig | DictConfig) -> None:
 
     q, b, ex = cfg.quant, cfg.backend, cfg.export
     one_of("model.source", cfg.model.source, sorted(SOURCES), "Fix the model option file.")
+    if cfg.model.family is not None:
+        one_of("model.family", cfg.model.family, sorted(FAMILIES), "Or use model=hf to take it from config.json.")
     one_of("backend.partitioner", b.partitioner, sorted(PARTITIONERS), "Fix the backend option file.")
     one_of("backend.attention", b.attention, sorted(ATTENTION), "Fix the backend option file.")
     one_of("quant.dtype", q.dtype, list(DTYPES), "Pick another quant option or override quant.dtype.")

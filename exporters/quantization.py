@@ -140,8 +140,12 @@ def _apply(model: nn.Module, table: dict[str, TorchaoConfigFactory], scheme: str
 def quantize_model(model: nn.Module, dtype: str, linear: str | None, group_size: int,
                    lm_head: str | None, lm_head_group_size: int,
                    embedding: str | None, embedding_group_size: int) -> AppliedQuantization:
-    """Cast to ``dtype`` then quantize linears, ``lm_head`` and the embedding in place."""
-    if dtype != "fp32":
+    """Cast to ``dtype`` then quantize linears, ``lm_head`` and the embedding in place.
+
+    The checkpoint's own dtype (often bf16) is kept through loading, so this cast is the only point
+    where a second copy of the weights can exist.
+    """
+    if any(p.dtype != DTYPES[dtype] for p in model.parameters()):
         model.to(DTYPES[dtype])
         model.init_buffers()  # KV caches in the model's dtype (fp32 where the attention kernels need it)
     applied = AppliedQuantization(dtype=dtype)

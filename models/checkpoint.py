@@ -113,10 +113,18 @@ def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoin
     )
 
 
-def build_model(ckpt: Checkpoint, max_context_len: int, *, random_init: bool = False, seed: int = 0,
-                attention: str = "aten") -> CausalLM:
-    """The decoder for ``ckpt``'s architecture, with its weights (or seeded random ones)."""
-    args = decoder_args(ckpt.hf_config, max_context_len, source=str(ckpt.path / "config.json"))
+def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = None, random_init: bool = False,
+                seed: int = 0, attention: str = "aten") -> CausalLM:
+    """The decoder for ``ckpt``'s architecture, with its weights (or seeded random ones).
+
+    ``attention="custom_ops"`` is a preference: a model whose attention the ExecuTorch kernel cannot
+    compute (soft-capping, sliding windows shorter than the context) gets the ATen attention, and the
+    choice is logged and visible in ``model.args.attention``.
+    """
+    args = decoder_args(ckpt.hf_config, max_context_len, source=str(ckpt.path / "config.json"), family=family)
+    if attention == "custom_ops" and args.custom_ops_blockers():
+        log.info("attention: aten, because llama::custom_sdpa cannot compute %s", ", ".join(args.custom_ops_blockers()))
+        attention = "aten"
     args = dataclasses.replace(args, attention=attention)
     if random_init:
         torch.manual_seed(seed)

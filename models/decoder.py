@@ -1,7 +1,10 @@
-"""An exportable Llama-family decoder with a static KV cache held in buffers.
+"""One exportable decoder for the Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3 and SmolLM3 families,
+with a static KV cache held in buffers.
 
-Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj``
-...), so a checkpoint's state dict loads 1:1 and transformers' eager model is a direct reference.
+Module and parameter names follow Hugging Face's (``model.layers.0.self_attn.q_proj``, Phi-3's
+``qkv_proj``, Gemma's ``pre_feedforward_layernorm`` ...), so a checkpoint's state dict loads 1:1 and
+transformers' eager model is a direct reference. What differs between families is data in
+:class:`DecoderArgs`, filled in by :mod:`models.families`.
 
 Why not transformers' own model: its exportable static-cache wrapper fails in ``to_edge`` with
 torch 2.13 (see DESIGN.md). This module keeps everything ``torch.export`` and ExecuTorch like:
@@ -15,7 +18,6 @@ torch 2.13 (see DESIGN.md). This module keeps everything ``torch.export`` and Ex
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +27,20 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class RopeTable:
+    """Inverse RoPE frequencies and the cos/sin scale, as transformers computes them for a rope type."""
+
+    inv_freq: tuple[float, ...]
+    attention_scaling: float = 1.0
+
+
+@dataclass(frozen=True)
 class DecoderArgs:
-    """Architecture of one decoder, independent of where its numbers came from."""
+    """Architecture of one decoder, independent of where its numbers came from.
+
+    The family switches (biases, fused projections, q/k norms, Gemma's norms and soft-capping, sliding
+    windows, per-layer RoPE) are data, set by a family adapter in :mod:`models.families`.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -37,50 +51,97 @@ class DecoderArgs:
     head_dim: int
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    qkv_bias: bool = False  # Qwen2: q/k/v have biases, o_proj has none
+    o_bias: bool = False
     mlp_bias: bool = False
+    fused_qkv: bool = False  # Phi-3: one qkv_proj, one gate_up_proj
+    fused_gate_up: bool = False
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over head_dim on q and k before RoPE
+    unit_offset_norm: bool = False  # Gemma: RMSNorm scales by (1 + weight), in fp32
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False  # Gemma 2/3: norms before and after attention and MLP
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
     max_context_len: int = 128
-    # Inverse RoPE frequencies and the cos/sin scale, computed by transformers for the config's rope type.
-    rope_inv_freq: tuple[float, ...] = field(default=(), repr=False)
-    rope_attention_scaling: float = 1.0
+    # RoPE tables by name and, per layer, which table it uses (None: no RoPE in that layer, SmolLM3).
+    rope: tuple[tuple[str, RopeTable], ...] = field(default=(), repr=False)
+    layer_rope: tuple[str | None, ...] = ()
+    # Per layer: sliding-window size, or None for full causal attention.
+    layer_window: tuple[int | None, ...] = ()
     # "aten": portable ATen ops any backend can take; "custom_ops": ExecuTorch's llama::update_cache and
     # llama::custom_sdpa kernels (CPU: attends only to filled cache slots, the fast path for XNNPACK).
     attention: str = "aten"
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        if not self.layer_rope:
+            object.__setattr__(self, "layer_rope", (self.rope[0][0] if self.rope else None,) * n)
+        if not self.layer_window:
+            object.__setattr__(self, "layer_window", (None,) * n)
+        # A window that covers the whole cache is plain causal attention.
+        windows = tuple(None if w is None or w >= self.max_context_len else int(w) for w in self.layer_window)
+        object.__setattr__(self, "layer_window", windows)
+        if len(self.layer_rope) != n or len(self.layer_window) != n:
+            raise ValueError(f"layer_rope / layer_window need one entry per layer ({n})")
+        unknown = {r for r in self.layer_rope if r is not None} - {name for name, _ in self.rope}
+        if unknown:
+            raise ValueError(f"layers use RoPE tables {sorted(unknown)} that are not defined")
 
     @property
     def n_rep(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
-def rope_from_hf_config(hf_config: Any) -> tuple[tuple[float, ...], float]:
-    """Inverse frequencies for the config's rope type, using transformers' own implementation.
+    def custom_ops_blockers(self) -> list[str]:
+        """What ``llama::custom_sdpa`` cannot compute for this model (empty: the kernel fits)."""
+        blockers = []
+        if self.attn_logit_softcap is not None:
+            blockers.append("attention logit soft-capping")
+        if any(w is not None for w in self.layer_window):
+            blockers.append("sliding-window layers shorter than the context")
+        return blockers
 
-    Covers ``default``, ``linear``, ``llama3``, ``yarn``, ``longrope`` ...: one source of truth, so the
-    exported model cannot drift from the reference it is compared against.
+
+def rope_table(hf_config: Any, layer_type: str | None = None) -> RopeTable:
+    """RoPE frequencies for the config's rope type, using transformers' own implementation.
+
+    Covers ``default``, ``linear``, ``llama3``, ``yarn``, ``longrope`` ... and partial rotary: one source
+    of truth, so the exported model cannot drift from the reference it is compared against.
+    ``layer_type`` picks one of several tables (Gemma 3: ``sliding_attention`` / ``full_attention``).
     """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = getattr(hf_config, "rope_parameters", None) or {}
+    hf_config.standardize_rope_params()
+    params = hf_config.rope_parameters or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
-        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        base = params["rope_theta"]
         dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
-        dim = int(dim * partial)
+        dim = int(dim * params.get("partial_rotary_factor", 1.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        return tuple(inv_freq.tolist()), 1.0
+        return RopeTable(tuple(inv_freq.tolist()))
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope type {rope_type!r} is not supported; known: {sorted(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-    return tuple(inv_freq.float().tolist()), float(scaling)
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
+    return RopeTable(tuple(inv_freq.float().tolist()), float(scaling))
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 then cast back, exactly as transformers' ``LlamaRMSNorm``."""
+    """RMSNorm computed in fp32, exactly as transformers' ``LlamaRMSNorm`` or, with ``unit_offset``,
+    ``GemmaRMSNorm`` (scale by ``1 + weight`` before casting back)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +152,12 @@ class RMSNorm(nn.Module):
         else:
             mean_sq = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(mean_sq + self.variance_epsilon)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
+
+
+Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for the new tokens, or None: no RoPE
 
 
 class Attention(nn.Module):
@@ -99,36 +165,42 @@ class Attention(nn.Module):
         super().__init__()
         self.args = args
         h, kv, d = args.num_attention_heads, args.num_key_value_heads, args.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, h * d, bias=args.attention_bias)
-        self.k_proj = nn.Linear(args.hidden_size, kv * d, bias=args.attention_bias)
-        self.v_proj = nn.Linear(args.hidden_size, kv * d, bias=args.attention_bias)
-        self.o_proj = nn.Linear(h * d, args.hidden_size, bias=args.attention_bias)
+        if args.fused_qkv:
+            self.qkv_proj = nn.Linear(args.hidden_size, (h + 2 * kv) * d, bias=args.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(args.hidden_size, h * d, bias=args.qkv_bias)
+            self.k_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
+            self.v_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(h * d, args.hidden_size, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps, args.unit_offset_norm)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps, args.unit_offset_norm)
         cache_shape = (1, kv, args.max_context_len, d)
         self.register_buffer("k_cache", torch.zeros(cache_shape), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape), persistent=False)
-        self.scale = 1.0 / math.sqrt(d)
+        self.scale = args.scale
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Projections with RoPE applied, each [1, T, heads, head_dim].
+    def _qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, ...]:
+        """Projections (q/k normed, RoPE applied), each [1, T, heads, head_dim].
 
         Shapes use -1 for the token dimension: a named symbolic size would stop XNNPACK from
         delegating the reshape in dynamic-length prefill and split the graph into many partitions.
         """
         a = self.args
-        q = apply_rope(self.q_proj(x).view(1, -1, a.num_attention_heads, a.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(1, -1, a.num_key_value_heads, a.head_dim), cos, sin)
-        v = self.v_proj(x).view(1, -1, a.num_key_value_heads, a.head_dim)
+        h, kv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        if a.fused_qkv:
+            q, k, v = self.qkv_proj(x).split([h * d, kv * d, kv * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(1, -1, h, d), k.view(1, -1, kv, d), v.view(1, -1, kv, d)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k, v
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        q, k, v = (t.transpose(1, 2) for t in self._qkv(x, cos, sin))  # [1, heads, T, d]
+    def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in self._qkv(x, rope))  # [1, heads, T, d]
         a = self.args
         kv, rep, d = a.num_key_value_heads, a.n_rep, a.head_dim
 
@@ -139,6 +211,8 @@ class Attention(nn.Module):
         # stacked along the query axis, [1, kv, rep * T, d] against the [1, kv, max_context, d] cache.
         q = q.contiguous().view(1, kv, -1, d)
         scores = torch.matmul(q, self.k_cache.transpose(2, 3)) * self.scale
+        if a.attn_logit_softcap is not None:
+            scores = torch.tanh(scores / a.attn_logit_softcap) * a.attn_logit_softcap
         scores = scores.view(1, kv, rep, -1, a.max_context_len) + mask
         probs = F.softmax(scores.float(), dim=-1).to(q.dtype).view(1, kv, -1, a.max_context_len)
         out = torch.matmul(probs, self.v_cache).view(1, kv, rep, -1, d).permute(0, 3, 1, 2, 4)  # [1, T, kv, rep, d]
@@ -147,27 +221,27 @@ class Attention(nn.Module):
 
 
 class CustomOpsAttention(Attention):
-    """Attention on ExecuTorch's LLM kernels; the cache is laid out [1, max_context, kv_heads, head_dim]."""
+    """Attention on ExecuTorch's LLM kernels; the cache is laid out [1, max_context, kv_heads, head_dim].
+
+    The kernel computes plain causal softmax attention: models with soft-capping or sliding windows
+    use :class:`Attention` (see :meth:`DecoderArgs.custom_ops_blockers`).
+    """
 
     def __init__(self, args: DecoderArgs) -> None:
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers llama:: ops)
 
+        blockers = args.custom_ops_blockers()
+        if blockers:
+            raise ValueError(f"llama::custom_sdpa cannot compute {', '.join(blockers)}; use attention='aten'")
         super().__init__(args)
         shape = (1, args.max_context_len, args.num_key_value_heads, args.head_dim)
         self.k_cache = torch.zeros(shape)
         self.v_cache = torch.zeros(shape)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         a = self.args
         dtype = x.dtype
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v = self._qkv(x, rope)
         start_pos = positions[0].item()
         torch._check_is_size(start_pos)
         torch._check(start_pos < a.max_context_len)
@@ -196,26 +270,52 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class MLP(nn.Module):
+    """Gated MLP: SwiGLU (Llama, Qwen, Phi-3) or GeGLU (Gemma), split or fused gate/up projections."""
+
     def __init__(self, args: DecoderArgs) -> None:
+        from transformers.activations import ACT2FN
+
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.fused = args.fused_gate_up
+        hidden, inter, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        if self.fused:
+            self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        else:
+            self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+            self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act_fn = ACT2FN[args.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual block; with ``sandwich_norms`` (Gemma 2/3) attention and MLP outputs are
+    normed too, and ``post_attention_layernorm`` is the attention output's norm, as in transformers."""
+
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
+        norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm)  # noqa: E731
+        self.sandwich = args.sandwich_norms
         self.self_attn = ATTENTION[args.attention](args)
         self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, cos, sin, positions, mask):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask)
+    def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, positions, mask)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -226,14 +326,15 @@ class DecoderBody(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm)
 
 
 class CausalLM(nn.Module):
     """``forward(tokens[1, T], input_pos[1]) -> logits[1, vocab]`` (last token), updating the KV cache.
 
     ``input_pos`` is the position of ``tokens[0, 0]``; the call writes positions
-    ``input_pos .. input_pos + T - 1`` into the cache and attends to everything before them.
+    ``input_pos .. input_pos + T - 1`` into the cache and attends to everything before them (within
+    the layer's sliding window, if it has one).
     """
 
     def __init__(self, args: DecoderArgs) -> None:
@@ -243,9 +344,15 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.tie_weights()
-        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        for name, _ in args.rope:
+            self.register_buffer(f"rope_cos_{name}", torch.empty(0), persistent=False)
+            self.register_buffer(f"rope_sin_{name}", torch.empty(0), persistent=False)
         self.register_buffer("cache_positions", torch.empty(0, dtype=torch.int64), persistent=False)
+        # Python floats (not tensors, so export sees a constant): the scale rounded to each dtype.
+        self.embed_scale = {
+            dtype: float(torch.tensor(args.embed_scale or 1.0, dtype=dtype, device="cpu"))
+            for dtype in (torch.float32, torch.float16, torch.bfloat16)
+        }
         if self.model.norm.weight.device.type != "meta":
             self.init_buffers()
 
@@ -259,11 +366,12 @@ class CausalLM(nn.Module):
         Needed after building on the meta device and loading weights with ``assign=True``.
         """
         a = self.args
-        inv_freq = torch.tensor(a.rope_inv_freq, dtype=torch.float32, device=device)
-        freqs = torch.outer(torch.arange(a.max_context_len, dtype=torch.float32, device=device), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.rope_cos = emb.cos() * a.rope_attention_scaling
-        self.rope_sin = emb.sin() * a.rope_attention_scaling
+        steps = torch.arange(a.max_context_len, dtype=torch.float32, device=device)
+        for name, table in a.rope:
+            freqs = torch.outer(steps, torch.tensor(table.inv_freq, dtype=torch.float32, device=device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            setattr(self, f"rope_cos_{name}", emb.cos() * table.attention_scaling)
+            setattr(self, f"rope_sin_{name}", emb.sin() * table.attention_scaling)
         self.cache_positions = torch.arange(a.max_context_len, device=device)
         dtype = self.lm_head.weight.dtype if self.lm_head.weight.is_floating_point() else torch.float32
         for layer in self.model.layers:
@@ -273,20 +381,33 @@ class CausalLM(nn.Module):
             attn.v_cache = torch.zeros(attn.v_cache.shape, dtype=cache_dtype, device=device)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, full_logits: bool = False) -> torch.Tensor:
+        a = self.args
         seq_len = tokens.shape[1]
         positions = input_pos[0] + torch.arange(seq_len, dtype=torch.int64)
         h = self.model.embed_tokens(tokens)
-        cos = self.rope_cos[positions].to(h.dtype).unsqueeze(1)  # [T, 1, rot_dim]: broadcasts over heads
-        sin = self.rope_sin[positions].to(h.dtype).unsqueeze(1)
-        # Additive causal mask over the whole cache: query at position p sees cache slots <= p.
-        visible = self.cache_positions[None, :] <= positions[:, None]
-        mask = torch.where(visible, 0.0, float("-inf")).to(h.dtype)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, positions, mask)
+        if a.embed_scale is not None:  # rounded to the activation dtype first, as transformers does
+            h = h * self.embed_scale[h.dtype]
+        ropes: dict[str | None, Rope] = {None: None}
+        for name, _ in a.rope:  # [T, 1, rot_dim]: broadcasts over heads
+            cos = getattr(self, f"rope_cos_{name}")[positions].to(h.dtype).unsqueeze(1)
+            sin = getattr(self, f"rope_sin_{name}")[positions].to(h.dtype).unsqueeze(1)
+            ropes[name] = (cos, sin)
+        # Additive masks over the whole cache: query at position p sees cache slots s <= p, and with a
+        # sliding window w only p - w < s.
+        slots, queries = self.cache_positions[None, :], positions[:, None]
+        masks = {}
+        for window in sorted(set(a.layer_window), key=lambda w: -1 if w is None else w):
+            visible = slots <= queries if window is None else (slots <= queries) & (slots > queries - window)
+            masks[window] = torch.where(visible, 0.0, float("-inf")).to(h.dtype)
+        for layer, rope, window in zip(self.model.layers, a.layer_rope, a.layer_window):
+            h = layer(h, ropes[rope], positions, masks[window])
         h = self.model.norm(h)
         if not full_logits:
             h = h[:, -1, :]
-        return self.lm_head(h)
+        logits = self.lm_head(h)
+        if a.final_logit_softcap is not None:
+            logits = torch.tanh(logits / a.final_logit_softcap) * a.final_logit_softcap
+        return logits
 
     @torch.no_grad()
     def reset_cache(self) -> None:

@@ -1,61 +1,203 @@
-"""Which Hugging Face architectures this decoder implements, and how their configs map onto it.
+"""Which Hugging Face model families the decoder implements, and how their configs map onto it.
 
-A registry keyed by the ``architectures`` entry of ``config.json``: adding a family is one adapter
-function here, no branching elsewhere.
+One :class:`Family` per config-group option (``conf/model/<name>.yaml``): the ``architectures``
+entries of ``config.json`` it accepts, the transformers ``model_type`` used to build a config from
+``model.arch`` alone, and a small adapter returning the :class:`~models.decoder.DecoderArgs` fields
+that differ from a plain Llama. Adding a family is one adapter here; nothing else branches on it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from models.decoder import DecoderArgs, rope_from_hf_config
+from models.decoder import DecoderArgs, rope_table
 from models.errors import ModelError
 
-ArgsAdapter = Callable[[Any, int], DecoderArgs]
-
-FAMILIES: dict[str, ArgsAdapter] = {}
+FamilyAdapter = Callable[[Any, int], dict[str, Any]]
 
 
-def register_family(*architectures: str) -> Callable[[ArgsAdapter], ArgsAdapter]:
-    def wrap(fn: ArgsAdapter) -> ArgsAdapter:
-        for arch in architectures:
-            FAMILIES[arch] = fn
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]
+    model_type: str
+    adapt: FamilyAdapter
+    description: str
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(name: str, *architectures: str, model_type: str) -> Callable[[FamilyAdapter], FamilyAdapter]:
+    def wrap(fn: FamilyAdapter) -> FamilyAdapter:
+        FAMILIES[name] = Family(name, architectures, model_type, fn, (fn.__doc__ or "").strip().splitlines()[0])
         return fn
 
     return wrap
 
 
-@register_family("LlamaForCausalLM")
-def llama_args(cfg: Any, max_context_len: int) -> DecoderArgs:
-    """Llama 2 / 3 / 3.1 / 3.2 (incl. llama3 rope scaling), TinyLlama, SmolLM-style Llama variants."""
-    inv_freq, scaling = rope_from_hf_config(cfg)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return DecoderArgs(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        head_dim=head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        attention_bias=bool(getattr(cfg, "attention_bias", False)),
-        mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-        max_context_len=max_context_len,
-        rope_inv_freq=inv_freq,
-        rope_attention_scaling=scaling,
-    )
+def family_of_architecture(architectures: list[str]) -> Family | None:
+    return next((f for arch in architectures for f in FAMILIES.values() if arch in f.architectures), None)
 
 
-def decoder_args(hf_config: Any, max_context_len: int, source: str) -> DecoderArgs:
-    """Pick the adapter for ``hf_config.architectures``; an unknown one is a clear error."""
+def supported_architectures() -> str:
+    return ", ".join(f"{arch} (model={f.name})" for f in FAMILIES.values() for arch in f.architectures)
+
+
+# --- pieces several families share -------------------------------------------------------------
+
+
+def _default_rope(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """One RoPE table for every layer; refuses longrope past its switch-over length."""
+    cfg.standardize_rope_params()
+    params = cfg.rope_parameters or {}
+    original = params.get("original_max_position_embeddings")
+    if params.get("rope_type") == "longrope" and original is not None and max_context_len > original:
+        raise ModelError(
+            f"this checkpoint uses longrope, which switches to its long-context frequencies past "
+            f"original_max_position_embeddings={original} tokens; exporting export.max_seq_len={max_context_len} "
+            f"would need both sets in one program, which is not implemented. Use export.max_seq_len<={original}."
+        )
+    return {"rope": (("default", rope_table(cfg)),)}
+
+
+def _windows_by_layer_type(cfg: Any) -> tuple[int | None, ...]:
+    """Sliding window on the layers ``layer_types`` marks ``sliding_attention`` (Qwen2/3, Gemma 2/3)."""
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _window_on_every_layer(cfg: Any) -> tuple[int | None, ...]:
+    """Mistral and Phi-3 slide every layer when ``sliding_window`` is set."""
+    return (getattr(cfg, "sliding_window", None),) * cfg.num_hidden_layers
+
+
+def _llama_biases(cfg: Any) -> dict[str, Any]:
+    bias = bool(getattr(cfg, "attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(getattr(cfg, "mlp_bias", False))}
+
+
+def _gemma_common(cfg: Any) -> dict[str, Any]:
+    return {"unit_offset_norm": True, "embed_scale": cfg.hidden_size**0.5, **_llama_biases(cfg)}
+
+
+# --- the families -------------------------------------------------------------------------------
+
+
+@register_family("llama", "LlamaForCausalLM", model_type="llama")
+def llama(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Llama 2 / 3 / 3.1 / 3.2 (incl. llama3 rope scaling), TinyLlama, SmolLM / SmolLM2."""
+    return {**_llama_biases(cfg), **_default_rope(cfg, max_context_len)}
+
+
+@register_family("mistral", "MistralForCausalLM", model_type="mistral")
+def mistral(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Mistral 7B and its derivatives: Llama with a sliding window on every layer."""
+    return {**_default_rope(cfg, max_context_len), "layer_window": _window_on_every_layer(cfg)}
+
+
+@register_family("qwen2", "Qwen2ForCausalLM", model_type="qwen2")
+def qwen2(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Qwen2 / Qwen2.5: biases on q, k and v (none on o_proj)."""
+    return {"qkv_bias": True, **_default_rope(cfg, max_context_len), "layer_window": _windows_by_layer_type(cfg)}
+
+
+@register_family("qwen3", "Qwen3ForCausalLM", model_type="qwen3")
+def qwen3(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Qwen3 (dense): RMSNorm on q and k per head before RoPE."""
+    return {
+        "qk_norm": True, **_llama_biases(cfg), **_default_rope(cfg, max_context_len),
+        "layer_window": _windows_by_layer_type(cfg),
+    }
+
+
+@register_family("phi3", "Phi3ForCausalLM", model_type="phi3")
+def phi3(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv and gate_up projections, partial rotary, longrope."""
+    return {
+        "fused_qkv": True, "fused_gate_up": True, "hidden_act": cfg.hidden_act,
+        **_default_rope(cfg, max_context_len), "layer_window": _window_on_every_layer(cfg),
+    }
+
+
+@register_family("gemma", "GemmaForCausalLM", model_type="gemma")
+def gemma(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Gemma: RMSNorm with +1 offset, embeddings scaled by sqrt(hidden), GeGLU."""
+    act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act
+    return {**_gemma_common(cfg), "hidden_act": act, **_default_rope(cfg, max_context_len)}
+
+
+@register_family("gemma2", "Gemma2ForCausalLM", model_type="gemma2")
+def gemma2(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Gemma 2: Gemma plus sandwich norms, logit soft-capping and alternating sliding-window layers."""
+    return {
+        **_gemma_common(cfg), "hidden_act": cfg.hidden_activation, "sandwich_norms": True,
+        "attn_scale": cfg.query_pre_attn_scalar**-0.5,
+        "attn_logit_softcap": cfg.attn_logit_softcapping, "final_logit_softcap": cfg.final_logit_softcapping,
+        **_default_rope(cfg, max_context_len), "layer_window": _windows_by_layer_type(cfg),
+    }
+
+
+@register_family("gemma3", "Gemma3ForCausalLM", model_type="gemma3_text")
+def gemma3(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Gemma 3 text models: Gemma 2 plus q/k norms and a separate RoPE for sliding-window layers."""
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ModelError("this Gemma 3 config uses bidirectional attention (an embedding model), not a causal LM.")
+    cfg.standardize_rope_params()
+    types = list(cfg.layer_types)
+    return {
+        **_gemma_common(cfg), "hidden_act": cfg.hidden_activation, "sandwich_norms": True, "qk_norm": True,
+        "attn_scale": cfg.query_pre_attn_scalar**-0.5,
+        "attn_logit_softcap": cfg.attn_logit_softcapping, "final_logit_softcap": cfg.final_logit_softcapping,
+        "rope": tuple((t, rope_table(cfg, layer_type=t)) for t in sorted(set(types))),
+        "layer_rope": tuple(types), "layer_window": _windows_by_layer_type(cfg),
+    }
+
+
+@register_family("smollm3", "SmolLM3ForCausalLM", model_type="smollm3")
+def smollm3(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """SmolLM3: Llama with RoPE left out of every few layers (NoPE)."""
+    rope = _default_rope(cfg, max_context_len)
+    use_window = getattr(cfg, "use_sliding_window", False)
+    return {
+        **_llama_biases(cfg), **rope,
+        "layer_rope": tuple("default" if keep else None for keep in cfg.no_rope_layers),
+        "layer_window": _windows_by_layer_type(cfg) if use_window else (),
+    }
+
+
+def decoder_args(hf_config: Any, max_context_len: int, source: str, family: str | None = None) -> DecoderArgs:
+    """Map ``hf_config`` onto :class:`DecoderArgs` with the adapter of its ``architectures`` entry.
+
+    ``family`` (from ``model=<family>``) must agree with the checkpoint; ``None`` accepts any family.
+    """
     archs = list(getattr(hf_config, "architectures", None) or [])
-    for arch in archs:
-        if arch in FAMILIES:
-            return FAMILIES[arch](hf_config, max_context_len)
-    raise ModelError(
-        f"{source}: architecture {archs or '(none given)'} is not implemented by this exporter. "
-        f"Supported architectures: {', '.join(sorted(FAMILIES))}. "
-        "Point model.checkpoint at a checkpoint of one of those families."
-    )
+    found = family_of_architecture(archs)
+    if found is None:
+        raise ModelError(
+            f"{source}: architecture {archs or '(none given)'} is not implemented by this exporter. "
+            f"Supported architectures: {supported_architectures()}. "
+            "Point model.checkpoint at a checkpoint of one of those families."
+        )
+    if family is not None and found.name != family:
+        raise ModelError(
+            f"{source}: model={family} expects {' or '.join(FAMILIES[family].architectures)}, but this checkpoint "
+            f"is {archs[0]}. Use model={found.name}, or model=hf to pick the family from config.json."
+        )
+    cfg = hf_config
+    common = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+        "max_context_len": max_context_len,
+    }
+    return DecoderArgs(**common, **found.adapt(cfg, max_context_len))
+

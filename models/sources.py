@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from models.checkpoint import Checkpoint, open_checkpoint
 from models.errors import ModelError
+from models.families import FAMILIES
 from models.tiny import write_tiny_checkpoint
 
 CheckpointSource = Callable[[Any, Path], Checkpoint]
@@ -34,6 +35,27 @@ def arch_overrides(model_cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in items if v is not None}
 
 
+def random_init_config(model_cfg: Any, overrides: dict[str, Any]) -> Any:
+    """A transformers config of ``model.family`` built from ``model.arch`` alone (no checkpoint)."""
+    from transformers import AutoConfig
+
+    if model_cfg.family is None:
+        raise ModelError(
+            f"model={model_cfg.name} with model.random_init=true and no model.checkpoint cannot tell which family "
+            f"to build. Pick one: model=<family> with family one of {', '.join(FAMILIES)}."
+        )
+    missing = [k for k in REQUIRED_ARCH if k not in overrides]
+    if missing:
+        raise ModelError(
+            "model.random_init=true without model.checkpoint builds the architecture from model.arch, but "
+            f"{', '.join('model.arch.' + k for k in missing)} is not set. Set them, e.g. model.arch.hidden_size=768, "
+            "or give model.checkpoint to take the architecture from its config.json."
+        )
+    family = FAMILIES[model_cfg.family]
+    return AutoConfig.for_model(family.model_type, **overrides, architectures=[family.architectures[0]],
+                                bos_token_id=1, eos_token_id=2)
+
+
 @register_source("hf")
 def hf_checkpoint(model_cfg: Any, work_dir: Path) -> Checkpoint:
     """A Hugging Face checkpoint directory on disk (``model.checkpoint``)."""
@@ -42,19 +64,10 @@ def hf_checkpoint(model_cfg: Any, work_dir: Path) -> Checkpoint:
         if not model_cfg.random_init:
             raise ModelError(
                 f"model={model_cfg.name} needs a checkpoint: add model.checkpoint=/path/to/hf_dir (a directory with "
-                "config.json, *.safetensors, tokenizer.json, generation_config.json), or model.random_init=true "
-                "with the architecture in model.arch.* to benchmark random weights."
+                "config.json, *.safetensors, tokenizer.json or tokenizer.model, generation_config.json), or "
+                "model.random_init=true with the architecture in model.arch.* to benchmark random weights."
             )
-        missing = [k for k in REQUIRED_ARCH if k not in overrides]
-        if missing:
-            raise ModelError(
-                "model.random_init=true without model.checkpoint builds the architecture from model.arch, but "
-                f"{', '.join('model.arch.' + k for k in missing)} is not set. Set them, e.g. model.arch.hidden_size=768, "
-                "or give model.checkpoint to take the architecture from its config.json."
-            )
-        from transformers import LlamaConfig
-
-        config = LlamaConfig(**overrides, architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
+        config = random_init_config(model_cfg, overrides)
         return Checkpoint(path=Path("<random-init>"), hf_config=config, weight_files=[], bos_id=1, eos_ids=[2])
     ckpt = open_checkpoint(model_cfg.checkpoint, need_weights=not model_cfg.random_init)
     for key, value in overrides.items():
@@ -64,6 +77,7 @@ def hf_checkpoint(model_cfg: Any, work_dir: Path) -> Checkpoint:
 
 @register_source("tiny")
 def tiny_checkpoint(model_cfg: Any, work_dir: Path) -> Checkpoint:
-    """A deterministic tiny Llama with a trained tokenizer, written into the run folder."""
-    path = write_tiny_checkpoint(work_dir / "checkpoint", arch=arch_overrides(model_cfg), seed=model_cfg.seed)
+    """A deterministic tiny model of ``model.family`` with a trained tokenizer, written into the run folder."""
+    path = write_tiny_checkpoint(work_dir / "checkpoint", arch=arch_overrides(model_cfg), seed=model_cfg.seed,
+                                 family=model_cfg.family or "llama")
     return open_checkpoint(path)

@@ -1,4 +1,4 @@
-"""A tiny Llama checkpoint built offline and deterministically: the default model and the test fixture.
+"""A tiny checkpoint (Llama by default, any supported family) built offline and deterministically: the default model and the test fixture.
 
 It is written as a real Hugging Face checkpoint directory (``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``generation_config.json``) by transformers itself, so the default export goes
@@ -80,21 +80,24 @@ def fit_to_corpus(model: torch.nn.Module, ids: list[int], steps: int, seed: int,
 
 
 def write_tiny_checkpoint(out_dir: str | Path, arch: dict[str, Any] | None = None, seed: int = 0,
-                          architecture: str = "LlamaForCausalLM", train_steps: int = 150) -> Path:
-    """Write a seeded checkpoint of ``architecture`` to ``out_dir``, briefly fitted to ``CORPUS``.
-
-    ``train_steps=0`` keeps the random initialisation.
+                          family: str = "llama", train_steps: int = 150) -> Path:
+    """Write a seeded checkpoint of ``family`` (a key of ``FAMILIES``) to ``out_dir``, briefly fitted to
+    ``CORPUS``. ``train_steps=0`` keeps the random initialisation.
     """
     import transformers
     from transformers import AutoConfig, GenerationConfig
 
+    from models.families import FAMILIES
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     arch = {**DEFAULT_ARCH, **(arch or {})}
+    if "rope_parameters" in arch:  # it carries its own rope_theta (per layer type for Gemma 3)
+        arch.pop("rope_theta")
     tokenizer = train_tokenizer(arch["vocab_size"])
-    model_type = {"LlamaForCausalLM": "llama"}.get(architecture, architecture)
+    architecture = FAMILIES[family].architectures[0]
     config = AutoConfig.for_model(
-        model_type, **arch, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=None,
+        FAMILIES[family].model_type, **arch, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=None,
         architectures=[architecture],
     )
     transformers.utils.logging.disable_progress_bar()

@@ -54,7 +54,7 @@ def test_llama3_rope_scaling_is_actually_applied(tmp_path: Path) -> None:
     """Guard against silently falling back to plain RoPE: scaled and unscaled frequencies differ."""
     plain = build_model(open_checkpoint(write_tiny_checkpoint(tmp_path / "a")), 32)
     scaled = build_model(open_checkpoint(write_tiny_checkpoint(tmp_path / "b", arch=VARIANTS["llama3 rope scaling, bias"])), 32)
-    assert not torch.allclose(torch.tensor(plain.args.rope_inv_freq), torch.tensor(scaled.args.rope_inv_freq))
+    assert not torch.allclose(torch.tensor(plain.args.rope[0][1].inv_freq), torch.tensor(scaled.args.rope[0][1].inv_freq))
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path: Path, tiny_checkpoint: Path) -> None:
@@ -148,5 +148,5 @@ def test_unsupported_architecture_lists_supported_ones(tmp_path: Path, tiny_chec
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelError, match=r"GPTNeoXForCausalLM.*not implemented.*LlamaForCausalLM"):
+    with pytest.raises(ModelError, match=r"GPTNeoXForCausalLM.*not implemented.*LlamaForCausalLM \(model=llama\).*Qwen3ForCausalLM"):
         build_model(open_checkpoint(d), 32)

@@ -22,6 +22,6 @@ class LoadStage(Stage):
 
     def run(self, artifact: None) -> LoadedModel:
         checkpoint = SOURCES[self.cfg.source](self.cfg, self.work_dir)
-        model = build_model(checkpoint, self.max_seq_len, random_init=self.cfg.random_init, seed=self.cfg.seed,
-                            attention=self.attention)
+        model = build_model(checkpoint, self.max_seq_len, family=self.cfg.family, random_init=self.cfg.random_init,
+                            seed=self.cfg.seed, attention=self.attention)
         return LoadedModel(model=model, checkpoint=checkpoint, max_seq_len=self.max_seq_len)

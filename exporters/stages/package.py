@@ -65,6 +65,8 @@ class PackageStage(Stage):
             },
             "constant_methods": emitted.constant_methods,
             "model": {"checkpoint": str(ckpt.path), "architecture": list(ckpt.hf_config.architectures or []),
+                      "family": emitted.quantized.loaded.family,
+                      "attention": emitted.quantized.model.args.attention,
                       "parameters": sum(p.numel() for p in emitted.quantized.model.parameters())},
             "quantization": emitted.quantized.quantization.as_dict(),
             "validation": None if report is None else asdict(report),

@@ -1,0 +1,75 @@
+"""One tiny transformers config per model family, each varying a shape that breaks implementations.
+
+Every config keeps in_features a multiple of 32 so the same checkpoint also takes 8da4w (group 32).
+Sliding windows are shorter than the test sequences, so the window really masks something.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAMILY_CASES: dict[str, dict[str, Any]] = {
+    # GQA 4:1, head_dim 32 != 64/4, odd vocab, untied, llama3 rope scaling.
+    "llama": {
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 389,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    },
+    # A sliding window of 6 on every layer, head_dim 24 (o_proj in 96), untied.
+    "mistral": {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "vocab_size": 397,
+        "tie_word_embeddings": False, "sliding_window": 6,
+    },
+    # q/k/v biases, tied, the second of three layers slides (max_window_layers=1 ... sliding from layer 1).
+    "qwen2": {
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 391,
+        "tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 2,
+    },
+    # q/k norms, GQA 4:1 with head_dim 8 (8 heads), tied, odd vocab.
+    "qwen3": {
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 403,
+        "tie_word_embeddings": True,
+    },
+    # Fused qkv / gate_up, partial rotary 0.75, longrope with its attention factor, untied.
+    "phi3": {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 389, "tie_word_embeddings": False,
+        "max_position_embeddings": 256, "original_max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0],
+                            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]},
+    },
+    # Multi-query attention (1 kv head), head_dim 32 != 64/4, tied (as Gemma ships).
+    "gemma": {
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 397,
+        "tie_word_embeddings": True,
+    },
+    # Soft-capped attention and logits, query_pre_attn_scalar != head_dim, alternating windows of 5.
+    "gemma2": {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 401,
+        "tie_word_embeddings": True, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 20.0,
+        "final_logit_softcapping": 10.0, "sliding_window": 5,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    # q/k norms, local (sliding, theta 1e4) and global (linear-scaled, theta 1e6) RoPE, 3 layers.
+    "gemma3": {
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+        "vocab_size": 393, "tie_word_embeddings": True, "query_pre_attn_scalar": 32, "sliding_window": 6,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+    },
+    # NoPE every second layer, tied.
+    "smollm3": {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 389, "tie_word_embeddings": True,
+        "no_rope_layer_interval": 2,
+    },
+}
+
+COMMON = {"hidden_size": 64, "intermediate_size": 128}
+
+
+def family_arch(family: str) -> dict[str, Any]:
+    return {**COMMON, **FAMILY_CASES[family]}
