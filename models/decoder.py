@@ -76,6 +76,11 @@ class DecoderArgs:
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         if not self.layer_rope:
             object.__setattr__(self, "layer_rope", (self.rope[0][0] if self.rope else None,) * n)
         if not self.layer_window:
@@ -269,6 +274,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation, written out.
+
+    ``F.gelu(x, approximate="tanh")`` is what transformers calls for Gemma, but ExecuTorch 1.4's
+    XNNPACK delegate ignores ``approximate`` and computes exact GELU (off by up to ~5e-4 per
+    activation; fixed upstream in pytorch/executorch#22851). Spelled out, every op is delegated as is.
+    """
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+# Activations written here take precedence over transformers' ACT2FN of the same name.
+ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh, "gelu_new": gelu_tanh}
+
+
 class MLP(nn.Module):
     """Gated MLP: SwiGLU (Llama, Qwen, Phi-3) or GeGLU (Gemma), split or fused gate/up projections."""
 
@@ -284,7 +303,7 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(hidden, inter, bias=bias)
             self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
-        self.act_fn = ACT2FN[args.hidden_act]
+        self.act_fn = ACTIVATIONS.get(args.hidden_act) or ACT2FN[args.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:

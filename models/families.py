@@ -199,5 +199,8 @@ def decoder_args(hf_config: Any, max_context_len: int, source: str, family: str 
         "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
         "max_context_len": max_context_len,
     }
-    return DecoderArgs(**common, **found.adapt(cfg, max_context_len))
+    try:
+        return DecoderArgs(**common, **found.adapt(cfg, max_context_len))
+    except ValueError as e:
+        raise ModelError(f"{source}: inconsistent architecture: {e}. Fix config.json or the model.arch.* overrides.") from e
 

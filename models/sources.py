@@ -6,6 +6,7 @@ weights is the same code for all of them.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,8 +32,8 @@ def register_source(name: str) -> Callable[[CheckpointSource], CheckpointSource]
 
 def arch_overrides(model_cfg: Any) -> dict[str, Any]:
     arch = model_cfg.arch
-    items = vars(arch).items() if hasattr(arch, "__dict__") else dict(arch).items()
-    return {k: v for k, v in items if v is not None}
+    items = dataclasses.asdict(arch) if dataclasses.is_dataclass(arch) else dict(arch)
+    return {k: v for k, v in items.items() if v is not None}
 
 
 def random_init_config(model_cfg: Any, overrides: dict[str, Any]) -> Any:

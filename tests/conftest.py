@@ -34,6 +34,22 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``family_checkpoint("qwen3")``: a tiny checkpoint of that family written by transformers, once per session."""
+    from tests.family_cases import family_arch
+
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            cache[family] = write_tiny_checkpoint(tmp_path_factory.mktemp(f"ckpt_{family}"), arch=family_arch(family),
+                                                  family=family, seed=3)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., ExportResult]:
     """``exported("quant=8da4w", "backend=xnnpack")``: export once per distinct override set, then reuse."""
     cache: dict[tuple[str, ...], ExportResult] = {}
@@ -54,7 +70,7 @@ def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
 
     cfg = result.manifest["config"]
     q = cfg["quant"]
-    model = build_model(open_checkpoint(result.pte_path.parent / "checkpoint"), cfg["export"]["max_seq_len"])
+    model = build_model(open_checkpoint(result.manifest["model"]["checkpoint"]), cfg["export"]["max_seq_len"])
     quantize_model(model, q["dtype"], q["linear"], q["group_size"], q["lm_head"], q["lm_head_group_size"],
                    q["embedding"], q["embedding_group_size"])
     return model

@@ -1,0 +1,204 @@
+"""Every model family against transformers' own implementation of it.
+
+For each family a tiny config (``tests/family_cases.py``) is built and saved by transformers, with a
+tokenizer trained here. The decoder must match transformers eagerly, and the exported XNNPACK
+program, run in the ExecuTorch runtime, must match it on prefill and on every decode step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from exporters.artifacts import ExportResult
+from exporters.runtime import LoadedProgram
+from models.checkpoint import build_model, open_checkpoint
+from models.decoder import CausalLM
+from models.errors import ModelError
+from models.families import FAMILIES
+from tests.conftest import eager_model_of
+from tests.family_cases import FAMILY_CASES
+
+FAMILY_NAMES = list(FAMILY_CASES)
+SLIDING = ["mistral", "qwen2", "gemma2", "gemma3"]
+MAX_SEQ_LEN, DECODE_STEPS = 48, 10
+PROMPT = "The model was exported with ExecuTorch and shipped in an app."
+
+
+def test_every_registered_family_has_a_case_and_a_config_option() -> None:
+    from exporters.config import CONF_DIR
+
+    assert set(FAMILY_CASES) == set(FAMILIES)
+    for name in FAMILIES:
+        assert (CONF_DIR / "model" / f"{name}.yaml").exists(), name
+
+
+def transformers_model(ckpt: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("attention", ["aten", "custom_ops"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_decoder_matches_transformers(family_checkpoint, family: str, attention: str) -> None:
+    ckpt = family_checkpoint(family)
+    ref = transformers_model(ckpt)
+    ours = build_model(open_checkpoint(ckpt), MAX_SEQ_LEN, attention=attention)
+    if attention == "custom_ops" and ours.args.custom_ops_blockers():
+        assert ours.args.attention == "aten", "a model the kernel cannot compute falls back to ATen attention"
+    tokens = torch.randint(0, ours.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(tokens).logits
+        got = ours(tokens[:, :12], torch.tensor([0]), full_logits=True)
+        assert (got - expected[:, :12]).abs().max().item() <= 1e-4
+        for pos in range(12, 24):
+            step = ours(tokens[:, pos:pos + 1], torch.tensor([pos]))
+            assert (step - expected[:, pos]).abs().max().item() <= 1e-4, f"decode step at position {pos}"
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_sliding_windows_really_mask(family_checkpoint, family: str) -> None:
+    """Negative control: the same weights without the windows give other logits past the window."""
+    model = build_model(open_checkpoint(family_checkpoint(family)), MAX_SEQ_LEN)
+    assert any(w is not None for w in model.args.layer_window)
+    unwindowed = CausalLM(dataclasses.replace(model.args, layer_window=(None,) * model.args.num_hidden_layers))
+    unwindowed.load_state_dict(model.state_dict(), strict=False)
+    tokens = torch.randint(0, model.args.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model(tokens, torch.tensor([0])) - unwindowed(tokens, torch.tensor([0]))).abs().max().item()
+    assert diff > 1e-3
+
+
+def export_family(exported, family_checkpoint, family: str, quant: str, model_option: str) -> ExportResult:  # type: ignore[no-untyped-def]
+    return exported(f"model={model_option}", f"model.checkpoint={family_checkpoint(family)}", "backend=xnnpack",
+                    f"quant={quant}", "export.methods=[prefill,decode]", f"export.max_seq_len={MAX_SEQ_LEN}")
+
+
+def prompt_ids(ckpt: Path) -> torch.Tensor:
+    from tokenizers import Tokenizer
+
+    ids = [1, *Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(PROMPT).ids]
+    return torch.tensor([ids])
+
+
+def run_greedy(program: LoadedProgram, reference, tokens: torch.Tensor):  # type: ignore[no-untyped-def]
+    """Prefill the prompt, then DECODE_STEPS greedy decode steps; yields (runtime, reference) logits per step."""
+    logits = program.run("prefill", tokens, torch.tensor([0]))[0][0]
+    for _ in range(DECODE_STEPS + 1):
+        yield logits, reference(tokens)
+        next_token = logits.argmax().view(1, 1)
+        logits = program.run("decode", next_token, torch.tensor([tokens.shape[1]]))[0][0]
+        tokens = torch.cat([tokens, next_token], dim=1)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_fp32_program_matches_transformers(exported, family_checkpoint, family: str) -> None:
+    ckpt = family_checkpoint(family)
+    result = export_family(exported, family_checkpoint, family, "fp32", model_option=family)
+    assert result.manifest["model"]["family"] == family
+    ref = transformers_model(ckpt)
+    tokens = prompt_ids(ckpt)
+    with torch.no_grad():
+        steps = list(run_greedy(LoadedProgram(result.pte_path), lambda t: ref(t).logits[0, -1], tokens))
+    assert tokens.shape[1] + DECODE_STEPS > 2 * (FAMILY_CASES[family].get("sliding_window") or 0)
+    runtime_tokens = [int(got.argmax()) for got, _ in steps]
+    for i, (got, expected) in enumerate(steps):
+        assert (got - expected).abs().max().item() <= 1e-4, f"{'prefill' if i == 0 else f'decode step {i}'}"
+    assert runtime_tokens == [int(expected.argmax()) for _, expected in steps], "greedy tokens differ"
+    assert len(set(runtime_tokens)) > 1, "a degenerate model would hide cache bugs"
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_8da4w_program_matches_the_eager_quantized_model(exported, family_checkpoint, family: str) -> None:
+    """Exported through model=hf: the family comes from config.json."""
+    result = export_family(exported, family_checkpoint, family, "8da4w", model_option="hf")
+    assert result.manifest["model"]["family"] == family
+    assert result.manifest["quantization"]["linear"]["torchao_config"] == "Int8DynamicActivationIntxWeightConfig"
+    eager = eager_model_of(result)
+
+    def full_sequence(tokens: torch.Tensor) -> torch.Tensor:
+        eager.reset_cache()
+        return eager(tokens, torch.tensor([0]), full_logits=True)[0, -1]
+
+    with torch.no_grad():
+        steps = list(run_greedy(LoadedProgram(result.pte_path), full_sequence, prompt_ids(family_checkpoint(family))))
+    for i, (got, expected) in enumerate(steps):
+        assert (got - expected).abs().max() <= 0.05 * expected.abs().max(), f"step {i}"
+        assert int(got.argmax()) == int(expected.argmax()), f"greedy token differs at step {i}"
+
+
+def test_family_option_must_match_the_checkpoint(family_checkpoint) -> None:
+    with pytest.raises(ModelError, match=r"model=qwen3 expects Qwen3ForCausalLM.*Gemma2ForCausalLM.*model=gemma2"):
+        build_model(open_checkpoint(family_checkpoint("gemma2")), 32, family="qwen3")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_random_init_builds_a_family_from_model_arch(family: str) -> None:
+    from models.sources import SOURCES
+    from tests.conftest import compose_config
+
+    arch = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
+            "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "model.arch.vocab_size=300"]
+    cfg = compose_config(f"model={family}", "model.random_init=true", *arch).model
+    ckpt = SOURCES["hf"](cfg, Path("."))
+    model = build_model(ckpt, 32, family=family, random_init=True)
+    assert model.args.qk_norm and model.args.num_hidden_layers == 2
+    assert model(torch.tensor([[1, 2, 3]]), torch.tensor([0])).shape == (1, 300)
+
+
+def test_inconsistent_heads_are_a_clear_error() -> None:
+    from models.sources import SOURCES
+    from tests.conftest import compose_config
+
+    arch = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
+            "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=3", "model.arch.vocab_size=300"]
+    ckpt = SOURCES["hf"](compose_config("model=llama", "model.random_init=true", *arch).model, Path("."))
+    with pytest.raises(ModelError, match="num_attention_heads=4 is not a multiple of num_key_value_heads=3"):
+        build_model(ckpt, 32, random_init=True)
+
+
+def test_random_init_without_family_says_how_to_pick_one() -> None:
+    from models.sources import SOURCES
+    from tests.conftest import compose_config
+
+    with pytest.raises(ModelError, match="cannot tell which family.*model=<family>"):
+        SOURCES["hf"](compose_config("model=hf", "model.random_init=true").model, Path("."))
+
+
+def test_longrope_past_its_switch_over_is_refused(family_checkpoint) -> None:
+    with pytest.raises(ModelError, match=r"longrope.*original_max_position_embeddings=64.*export.max_seq_len<=64"):
+        build_model(open_checkpoint(family_checkpoint("phi3")), 128)
+
+
+def test_unknown_family_option_lists_the_families() -> None:
+    from exporters.config import to_typed
+    from exporters.errors import UserError
+    from tests.conftest import compose_config
+
+    with pytest.raises(UserError, match=r"model.family='falcon' is not known.*gemma.*qwen3"):
+        to_typed(compose_config("model=hf", "model.family=falcon"))
+
+
+def test_tiny_source_writes_any_family(tmp_path: Path) -> None:
+    from models.sources import SOURCES
+    from tests.conftest import compose_config
+
+    cfg = compose_config("model=tiny", "model.family=gemma2").model
+    ckpt = SOURCES["tiny"](cfg, tmp_path)
+    assert json.loads((ckpt.path / "config.json").read_text())["architectures"] == ["Gemma2ForCausalLM"]
+
+
+def test_unsupported_multimodal_architecture_is_named(tmp_path: Path, family_checkpoint) -> None:
+    d = tmp_path / "c"
+    shutil.copytree(family_checkpoint("gemma3"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["Gemma3ForConditionalGeneration"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match=r"Gemma3ForConditionalGeneration.*not implemented.*Gemma3ForCausalLM \(model=gemma3\)"):
+        build_model(open_checkpoint(d), 32)
