@@ -24,9 +24,9 @@ class LoadedModel:
 
     @property
     def family(self) -> str | None:
-        from models.families import family_of_architecture
+        from models.families import family_of_config
 
-        found = family_of_architecture(list(self.checkpoint.hf_config.architectures or []))
+        found = family_of_config(self.checkpoint.hf_config)
         return found.name if found else None
 
     def summary(self) -> str:

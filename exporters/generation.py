@@ -16,6 +16,8 @@ import torch
 
 from exporters.errors import UserError
 from exporters.runtime import LoadedProgram
+from models.errors import ModelError
+from models.tokenizer import TextTokenizer, find_tokenizer, load_tokenizer
 
 
 @dataclass
@@ -53,27 +55,32 @@ class TextStream:
     stock runner's Python callback does) yields broken characters or raises.
     """
 
-    def __init__(self, tokenizer: object) -> None:
+    def __init__(self, tokenizer: TextTokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.emitted = ""
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for its next byte
             return ""
         piece, self.emitted = text[len(self.emitted):], text
         return piece
 
 
-def load_tokenizer(pte: Path, tokenizer: str | None) -> object:
-    from tokenizers import Tokenizer
-
-    path = Path(tokenizer) if tokenizer else pte.parent / "tokenizer.json"
-    if not path.is_file():
-        raise UserError(f"no tokenizer at {path}: pass tokenizer=/path/to/tokenizer.json.")
-    return Tokenizer.from_file(str(path))
+def tokenizer_for(pte: Path, tokenizer: str | None) -> TextTokenizer:
+    """``tokenizer`` if given, else the tokenizer.json / tokenizer.model next to the program."""
+    path = Path(tokenizer) if tokenizer else find_tokenizer(pte.parent)
+    if path is None or not path.is_file():
+        raise UserError(
+            f"no tokenizer {'at ' + str(path) if path else 'next to ' + str(pte)}: pass "
+            "tokenizer=/path/to/tokenizer.json (or a SentencePiece tokenizer.model)."
+        )
+    try:
+        return load_tokenizer(path)
+    except ModelError as e:
+        raise UserError(str(e)) from e
 
 
 def chat_prompt(pte: Path, prompt: str) -> str:
@@ -106,7 +113,7 @@ class Generator:
     def __init__(self, pte: str | Path, tokenizer: str | None = None) -> None:
         self.pte = resolve_program(pte)
         self.program = LoadedProgram(self.pte)
-        self.tokenizer = load_tokenizer(self.pte, tokenizer)
+        self.tokenizer = tokenizer_for(self.pte, tokenizer)
         names = self.program.method_names
         self.max_seq_len = int(self.program.constant("get_max_seq_len"))
         self.bos_id = self.program.constant("get_bos_id") if "get_bos_id" in names else None
@@ -126,7 +133,7 @@ class Generator:
         return int(self.program.constant(key))
 
     def encode(self, prompt: str) -> list[int]:
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids  # type: ignore[attr-defined]
+        ids = self.tokenizer.encode(prompt)
         return ([self.bos_id] if self.bos_id is not None else []) + ids
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Read a Hugging Face checkpoint directory into the exportable decoder.
 
-Only safetensors are read (no pickle). The model is built on the meta device and the tensors are
-assigned into it (``load_state_dict(assign=True)``), so at most one full-precision copy of the weights
-exists at any time. Every file problem is a :class:`ModelError` naming the file (and tensor).
+Only safetensors are read (no pickle). The model is built on the meta device and each tensor, in the
+checkpoint's own dtype, is assigned into it (``load_state_dict(assign=True)``). The tensors are
+copy-on-write views of the memory-mapped files: no second copy exists, pages are read when first used,
+and the file itself is never written. Peak memory is measured by ``scripts/measure_load_memory.py``.
+Every file problem is a :class:`ModelError` naming the file (and tensor).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from models.families import decoder_args
 log = logging.getLogger(__name__)
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
+# Copied next to the program: what the runner and chat templates need.
+TOKENIZER_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 # Buffers some checkpoints carry that this decoder recomputes itself.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -106,7 +109,7 @@ def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoin
         path=path,
         hf_config=hf_config,
         weight_files=_weight_files(path) if need_weights else [],
-        tokenizer_files=[path / n for n in TOKENIZER_FILES if (path / n).exists()],
+        tokenizer_files=[path / n for n in TOKENIZER_SIDE_FILES if (path / n).exists()],
         generation_config_file=gen_file if gen_file.exists() else None,
         bos_id=None if bos is None else int(bos),
         eos_ids=eos,
@@ -146,10 +149,10 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
     unexpected: list[str] = []
     for file in files:
         try:
-            with safe_open(str(file), framework="pt") as fh:
+            with safe_open(str(file), framework="pt", backend="mmap") as fh:
                 for name in fh.keys():
-                    if name.endswith(IGNORED_TENSOR_SUFFIXES):
-                        continue
+                    if name.endswith(IGNORED_TENSOR_SUFFIXES) or (tied and name == "lm_head.weight"):
+                        continue  # recomputed, or shared with the embedding
                     if name not in expected:
                         unexpected.append(name)
                         continue
@@ -160,7 +163,13 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
                             f"{file}: tensor {name} has shape {tuple(tensor.shape)}, but config.json implies "
                             f"{tuple(want.shape)}. The weights and config.json come from different models."
                         )
-                    loaded[name] = tensor.to(torch.float32)
+                    if not tensor.is_floating_point():
+                        raise ModelError(
+                            f"{file}: tensor {name} is {tensor.dtype}; this loader reads floating-point weights. "
+                            "Pre-quantized checkpoints (GPTQ, AWQ, bitsandbytes) are not supported: export from the "
+                            "original bf16/fp16/fp32 checkpoint and pick a quant option instead."
+                        )
+                    loaded[name] = tensor
         except SafetensorError as e:
             raise ModelError(f"{file}: damaged or truncated safetensors file ({e}). Re-download it.") from e
     if tied:

@@ -37,8 +37,14 @@ def register_family(name: str, *architectures: str, model_type: str) -> Callable
     return wrap
 
 
-def family_of_architecture(architectures: list[str]) -> Family | None:
-    return next((f for arch in architectures for f in FAMILIES.values() if arch in f.architectures), None)
+def family_of_config(hf_config: Any) -> Family | None:
+    """The family of ``config.json``'s ``architectures`` entry, else of its ``model_type``."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    by_arch = next((f for arch in archs for f in FAMILIES.values() if arch in f.architectures), None)
+    if by_arch is not None or archs:
+        return by_arch
+    model_type = getattr(hf_config, "model_type", None)
+    return next((f for f in FAMILIES.values() if f.model_type == model_type), None)
 
 
 def supported_architectures() -> str:
@@ -174,17 +180,18 @@ def decoder_args(hf_config: Any, max_context_len: int, source: str, family: str 
     ``family`` (from ``model=<family>``) must agree with the checkpoint; ``None`` accepts any family.
     """
     archs = list(getattr(hf_config, "architectures", None) or [])
-    found = family_of_architecture(archs)
+    found = family_of_config(hf_config)
     if found is None:
+        given = archs or f"(none given; model_type {getattr(hf_config, 'model_type', None)!r})"
         raise ModelError(
-            f"{source}: architecture {archs or '(none given)'} is not implemented by this exporter. "
+            f"{source}: architecture {given} is not implemented by this exporter. "
             f"Supported architectures: {supported_architectures()}. "
             "Point model.checkpoint at a checkpoint of one of those families."
         )
     if family is not None and found.name != family:
         raise ModelError(
             f"{source}: model={family} expects {' or '.join(FAMILIES[family].architectures)}, but this checkpoint "
-            f"is {archs[0]}. Use model={found.name}, or model=hf to pick the family from config.json."
+            f"is {found.architectures[0]}. Use model={found.name}, or model=hf to pick the family from config.json."
         )
     cfg = hf_config
     common = {

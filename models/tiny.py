@@ -60,6 +60,21 @@ def train_tokenizer(vocab_size: int, corpus: str = CORPUS) -> Any:
     return tok
 
 
+def train_sentencepiece(vocab_size: int, corpus: str = CORPUS) -> bytes:
+    """A SentencePiece BPE model (``tokenizer.model``, byte fallback) trained on ``corpus``."""
+    import io
+
+    import sentencepiece
+
+    buf = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus.splitlines()), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1, character_coverage=1.0,
+        hard_vocab_limit=False, minloglevel=2, num_threads=1,
+    )
+    return buf.getvalue()
+
+
 def fit_to_corpus(model: torch.nn.Module, ids: list[int], steps: int, seed: int, window: int = 32) -> None:
     """A few seconds of training on the corpus, so the tiny model has peaked, input-dependent logits.
 
@@ -80,9 +95,10 @@ def fit_to_corpus(model: torch.nn.Module, ids: list[int], steps: int, seed: int,
 
 
 def write_tiny_checkpoint(out_dir: str | Path, arch: dict[str, Any] | None = None, seed: int = 0,
-                          family: str = "llama", train_steps: int = 150) -> Path:
+                          family: str = "llama", train_steps: int = 150, tokenizer: str = "bpe") -> Path:
     """Write a seeded checkpoint of ``family`` (a key of ``FAMILIES``) to ``out_dir``, briefly fitted to
-    ``CORPUS``. ``train_steps=0`` keeps the random initialisation.
+    ``CORPUS``. ``train_steps=0`` keeps the random initialisation. ``tokenizer="sentencepiece"`` writes
+    a ``tokenizer.model`` (as Llama 2 / Gemma ship) instead of a byte-level BPE ``tokenizer.json``.
     """
     import transformers
     from transformers import AutoConfig, GenerationConfig
@@ -94,7 +110,14 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: dict[str, Any] | None = Non
     arch = {**DEFAULT_ARCH, **(arch or {})}
     if "rope_parameters" in arch:  # it carries its own rope_theta (per layer type for Gemma 3)
         arch.pop("rope_theta")
-    tokenizer = train_tokenizer(arch["vocab_size"])
+    if tokenizer == "sentencepiece":
+        import sentencepiece
+
+        sp_model = train_sentencepiece(arch["vocab_size"])
+        corpus_ids = list(sentencepiece.SentencePieceProcessor(model_proto=sp_model).Encode(CORPUS))
+    else:
+        bpe = train_tokenizer(arch["vocab_size"])
+        corpus_ids = bpe.encode(CORPUS).ids
     architecture = FAMILIES[family].architectures[0]
     config = AutoConfig.for_model(
         FAMILIES[family].model_type, **arch, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=None,
@@ -104,12 +127,16 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: dict[str, Any] | None = Non
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config)
     if train_steps:
-        fit_to_corpus(model, tokenizer.encode(CORPUS).ids, train_steps, seed)
+        fit_to_corpus(model, corpus_ids, train_steps, seed)
     model.eval().save_pretrained(out)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(out)
-    tokenizer.save(str(out / "tokenizer.json"))
+    if tokenizer == "sentencepiece":
+        (out / "tokenizer.model").write_bytes(sp_model)
+    else:
+        bpe.save(str(out / "tokenizer.json"))
+    tokenizer_class = "LlamaTokenizer" if tokenizer == "sentencepiece" else "PreTrainedTokenizerFast"
     (out / "tokenizer_config.json").write_text(
         '{"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", '
-        '"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048}\n'
+        f'"tokenizer_class": "{tokenizer_class}", "model_max_length": 2048}}\n'
     )
     return out

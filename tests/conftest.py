@@ -36,14 +36,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``family_checkpoint("qwen3")``: a tiny checkpoint of that family written by transformers, once per session."""
-    from tests.family_cases import family_arch
+    from tests.family_cases import SENTENCEPIECE, family_arch
 
     cache: dict[str, Path] = {}
 
     def get(family: str) -> Path:
         if family not in cache:
             cache[family] = write_tiny_checkpoint(tmp_path_factory.mktemp(f"ckpt_{family}"), arch=family_arch(family),
-                                                  family=family, seed=3)
+                                                  family=family, seed=3,
+                                                  tokenizer="sentencepiece" if family in SENTENCEPIECE else "bpe")
         return cache[family]
 
     return get

@@ -21,10 +21,10 @@ FAMILY_CASES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "vocab_size": 397,
         "tie_word_embeddings": False, "sliding_window": 6,
     },
-    # q/k/v biases, tied, the second of three layers slides (max_window_layers=1 ... sliding from layer 1).
+    # q/k/v biases, tied, layers from max_window_layers=1 on slide.
     "qwen2": {
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 391,
-        "tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 391,
+        "tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1,
     },
     # q/k norms, GQA 4:1 with head_dim 8 (8 heads), tied, odd vocab.
     "qwen3": {
@@ -51,11 +51,11 @@ FAMILY_CASES: dict[str, dict[str, Any]] = {
         "final_logit_softcapping": 10.0, "sliding_window": 5,
         "layer_types": ["sliding_attention", "full_attention"],
     },
-    # q/k norms, local (sliding, theta 1e4) and global (linear-scaled, theta 1e6) RoPE, 3 layers.
+    # q/k norms, local (sliding, theta 1e4) and global (linear-scaled, theta 1e6) RoPE.
     "gemma3": {
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
         "vocab_size": 393, "tie_word_embeddings": True, "query_pre_attn_scalar": 32, "sliding_window": 6,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "layer_types": ["sliding_attention", "full_attention"],
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
@@ -67,6 +67,9 @@ FAMILY_CASES: dict[str, dict[str, Any]] = {
         "no_rope_layer_interval": 2,
     },
 }
+
+# Families whose test checkpoint ships a SentencePiece tokenizer.model instead of tokenizer.json.
+SENTENCEPIECE = {"gemma"}
 
 COMMON = {"hidden_size": 64, "intermediate_size": 128}
 

@@ -21,6 +21,7 @@ from models.checkpoint import build_model, open_checkpoint
 from models.decoder import CausalLM
 from models.errors import ModelError
 from models.families import FAMILIES
+from models.tokenizer import find_tokenizer, load_tokenizer
 from tests.conftest import eager_model_of
 from tests.family_cases import FAMILY_CASES
 
@@ -81,10 +82,9 @@ def export_family(exported, family_checkpoint, family: str, quant: str, model_op
 
 
 def prompt_ids(ckpt: Path) -> torch.Tensor:
-    from tokenizers import Tokenizer
-
-    ids = [1, *Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(PROMPT).ids]
-    return torch.tensor([ids])
+    tokenizer = find_tokenizer(ckpt)
+    assert tokenizer is not None
+    return torch.tensor([[1, *load_tokenizer(tokenizer).encode(PROMPT)]])
 
 
 def run_greedy(program: LoadedProgram, reference, tokens: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -131,6 +131,19 @@ def test_8da4w_program_matches_the_eager_quantized_model(exported, family_checkp
     for i, (got, expected) in enumerate(steps):
         assert (got - expected).abs().max() <= 0.05 * expected.abs().max(), f"step {i}"
         assert int(got.argmax()) == int(expected.argmax()), f"greedy token differs at step {i}"
+
+
+def test_sentencepiece_tokenizer_is_validated_copied_and_used_for_generation(exported, family_checkpoint) -> None:
+    """Gemma's test checkpoint has only tokenizer.model: export validates with it, ships it, generates with it."""
+    from exporters.generation import Generator, SamplingConfig
+
+    ckpt = family_checkpoint("gemma")
+    assert (ckpt / "tokenizer.model").exists() and not (ckpt / "tokenizer.json").exists()
+    result = export_family(exported, family_checkpoint, "gemma", "fp32", model_option="gemma")
+    assert "tokenizer.model" in result.manifest["tokenizer_files"]
+    assert (result.pte_path.parent / "tokenizer.model").exists()
+    out = Generator(result.pte_path).generate("Once upon a time", SamplingConfig(max_new_tokens=12))
+    assert out.new_ids and out.text == load_tokenizer(ckpt / "tokenizer.model").decode(out.new_ids)
 
 
 def test_family_option_must_match_the_checkpoint(family_checkpoint) -> None:
@@ -192,6 +205,15 @@ def test_tiny_source_writes_any_family(tmp_path: Path) -> None:
     cfg = compose_config("model=tiny", "model.family=gemma2").model
     ckpt = SOURCES["tiny"](cfg, tmp_path)
     assert json.loads((ckpt.path / "config.json").read_text())["architectures"] == ["Gemma2ForCausalLM"]
+
+
+def test_family_falls_back_to_model_type_without_architectures(tmp_path: Path, family_checkpoint) -> None:
+    d = tmp_path / "c"
+    shutil.copytree(family_checkpoint("qwen3"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["architectures"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert build_model(open_checkpoint(d), 32).args.qk_norm
 
 
 def test_unsupported_multimodal_architecture_is_named(tmp_path: Path, family_checkpoint) -> None:

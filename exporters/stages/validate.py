@@ -16,17 +16,16 @@ from exporters.config import QuantConfig, ValidationConfig
 from exporters.methods import MethodSpec
 from exporters.pipeline import Stage
 from exporters.runtime import CapturedPrograms, LoadedProgram
+from models.tokenizer import find_tokenizer, load_tokenizer
 
 
 def prompt_tokens(emitted: EmittedProgram, prompt: str, limit: int) -> torch.Tensor:
     """The validation prompt as ids (bos first), from the checkpoint's tokenizer when it has one."""
     ckpt = emitted.quantized.loaded.checkpoint
     vocab = emitted.quantized.model.args.vocab_size
-    tok_file = next((f for f in ckpt.tokenizer_files if f.name == "tokenizer.json"), None)
+    tok_file = find_tokenizer(ckpt.path)
     if tok_file is not None:
-        from tokenizers import Tokenizer
-
-        ids = Tokenizer.from_file(str(tok_file)).encode(prompt, add_special_tokens=False).ids
+        ids = load_tokenizer(tok_file).encode(prompt)
     else:  # random-init models have no tokenizer: a fixed, spread-out id sequence
         ids = [(7919 * i + 13) % vocab for i in range(len(prompt.split()) * 2)]
     if ckpt.bos_id is not None:
