@@ -38,10 +38,13 @@ def _readme(name: str, m: dict[str, Any]) -> str:
     )
     constants = "\n".join(f"| `{k}` | `{v}` |" for k, v in m["constant_methods"].items())
     v = m.get("validation") or {}
+    tokenizer = next((f for f in ("tokenizer.json", "tokenizer.model") if f in m.get("tokenizer_files", [])),
+                     "tokenizer.json")
     return f"""# {name}
 
-ExecuTorch program exported by llm-exporters: model `{cfg['model']['name']}`, quantization
-`{cfg['quant']['name']}`, backend `{cfg['backend']['name']}`, context {cfg['export']['max_seq_len']} tokens.
+ExecuTorch program exported by llm-exporters: model `{cfg['model']['name']}`
+({m['model'].get('family')} family), quantization `{cfg['quant']['name']}`, backend `{cfg['backend']['name']}`,
+context {cfg['export']['max_seq_len']} tokens.
 
 ## Load it
 
@@ -54,7 +57,7 @@ decode = program.load_method("decode")     # tokens int64[1, 1], input_pos int64
 
 All methods share one KV cache: call `prefill` on the prompt at position 0, then `decode` with each
 new token at the next position. With a `forward` method the program also runs unchanged in
-ExecuTorch's stock runner (`executorch.extension.llm.runner.TextLLMRunner("model.pte", "tokenizer.json")`).
+ExecuTorch's stock runner (`executorch.extension.llm.runner.TextLLMRunner("model.pte", "{tokenizer}")`).
 In C++, load it with `executorch::extension::Module` and the same method names.
 
 ## Methods

@@ -209,5 +209,7 @@ def decoder_args(hf_config: Any, max_context_len: int, source: str, family: str 
     try:
         return DecoderArgs(**common, **found.adapt(cfg, max_context_len))
     except ValueError as e:
-        raise ModelError(f"{source}: inconsistent architecture: {e}. Fix config.json or the model.arch.* overrides.") from e
+        raise ModelError(
+            f"{source}: inconsistent architecture: {e}. Fix config.json or the model.arch.* overrides."
+        ) from e
 

@@ -1,4 +1,5 @@
-"""A tiny checkpoint (Llama by default, any supported family) built offline and deterministically: the default model and the test fixture.
+"""A tiny checkpoint (Llama by default, any supported family) built offline and deterministically:
+the default model and the test fixture.
 
 It is written as a real Hugging Face checkpoint directory (``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``generation_config.json``) by transformers itself, so the default export goes

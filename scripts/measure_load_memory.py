@@ -9,7 +9,8 @@ weight has been read once (what an export then touches).
     python scripts/measure_load_memory.py                    # bf16, ~540 MB, 3 shards
     python scripts/measure_load_memory.py --dtype fp32 --shards 1
 
-Prints one JSON line: checkpoint bytes S, RSS before loading (after a warm-up load of a tiny checkpoint), peak RSS while loading, and
+Prints one JSON line: checkpoint bytes S, RSS before loading (after a warm-up load of a tiny
+checkpoint), peak RSS while loading and with every weight resident, and
 ``(peak - before_loading) / S`` for both (the target is <= 1.3).
 """
 
@@ -65,11 +66,12 @@ def write_checkpoint(out: Path, dtype: str, size_mb: int, shards: int) -> int:
     layers = max(1, round((size_mb * 1e6 / torch_dtype.itemsize - fixed) / per_layer))
     config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=16,
                          num_key_value_heads=16, vocab_size=vocab, tie_word_embeddings=False,
-                         architectures=["LlamaForCausalLM"], dtype=dtype.replace("fp", "float").replace("bf16", "bfloat16"))
+                         architectures=["LlamaForCausalLM"], dtype=str(torch_dtype).removeprefix("torch."))
     config.save_pretrained(out)
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out)
 
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes.update({

@@ -76,9 +76,10 @@ def test_sliding_windows_really_mask(family_checkpoint, family: str) -> None:
     assert diff > 1e-3
 
 
-def export_family(exported, family_checkpoint, family: str, quant: str, model_option: str) -> ExportResult:  # type: ignore[no-untyped-def]
+def export_family(exported, family_checkpoint, family: str, quant: str, model_option: str,  # type: ignore[no-untyped-def]
+                  methods: str = "[prefill,decode]") -> ExportResult:
     return exported(f"model={model_option}", f"model.checkpoint={family_checkpoint(family)}", "backend=xnnpack",
-                    f"quant={quant}", "export.methods=[prefill,decode]", f"export.max_seq_len={MAX_SEQ_LEN}")
+                    f"quant={quant}", f"export.methods={methods}", f"export.max_seq_len={MAX_SEQ_LEN}")
 
 
 def prompt_ids(ckpt: Path) -> torch.Tensor:
@@ -88,8 +89,13 @@ def prompt_ids(ckpt: Path) -> torch.Tensor:
 
 
 def run_greedy(program: LoadedProgram, reference, tokens: torch.Tensor):  # type: ignore[no-untyped-def]
-    """Prefill the prompt, then DECODE_STEPS greedy decode steps; yields (runtime, reference) logits per step."""
-    logits = program.run("prefill", tokens, torch.tensor([0]))[0][0]
+    """Prefill the prompt (token by token through decode if the program has no prefill), then
+    DECODE_STEPS greedy decode steps; yields (runtime, reference) logits per step."""
+    if "prefill" in program.method_names:
+        logits = program.run("prefill", tokens, torch.tensor([0]))[0][0]
+    else:
+        for pos in range(tokens.shape[1]):
+            logits = program.run("decode", tokens[:, pos:pos + 1], torch.tensor([pos]))[0][0]
     for _ in range(DECODE_STEPS + 1):
         yield logits, reference(tokens)
         next_token = logits.argmax().view(1, 1)
@@ -116,8 +122,9 @@ def test_fp32_program_matches_transformers(exported, family_checkpoint, family: 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_8da4w_program_matches_the_eager_quantized_model(exported, family_checkpoint, family: str) -> None:
-    """Exported through model=hf: the family comes from config.json."""
-    result = export_family(exported, family_checkpoint, family, "8da4w", model_option="hf")
+    """Exported through model=hf (the family comes from config.json), decode only: the quantized prefill
+    path is the same code as fp32's and is covered for Llama in test_export; this keeps the suite short."""
+    result = export_family(exported, family_checkpoint, family, "8da4w", model_option="hf", methods="[decode]")
     assert result.manifest["model"]["family"] == family
     assert result.manifest["quantization"]["linear"]["torchao_config"] == "Int8DynamicActivationIntxWeightConfig"
     eager = eager_model_of(result)
@@ -222,5 +229,6 @@ def test_unsupported_multimodal_architecture_is_named(tmp_path: Path, family_che
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["Gemma3ForConditionalGeneration"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelError, match=r"Gemma3ForConditionalGeneration.*not implemented.*Gemma3ForCausalLM \(model=gemma3\)"):
+    expected = r"Gemma3ForConditionalGeneration.*not implemented.*Gemma3ForCausalLM \(model=gemma3\)"
+    with pytest.raises(ModelError, match=expected):
         build_model(open_checkpoint(d), 32)

@@ -148,5 +148,6 @@ def test_unsupported_architecture_lists_supported_ones(tmp_path: Path, tiny_chec
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelError, match=r"GPTNeoXForCausalLM.*not implemented.*LlamaForCausalLM \(model=llama\).*Qwen3ForCausalLM"):
+    expected = r"GPTNeoXForCausalLM.*not implemented.*LlamaForCausalLM \(model=llama\).*Qwen3ForCausalLM"
+    with pytest.raises(ModelError, match=expected):
         build_model(open_checkpoint(d), 32)
