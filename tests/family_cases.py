@@ -54,7 +54,7 @@ FAMILY_CASES: dict[str, dict[str, Any]] = {
     # q/k norms, local (sliding, theta 1e4) and global (linear-scaled, theta 1e6) RoPE.
     "gemma3": {
         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
-        "vocab_size": 393, "tie_word_embeddings": True, "query_pre_attn_scalar": 32, "sliding_window": 6,
+        "vocab_size": 393, "tie_word_embeddings": True, "query_pre_attn_scalar": 48, "sliding_window": 6,
         "layer_types": ["sliding_attention", "full_attention"],
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},

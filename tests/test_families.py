@@ -63,6 +63,22 @@ def test_decoder_matches_transformers(family_checkpoint, family: str, attention:
             assert (step - expected[:, pos]).abs().max().item() <= 1e-4, f"decode step at position {pos}"
 
 
+def test_custom_ops_kernel_takes_gemma3_when_the_window_covers_the_context(family_checkpoint) -> None:
+    """With export.max_seq_len <= sliding_window every layer is plain causal, so the fast kernel is used
+    (with Gemma's query_pre_attn_scalar scale and q/k norms) and still matches transformers."""
+    ckpt = family_checkpoint("gemma3")
+    window = FAMILY_CASES["gemma3"]["sliding_window"]
+    ours = build_model(open_checkpoint(ckpt), window, attention="custom_ops")
+    assert ours.args.attention == "custom_ops" and ours.args.scale != ours.args.head_dim**-0.5
+    tokens = torch.randint(0, ours.args.vocab_size, (1, window), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = transformers_model(ckpt)(tokens).logits
+        got = ours(tokens[:, :3], torch.tensor([0]), full_logits=True)
+        assert (got - expected[:, :3]).abs().max().item() <= 1e-4
+        for pos in range(3, window):
+            assert (ours(tokens[:, pos:pos + 1], torch.tensor([pos])) - expected[:, pos]).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("family", SLIDING)
 def test_sliding_windows_really_mask(family_checkpoint, family: str) -> None:
     """Negative control: the same weights without the windows give other logits past the window."""
