@@ -22,8 +22,7 @@ class Family:
     name: str
     architectures: tuple[str, ...]
     model_type: str
-    adapt: FamilyAdapter
-    description: str
+    adapt: FamilyAdapter  # hf config, max context -> the DecoderArgs fields that differ from Llama's defaults
 
 
 FAMILIES: dict[str, Family] = {}
@@ -31,7 +30,7 @@ FAMILIES: dict[str, Family] = {}
 
 def register_family(name: str, *architectures: str, model_type: str) -> Callable[[FamilyAdapter], FamilyAdapter]:
     def wrap(fn: FamilyAdapter) -> FamilyAdapter:
-        FAMILIES[name] = Family(name, architectures, model_type, fn, (fn.__doc__ or "").strip().splitlines()[0])
+        FAMILIES[name] = Family(name, architectures, model_type, fn)
         return fn
 
     return wrap
