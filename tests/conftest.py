@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -62,6 +63,18 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., ExportRe
         return cache[key]
 
     return get
+
+
+def assert_matches_transformers(ref, ours, tokens: torch.Tensor, prefill_len: int, atol: float = 1e-4) -> None:  # type: ignore[no-untyped-def]
+    """Our decoder on ``tokens[:, :prefill_len]`` then one token per step, against ``ref``'s logits for the
+    whole sequence: the KV cache must carry the prefix exactly."""
+    with torch.no_grad():
+        expected = ref(tokens).logits
+        got = ours(tokens[:, :prefill_len], torch.tensor([0]), full_logits=True)
+        assert (got - expected[:, :prefill_len]).abs().max().item() <= atol, "prefill"
+        for pos in range(prefill_len, tokens.shape[1]):
+            step = ours(tokens[:, pos:pos + 1], torch.tensor([pos]))
+            assert (step - expected[:, pos]).abs().max().item() <= atol, f"decode step at position {pos}"
 
 
 def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]

@@ -22,7 +22,7 @@ from models.decoder import CausalLM
 from models.errors import ModelError
 from models.families import FAMILIES
 from models.tokenizer import find_tokenizer, load_tokenizer
-from tests.conftest import eager_model_of
+from tests.conftest import assert_matches_transformers, eager_model_of
 from tests.family_cases import FAMILY_CASES
 
 FAMILY_NAMES = list(FAMILY_CASES)
@@ -54,13 +54,7 @@ def test_decoder_matches_transformers(family_checkpoint, family: str, attention:
     if attention == "custom_ops" and ours.args.custom_ops_blockers():
         assert ours.args.attention == "aten", "a model the kernel cannot compute falls back to ATen attention"
     tokens = torch.randint(0, ours.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = ref(tokens).logits
-        got = ours(tokens[:, :12], torch.tensor([0]), full_logits=True)
-        assert (got - expected[:, :12]).abs().max().item() <= 1e-4
-        for pos in range(12, 24):
-            step = ours(tokens[:, pos:pos + 1], torch.tensor([pos]))
-            assert (step - expected[:, pos]).abs().max().item() <= 1e-4, f"decode step at position {pos}"
+    assert_matches_transformers(ref, ours, tokens, prefill_len=12)
 
 
 def test_custom_ops_kernel_takes_gemma3_when_the_window_covers_the_context(family_checkpoint) -> None:
@@ -71,12 +65,7 @@ def test_custom_ops_kernel_takes_gemma3_when_the_window_covers_the_context(famil
     ours = build_model(open_checkpoint(ckpt), window, attention="custom_ops")
     assert ours.args.attention == "custom_ops" and ours.args.scale != ours.args.head_dim**-0.5
     tokens = torch.randint(0, ours.args.vocab_size, (1, window), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = transformers_model(ckpt)(tokens).logits
-        got = ours(tokens[:, :3], torch.tensor([0]), full_logits=True)
-        assert (got - expected[:, :3]).abs().max().item() <= 1e-4
-        for pos in range(3, window):
-            assert (ours(tokens[:, pos:pos + 1], torch.tensor([pos])) - expected[:, pos]).abs().max().item() <= 1e-4
+    assert_matches_transformers(transformers_model(ckpt), ours, tokens, prefill_len=3)
 
 
 @pytest.mark.parametrize("family", SLIDING)

@@ -12,6 +12,7 @@ import torch
 from models.checkpoint import build_model, open_checkpoint
 from models.errors import ModelError
 from models.tiny import write_tiny_checkpoint
+from tests.conftest import assert_matches_transformers
 
 VARIANTS = {
     "tiny-default (GQA 2:1, tied)": {},
@@ -41,13 +42,7 @@ def test_logits_match_transformers_prefill_and_decode(tmp_path: Path, arch: dict
     ref, ours = reference_and_ours(write_tiny_checkpoint(tmp_path, arch=arch, seed=3), attention=attention)
     vocab = ours.args.vocab_size
     tokens = torch.randint(0, vocab, (1, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = ref(tokens).logits
-        got = ours(tokens[:, :12], torch.tensor([0]), full_logits=True)
-        assert (got - expected[:, :12]).abs().max().item() <= 1e-4
-        for pos in range(12, 20):
-            step = ours(tokens[:, pos:pos + 1], torch.tensor([pos]))
-            assert (step - expected[:, pos]).abs().max().item() <= 1e-4, f"decode step at position {pos}"
+    assert_matches_transformers(ref, ours, tokens, prefill_len=12)
 
 
 def test_llama3_rope_scaling_is_actually_applied(tmp_path: Path) -> None:
