@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from exporters.errors import UserError
+from models.tokenizer import TOKENIZER_FILES
 
 BUNDLED = ("model.pte", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json")
 MANIFEST = "manifest.json"
@@ -38,8 +39,7 @@ def _readme(name: str, m: dict[str, Any]) -> str:
     )
     constants = "\n".join(f"| `{k}` | `{v}` |" for k, v in m["constant_methods"].items())
     v = m.get("validation") or {}
-    tokenizer = next((f for f in ("tokenizer.json", "tokenizer.model") if f in m.get("tokenizer_files", [])),
-                     "tokenizer.json")
+    tokenizer = next((f for f in TOKENIZER_FILES if f in m.get("tokenizer_files", [])), TOKENIZER_FILES[0])
     return f"""# {name}
 
 ExecuTorch program exported by llm-exporters: model `{cfg['model']['name']}`
