@@ -6,8 +6,10 @@ exported once per session and shared by every test that reads it.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -75,6 +77,16 @@ def assert_matches_transformers(ref, ours, tokens: torch.Tensor, prefill_len: in
         for pos in range(prefill_len, tokens.shape[1]):
             step = ours(tokens[:, pos:pos + 1], torch.tensor([pos]))
             assert (step - expected[:, pos]).abs().max().item() <= atol, f"decode step at position {pos}"
+
+
+def copy_checkpoint(src: Path, dst: Path, config: dict[str, Any] | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` with ``config.json`` fields set (``config``) or removed (``drop``)."""
+    shutil.copytree(src, dst)
+    if config or drop:
+        path = dst / "config.json"
+        cfg = {k: v for k, v in json.loads(path.read_text()).items() if k not in drop}
+        path.write_text(json.dumps({**cfg, **(config or {})}))
+    return dst
 
 
 def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from models.decoder import CausalLM
 from models.errors import ModelError
 from models.families import FAMILIES
 from models.tokenizer import find_tokenizer, load_tokenizer
-from tests.conftest import assert_matches_transformers, eager_model_of
+from tests.conftest import assert_matches_transformers, copy_checkpoint, eager_model_of
 from tests.family_cases import FAMILY_CASES
 
 FAMILY_NAMES = list(FAMILY_CASES)
@@ -220,20 +219,13 @@ def test_tiny_source_writes_any_family(tmp_path: Path) -> None:
 
 
 def test_family_falls_back_to_model_type_without_architectures(tmp_path: Path, family_checkpoint) -> None:
-    d = tmp_path / "c"
-    shutil.copytree(family_checkpoint("qwen3"), d)
-    cfg = json.loads((d / "config.json").read_text())
-    del cfg["architectures"]
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = copy_checkpoint(family_checkpoint("qwen3"), tmp_path / "c", drop=("architectures",))
     assert build_model(open_checkpoint(d), 32).args.qk_norm
 
 
 def test_unsupported_multimodal_architecture_is_named(tmp_path: Path, family_checkpoint) -> None:
-    d = tmp_path / "c"
-    shutil.copytree(family_checkpoint("gemma3"), d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["architectures"] = ["Gemma3ForConditionalGeneration"]
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = copy_checkpoint(family_checkpoint("gemma3"), tmp_path / "c",
+                        config={"architectures": ["Gemma3ForConditionalGeneration"]})
     expected = r"Gemma3ForConditionalGeneration.*not implemented.*Gemma3ForCausalLM \(model=gemma3\)"
     with pytest.raises(ModelError, match=expected):
         build_model(open_checkpoint(d), 32)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from models.checkpoint import build_model, open_checkpoint
 from models.errors import ModelError
 from models.tiny import write_tiny_checkpoint
-from tests.conftest import assert_matches_transformers
+from tests.conftest import assert_matches_transformers, copy_checkpoint
 
 VARIANTS = {
     "tiny-default (GQA 2:1, tied)": {},
@@ -79,16 +78,11 @@ def test_bos_eos_and_tokenizer_come_from_the_checkpoint(tiny_checkpoint: Path) -
 
 def test_several_eos_ids_are_kept(tmp_path: Path, tiny_checkpoint: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint, ckpt_dir)
+    copy_checkpoint(tiny_checkpoint, ckpt_dir)
     gen = json.loads((ckpt_dir / "generation_config.json").read_text())
     gen["eos_token_id"] = [2, 0]
     (ckpt_dir / "generation_config.json").write_text(json.dumps(gen))
     assert open_checkpoint(ckpt_dir).eos_ids == [2, 0]
-
-
-def _broken_copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
 
 
 def test_missing_directory(tmp_path: Path) -> None:
@@ -97,21 +91,21 @@ def test_missing_directory(tmp_path: Path) -> None:
 
 
 def test_missing_config(tmp_path: Path, tiny_checkpoint: Path) -> None:
-    d = _broken_copy(tiny_checkpoint, tmp_path / "c")
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
     (d / "config.json").unlink()
     with pytest.raises(ModelError, match="config.json is missing"):
         open_checkpoint(d)
 
 
 def test_no_weights_and_pickle_only(tmp_path: Path, tiny_checkpoint: Path) -> None:
-    d = _broken_copy(tiny_checkpoint, tmp_path / "c")
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
     (d / "model.safetensors").rename(d / "pytorch_model.bin")
     with pytest.raises(ModelError, match="pickle checkpoints are not read"):
         open_checkpoint(d)
 
 
 def test_truncated_weights_name_the_file(tmp_path: Path, tiny_checkpoint: Path) -> None:
-    d = _broken_copy(tiny_checkpoint, tmp_path / "c")
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
     data = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelError, match=r"model\.safetensors: damaged or truncated"):
@@ -130,19 +124,13 @@ def test_missing_shard_is_named(tmp_path: Path, tiny_checkpoint: Path) -> None:
 
 
 def test_weights_of_another_shape_name_the_tensor(tmp_path: Path, tiny_checkpoint: Path) -> None:
-    d = _broken_copy(tiny_checkpoint, tmp_path / "c")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["intermediate_size"] = 96
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c", config={"intermediate_size": 96})
     with pytest.raises(ModelError, match=r"tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape"):
         build_model(open_checkpoint(d), 32)
 
 
 def test_unsupported_architecture_lists_supported_ones(tmp_path: Path, tiny_checkpoint: Path) -> None:
-    d = _broken_copy(tiny_checkpoint, tmp_path / "c")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["architectures"] = ["GPTNeoXForCausalLM"]
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c", config={"architectures": ["GPTNeoXForCausalLM"]})
     expected = r"GPTNeoXForCausalLM.*not implemented.*LlamaForCausalLM \(model=llama\).*Qwen3ForCausalLM"
     with pytest.raises(ModelError, match=expected):
         build_model(open_checkpoint(d), 32)
