@@ -19,7 +19,7 @@ from exporters.stages.load import LoadStage
 from exporters.stages.lower import LowerStage
 from exporters.stages.package import PackageStage
 from exporters.stages.quantize import QuantizeStage
-from exporters.stages.validate import ValidateStage
+from exporters.stages.validate import ReferenceStage, Tolerance, ValidateStage, prompt_length
 
 log = logging.getLogger("exporters")
 
@@ -27,14 +27,16 @@ log = logging.getLogger("exporters")
 def build_stages(cfg: ExportConfig, output_dir: Path, resolved: dict[str, Any], timings: dict[str, float]) -> list[Stage]:
     """The pipeline for one export; each stage gets only its own part of the config."""
     ex = cfg.export
+    prompt_tokens = prompt_length(cfg.validation.prompt_tokens, None if cfg.backend.dynamic_shapes else ex.prefill_chunk)
     return [
         LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir, attention=cfg.backend.attention),
+        ReferenceStage(cfg.validation, prompt_tokens, enabled=cfg.validate),
         QuantizeStage(cfg.quant),
         CaptureStage(ex.methods, ex.max_seq_len, cfg.backend.dynamic_shapes, ex.prefill_chunk,
                      keep_reference=cfg.validate and not cfg.backend.runs_here),
         LowerStage(cfg.backend, ex.max_seq_len),
         EmitStage(output_dir / ex.output_name),
-        ValidateStage(cfg.validation, cfg.quant, enabled=cfg.validate, runs_here=cfg.backend.runs_here),
+        ValidateStage(Tolerance.of(cfg.quant), enabled=cfg.validate, runs_here=cfg.backend.runs_here),
         PackageStage(resolved, timings),
     ]
 

@@ -11,9 +11,27 @@ from pathlib import Path
 from typing import Any
 
 from exporters.methods import MethodSpec
+from exporters.quality import TextWindows, perplexity
 from exporters.quantization import AppliedQuantization
 from models.checkpoint import Checkpoint
 from models.decoder import CausalLM
+
+
+@dataclass
+class ReferenceQuality:
+    """The validation text in windows, and the unquantized model's negative log-likelihood on it."""
+
+    text: TextWindows
+    nll: float
+    dtype: str  # the checkpoint's dtype the reference ran in (fp32, or bf16 for a bf16 checkpoint)
+
+    @property
+    def perplexity(self) -> float:
+        return perplexity(self.nll, self.text.scored_tokens)
+
+    def summary(self) -> str:
+        return (f"{self.dtype} perplexity {self.perplexity:.2f} on {self.text.scored_tokens} tokens of "
+                f"{self.text.source} ({len(self.text.windows)} windows)")
 
 
 @dataclass
@@ -21,6 +39,7 @@ class LoadedModel:
     model: CausalLM
     checkpoint: Checkpoint
     max_seq_len: int
+    reference: ReferenceQuality | None = None  # set by the reference stage when validation is on
 
     @property
     def family(self) -> str | None:
@@ -30,6 +49,8 @@ class LoadedModel:
         return found.name if found else None
 
     def summary(self) -> str:
+        if self.reference is not None:
+            return self.reference.summary()
         a = self.model.args
         params = sum(p.numel() for p in self.model.parameters())
         return (f"{self.family} family, {params / 1e6:.2f}M parameters, {a.num_hidden_layers} layers, "
@@ -93,26 +114,49 @@ class EmittedProgram:
 
 @dataclass
 class ValidationReport:
+    """The program against the eager model it came from, on the validation text (``exporters.quality``)."""
+
     passed: bool
-    prompt_tokens: int
-    decode_steps: int
-    max_abs_error: float
-    max_rel_error: float
-    token_agreement: float  # greedy tokens equal, or a near-tie within the error tolerance
-    exact_token_agreement: float
-    per_step: list[dict[str, Any]] = field(default_factory=list)
-    tolerance: dict[str, float] = field(default_factory=dict)
+    failures: list[str]  # each measure outside its tolerance, with value and limit
     # What was compared with the eager model: the .pte in the ExecuTorch runtime, or (for a delegate
     # this host cannot run) the captured programs before delegation.
-    checked: str = "runtime"
+    checked: str
+    text: str
+    methods: dict[str, str | None]  # prompt / step method driven, and forward when checked against prefill
+    windows: int
+    prompt_tokens: int
+    scored_tokens: int
+    kl_mean: float
+    kl_max: float
+    top1_agreement: float
+    top5_overlap: float
+    max_abs_error: float
+    max_rel_error: float
+    perplexity: float  # of the program
+    eager_perplexity: float  # of the eager model quantized the same way
+    reference_perplexity: float  # of the unquantized model
+    reference_dtype: str
+    forward_kl: float | None  # KL(prefill || forward) on the first prompt, when both exist
+    tolerance: dict[str, float] = field(default_factory=dict)
+    per_window: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def increase_over_reference(self) -> float:
+        return self.perplexity / self.reference_perplexity - 1
+
+    def quality(self) -> str:
+        """``perplexity 21.4 (eager 21.1, fp32 16.8, +27%)``: the number people choose a scheme by."""
+        return (f"perplexity {self.perplexity:.2f} (eager {self.eager_perplexity:.2f}, {self.reference_dtype} "
+                f"{self.reference_perplexity:.2f}, {self.increase_over_reference:+.1%})")
 
     def describe(self) -> str:
-        verdict = "passed" if self.passed else "FAILED"
+        verdict = "passed" if self.passed else "FAILED (" + "; ".join(self.failures) + ")"
         where = "" if self.checked == "runtime" else " [captured programs only: the delegate cannot run on this host]"
-        return (f"{verdict}{where}: prompt {self.prompt_tokens} tokens + {self.decode_steps} decode steps, "
-                f"max abs err {self.max_abs_error:.3g}, max rel err {self.max_rel_error:.3g} "
-                f"(limit {self.tolerance.get('max_rel_error')}), greedy agreement {self.token_agreement:.0%} "
-                f"({self.exact_token_agreement:.0%} exact)")
+        t = self.tolerance
+        return (f"{verdict}{where}: {self.scored_tokens} tokens of {self.text} through "
+                f"{self.methods['prompt']}+{self.methods['step']}, KL {self.kl_mean:.2g} (limit {t['max_kl']:.2g}), "
+                f"top-1 {self.top1_agreement:.1%} (min {t['min_top1']:.0%}), top-5 overlap {self.top5_overlap:.1%}, "
+                f"{self.quality()}")
 
 
 @dataclass

@@ -74,9 +74,9 @@ In C++, load it with `executorch::extension::Module` and the same method names.
 
 ## Validation
 
-Run in the ExecuTorch runtime ({v.get('checked', 'not run')}) against the eager model: max relative
-logit error {v.get('max_rel_error', 'n/a')}, greedy agreement {v.get('token_agreement', 'n/a')} over
-{v.get('decode_steps', 'n/a')} decode steps.
+Run in the ExecuTorch runtime ({v.get('checked', 'not run')}) against the eager model on
+{v.get('scored_tokens', 'n/a')} tokens of {v.get('text', 'n/a')}: mean KL divergence {v.get('kl_mean', 'n/a')},
+greedy agreement {v.get('top1_agreement', 'n/a')}. Quality: {v.get('quality', 'not measured')}.
 
 Every file's sha256 is in `manifest.json`; check them with `python -m exporters.package --verify <this folder>`.
 """
@@ -110,7 +110,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
                   (m["model"].get("architecture") or ["unknown"])[0]},
         "quant": m["quantization"], "backend": cfg["backend"]["name"],
         "methods": m["methods"], "constant_methods": m["constant_methods"],
-        "validation": {k: v for k, v in (m.get("validation") or {}).items() if k != "per_step"},
+        "validation": {k: v for k, v in (m.get("validation") or {}).items() if k != "per_window"},
         "versions": m["versions"], "config": cfg, "files": files,
     }
     (bundle / MANIFEST).write_text(json.dumps(bundle_manifest, indent=2) + "\n")

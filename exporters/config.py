@@ -68,10 +68,16 @@ class QuantConfig:
     # Scheme of the token embedding (a key of exporters.quantization.EMBEDDING_SCHEMES), or null.
     embedding: Optional[str] = None
     embedding_group_size: int = 32
-    # Largest allowed |runtime - eager| / max|eager| over validated logits, and the share of
-    # validated steps whose greedy token must agree.
-    max_rel_error: float = 1e-4
-    min_token_agreement: float = 1.0
+    # How integer scales are chosen (a key of exporters.quantization.QPARAMS): "hqq" as ExecuTorch's
+    # export_llm does, or "affine" (min/max).
+    qparams: str = "hqq"
+    # Validation tolerances of the program against the eager model quantized the same way, on the
+    # validation text (calibrated on SmolLM2-135M; the numbers are in each conf/quant file):
+    # mean KL(eager || program) per predicted token in nats, the share of positions whose greedy token
+    # agrees, and the allowed relative increase of the program's perplexity over the eager model's.
+    max_kl: float = 1e-3
+    min_top1: float = 0.95
+    max_ppl_increase: float = 0.01
 
 
 @dataclass
@@ -109,8 +115,12 @@ class ExportSection:
 
 @dataclass
 class ValidationConfig:
-    prompt: str = "Once upon a time there was a small language model"
-    decode_steps: int = 8
+    # A UTF-8 text to score (a few paragraphs); null = the English text shipped in exporters/data/.
+    text_file: Optional[str] = None
+    # Tokens of each window fed through the prompt method (prefill) at once; the rest go through decode.
+    prompt_tokens: int = 32
+    # Tokens of the text scored at most (bounds the time validation takes).
+    max_tokens: int = 256
 
 
 @dataclass
@@ -139,7 +149,7 @@ def check_config(cfg: ExportConfig | DictConfig) -> None:
     """Rules that span fields or groups; each failure says what is allowed instead."""
     from exporters.backends import PARTITIONERS
     from exporters.methods import METHOD_KINDS
-    from exporters.quantization import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES
+    from exporters.quantization import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, QPARAMS
     from models.decoder import ATTENTION
     from models.families import FAMILIES
     from models.sources import SOURCES
@@ -165,11 +175,19 @@ def check_config(cfg: ExportConfig | DictConfig) -> None:
         raise UserError("export.methods is empty: give at least one of " + ", ".join(sorted(METHOD_KINDS)) + ".")
     if ex.max_seq_len < 2:
         raise UserError(f"export.max_seq_len={ex.max_seq_len} is too small: use 2 or more.")
-    if not 0 <= cfg.validation.decode_steps < ex.max_seq_len - 1:
+    v = cfg.validation
+    if not 1 <= v.prompt_tokens <= ex.max_seq_len // 2:
         raise UserError(
-            f"validation.decode_steps={cfg.validation.decode_steps} must be between 0 and export.max_seq_len - 2 "
-            f"({ex.max_seq_len - 2}) so the prompt and the steps fit in the context."
+            f"validation.prompt_tokens={v.prompt_tokens} must be between 1 and export.max_seq_len / 2 "
+            f"({ex.max_seq_len // 2}) so each window of the validation text has tokens left to decode."
         )
+    if v.max_tokens < 8:
+        raise UserError(f"validation.max_tokens={v.max_tokens} is too few to measure anything: use 8 or more.")
+    one_of("quant.qparams", q.qparams, sorted(QPARAMS), "Set quant.qparams to one of those.")
+    if cfg.validate and v.text_file is not None:
+        from exporters.quality import read_text
+
+        read_text(v.text_file)  # a missing or empty file fails now, before any work
     for name in ("group_size", "lm_head_group_size", "embedding_group_size"):
         if getattr(q, name) < 0:
             raise UserError(f"quant.{name}={getattr(q, name)}: use 0 (per channel) or a positive group size.")

@@ -32,12 +32,14 @@ def main(cfg: DictConfig) -> None:
     m = result.manifest
     validation = m["validation"]
     verdict = "skipped (validate=false)" if validation is None else (
-        f"passed (max rel err {validation['max_rel_error']:.2g}, greedy agreement {validation['token_agreement']:.0%})"
+        f"passed (KL {validation['kl_mean']:.2g}, top-1 agreement {validation['top1_agreement']:.0%})"
         + ("" if validation["checked"] == "runtime" else f"; checked on {validation['checked']}"))
+    quality = "not measured (validate=false)" if validation is None else validation["quality"]
     log.info(
-        "exported %s\n  size: %.2f MB  sha256: %s\n  methods: %s\n  constants: %s\n  validation: %s\n  manifest: %s",
+        "exported %s\n  size: %.2f MB  sha256: %s\n  methods: %s\n  constants: %s\n  validation: %s\n"
+        "  quality: %s\n  manifest: %s",
         result.pte_path, m["program"]["size_bytes"] / 1e6, m["program"]["sha256"][:16],
-        ", ".join(m["methods"]), ", ".join(m["constant_methods"]), verdict, result.manifest_path,
+        ", ".join(m["methods"]), ", ".join(m["constant_methods"]), verdict, quality, result.manifest_path,
     )
 
 

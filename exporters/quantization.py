@@ -8,19 +8,27 @@ layers (``lm_head`` may have its own), and the scheme of the token embedding.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from exporters.errors import UserError
+from exporters.config import QuantConfig
 
-TorchaoConfigFactory = Callable[[int], Any]
+log = logging.getLogger("exporters")
+
+TorchaoConfigFactory = Callable[[int, str], Any]  # (group size, torchao qparams algorithm) -> config
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LINEAR_SCHEMES: dict[str, TorchaoConfigFactory] = {}
 EMBEDDING_SCHEMES: dict[str, TorchaoConfigFactory] = {}
+# How integer scales are chosen (``quant.qparams``): torchao's IntxChooseQParamsAlgorithm values.
+# "hqq" (half-quadratic, scale only) is what ExecuTorch's export_llm uses; "affine" is plain min/max.
+QPARAMS: dict[str, str] = {"hqq": "hqq_scale_only", "affine": "affine"}
+# Group sizes a layer may fall back to must be multiples of this (XNNPACK's blockwise kernels need it).
+GROUP_SIZE_QUANTUM = 32
 
 
 def _register(table: dict[str, TorchaoConfigFactory], name: str) -> Callable[[TorchaoConfigFactory], TorchaoConfigFactory]:
@@ -37,46 +45,57 @@ def _granularity(group_size: int) -> Any:
     return PerAxis(0) if group_size == 0 else PerGroup(group_size)
 
 
-def _dynamic_activation(weight_dtype: torch.dtype, group_size: int) -> Any:
+def _dynamic_activation(weight_dtype: torch.dtype, group_size: int, algorithm: str) -> Any:
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig
 
-    return Int8DynamicActivationIntxWeightConfig(weight_dtype=weight_dtype, weight_granularity=_granularity(group_size))
+    return Int8DynamicActivationIntxWeightConfig(weight_dtype=weight_dtype, weight_granularity=_granularity(group_size),
+                                                 intx_choose_qparams_algorithm=algorithm)
 
 
-def _weight_only(weight_dtype: torch.dtype, group_size: int) -> Any:
+def _weight_only(weight_dtype: torch.dtype, group_size: int, algorithm: str) -> Any:
     from torchao.quantization import IntxWeightOnlyConfig
 
-    return IntxWeightOnlyConfig(weight_dtype=weight_dtype, granularity=_granularity(group_size))
+    return IntxWeightOnlyConfig(weight_dtype=weight_dtype, granularity=_granularity(group_size),
+                                intx_choose_qparams_algorithm=algorithm)
 
 
 @_register(LINEAR_SCHEMES, "8da4w")
-def int8_dynamic_act_int4_weight(group_size: int) -> Any:
-    return _dynamic_activation(torch.int4, group_size)
+def int8_dynamic_act_int4_weight(group_size: int, algorithm: str) -> Any:
+    return _dynamic_activation(torch.int4, group_size, algorithm)
 
 
 @_register(LINEAR_SCHEMES, "8da8w")
-def int8_dynamic_act_int8_weight(group_size: int) -> Any:
-    return _dynamic_activation(torch.int8, group_size)
+def int8_dynamic_act_int8_weight(group_size: int, algorithm: str) -> Any:
+    return _dynamic_activation(torch.int8, group_size, algorithm)
 
 
 @_register(LINEAR_SCHEMES, "4w")
 @_register(EMBEDDING_SCHEMES, "4w")
-def int4_weight_only(group_size: int) -> Any:
-    return _weight_only(torch.int4, group_size)
+def int4_weight_only(group_size: int, algorithm: str) -> Any:
+    return _weight_only(torch.int4, group_size, algorithm)
 
 
 @_register(LINEAR_SCHEMES, "8w")
 @_register(EMBEDDING_SCHEMES, "8w")
-def int8_weight_only(group_size: int) -> Any:
-    return _weight_only(torch.int8, group_size)
+def int8_weight_only(group_size: int, algorithm: str) -> Any:
+    return _weight_only(torch.int8, group_size, algorithm)
+
+
+def group_size_for(width: int, requested: int) -> int:
+    """``requested`` if it divides ``width``; else the largest smaller multiple of 32 that does; else 0 (per row)."""
+    if requested == 0 or width % requested == 0:
+        return requested
+    fallbacks = range(requested - requested % GROUP_SIZE_QUANTUM, 0, -GROUP_SIZE_QUANTUM)
+    return next((g for g in fallbacks if g < requested and width % g == 0), 0)
 
 
 @dataclass
 class AppliedScheme:
     scheme: str
     torchao_config: str
-    torchao_args: dict[str, Any]
-    layers: list[str]
+    torchao_args: dict[str, Any]  # of the requested group size
+    layers: dict[str, int]  # layer -> group size actually used (0 = one scale per row)
+    fallbacks: list[str] = field(default_factory=list)  # layers the requested group size does not divide
 
 
 @dataclass
@@ -111,40 +130,37 @@ def _describe(config: Any) -> dict[str, Any]:
     return {k: v if isinstance(v, (int, float, bool, str, type(None))) else str(v) for k, v in fields.items()}
 
 
-def _check_group_size(modules: dict[str, nn.Module], group_size: int, width: Callable[[nn.Module], int],
-                      field_name: str) -> None:
-    if not group_size:
-        return
-    bad = {name: width(m) for name, m in modules.items() if width(m) % group_size}
-    if bad:
-        name, w = next(iter(bad.items()))
-        widths = sorted({width(m) for m in modules.values()})
-        raise UserError(
-            f"{field_name}={group_size} does not divide the quantized width of {len(bad)} layer(s), e.g. {name} "
-            f"({w}). Widths in this model: {widths}. Use a group size that divides all of them (e.g. "
-            f"{field_name}=32) or {field_name}=0 for one scale per row."
-        )
-
-
-def _apply(model: nn.Module, table: dict[str, TorchaoConfigFactory], scheme: str, group_size: int,
-           modules: dict[str, nn.Module], width: Callable[[nn.Module], int], field_name: str) -> AppliedScheme:
+def _apply(model: nn.Module, table: dict[str, TorchaoConfigFactory], scheme: str, group_size: int, qparams: str,
+           modules: dict[str, nn.Module], width: Callable[[nn.Module], int], notes: list[str]) -> AppliedScheme:
+    """Quantize ``modules`` with ``scheme``; a layer the group size does not divide gets the nearest one that does."""
     from torchao.quantization import quantize_
 
-    _check_group_size(modules, group_size, width, field_name)
-    config = table[scheme](group_size)
-    targets = set(modules.values())
-    quantize_(model, config, filter_fn=lambda m, fqn: m in targets)
-    return AppliedScheme(scheme, type(config).__name__, _describe(config), sorted(modules))
+    chosen = {name: group_size_for(width(m), group_size) for name, m in modules.items()}
+    fallbacks = sorted(n for n, g in chosen.items() if g != group_size)
+    for size in sorted(set(chosen.values()), reverse=True):
+        targets = {modules[n] for n, g in chosen.items() if g == size}
+        quantize_(model, table[scheme](size, QPARAMS[qparams]), filter_fn=lambda m, fqn: m in targets)
+    if fallbacks:
+        by_size = {g: sorted(n for n in fallbacks if chosen[n] == g) for g in {chosen[n] for n in fallbacks}}
+        for size, names in sorted(by_size.items(), reverse=True):
+            what = "one scale per row" if size == 0 else f"group size {size}"
+            note = (f"{scheme}: group size {group_size} does not divide the width of {len(names)} layer(s) "
+                    f"({names[0]}: {width(modules[names[0]])}); they use {what}")
+            log.info(note)
+            notes.append(note)
+    config = table[scheme](group_size, QPARAMS[qparams])
+    return AppliedScheme(scheme, type(config).__name__, _describe(config), dict(sorted(chosen.items())), fallbacks)
 
 
-def quantize_model(model: nn.Module, dtype: str, linear: str | None, group_size: int,
-                   lm_head: str | None, lm_head_group_size: int,
-                   embedding: str | None, embedding_group_size: int) -> AppliedQuantization:
-    """Cast to ``dtype`` then quantize linears, ``lm_head`` and the embedding in place.
+def quantize_model(model: nn.Module, cfg: QuantConfig) -> AppliedQuantization:
+    """Cast to ``cfg.dtype`` then quantize linears, ``lm_head`` and the embedding in place.
 
     The checkpoint's own dtype (often bf16) is kept through loading, so this cast is the only point
     where a second copy of the weights can exist.
     """
+    dtype, linear, group_size, qparams = cfg.dtype, cfg.linear, cfg.group_size, cfg.qparams
+    lm_head, lm_head_group_size = cfg.lm_head, cfg.lm_head_group_size
+    embedding, embedding_group_size = cfg.embedding, cfg.embedding_group_size
     if any(p.dtype != DTYPES[dtype] for p in model.parameters()):
         model.to(DTYPES[dtype])
         model.init_buffers()  # KV caches in the model's dtype (fp32 where the attention kernels need it)
@@ -161,16 +177,16 @@ def quantize_model(model: nn.Module, dtype: str, linear: str | None, group_size:
         )
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
     if embedding:
-        applied.embedding = _apply(model, EMBEDDING_SCHEMES, embedding, embedding_group_size,
+        applied.embedding = _apply(model, EMBEDDING_SCHEMES, embedding, embedding_group_size, qparams,
                                    {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)},
-                                   lambda m: m.embedding_dim, "quant.embedding_group_size")
+                                   lambda m: m.embedding_dim, applied.notes)
         if tied and not applied.untied_embeddings:
             head.weight = embed.weight  # one quantized tensor serves both
             applied.notes.append(f"tied embedding kept tied: both quantized as {embedding}")
     if linear and linears:
-        applied.linear = _apply(model, LINEAR_SCHEMES, linear, group_size, linears, lambda m: m.in_features,
-                                "quant.group_size")
+        applied.linear = _apply(model, LINEAR_SCHEMES, linear, group_size, qparams, linears,
+                                lambda m: m.in_features, applied.notes)
     if lm_head and head is not None and not (tied and not applied.untied_embeddings):
-        applied.lm_head = _apply(model, LINEAR_SCHEMES, lm_head, lm_head_group_size, {"lm_head": head},
-                                 lambda m: m.in_features, "quant.lm_head_group_size")
+        applied.lm_head = _apply(model, LINEAR_SCHEMES, lm_head, lm_head_group_size, qparams, {"lm_head": head},
+                                 lambda m: m.in_features, applied.notes)
     return applied

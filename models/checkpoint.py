@@ -42,6 +42,8 @@ class Checkpoint:
     generation_config_file: Path | None = None
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
+    # Where the folder came from when it was converted (a GGUF file: its path, quant type, dequantized).
+    converted_from: dict[str, Any] | None = None
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -88,11 +90,16 @@ def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoin
     """Check a checkpoint directory and read its configs (not its weights)."""
     from transformers import AutoConfig
 
+    from models.gguf import gguf_checkpoint, gguf_record, is_gguf
+
     path = Path(path).expanduser()
+    if is_gguf(path):
+        path = gguf_checkpoint(path)
     if not path.is_dir():
         raise ModelError(
-            f"checkpoint directory {path} does not exist. Give a Hugging Face checkpoint directory with "
-            "model.checkpoint=/path/to/dir (config.json, *.safetensors, tokenizer.json)."
+            f"checkpoint {path} does not exist or is neither a directory nor a GGUF file. Give a Hugging Face "
+            "checkpoint directory with model.checkpoint=/path/to/dir (config.json, *.safetensors, tokenizer.json) "
+            "or a GGUF file with model.checkpoint=/path/to/model.gguf."
         )
     if not (path / "config.json").exists():
         raise ModelError(f"{path}: config.json is missing; a Hugging Face checkpoint directory needs one.")
@@ -113,6 +120,7 @@ def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoin
         generation_config_file=gen_file if gen_file.exists() else None,
         bos_id=None if bos is None else int(bos),
         eos_ids=eos,
+        converted_from=gguf_record(path),
     )
 
 

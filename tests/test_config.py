@@ -107,7 +107,9 @@ def test_lm_head_follows_linear_unless_overridden() -> None:
     ("export.methods=[]", "export.methods"),
     ("export.max_seq_len=1", "max_seq_len"),
     ("quant.group_size=-1", "group_size"),
-    ("validation.decode_steps=500", "decode_steps"),
+    ("validation.prompt_tokens=500", "prompt_tokens"),
+    ("validation.max_tokens=2", "max_tokens"),
+    ("quant.qparams=minmax", "qparams"),
 ])
 def test_bad_values_are_refused_before_any_work(override: str, named: str) -> None:
     cfg = compose_config(override)

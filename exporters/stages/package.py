@@ -67,9 +67,10 @@ class PackageStage(Stage):
             "model": {"checkpoint": str(ckpt.path), "architecture": list(ckpt.hf_config.architectures or []),
                       "family": emitted.quantized.loaded.family,
                       "attention": emitted.quantized.model.args.attention,
-                      "parameters": sum(p.numel() for p in emitted.quantized.model.parameters())},
+                      "parameters": sum(p.numel() for p in emitted.quantized.model.parameters()),
+                      "converted_from": ckpt.converted_from},
             "quantization": emitted.quantized.quantization.as_dict(),
-            "validation": None if report is None else asdict(report),
+            "validation": None if report is None else {"quality": report.quality(), **asdict(report)},
             "tokenizer_files": copied,
             "timings_s": self.timings,
             "versions": package_versions(),
@@ -82,7 +83,7 @@ class PackageStage(Stage):
             raise ValidationFailed(
                 f"the exported program does not match the eager model: {report.describe()}. "
                 f"It was kept as {pte} for inspection, not as {emitted.final_path.name}; details per step are in "
-                f"{manifest_path}. If the error is expected for this scheme, raise quant.max_rel_error or lower "
-                "quant.min_token_agreement; validate=false skips the check."
+                f"{manifest_path}. If the difference is expected for this scheme, loosen quant.max_kl, quant.min_top1 "
+                "or quant.max_ppl_increase; validate=false skips the check."
             )
         return ExportResult(pte_path=pte, manifest_path=manifest_path, manifest=manifest)

@@ -15,7 +15,5 @@ class QuantizeStage(Stage):
         self.cfg = quant_cfg
 
     def run(self, loaded: LoadedModel) -> QuantizedModel:
-        c = self.cfg
-        applied = quantize_model(loaded.model, c.dtype, c.linear, c.group_size, c.lm_head, c.lm_head_group_size,
-                                 c.embedding, c.embedding_group_size)
+        applied = quantize_model(loaded.model, self.cfg)
         return QuantizedModel(loaded=loaded, quantization=applied)

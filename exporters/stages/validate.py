@@ -1,82 +1,130 @@
-"""Validate: run the written ``.pte`` and compare it step by step with the eager model it came from.
+"""Reference and validate: score the unquantized model on the validation text, then the written program.
 
-Prefill on a fixed prompt, then N decode steps fed the eager model's greedy tokens (teacher forcing),
-so each step compares logits for identical inputs; both sides use their own KV cache, so a runtime
-cache that does not carry over between methods shows up as a large error.
+``reference`` runs before quantization: it cuts the validation text into windows and records the
+unquantized model's negative log-likelihood (the "fp32" perplexity of the summary).
+
+``validate`` runs the written ``.pte`` over the same windows the way generation drives it (prompt
+method, then one token per step through the step method), and the eager model quantized the same
+way over the same tokens; the measures are in :mod:`exporters.quality`. Both sides keep their own
+KV cache, so a runtime cache that does not carry from prefill to decode shows up as a large KL.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from dataclasses import dataclass
 
 import torch
 
-from exporters.artifacts import EmittedProgram, ValidatedProgram, ValidationReport
+from exporters.artifacts import (EmittedProgram, LoadedModel, ReferenceQuality, ValidatedProgram,
+                                 ValidationReport)
 from exporters.config import QuantConfig, ValidationConfig
+from exporters.errors import UserError
 from exporters.methods import MethodSpec
 from exporters.pipeline import Stage
+from exporters.quality import (Agreement, TextWindows, make_windows, negative_log_likelihood, perplexity,
+                               read_text, window_logits)
 from exporters.runtime import CapturedPrograms, LoadedProgram
+from models.checkpoint import Checkpoint
+from models.decoder import CausalLM
 from models.tokenizer import find_tokenizer, load_tokenizer
 
+log = logging.getLogger("exporters")
 
-def prompt_tokens(emitted: EmittedProgram, prompt: str, limit: int) -> torch.Tensor:
-    """The validation prompt as ids (bos first), from the checkpoint's tokenizer when it has one."""
-    ckpt = emitted.quantized.loaded.checkpoint
-    vocab = emitted.quantized.model.args.vocab_size
+
+def text_ids(ckpt: Checkpoint, vocab_size: int, text: str) -> list[int]:
+    """The text as token ids, from the checkpoint's tokenizer; random-init models without one get a fixed
+    spread-out id sequence of similar length."""
     tok_file = find_tokenizer(ckpt.path)
     if tok_file is not None:
-        ids = load_tokenizer(tok_file).encode(prompt)
-    else:  # random-init models have no tokenizer: a fixed, spread-out id sequence
-        ids = [(7919 * i + 13) % vocab for i in range(len(prompt.split()) * 2)]
-    if ckpt.bos_id is not None:
-        ids = [ckpt.bos_id] + ids
-    return torch.tensor([ids[:limit]], dtype=torch.int64)
+        return load_tokenizer(tok_file).encode(text)
+    return [(7919 * i + 13) % vocab_size for i in range(len(text.split()) * 4 // 3)]
 
 
-def prompt_chunks(tokens: torch.Tensor, spec: MethodSpec) -> list[torch.Tensor]:
-    """Split the prompt into calls the method accepts: one dynamic call, fixed-size chunks, or single tokens."""
-    if not spec.dynamic and spec.min_tokens > 1:  # static prefill: whole chunks, the first padded if short
-        if tokens.shape[1] < spec.min_tokens:
-            tokens = torch.cat([tokens, tokens[:, -1:].expand(1, spec.min_tokens - tokens.shape[1])], dim=1)
-        usable = tokens.shape[1] - tokens.shape[1] % spec.min_tokens
-        tokens = tokens[:, :usable]
-    return list(torch.split(tokens, spec.max_tokens, dim=1))
+def prompt_length(requested: int, static_chunk: int | None) -> int:
+    """Prompt tokens per window: on static-shape backends a whole number of prefill chunks (no padding)."""
+    if static_chunk is None:
+        return requested
+    return max(static_chunk, requested - requested % static_chunk)
 
 
-def _compare(step: str, got: torch.Tensor, ref: torch.Tensor, max_rel_error: float) -> dict[str, Any]:
-    """Errors of one step, and whether the runtime's greedy token agrees with the eager model's.
+def full_sequence(model: CausalLM):  # type: ignore[no-untyped-def]
+    """``window [1, L] -> logits [L, V]`` of an eager model, from an empty cache."""
+    def run(window: torch.Tensor) -> torch.Tensor:
+        model.reset_cache()
+        return model(window, torch.tensor([0]), full_logits=True)[0].float()
 
-    A different token counts as agreeing when the eager model scores it within the error tolerance
-    of its own best token: a near-tie flipped by allowed rounding is not a wrong program (random-weight
-    models are full of near-ties).
-    """
-    got, ref = got.float().reshape(ref.shape), ref.float()
-    err = (got - ref).abs().max().item()
-    scale = ref.abs().max().item() or 1.0
-    last = ref.reshape(-1, ref.shape[-1])[-1]
-    runtime_token = int(got.reshape(-1, got.shape[-1])[-1].argmax())
-    eager_token = int(last.argmax())
-    margin = (last[eager_token] - last[runtime_token]).item()
-    return {
-        "step": step,
-        "max_abs_error": err,
-        "max_rel_error": err / scale,
-        "runtime_token": runtime_token,
-        "eager_token": eager_token,
-        "eager_margin": margin,
-        "agrees": runtime_token == eager_token or margin <= max_rel_error * scale,
-    }
+    return run
+
+
+class ReferenceStage(Stage):
+    name = "reference"
+
+    def __init__(self, validation_cfg: ValidationConfig, prompt_tokens: int, enabled: bool) -> None:
+        self.cfg = validation_cfg
+        self.prompt_tokens = prompt_tokens
+        self.enabled = enabled
+
+    def run(self, loaded: LoadedModel) -> LoadedModel:
+        if not self.enabled:
+            return loaded
+        text, source = read_text(self.cfg.text_file)
+        model = loaded.model
+        ids = text_ids(loaded.checkpoint, model.args.vocab_size, text)
+        windows = make_windows(ids, loaded.checkpoint.bos_id, loaded.max_seq_len, self.prompt_tokens,
+                               self.cfg.max_tokens, source)
+        logits = window_logits(full_sequence(model), windows)
+        model.reset_cache()
+        nll = sum(negative_log_likelihood(l, windows.targets(w)) for l, w in zip(logits, windows.windows))
+        dtype = str(model.lm_head.weight.dtype).removeprefix("torch.").replace("float", "fp").replace("bfp16", "bf16")
+        loaded.reference = ReferenceQuality(text=windows, nll=nll, dtype=dtype)
+        return loaded
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_kl: float
+    min_top1: float
+    max_ppl_increase: float
+
+    @staticmethod
+    def of(quant: QuantConfig) -> "Tolerance":
+        return Tolerance(quant.max_kl, quant.min_top1, quant.max_ppl_increase)
+
+
+def choose_methods(specs: dict[str, MethodSpec]) -> tuple[str, str]:
+    """The prompt method (prefill, else forward, else decode) and the one-token step method."""
+    prompt = next(m for m in ("prefill", "forward", "decode") if m in specs)
+    step = next((m for m in ("decode", "forward", "prefill") if m in specs and specs[m].min_tokens == 1), None)
+    if step is None:
+        raise UserError(
+            f"validation steps one token at a time, and none of export.methods={list(specs)} takes one token "
+            "(static-shape prefill only). Add decode to export.methods, or set validate=false."
+        )
+    return prompt, step
+
+
+def program_predictions(program: LoadedProgram | CapturedPrograms, window: torch.Tensor, prompt_tokens: int,
+                        prompt: str, prompt_spec: MethodSpec, step: str) -> torch.Tensor:
+    """The program's predictions for one window [L - P, V]: the prompt at once, then one token per step."""
+    rows = []
+    position = 0
+    for chunk in torch.split(window[:, :prompt_tokens], prompt_spec.max_tokens, dim=1):
+        out = program.run(prompt, chunk, torch.tensor([position]))[0]
+        position += chunk.shape[1]
+    rows.append(out.reshape(-1, out.shape[-1])[-1])
+    for i in range(prompt_tokens, window.shape[1] - 1):
+        rows.append(program.run(step, window[:, i:i + 1], torch.tensor([i]))[0].reshape(-1))
+    return torch.stack(rows).float()
 
 
 class ValidateStage(Stage):
     name = "validate"
 
-    def __init__(self, validation_cfg: ValidationConfig, quant_cfg: QuantConfig, enabled: bool,
-                 runs_here: bool = True) -> None:
-        self.cfg = validation_cfg
-        self.runs_here = runs_here
-        self.tolerance = {"max_rel_error": quant_cfg.max_rel_error, "min_token_agreement": quant_cfg.min_token_agreement}
+    def __init__(self, tolerance: Tolerance, enabled: bool, runs_here: bool = True) -> None:
+        self.tolerance = tolerance
         self.enabled = enabled
+        self.runs_here = runs_here
 
     def run(self, emitted: EmittedProgram) -> ValidatedProgram:
         if not self.enabled:
@@ -84,52 +132,78 @@ class ValidateStage(Stage):
         return ValidatedProgram(emitted=emitted, report=self.compare(emitted))
 
     def compare(self, emitted: EmittedProgram) -> ValidationReport:
-        specs = emitted.specs
-        prompt_method = next(m for m in ("prefill", "forward", "decode") if m in specs)
-        step_method = next((m for m in ("decode", "forward", "prefill") if m in specs and specs[m].min_tokens == 1),
-                           None)
-        steps = self.cfg.decode_steps if step_method else 0
-        max_seq_len = emitted.quantized.loaded.max_seq_len
-        chunks = prompt_chunks(prompt_tokens(emitted, self.cfg.prompt, max_seq_len - steps - 1), specs[prompt_method])
-
-        model = emitted.quantized.model
-        tol = self.tolerance["max_rel_error"]
+        reference = emitted.quantized.loaded.reference
+        assert reference is not None, "the reference stage runs whenever validation does"
+        text: TextWindows = reference.text
+        prompt, step = choose_methods(emitted.specs)
         if self.runs_here:
             program: LoadedProgram | CapturedPrograms = LoadedProgram(emitted.path)
         else:
             assert emitted.reference_programs is not None, "capture keeps reference programs for such backends"
-            program = CapturedPrograms(emitted.reference_programs, model.kv_cache_buffers())
-        model.reset_cache()
-        records = []
-        position = 0
+            program = CapturedPrograms(emitted.reference_programs, emitted.quantized.model.kv_cache_buffers())
+
+        model = emitted.quantized.model
         with torch.no_grad():
-            for i, chunk in enumerate(chunks):
-                pos = torch.tensor([position])
-                ref = model(chunk, pos)
-                name = prompt_method if len(chunks) == 1 else f"{prompt_method}[{i}]"
-                records.append(_compare(name, program.run(prompt_method, chunk, pos)[0], ref, tol))
-                position += chunk.shape[1]
-            for i in range(steps):
-                token = ref.argmax(-1).reshape(1, 1)
-                pos = torch.tensor([position])
-                ref = model(token, pos)
-                records.append(_compare(f"{step_method}[{i}]", program.run(step_method, token, pos)[0], ref, tol))
-                position += 1
+            eager = window_logits(full_sequence(model), text)
+            ours = [program_predictions(program, w, text.prompt_tokens, prompt, emitted.specs[prompt], step)
+                    for w in text.windows]
+            forward_kl = self._forward_against_prefill(program, emitted, text)
         model.reset_cache()
 
-        prompt_len = sum(c.shape[1] for c in chunks)
-        max_rel = max(r["max_rel_error"] for r in records)
-        agreement = sum(r["agrees"] for r in records) / len(records)
-        exact = sum(r["runtime_token"] == r["eager_token"] for r in records) / len(records)
+        per_window = []
+        nll_eager = nll_program = 0.0
+        for i, (window, e, p) in enumerate(zip(text.windows, eager, ours)):
+            a = Agreement.of(e, p)
+            ne, np_ = negative_log_likelihood(e, text.targets(window)), negative_log_likelihood(p, text.targets(window))
+            nll_eager, nll_program = nll_eager + ne, nll_program + np_
+            per_window.append({"window": i, "tokens": window.shape[1], "kl_mean": float(a.kl.mean()),
+                               "kl_max": float(a.kl.max()), "top1_agreement": float(a.top1.double().mean()),
+                               "max_abs_error": a.max_abs_error})
+        total = Agreement.of(torch.cat(eager), torch.cat(ours))
+        n = text.scored_tokens
+        ppl_program, ppl_eager = perplexity(nll_program, n), perplexity(nll_eager, n)
+        t = self.tolerance
+        kl_mean, top1 = float(total.kl.mean()), float(total.top1.double().mean())
+        failures = [
+            *([f"KL {kl_mean:.3g} > {t.max_kl:.3g}"] if kl_mean > t.max_kl else []),
+            *([f"top-1 agreement {top1:.1%} < {t.min_top1:.0%}"] if top1 < t.min_top1 else []),
+            *([f"perplexity {ppl_program:.3f} > eager {ppl_eager:.3f} x (1 + {t.max_ppl_increase:.3g})"]
+              if ppl_program > ppl_eager * (1 + t.max_ppl_increase) else []),
+            *([f"forward differs from prefill: KL {forward_kl:.3g} > {t.max_kl:.3g}"]
+              if forward_kl is not None and forward_kl > t.max_kl else []),
+        ]
         return ValidationReport(
-            passed=max_rel <= self.tolerance["max_rel_error"] and agreement >= self.tolerance["min_token_agreement"],
-            prompt_tokens=prompt_len,
-            decode_steps=steps,
-            max_abs_error=max(r["max_abs_error"] for r in records),
-            max_rel_error=max_rel,
-            token_agreement=agreement,
-            exact_token_agreement=exact,
-            per_step=records,
-            tolerance=self.tolerance,
+            passed=not failures,
+            failures=failures,
             checked="runtime" if self.runs_here else "captured programs (delegate cannot run on this host)",
+            text=text.source,
+            methods={"prompt": prompt, "step": step, "forward": "checked against prefill" if forward_kl is not None else None},
+            windows=len(text.windows),
+            prompt_tokens=text.prompt_tokens,
+            scored_tokens=n,
+            kl_mean=kl_mean,
+            kl_max=float(total.kl.max()),
+            top1_agreement=top1,
+            top5_overlap=float(total.topk_overlap.mean()),
+            max_abs_error=total.max_abs_error,
+            max_rel_error=total.max_rel_error,
+            perplexity=ppl_program,
+            eager_perplexity=ppl_eager,
+            reference_perplexity=reference.perplexity,
+            reference_dtype=reference.dtype,
+            forward_kl=forward_kl,
+            tolerance={"max_kl": t.max_kl, "min_top1": t.min_top1, "max_ppl_increase": t.max_ppl_increase},
+            per_window=per_window,
         )
+
+    @staticmethod
+    def _forward_against_prefill(program: LoadedProgram | CapturedPrograms, emitted: EmittedProgram,
+                                 text: TextWindows) -> float | None:
+        """``forward`` (what the stock runner calls) on the first prompt, against ``prefill`` on the same tokens."""
+        specs = emitted.specs
+        if not {"prefill", "forward"} <= specs.keys():
+            return None
+        window = text.windows[0]
+        by_method = [program_predictions(program, window[:, :text.prompt_tokens + 1], text.prompt_tokens, m,
+                                         specs[m], m)[:1] for m in ("prefill", "forward")]
+        return float(Agreement.of(*by_method).kl.max())

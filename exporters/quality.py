@@ -1,0 +1,133 @@
+"""Quality on a text: perplexity, and how far a program's next-token distributions are from its eager model.
+
+The validation text is cut into windows that fit the context. In each window the first
+``prompt_tokens`` go through the prompt method at once and every later token through the step
+method (teacher forcing: the text's own tokens are fed, not the model's), which is how generation
+drives a program. Each window predicts its tokens after the prompt; every measure below is over
+those predictions, so the program, the eager quantized model and the unquantized reference are
+scored on exactly the same positions.
+
+Why these measures: on real weights a quantized program's logits differ from its eager model by
+several units (SmolLM2-135M 8da4w: max |diff| 3.2) while being right, so a max-logit-error gate
+rejects good programs. KL divergence of the program's distribution from the eager one and perplexity
+measure what a user sees; they grow by orders of magnitude for a broken program (DESIGN.md, README).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from exporters.errors import UserError
+
+DEFAULT_TEXT_NAME = "validation_text.txt"
+TOP_K = 5
+# A text must leave at least this many predicted tokens after the prompt of its first window.
+MIN_SCORED_TOKENS = 8
+
+
+def read_text(text_file: str | None) -> tuple[str, str]:
+    """The validation text and where it came from (the shipped English paragraphs unless ``text_file``)."""
+    if text_file is None:
+        return resources.files("exporters").joinpath("data", DEFAULT_TEXT_NAME).read_text(), f"exporters/data/{DEFAULT_TEXT_NAME}"
+    path = Path(text_file).expanduser()
+    fix = "Give a UTF-8 text file of a few paragraphs with validation.text_file=<path>, or leave it unset for the built-in text."
+    if not path.is_file():
+        raise UserError(f"validation.text_file={text_file}: no such file. {fix}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"validation.text_file={text_file}: cannot be read as UTF-8 text ({e}). {fix}") from e
+    if not text.strip():
+        raise UserError(f"validation.text_file={text_file} is empty. {fix}")
+    return text, str(path)
+
+
+@dataclass
+class TextWindows:
+    """The validation text as token windows; ``prompt_tokens`` of each go through the prompt method."""
+
+    source: str
+    windows: list[torch.Tensor]  # each [1, L], L <= the context length
+    prompt_tokens: int
+
+    @property
+    def scored_tokens(self) -> int:
+        return sum(w.shape[1] - self.prompt_tokens for w in self.windows)
+
+    def targets(self, window: torch.Tensor) -> torch.Tensor:
+        """The tokens a window's predictions are scored against: [L - prompt_tokens]."""
+        return window[0, self.prompt_tokens:]
+
+    def predictions(self, full_logits: torch.Tensor) -> torch.Tensor:
+        """From a whole-window forward's logits [L, V], the rows that predict the targets: [L - P, V]."""
+        return full_logits[self.prompt_tokens - 1:-1]
+
+
+def make_windows(ids: list[int], bos_id: int | None, context: int, prompt_tokens: int, max_tokens: int,
+                 source: str) -> TextWindows:
+    """Windows of at most ``context`` tokens (bos first when the model has one) until ``max_tokens`` are scored."""
+    body = context - (bos_id is not None)
+    windows: list[torch.Tensor] = []
+    scored = 0
+    start = 0
+    while start < len(ids) and scored < max_tokens:
+        chunk = ids[start:start + body]
+        start += body
+        window = ([bos_id] if bos_id is not None else []) + chunk
+        window = window[:prompt_tokens + max_tokens - scored]
+        if len(window) < prompt_tokens + MIN_SCORED_TOKENS:
+            break  # a short tail scores too little to be worth a window
+        windows.append(torch.tensor([window], dtype=torch.int64))
+        scored += len(window) - prompt_tokens
+    if not windows:
+        raise UserError(
+            f"the validation text ({source}) is {len(ids)} tokens long; it needs at least "
+            f"{prompt_tokens + MIN_SCORED_TOKENS - (bos_id is not None)} ({prompt_tokens} for the prompt and "
+            f"{MIN_SCORED_TOKENS} to score). Give a longer text with validation.text_file=<path>, or lower "
+            "validation.prompt_tokens."
+        )
+    return TextWindows(source=source, windows=windows, prompt_tokens=prompt_tokens)
+
+
+def negative_log_likelihood(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Sum over positions of -log p(target): logits [N, V], targets [N]."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return float(-logp.gather(-1, targets.view(-1, 1)).sum())
+
+
+def perplexity(nll: float, tokens: int) -> float:
+    return math.exp(nll / tokens)
+
+
+@dataclass
+class Agreement:
+    """How the program's predictions [N, V] compare with the eager model's, position by position."""
+
+    kl: torch.Tensor  # [N] KL(eager || program), nats
+    top1: torch.Tensor  # [N] bool: same greedy token
+    topk_overlap: torch.Tensor  # [N] share of the eager top-k the program also ranks top-k
+    max_abs_error: float
+    max_rel_error: float  # max |program - eager| / max |eager|
+
+    @staticmethod
+    def of(eager: torch.Tensor, program: torch.Tensor) -> "Agreement":
+        eager, program = eager.double(), program.double().reshape(eager.shape)
+        logp_e, logp_p = torch.log_softmax(eager, -1), torch.log_softmax(program, -1)
+        kl = (logp_e.exp() * (logp_e - logp_p)).sum(-1).clamp_min(0.0)
+        top_e, top_p = eager.topk(TOP_K, -1).indices, program.topk(TOP_K, -1).indices
+        overlap = (top_e.unsqueeze(-1) == top_p.unsqueeze(-2)).any(-1).double().mean(-1)
+        err = float((program - eager).abs().max())
+        return Agreement(kl=kl, top1=top_e[:, 0] == top_p[:, 0], topk_overlap=overlap, max_abs_error=err,
+                         max_rel_error=err / (float(eager.abs().max()) or 1.0))
+
+
+def window_logits(model_forward: Callable[[torch.Tensor], torch.Tensor], text: TextWindows) -> list[torch.Tensor]:
+    """An eager model's predictions for every window: ``model_forward(window [1, L]) -> logits [L, V]``."""
+    with torch.no_grad():
+        return [text.predictions(model_forward(w)) for w in text.windows]

@@ -1,0 +1,161 @@
+"""GGUF files (llama.cpp, Ollama) as a checkpoint source: dequantized by transformers into a Hugging Face folder.
+
+transformers reads GGUF for the architectures it maps (``GGUF_SUPPORTED_ARCHITECTURES``) and
+dequantizes every tensor to floating point; the folder it becomes is then exported like any other
+checkpoint. Conversion is cached (keyed by the file's path, size and mtime), so a sweep over quant
+options converts once. ``gguf_source.json`` in the folder records where the weights came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from models.errors import ModelError
+from models.families import FAMILIES
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+SOURCE_RECORD = "gguf_source.json"
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A file (not a directory) named ``*.gguf`` or starting with the GGUF magic bytes."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    with open(path, "rb") as fh:
+        return fh.read(4) == GGUF_MAGIC
+
+
+def cache_root() -> Path:
+    """Where converted GGUF checkpoints live: ``$LLM_EXPORTERS_CACHE`` or ``~/.cache/llm-exporters``."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llm-exporters"
+    return Path(os.environ.get("LLM_EXPORTERS_CACHE", default)) / "gguf"
+
+
+def _families_by_model_type() -> dict[str, str]:
+    return {f.model_type: name for name, f in FAMILIES.items()}
+
+
+def supported_gguf_architectures() -> list[str]:
+    """GGUF ``general.architecture`` values both transformers can read and our decoder implements."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    ours = _families_by_model_type()
+    # gemma3 GGUFs become model_type gemma3_text, which is the family's model_type.
+    return sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a in ours or f"{a}_text" in ours)
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """Architecture, quant type and tensor count of a GGUF file; a ModelError if it is not a whole GGUF file."""
+    import gguf
+
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelError(
+            f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r}). Give a .gguf file "
+            "from llama.cpp / Ollama, or a Hugging Face checkpoint directory."
+        )
+    try:
+        reader = gguf.GGUFReader(str(path))
+        fields = reader.fields
+        architecture = str(fields["general.architecture"].contents())
+        file_type = fields["general.file_type"].contents() if "general.file_type" in fields else None
+        n_tensors = len(reader.tensors)
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise ModelError(
+            f"{path}: damaged or truncated GGUF file ({type(e).__name__}: {e}). Download or copy it again "
+            f"(its size is {path.stat().st_size} bytes)."
+        ) from e
+    quant = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else "unknown"
+    return {"file": str(path.resolve()), "architecture": architecture, "quant_type": quant, "tensors": n_tensors,
+            "size_bytes": path.stat().st_size, "dequantized_to": "float32"}
+
+
+def _cache_dir(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / f"{path.stem}-{key}"
+
+
+def gguf_checkpoint(path: str | Path, out_dir: Path | None = None) -> Path:
+    """The Hugging Face checkpoint folder for a GGUF file, converting it on first use.
+
+    The folder is written under a temporary name and renamed when complete, so an interrupted
+    conversion never looks finished.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ModelError(f"GGUF file {path} does not exist. Give the path of a .gguf file with model.checkpoint=...")
+    header = read_header(path)
+    supported = supported_gguf_architectures()
+    if header["architecture"] not in supported:
+        raise ModelError(
+            f"{path}: GGUF architecture {header['architecture']!r} is not supported. Supported GGUF architectures: "
+            f"{', '.join(supported)}. Export from the model's Hugging Face checkpoint instead if its family is "
+            "supported there (python -m exporters.llm --help lists the model options)."
+        )
+    target = out_dir or _cache_dir(path)
+    if (target / SOURCE_RECORD).exists():
+        log.info("GGUF %s: using the converted checkpoint in %s", path.name, target)
+        return target
+    log.info("GGUF %s (%s, %s): dequantizing with transformers into %s", path.name, header["architecture"],
+             header["quant_type"], target)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _convert(path, tmp)
+        (tmp / SOURCE_RECORD).write_text(json.dumps(header, indent=2) + "\n")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert(path: Path, out: Path) -> None:
+    """transformers dequantizes; a fresh model built from the config is saved (a GGUF-loaded one refuses to be)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, name = str(path.parent), path.name
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    except (ValueError, KeyError, OSError, RuntimeError) as e:
+        raise ModelError(f"{path}: transformers could not read this GGUF file ({e}).") from e
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    del loaded
+    fresh.generation_config = _generation_config(fresh.generation_config, tokenizer)
+    fresh.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+
+
+def _generation_config(gen: Any, tokenizer: Any) -> Any:
+    """bos/eos from the tokenizer when the GGUF metadata left them out of the generation config."""
+    if gen.bos_token_id is None and tokenizer.bos_token_id is not None:
+        gen.bos_token_id = tokenizer.bos_token_id
+    if gen.eos_token_id is None and tokenizer.eos_token_id is not None:
+        gen.eos_token_id = tokenizer.eos_token_id
+    return gen
+
+
+def gguf_record(checkpoint_dir: Path) -> dict[str, Any] | None:
+    """What ``gguf_source.json`` says about a converted folder, or None for an ordinary checkpoint."""
+    record = checkpoint_dir / SOURCE_RECORD
+    return json.loads(record.read_text()) if record.is_file() else None

