@@ -27,7 +27,8 @@ log = logging.getLogger("exporters")
 def build_stages(cfg: ExportConfig, output_dir: Path, resolved: dict[str, Any], timings: dict[str, float]) -> list[Stage]:
     """The pipeline for one export; each stage gets only its own part of the config."""
     ex = cfg.export
-    prompt_tokens = prompt_length(cfg.validation.prompt_tokens, None if cfg.backend.dynamic_shapes else ex.prefill_chunk)
+    prompt_tokens = prompt_length(cfg.validation.prompt_tokens, ex.max_seq_len,
+                                  None if cfg.backend.dynamic_shapes else ex.prefill_chunk)
     return [
         LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir, attention=cfg.backend.attention),
         ReferenceStage(cfg.validation, prompt_tokens, enabled=cfg.validate),

