@@ -27,8 +27,11 @@ EMBEDDING_SCHEMES: dict[str, TorchaoConfigFactory] = {}
 # How integer scales are chosen (``quant.qparams``): torchao's IntxChooseQParamsAlgorithm values.
 # "hqq" (half-quadratic, scale only) is what ExecuTorch's export_llm uses; "affine" is plain min/max.
 QPARAMS: dict[str, str] = {"hqq": "hqq_scale_only", "affine": "affine"}
-# Group sizes a layer may fall back to must be multiples of this (XNNPACK's blockwise kernels need it).
+# Group sizes a layer may fall back to must be multiples of this (XNNPACK's blockwise kernels need it;
+# its 4-bit kernels treat one scale per row as one group of the whole width, so that width too).
 GROUP_SIZE_QUANTUM = 32
+# 4-bit schemes whose kernels cannot take a layer of this width at all fall back to their 8-bit form.
+EIGHT_BIT_FORM = {"8da4w": "8da8w", "4w": "8w"}
 
 
 def _register(table: dict[str, TorchaoConfigFactory], name: str) -> Callable[[TorchaoConfigFactory], TorchaoConfigFactory]:
@@ -89,13 +92,26 @@ def group_size_for(width: int, requested: int) -> int:
     return next((g for g in fallbacks if g < requested and width % g == 0), 0)
 
 
+def layer_scheme(scheme: str, width: int, requested: int) -> tuple[str, int]:
+    """The scheme and group size a layer of ``width`` gets: the nearest to what was asked that kernels run."""
+    group = group_size_for(width, requested)
+    if group == 0 and width % GROUP_SIZE_QUANTUM and scheme in EIGHT_BIT_FORM:
+        return EIGHT_BIT_FORM[scheme], 0
+    return scheme, group
+
+
+def _describe_choice(scheme: str, group: int) -> str:
+    return f"{scheme}, " + ("one scale per row" if group == 0 else f"group size {group}")
+
+
 @dataclass
 class AppliedScheme:
     scheme: str
     torchao_config: str
-    torchao_args: dict[str, Any]  # of the requested group size
+    torchao_args: dict[str, Any]  # of the requested scheme and group size
     layers: dict[str, int]  # layer -> group size actually used (0 = one scale per row)
-    fallbacks: list[str] = field(default_factory=list)  # layers the requested group size does not divide
+    # Layers the requested group size does not fit -> what they got instead ("8da8w, one scale per row").
+    fallbacks: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -132,24 +148,23 @@ def _describe(config: Any) -> dict[str, Any]:
 
 def _apply(model: nn.Module, table: dict[str, TorchaoConfigFactory], scheme: str, group_size: int, qparams: str,
            modules: dict[str, nn.Module], width: Callable[[nn.Module], int], notes: list[str]) -> AppliedScheme:
-    """Quantize ``modules`` with ``scheme``; a layer the group size does not divide gets the nearest one that does."""
+    """Quantize ``modules`` with ``scheme``; a layer the group size does not fit gets the nearest choice that does."""
     from torchao.quantization import quantize_
 
-    chosen = {name: group_size_for(width(m), group_size) for name, m in modules.items()}
-    fallbacks = sorted(n for n, g in chosen.items() if g != group_size)
-    for size in sorted(set(chosen.values()), reverse=True):
-        targets = {modules[n] for n, g in chosen.items() if g == size}
-        quantize_(model, table[scheme](size, QPARAMS[qparams]), filter_fn=lambda m, fqn: m in targets)
-    if fallbacks:
-        by_size = {g: sorted(n for n in fallbacks if chosen[n] == g) for g in {chosen[n] for n in fallbacks}}
-        for size, names in sorted(by_size.items(), reverse=True):
-            what = "one scale per row" if size == 0 else f"group size {size}"
-            note = (f"{scheme}: group size {group_size} does not divide the width of {len(names)} layer(s) "
-                    f"({names[0]}: {width(modules[names[0]])}); they use {what}")
-            log.info(note)
-            notes.append(note)
+    chosen = {name: layer_scheme(scheme, width(m), group_size) for name, m in modules.items()}
+    for choice in sorted(set(chosen.values())):
+        targets = {modules[n] for n, c in chosen.items() if c == choice}
+        quantize_(model, table[choice[0]](choice[1], QPARAMS[qparams]), filter_fn=lambda m, fqn: m in targets)
+    fallbacks = {n: _describe_choice(*c) for n, c in sorted(chosen.items()) if c != (scheme, group_size)}
+    for what in sorted(set(fallbacks.values())):
+        names = [n for n, w in fallbacks.items() if w == what]
+        note = (f"{scheme}: group size {group_size} does not divide the width of {len(names)} layer(s) "
+                f"({names[0]}: {width(modules[names[0]])}); they use {what}")
+        log.info(note)
+        notes.append(note)
     config = table[scheme](group_size, QPARAMS[qparams])
-    return AppliedScheme(scheme, type(config).__name__, _describe(config), dict(sorted(chosen.items())), fallbacks)
+    return AppliedScheme(scheme, type(config).__name__, _describe(config),
+                         {n: c[1] for n, c in sorted(chosen.items())}, fallbacks)
 
 
 def quantize_model(model: nn.Module, cfg: QuantConfig) -> AppliedQuantization:

@@ -55,6 +55,7 @@ def test_runtime_matches_the_quantized_eager_model(real_exported, pair: tuple[st
     assert (got.argmax(-1) == ref.argmax(-1)).double().mean() >= tol["min_top1"] - 0.1
 
 
+@pytest.mark.parametrize("pair", RUNNABLE, ids=["-".join(p) for p in RUNNABLE])
 def test_manifest_records_exactly_what_was_applied(real_exported, pair: tuple[str, ...]) -> None:
     manifest = _export(real_exported, *pair).manifest
     q, cfg = manifest["quantization"], manifest["config"]["quant"]
@@ -66,7 +67,7 @@ def test_manifest_records_exactly_what_was_applied(real_exported, pair: tuple[st
         else:
             assert applied["scheme"] == cfg[role] and applied["torchao_config"].endswith("Config")
             assert applied["torchao_args"]["intx_choose_qparams_algorithm"].lower().endswith("hqq_scale_only")
-            assert applied["layers"] and not applied["fallbacks"]
+            assert applied["layers"] and applied["fallbacks"] == {}
 
 
 def test_lm_head_gets_its_own_scheme_and_untying_is_recorded(real_exported) -> None:
@@ -109,15 +110,17 @@ def test_coreml_shares_weights_between_methods(exported) -> None:
 
 
 def test_layers_a_group_size_does_not_divide_fall_back_and_are_recorded(exported) -> None:
-    """intermediate_size=200: down_proj's width is not a multiple of 32, so it gets one scale per row."""
+    """intermediate_size=200: no group size XNNPACK takes divides down_proj's width, and 4-bit per row needs a
+    multiple of 32 too, so those layers get the 8-bit scheme with one scale per row."""
     result = exported("model.arch.intermediate_size=200", "quant=8da4w", "export.methods=[decode]")
     q = result.manifest["quantization"]
     assert result.manifest["validation"]["passed"]
     down = [n for n in q["linear"]["layers"] if n.endswith("mlp.down_proj")]
     assert down and all(q["linear"]["layers"][n] == 0 for n in down)
-    assert sorted(q["linear"]["fallbacks"]) == sorted(down)
+    assert q["linear"]["fallbacks"] == {n: "8da8w, one scale per row" for n in down}
     assert all(g == 32 for n, g in q["linear"]["layers"].items() if n not in down)
-    assert any("does not divide the width of 2 layer(s)" in note and "one scale per row" in note for note in q["notes"])
+    assert any("does not divide the width of 2 layer(s)" in note and "8da8w, one scale per row" in note
+               for note in q["notes"])
 
 
 @pytest.mark.parametrize("width,requested,chosen", [(576, 32, 32), (576, 128, 96), (1536, 256, 256), (200, 32, 0),
