@@ -1,7 +1,7 @@
 """Validation measures and perplexity of every quant option a backend runs, on the real SmolLM2-135M.
 
     python scripts/quality_table.py                      # first 2 layers (what the tests use), xnnpack + portable
-    python scripts/quality_table.py --layers 30 --backends xnnpack --quants 8da4w
+    python scripts/quality_table.py export.max_seq_len=256 --layers 30 --backends xnnpack --quants 8da4w
 
 Each row is a real export through the CLI (`python -m exporters.llm`), validated as usual; the numbers
 come from its manifest whether validation passed or not. This is how the tolerances in
