@@ -19,7 +19,8 @@ from exporters.stages.load import LoadStage
 from exporters.stages.lower import LowerStage
 from exporters.stages.package import PackageStage
 from exporters.stages.quantize import QuantizeStage
-from exporters.stages.validate import ReferenceStage, Tolerance, ValidateStage, prompt_length
+from exporters.stages.reference import ReferenceStage, prompt_length
+from exporters.stages.validate import Tolerance, ValidateStage
 
 log = logging.getLogger("exporters")
 

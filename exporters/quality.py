@@ -24,6 +24,9 @@ from typing import Callable
 import torch
 
 from exporters.errors import UserError
+from models.checkpoint import Checkpoint
+from models.decoder import CausalLM
+from models.tokenizer import find_tokenizer, load_tokenizer
 
 DEFAULT_TEXT_NAME = "validation_text.txt"
 TOP_K = 5
@@ -131,3 +134,21 @@ def window_logits(model_forward: Callable[[torch.Tensor], torch.Tensor], text: T
     """An eager model's predictions for every window: ``model_forward(window [1, L]) -> logits [L, V]``."""
     with torch.no_grad():
         return [text.predictions(model_forward(w)) for w in text.windows]
+
+
+def text_ids(ckpt: Checkpoint, vocab_size: int, text: str) -> list[int]:
+    """The text as token ids, from the checkpoint's tokenizer; random-init models without one get a fixed
+    spread-out id sequence of similar length."""
+    tok_file = find_tokenizer(ckpt.path)
+    if tok_file is not None:
+        return load_tokenizer(tok_file).encode(text)
+    return [(7919 * i + 13) % vocab_size for i in range(len(text.split()) * 4 // 3)]
+
+
+def full_sequence(model: CausalLM):  # type: ignore[no-untyped-def]
+    """``window [1, L] -> logits [L, V]`` of an eager model, from an empty cache."""
+    def run(window: torch.Tensor) -> torch.Tensor:
+        model.reset_cache()
+        return model(window, torch.tensor([0]), full_logits=True)[0].float()
+
+    return run

@@ -17,9 +17,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exporters.config import QuantConfig  # noqa: E402
-from exporters.quality import make_windows, negative_log_likelihood, perplexity, read_text, window_logits  # noqa: E402
+from exporters.quality import (full_sequence, make_windows, negative_log_likelihood, perplexity, read_text,  # noqa: E402
+                               text_ids, window_logits)
 from exporters.quantization import QPARAMS, quantize_model  # noqa: E402
-from exporters.stages.validate import full_sequence, text_ids  # noqa: E402
 from models.checkpoint import build_model, open_checkpoint  # noqa: E402
 from models.gguf import gguf_checkpoint  # noqa: E402
 from models.smollm2 import gguf_file  # noqa: E402

@@ -1,9 +1,6 @@
-"""Reference and validate: score the unquantized model on the validation text, then the written program.
+"""Validate: run the written ``.pte`` over the validation text and compare it with the eager model.
 
-``reference`` runs before quantization: it cuts the validation text into windows and records the
-unquantized model's negative log-likelihood (the "fp32" perplexity of the summary).
-
-``validate`` runs the written ``.pte`` over the same windows the way generation drives it (prompt
+The program goes over the windows the ``reference`` stage made, the way generation drives it (prompt
 method, then one token per step through the step method), and the eager model quantized the same
 way over the same tokens; the measures are in :mod:`exporters.quality`. Both sides keep their own
 KV cache, so a runtime cache that does not carry from prefill to decode shows up as a large KL.
@@ -11,77 +8,17 @@ KV cache, so a runtime cache that does not carry from prefill to decode shows up
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from exporters.artifacts import (EmittedProgram, LoadedModel, ReferenceQuality, ValidatedProgram,
-                                 ValidationReport)
-from exporters.config import QuantConfig, ValidationConfig
+from exporters.artifacts import EmittedProgram, ValidatedProgram, ValidationReport
+from exporters.config import QuantConfig
 from exporters.errors import UserError
 from exporters.methods import MethodSpec
 from exporters.pipeline import Stage
-from exporters.quantization import DTYPES
-from exporters.quality import (Agreement, TextWindows, make_windows, negative_log_likelihood, perplexity,
-                               read_text, window_logits)
+from exporters.quality import Agreement, TextWindows, full_sequence, negative_log_likelihood, perplexity, window_logits
 from exporters.runtime import CapturedPrograms, LoadedProgram
-from models.checkpoint import Checkpoint
-from models.decoder import CausalLM
-from models.tokenizer import find_tokenizer, load_tokenizer
-
-log = logging.getLogger("exporters")
-
-
-def text_ids(ckpt: Checkpoint, vocab_size: int, text: str) -> list[int]:
-    """The text as token ids, from the checkpoint's tokenizer; random-init models without one get a fixed
-    spread-out id sequence of similar length."""
-    tok_file = find_tokenizer(ckpt.path)
-    if tok_file is not None:
-        return load_tokenizer(tok_file).encode(text)
-    return [(7919 * i + 13) % vocab_size for i in range(len(text.split()) * 4 // 3)]
-
-
-def prompt_length(requested: int, max_seq_len: int, static_chunk: int | None) -> int:
-    """Prompt tokens per window: at most half the context, so each window has tokens left to decode; on
-    static-shape backends a whole number of prefill chunks (no padding)."""
-    tokens = min(requested, max(1, max_seq_len // 2))
-    if static_chunk is None:
-        return tokens
-    return max(static_chunk, tokens - tokens % static_chunk)
-
-
-def full_sequence(model: CausalLM):  # type: ignore[no-untyped-def]
-    """``window [1, L] -> logits [L, V]`` of an eager model, from an empty cache."""
-    def run(window: torch.Tensor) -> torch.Tensor:
-        model.reset_cache()
-        return model(window, torch.tensor([0]), full_logits=True)[0].float()
-
-    return run
-
-
-class ReferenceStage(Stage):
-    name = "reference"
-
-    def __init__(self, validation_cfg: ValidationConfig, prompt_tokens: int, enabled: bool) -> None:
-        self.cfg = validation_cfg
-        self.prompt_tokens = prompt_tokens
-        self.enabled = enabled
-
-    def run(self, loaded: LoadedModel) -> LoadedModel:
-        if not self.enabled:
-            return loaded
-        text, source = read_text(self.cfg.text_file)
-        model = loaded.model
-        ids = text_ids(loaded.checkpoint, model.args.vocab_size, text)
-        windows = make_windows(ids, loaded.checkpoint.bos_id, loaded.max_seq_len, self.prompt_tokens,
-                               self.cfg.max_tokens, source)
-        logits = window_logits(full_sequence(model), windows)
-        model.reset_cache()
-        nll = sum(negative_log_likelihood(l, windows.targets(w)) for l, w in zip(logits, windows.windows))
-        dtype_name = {v: k for k, v in DTYPES.items()}.get(model.lm_head.weight.dtype, str(model.lm_head.weight.dtype))
-        loaded.reference = ReferenceQuality(text=windows, nll=nll, dtype=dtype_name)
-        return loaded
 
 
 @dataclass(frozen=True)
