@@ -71,6 +71,10 @@ class TextWindows:
         """From a whole-window forward's logits [L, V], the rows that predict the targets: [L - P, V]."""
         return full_logits[self.prompt_tokens - 1:-1]
 
+    def nll(self, predictions: list[torch.Tensor]) -> float:
+        """Negative log-likelihood of every target, given one window's predictions [L - P, V] each."""
+        return sum(negative_log_likelihood(p, self.targets(w)) for p, w in zip(predictions, self.windows))
+
 
 def make_windows(ids: list[int], bos_id: int | None, context: int, prompt_tokens: int, max_tokens: int,
                  source: str) -> TextWindows:

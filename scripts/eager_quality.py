@@ -17,8 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exporters.config import QuantConfig  # noqa: E402
-from exporters.quality import (full_sequence, make_windows, negative_log_likelihood, perplexity, read_text,  # noqa: E402
-                               text_ids, window_logits)
+from exporters.quality import full_sequence, make_windows, perplexity, read_text, text_ids, window_logits  # noqa: E402
 from exporters.quantization import QPARAMS, quantize_model  # noqa: E402
 from models.checkpoint import build_model, open_checkpoint  # noqa: E402
 from models.gguf import gguf_checkpoint  # noqa: E402
@@ -46,8 +45,7 @@ def main() -> None:
         windows = make_windows(text_ids(ckpt, model.args.vocab_size, text), ckpt.bos_id, args.max_seq_len, 32, 256,
                                source)
         logits = window_logits(full_sequence(model), windows)
-        nll = sum(negative_log_likelihood(l, windows.targets(w)) for l, w in zip(logits, windows.windows))
-        print(f"{label:28s} perplexity {perplexity(nll, windows.scored_tokens):.2f} "
+        print(f"{label:28s} perplexity {perplexity(windows.nll(logits), windows.scored_tokens):.2f} "
               f"({windows.scored_tokens} tokens of {source})", flush=True)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from exporters.artifacts import LoadedModel, ReferenceQuality
 from exporters.config import ValidationConfig
 from exporters.pipeline import Stage
-from exporters.quality import full_sequence, make_windows, negative_log_likelihood, read_text, text_ids, window_logits
+from exporters.quality import full_sequence, make_windows, read_text, text_ids, window_logits
 from exporters.quantization import DTYPES
 
 
@@ -40,7 +40,7 @@ class ReferenceStage(Stage):
                                self.cfg.max_tokens, source)
         logits = window_logits(full_sequence(model), windows)
         model.reset_cache()
-        nll = sum(negative_log_likelihood(l, windows.targets(w)) for l, w in zip(logits, windows.windows))
+        nll = windows.nll(logits)
         dtype_name = {v: k for k, v in DTYPES.items()}.get(model.lm_head.weight.dtype, str(model.lm_head.weight.dtype))
         loaded.reference = ReferenceQuality(text=windows, nll=nll, dtype=dtype_name)
         return loaded
