@@ -82,7 +82,7 @@ class PackageStage(Stage):
             assert report is not None
             raise ValidationFailed(
                 f"the exported program does not match the eager model: {report.describe()}. "
-                f"It was kept as {pte} for inspection, not as {emitted.final_path.name}; details per step are in "
+                f"It was kept as {pte} for inspection, not as {emitted.final_path.name}; details per window are in "
                 f"{manifest_path}. If the difference is expected for this scheme, loosen quant.max_kl, quant.min_top1 "
                 "or quant.max_ppl_increase; validate=false skips the check."
             )
