@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from exporters.artifacts import ExportResult
 from exporters.config import ExportConfig, check_config, to_typed
 from exporters.errors import UserError
+from exporters.layouts import LAYOUTS
 from exporters.pipeline import Stage, run_pipeline
 from exporters.stages.capture import CaptureStage
 from exporters.stages.emit import EmitStage
@@ -34,12 +35,12 @@ def build_stages(cfg: ExportConfig, output_dir: Path, resolved: dict[str, Any], 
         LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir, attention=cfg.backend.attention),
         ReferenceStage(cfg.validation, prompt_tokens, enabled=cfg.validate),
         QuantizeStage(cfg.quant),
-        CaptureStage(ex.methods, ex.max_seq_len, cfg.backend.dynamic_shapes, ex.prefill_chunk,
+        CaptureStage(ex.methods, LAYOUTS[ex.layout], ex.max_seq_len, cfg.backend.dynamic_shapes, ex.prefill_chunk,
                      keep_reference=cfg.validate and not cfg.backend.runs_here),
         LowerStage(cfg.backend, ex.max_seq_len),
         EmitStage(output_dir / ex.output_name),
         ValidateStage(Tolerance.of(cfg.quant), enabled=cfg.validate, runs_here=cfg.backend.runs_here),
-        PackageStage(resolved, timings),
+        PackageStage(resolved, timings, LAYOUTS[ex.layout]),
     ]
 
 

@@ -106,6 +106,10 @@ class ExportSection:
     max_seq_len: int = 128
     # Methods to capture, each a key of exporters.methods.METHOD_KINDS.
     methods: List[str] = field(default_factory=lambda: ["prefill", "decode", "forward"])
+    # How the methods are named (a key of exporters.layouts.LAYOUTS): "stock" runs correctly in every
+    # ExecuTorch stock runner we test; "split" uses the prefill/decode names, which ExecuTorch 1.5.1's
+    # stock runner runs with two KV caches (wrong text): only for apps that share memory arenas.
+    layout: str = "stock"
     # Token count of prefill on static-shape backends.
     prefill_chunk: int = 32
     output_name: str = "model.pte"
@@ -174,6 +178,9 @@ def check_config(cfg: ExportConfig | DictConfig) -> None:
         one_of("export.methods entry", method, sorted(METHOD_KINDS), "Fix export.methods.")
     if not ex.methods:
         raise UserError("export.methods is empty: give at least one of " + ", ".join(sorted(METHOD_KINDS)) + ".")
+    from exporters.layouts import check_layout
+
+    check_layout(ex.layout, ex.methods)
     if ex.max_seq_len < 2:
         raise UserError(f"export.max_seq_len={ex.max_seq_len} is too small: use 2 or more.")
     v = cfg.validation

@@ -1,7 +1,8 @@
 """Text generation with an exported program: prompt in, streamed text out, tokens/s measured.
 
-Works with whatever the program holds: ``prefill`` + ``decode`` (ours), ``forward`` only (ExecuTorch's
-stock layout), fixed-size prefill chunks (static-shape backends), or ``decode`` alone.
+Works with whatever the program holds (``exporters.driver`` chooses the methods): either of our layouts,
+``forward`` only (``export_llm``'s programs), fixed-size prefill chunks (static-shape backends), or a
+one-token method alone.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from exporters.driver import Driver
 from exporters.errors import UserError
 from exporters.runtime import LoadedProgram
 from models.errors import ModelError
@@ -119,37 +121,13 @@ class Generator:
         self.bos_id = self.program.constant("get_bos_id") if "get_bos_id" in names else None
         eos = self.program.constant("get_eos_ids") if "get_eos_ids" in names else []
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-        self.step_method = next((m for m in ("decode", "forward") if m in names), None)
-        self.prompt_method = next((m for m in ("prefill", "forward", "decode") if m in names), None)
-        if self.step_method is None or self.prompt_method is None:
-            raise UserError(f"{self.pte} has neither decode nor forward: it is not an LLM program from this tool.")
-        self.chunk = self._fixed_chunk(self.prompt_method)
-
-    def _fixed_chunk(self, method: str) -> int | None:
-        """Token count of a static-shape prompt method (None when its length is dynamic)."""
-        key = f"get_{method}_max_tokens"
-        if key not in self.program.method_names or self.program.constant("enable_dynamic_shape"):
-            return None
-        return int(self.program.constant(key))
+        self.driver = Driver.of(self.program)
+        # Loaded now, so that the prompt rate measures the prompt alone.
+        self.program.load(self.driver.roles.prompt, self.driver.roles.step)
 
     def encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer.encode(prompt)
         return ([self.bos_id] if self.bos_id is not None else []) + ids
-
-    def _prefill(self, ids: list[int]) -> torch.Tensor:
-        tokens = torch.tensor([ids], dtype=torch.int64)
-        pos, logits = 0, None
-        if self.chunk:  # whole chunks through the static prompt method, the rest one token at a time
-            while pos + self.chunk <= len(ids):
-                logits = self.program.run(self.prompt_method, tokens[:, pos:pos + self.chunk], torch.tensor([pos]))[0]
-                pos += self.chunk
-        elif self.prompt_method != "decode":
-            logits = self.program.run(self.prompt_method, tokens, torch.tensor([0]))[0]
-            pos = len(ids)
-        for p in range(pos, len(ids)):
-            logits = self.program.run(self.step_method, tokens[:, p:p + 1], torch.tensor([p]))[0]
-        assert logits is not None
-        return logits
 
     def check_fits(self, ids: list[int]) -> None:
         if not ids:
@@ -168,7 +146,7 @@ class Generator:
         gen = torch.Generator().manual_seed(cfg.seed)
         stream = TextStream(self.tokenizer)
         start = time.perf_counter()
-        logits = self._prefill(ids)
+        logits = self.driver.prefill(torch.tensor([ids], dtype=torch.int64))
         prompt_s = time.perf_counter() - start
         new_ids: list[int] = []
         stop = "max_new_tokens"
@@ -186,7 +164,7 @@ class Generator:
             if position + 1 >= self.max_seq_len:
                 stop = "context_full"
                 break
-            logits = self.program.run(self.step_method, torch.tensor([[token]]), torch.tensor([position]))[0]
+            logits = self.driver.decode_one_token(token, position)
         gen_s = time.perf_counter() - start
         return GenerationResult(
             text=stream.emitted, prompt_ids=ids, new_ids=new_ids, stop_reason=stop,

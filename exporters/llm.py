@@ -35,12 +35,20 @@ def main(cfg: DictConfig) -> None:
         f"passed (KL {validation['kl_mean']:.2g}, top-1 agreement {validation['top1_agreement']:.0%})"
         + ("" if validation["checked"] == "runtime" else f"; checked on {validation['checked']}"))
     quality = "not measured (validate=false)" if validation is None else validation["quality"]
+    runners = "; ".join(f"{release} {o['result'].upper() if o['result'] != 'correct' else o['result']}"
+                        for release, o in m["layout"]["stock_runners"].items())
     log.info(
-        "exported %s\n  size: %.2f MB  sha256: %s\n  methods: %s\n  constants: %s\n  validation: %s\n"
-        "  quality: %s\n  manifest: %s",
+        "exported %s\n  size: %.2f MB  sha256: %s\n  methods: %s (layout %s)\n  constants: %s\n"
+        "  ExecuTorch stock runners: %s\n  validation: %s\n  quality: %s\n  manifest: %s",
         result.pte_path, m["program"]["size_bytes"] / 1e6, m["program"]["sha256"][:16],
-        ", ".join(m["methods"]), ", ".join(m["constant_methods"]), verdict, quality, result.manifest_path,
+        ", ".join(m["methods"]), m["layout"]["name"], ", ".join(m["constant_methods"]), runners, verdict, quality,
+        result.manifest_path,
     )
+    for release, o in m["layout"]["stock_runners"].items():
+        if o["result"] != "correct":
+            log.warning("ExecuTorch %s's stock runner would give %s with this program: %s. export.layout=stock "
+                        "(with forward in export.methods) makes a program every stock runner runs correctly.",
+                        release, o["result"], o["why"])
 
 
 if __name__ == "__main__":

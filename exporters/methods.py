@@ -12,10 +12,12 @@ from typing import Any, Callable
 import torch
 from torch.export import Dim
 
+from exporters.layouts import Layout
+
 
 @dataclass(frozen=True)
 class MethodSpec:
-    name: str
+    kind: str  # prefill, decode or forward: what the method computes (its name depends on the layout)
     example_inputs: tuple[torch.Tensor, torch.Tensor]
     dynamic_shapes: Any
     min_tokens: int
@@ -25,19 +27,32 @@ class MethodSpec:
     def dynamic(self) -> bool:
         return self.dynamic_shapes is not None
 
+    @property
+    def shape(self) -> "MethodShape":
+        return MethodShape(self.kind, self.min_tokens, self.max_tokens)
+
+
+@dataclass(frozen=True)
+class MethodShape:
+    """What a driver needs to know of a method: what it computes and how many tokens a call takes."""
+
+    kind: str
+    min_tokens: int
+    max_tokens: int
+
 
 def _inputs(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(1, num_tokens, dtype=torch.int64), torch.tensor([0], dtype=torch.int64)
 
 
-def _many_tokens(name: str, max_seq_len: int, dynamic: bool, chunk: int) -> MethodSpec:
+def _many_tokens(kind: str, max_seq_len: int, dynamic: bool, chunk: int) -> MethodSpec:
     """Prompt processing: dynamic T in [1, max_seq_len - 1], or a fixed chunk on static-shape backends."""
     if not dynamic:
-        return MethodSpec(name, _inputs(chunk), None, chunk, chunk)
+        return MethodSpec(kind, _inputs(chunk), None, chunk, chunk)
     max_tokens = max_seq_len - 1
     tokens = Dim("num_tokens", min=1, max=max_tokens)
     # Example with 2 tokens: 1 would let torch.export specialise the dimension to a constant.
-    return MethodSpec(name, _inputs(min(2, max_tokens)), ({1: tokens}, None), 1, max_tokens)
+    return MethodSpec(kind, _inputs(min(2, max_tokens)), ({1: tokens}, None), 1, max_tokens)
 
 
 def prefill(max_seq_len: int, dynamic: bool, chunk: int) -> MethodSpec:
@@ -60,5 +75,6 @@ METHOD_KINDS: dict[str, Callable[[int, bool, int], MethodSpec]] = {
 }
 
 
-def method_specs(names: list[str], max_seq_len: int, dynamic: bool, chunk: int) -> dict[str, MethodSpec]:
-    return {name: METHOD_KINDS[name](max_seq_len, dynamic, chunk) for name in names}
+def method_specs(kinds: list[str], layout: Layout, max_seq_len: int, dynamic: bool, chunk: int) -> dict[str, MethodSpec]:
+    """Program method name (as the layout names it) -> what that method is."""
+    return {layout.name_of(kind): METHOD_KINDS[kind](max_seq_len, dynamic, chunk) for kind in kinds}

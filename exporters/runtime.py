@@ -32,9 +32,14 @@ class LoadedProgram:
     def method_names(self) -> set[str]:
         return set(self._program.method_names)
 
+    def load(self, *methods: str) -> None:
+        """Load methods now rather than on their first call."""
+        for method in methods:
+            if method not in self._methods:
+                self._methods[method] = self._program.load_method(method)
+
     def run(self, method: str, *inputs: torch.Tensor) -> list[Any]:
-        if method not in self._methods:
-            self._methods[method] = self._program.load_method(method)
+        self.load(method)
         return list(self._methods[method].execute(list(inputs)))
 
     def constant(self, method: str) -> Any:

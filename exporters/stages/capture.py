@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from exporters.artifacts import CapturedMethods, QuantizedModel
+from exporters.layouts import Layout
 from exporters.methods import method_specs
 from exporters.pipeline import Stage
 
@@ -37,9 +38,10 @@ def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens
 class CaptureStage(Stage):
     name = "capture"
 
-    def __init__(self, methods: list[str], max_seq_len: int, dynamic_shapes: bool, prefill_chunk: int,
-                 keep_reference: bool = False) -> None:
+    def __init__(self, methods: list[str], layout: Layout, max_seq_len: int, dynamic_shapes: bool,
+                 prefill_chunk: int, keep_reference: bool = False) -> None:
         self.methods = methods
+        self.layout = layout
         # Backends this host cannot run are validated on a second, untouched capture (lowering
         # rewrites the programs it is given).
         self.keep_reference = keep_reference
@@ -48,7 +50,7 @@ class CaptureStage(Stage):
         self.prefill_chunk = prefill_chunk
 
     def run(self, quantized: QuantizedModel) -> CapturedMethods:
-        specs = method_specs(self.methods, self.max_seq_len, self.dynamic_shapes, self.prefill_chunk)
+        specs = method_specs(self.methods, self.layout, self.max_seq_len, self.dynamic_shapes, self.prefill_chunk)
         model = quantized.model
 
         def capture_all() -> dict[str, torch.export.ExportedProgram]:

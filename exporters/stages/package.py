@@ -12,6 +12,7 @@ from typing import Any
 
 from exporters.artifacts import ExportResult, ValidatedProgram
 from exporters.errors import ValidationFailed
+from exporters.layouts import Layout, layout_manifest
 from exporters.pipeline import Stage
 from exporters.stages.emit import write_atomically
 
@@ -35,7 +36,8 @@ def rejected_path(final: Path) -> Path:
 class PackageStage(Stage):
     name = "package"
 
-    def __init__(self, resolved_config: dict[str, Any], timings: dict[str, float]) -> None:
+    def __init__(self, resolved_config: dict[str, Any], timings: dict[str, float], layout: Layout) -> None:
+        self.layout = layout
         self.resolved_config = resolved_config
         self.timings = timings
 
@@ -63,6 +65,7 @@ class PackageStage(Stage):
                        "delegated_partitions": emitted.delegated_partitions.get(name, 0)}
                 for name, spec in emitted.specs.items()
             },
+            "layout": layout_manifest(self.layout, {name: spec.kind for name, spec in emitted.specs.items()}),
             "constant_methods": emitted.constant_methods,
             "model": {"checkpoint": str(ckpt.path), "architecture": list(ckpt.hf_config.architectures or []),
                       "family": emitted.quantized.loaded.family,

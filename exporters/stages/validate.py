@@ -14,8 +14,7 @@ import torch
 
 from exporters.artifacts import EmittedProgram, ValidatedProgram, ValidationReport
 from exporters.config import QuantConfig
-from exporters.errors import UserError
-from exporters.methods import MethodSpec
+from exporters.driver import Driver, MethodRoles
 from exporters.pipeline import Stage
 from exporters.quality import Agreement, TextWindows, full_sequence, negative_log_likelihood, perplexity, window_logits
 from exporters.runtime import CapturedPrograms, LoadedProgram
@@ -32,30 +31,11 @@ class Tolerance:
         return Tolerance(quant.max_kl, quant.min_top1, quant.max_ppl_increase)
 
 
-def choose_methods(specs: dict[str, MethodSpec]) -> tuple[str, str]:
-    """The prompt method (prefill, else forward, else decode) and the one-token step method."""
-    prompt = next(m for m in ("prefill", "forward", "decode") if m in specs)
-    step = next((m for m in ("decode", "forward", "prefill") if m in specs and specs[m].min_tokens == 1), None)
-    if step is None:
-        raise UserError(
-            f"validation steps one token at a time, and none of export.methods={list(specs)} takes one token "
-            "(static-shape prefill only). Add decode to export.methods, or set validate=false."
-        )
-    return prompt, step
-
-
-def program_predictions(program: LoadedProgram | CapturedPrograms, window: torch.Tensor, prompt_tokens: int,
-                        prompt: str, prompt_spec: MethodSpec, step: str) -> torch.Tensor:
+def program_predictions(driver: Driver, window: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
     """The program's predictions for one window [L - P, V]: the prompt at once, then one token per step."""
-    rows = []
-    position = 0
-    for chunk in torch.split(window[:, :prompt_tokens], prompt_spec.max_tokens, dim=1):
-        out = program.run(prompt, chunk, torch.tensor([position]))[0]
-        position += chunk.shape[1]
-    rows.append(out.reshape(-1, out.shape[-1])[-1])
-    for i in range(prompt_tokens, window.shape[1] - 1):
-        rows.append(program.run(step, window[:, i:i + 1], torch.tensor([i]))[0].reshape(-1))
-    return torch.stack(rows).float()
+    rows = [driver.prefill(window[:, :prompt_tokens])]
+    rows += [driver.decode_one_token(window[:, i:i + 1], i) for i in range(prompt_tokens, window.shape[1] - 1)]
+    return torch.cat(rows).float()
 
 
 class ValidateStage(Stage):
@@ -75,7 +55,7 @@ class ValidateStage(Stage):
         reference = emitted.quantized.loaded.reference
         assert reference is not None, "the reference stage runs whenever validation does"
         text: TextWindows = reference.text
-        prompt, step = choose_methods(emitted.specs)
+        roles = MethodRoles.choose({name: spec.shape for name, spec in emitted.specs.items()})
         if self.runs_here:
             program: LoadedProgram | CapturedPrograms = LoadedProgram(emitted.path)
         else:
@@ -85,9 +65,9 @@ class ValidateStage(Stage):
         model = emitted.quantized.model
         with torch.no_grad():
             eager = window_logits(full_sequence(model), text)
-            ours = [program_predictions(program, w, text.prompt_tokens, prompt, emitted.specs[prompt], step)
-                    for w in text.windows]
-            forward_kl = self._forward_against_prefill(program, emitted, text)
+            driver = Driver(program, roles)
+            ours = [program_predictions(driver, w, text.prompt_tokens) for w in text.windows]
+            forward_kl = self._forward_against_prefill(program, roles, emitted, text)
         model.reset_cache()
 
         per_window = []
@@ -117,7 +97,8 @@ class ValidateStage(Stage):
             failures=failures,
             checked="runtime" if self.runs_here else "captured programs (delegate cannot run on this host)",
             text=text.source,
-            methods={"prompt": prompt, "step": step, "forward": "checked against prefill" if forward_kl is not None else None},
+            methods={"prompt": roles.prompt, "step": roles.step,
+                     "forward": "checked against prefill" if forward_kl is not None else None},
             windows=len(text.windows),
             prompt_tokens=text.prompt_tokens,
             scored_tokens=n,
@@ -137,13 +118,13 @@ class ValidateStage(Stage):
         )
 
     @staticmethod
-    def _forward_against_prefill(program: LoadedProgram | CapturedPrograms, emitted: EmittedProgram,
+    def _forward_against_prefill(program: LoadedProgram | CapturedPrograms, roles: MethodRoles, emitted: EmittedProgram,
                                  text: TextWindows) -> float | None:
         """``forward`` (what the stock runner calls) on the first prompt, against ``prefill`` on the same tokens."""
-        specs = emitted.specs
-        if not {"prefill", "forward"} <= specs.keys():
+        by_kind = {spec.kind: name for name, spec in emitted.specs.items()}
+        if not {"prefill", "forward"} <= by_kind.keys():
             return None
-        window = text.windows[0]
-        by_method = [program_predictions(program, window[:, :text.prompt_tokens + 1], text.prompt_tokens, m,
-                                         specs[m], m)[:1] for m in ("prefill", "forward")]
+        prompt = text.windows[0][:, :text.prompt_tokens]
+        by_method = [Driver(program, roles.with_prompt(by_kind[k], emitted.specs[by_kind[k]].shape)).prefill(prompt)
+                     for k in ("prefill", "forward")]
         return float(Agreement.of(*by_method).kl.max())

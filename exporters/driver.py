@@ -1,0 +1,99 @@
+"""One way to drive an LLM program: the prompt through the prompt method, then one token per step.
+
+Validation, generation, the benchmarks and the tests all call programs through :class:`Driver`, so the
+choice of methods and the cutting of a prompt into calls exist once (gpt-fast's ``prefill`` /
+``decode_one_token``). The methods share one KV cache: the runtime must share memory arenas between
+them (``executorch.runtime`` does; see ``exporters.layouts`` for the stock runners).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from exporters.errors import UserError
+from exporters.layouts import KIND_OF_NAME
+from exporters.methods import MethodShape
+
+
+class RunsMethods(Protocol):
+    def run(self, method: str, *inputs: torch.Tensor) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class MethodRoles:
+    prompt: str  # runs the prompt
+    step: str  # runs one new token
+    prompt_max_tokens: int  # tokens one call of the prompt method takes at most
+    prompt_fixed: bool  # static shape: a call takes exactly prompt_max_tokens
+
+    @staticmethod
+    def choose(methods: dict[str, MethodShape]) -> "MethodRoles":
+        """Prompt: prefill, else forward, else the one-token method; step: decode, else a dynamic prompt method."""
+        by_kind = {shape.kind: name for name, shape in methods.items()}
+        step = next((by_kind[k] for k in ("decode", "forward", "prefill")
+                     if k in by_kind and methods[by_kind[k]].min_tokens == 1), None)
+        if step is None:
+            raise UserError(
+                f"the methods {sorted(methods)} cannot take one token at a time (static-shape prompt methods "
+                "only), so nothing can generate or validate with them. Add decode to export.methods."
+            )
+        prompt = next((by_kind[k] for k in ("prefill", "forward") if k in by_kind), step)
+        return MethodRoles(prompt, step, 0, False).with_prompt(prompt, methods[prompt])
+
+    def with_prompt(self, name: str, shape: MethodShape) -> "MethodRoles":
+        """The same roles with another method for the prompt."""
+        return MethodRoles(name, self.step, shape.max_tokens, shape.min_tokens == shape.max_tokens > 1)
+
+
+def program_method_shapes(program: Any) -> dict[str, MethodShape]:
+    """The LLM methods of a loaded program (``exporters.runtime.LoadedProgram``), read from its constants."""
+    names = program.method_names
+    dynamic = bool(program.constant("enable_dynamic_shape")) if "enable_dynamic_shape" in names else True
+    context = int(program.constant("get_max_seq_len"))
+    shapes = {}
+    for name in names & KIND_OF_NAME.keys():
+        kind = KIND_OF_NAME[name]
+        key = f"get_{name}_max_tokens"
+        max_tokens = int(program.constant(key)) if key in names else (1 if kind == "decode" else context - 1)
+        shapes[name] = MethodShape(kind, 1 if kind == "decode" or dynamic else max_tokens, max_tokens)
+    if not shapes:
+        raise UserError(
+            f"{getattr(program, 'path', 'the program')} has none of the methods "
+            f"{', '.join(sorted(KIND_OF_NAME))}: it is not an LLM program this tool can drive."
+        )
+    return shapes
+
+
+class Driver:
+    """Feeds a program prompts and tokens; positions are the caller's (the cache is overwritten in place)."""
+
+    def __init__(self, program: RunsMethods, roles: MethodRoles) -> None:
+        self.program = program
+        self.roles = roles
+
+    @staticmethod
+    def of(program: Any) -> "Driver":
+        return Driver(program, MethodRoles.choose(program_method_shapes(program)))
+
+    def prefill(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Logits after the last of ``tokens`` [1, T] placed at ``start``..: whole calls of the prompt
+        method, and what a static-shape prompt method cannot take one token at a time. -> [1, V]"""
+        r = self.roles
+        length, pos, logits = tokens.shape[1], 0, None
+        while length - pos >= (r.prompt_max_tokens if r.prompt_fixed else 1):
+            n = r.prompt_max_tokens if r.prompt_fixed else min(r.prompt_max_tokens, length - pos)
+            logits = self.program.run(r.prompt, tokens[:, pos:pos + n], torch.tensor([start + pos]))[0]
+            pos += n
+        for p in range(pos, length):
+            logits = self.decode_one_token(tokens[:, p:p + 1], start + p)
+        assert logits is not None, "prefill needs at least one token"
+        return logits.reshape(-1, logits.shape[-1])[-1:]
+
+    def decode_one_token(self, token: torch.Tensor | int, position: int) -> torch.Tensor:
+        """Logits after one token [1, 1] at ``position``. -> [1, V]"""
+        tokens = torch.tensor([[token]]) if isinstance(token, int) else token.reshape(1, 1)
+        logits = self.program.run(self.roles.step, tokens, torch.tensor([position]))[0]
+        return logits.reshape(1, -1)
