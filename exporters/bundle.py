@@ -30,6 +30,43 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _how_to_run(m: dict[str, Any], tokenizer: str) -> str:
+    """Which methods to call in which order, what the runtime must do for the shared KV cache, and which
+    stock runners run the program correctly (from the manifest's ``layout``)."""
+    layout = m["layout"]
+    by_kind = {kind: name for name, kind in layout["methods"].items()}
+    prompt = by_kind.get("prefill") or by_kind.get("forward") or by_kind["decode"]
+    step = by_kind.get("decode") or prompt
+    runners = "\n".join(f"| {release} | {o['result']} | {o['why']} |" for release, o in layout["stock_runners"].items())
+    tested = m["versions"].get("executorch")
+    return f"""Layout `{layout['name']}` (for {layout['for']}). Call {layout['call_order']}.
+{layout['kv_cache'][0].upper() + layout['kv_cache'][1:]}.
+
+```python
+from executorch.runtime import Runtime   # shares memory arenas between the methods of a program
+program = Runtime.get().load_program("model.pte")
+prompt = program.load_method("{prompt}")   # tokens int64[1, T], input_pos int64[1] -> logits[1, vocab]
+step = program.load_method("{step}")       # tokens int64[1, 1], input_pos int64[1] -> logits[1, vocab]
+logits = prompt.execute([prompt_ids, torch.tensor([0])])[0]
+logits = step.execute([next_id.view(1, 1), torch.tensor([len(prompt_ids[0])])])[0]
+```
+
+In C++: `executorch::extension::Module module("model.pte", Module::LoadMode::MmapUseMlockIgnoreErrors,
+nullptr, nullptr, nullptr, /*share_memory_arenas=*/true);` then `module.execute("{prompt}", ...)` and
+`module.execute("{step}", ...)`. Without `share_memory_arenas` each method has its own KV cache and the
+text is wrong, with no error.
+
+ExecuTorch's stock runner (`executorch.extension.llm.runner.TextLLMRunner("model.pte", "{tokenizer}")`,
+or the C++ `llm::create_text_llm_runner`) chooses methods by name:
+
+| ExecuTorch release | result | how |
+|---|---|---|
+{runners}
+
+Validated in the ExecuTorch {tested} Python runtime; the runner outcomes follow each release's method choice
+and are tested with that release's runner by llm-exporters' test suite."""
+
+
 def _readme(name: str, m: dict[str, Any]) -> str:
     cfg = m["config"]
     rows = "\n".join(
@@ -46,19 +83,9 @@ ExecuTorch program exported by llm-exporters: model `{cfg['model']['name']}`
 ({m['model'].get('family')} family), quantization `{cfg['quant']['name']}`, backend `{cfg['backend']['name']}`,
 context {cfg['export']['max_seq_len']} tokens.
 
-## Load it
+## Run it
 
-```python
-from executorch.runtime import Runtime
-program = Runtime.get().load_program("model.pte")
-prefill = program.load_method("prefill")   # tokens int64[1, T], input_pos int64[1] -> logits[1, vocab]
-decode = program.load_method("decode")     # tokens int64[1, 1], input_pos int64[1] -> logits[1, vocab]
-```
-
-All methods share one KV cache: call `prefill` on the prompt at position 0, then `decode` with each
-new token at the next position. With a `forward` method the program also runs unchanged in
-ExecuTorch's stock runner (`executorch.extension.llm.runner.TextLLMRunner("model.pte", "{tokenizer}")`).
-In C++, load it with `executorch::extension::Module` and the same method names.
+{_how_to_run(m, tokenizer)}
 
 ## Methods
 
@@ -109,7 +136,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
         "model": {**m["model"], "id": cfg["model"].get("checkpoint") or cfg["model"]["name"], "family":
                   (m["model"].get("architecture") or ["unknown"])[0]},
         "quant": m["quantization"], "backend": cfg["backend"]["name"],
-        "methods": m["methods"], "constant_methods": m["constant_methods"],
+        "methods": m["methods"], "layout": m["layout"], "constant_methods": m["constant_methods"],
         "validation": {k: v for k, v in (m.get("validation") or {}).items() if k != "per_window"},
         "versions": m["versions"], "config": cfg, "files": files,
     }

@@ -56,7 +56,7 @@ def test_help_lists_groups_and_options() -> None:
 
 
 def test_a_failing_config_does_not_stop_a_sweep(tmp_path: Path) -> None:
-    proc = run_cli("-m", "quant=8da4w,fp32", "backend=portable", "export.methods=[decode]",
+    proc = run_cli("-m", "quant=8da4w,fp32", "backend=portable", "export.methods=[decode]", "export.layout=split",
                    "validation.max_tokens=16", f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     failed, ok = sorted(tmp_path.glob("*-tiny-*"))

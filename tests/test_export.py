@@ -47,7 +47,7 @@ def eager_reference(result: ExportResult, quant: str):  # type: ignore[no-untype
 def test_program_has_methods_and_constants(exported, backend: str, quant: str) -> None:
     result = export_pair(exported, backend, quant)
     program = LoadedProgram(result.pte_path)
-    methods = {"prefill", "decode", "forward"}
+    methods = {"prefill", "decode_one_token", "forward"}
     assert program.method_names == methods | CONSTANTS | {f"get_{m}_max_tokens" for m in methods}
     expected = {
         "get_max_seq_len": 128, "get_max_context_len": 128, "get_vocab_size": 384, "get_bos_id": 1,
@@ -75,7 +75,7 @@ def test_prefill_then_decode_continue_one_sequence(exported, backend: str, quant
         assert int(logits.argmax()) == int(expected.argmax()), f"greedy token differs at step {step}"
         next_token = logits.argmax(-1).view(1, 1)
         generated.append(int(next_token))
-        logits = program.run("decode", next_token, torch.tensor([tokens.shape[1]]))[0]
+        logits = program.run("decode_one_token", next_token, torch.tensor([tokens.shape[1]]))[0]
         tokens = torch.cat([tokens, next_token], dim=1)
     assert len(set(generated)) > 1, "a degenerate model would hide cache bugs"
 
@@ -87,8 +87,8 @@ def test_decode_without_prefill_sees_an_empty_cache(exported, backend: str, quan
     tokens = torch.randint(3, 384, (1, PROMPT_LEN + 1), generator=torch.Generator().manual_seed(2))
     warm = LoadedProgram(result.pte_path)
     warm.run("prefill", tokens[:, :-1], torch.tensor([0]))
-    with_cache = warm.run("decode", tokens[:, -1:], torch.tensor([PROMPT_LEN]))[0]
-    cold = LoadedProgram(result.pte_path).run("decode", tokens[:, -1:], torch.tensor([PROMPT_LEN]))[0]
+    with_cache = warm.run("decode_one_token", tokens[:, -1:], torch.tensor([PROMPT_LEN]))[0]
+    cold = LoadedProgram(result.pte_path).run("decode_one_token", tokens[:, -1:], torch.tensor([PROMPT_LEN]))[0]
     assert (with_cache - cold).abs().max() > 1e-2
 
 
@@ -102,11 +102,11 @@ def test_manifest_records_the_export(exported, backend: str, quant: str) -> None
     import hashlib
 
     assert m["program"]["sha256"] == hashlib.sha256(pte).hexdigest()
-    assert m["methods"]["decode"]["inputs"][0] == {"name": "tokens", "shape": [1, 1], "dtype": "int64"}
+    assert m["methods"]["decode_one_token"]["inputs"][0] == {"name": "tokens", "shape": [1, 1], "dtype": "int64"}
     assert m["methods"]["prefill"]["inputs"][0]["shape"][1] == "num_tokens"
     assert m["methods"]["prefill"]["outputs"][0]["shape"] == [1, 384]
     v = m["validation"]
-    assert v["passed"] and not v["failures"] and v["methods"] == {"prompt": "prefill", "step": "decode",
+    assert v["passed"] and not v["failures"] and v["methods"] == {"prompt": "prefill", "step": "decode_one_token",
                                                                    "forward": "checked against prefill"}
     assert v["scored_tokens"] == 256 and v["text"].endswith("validation_text.txt")
     assert v["top1_agreement"] >= v["tolerance"]["min_top1"] and v["kl_mean"] <= v["tolerance"]["max_kl"]
@@ -126,8 +126,8 @@ def test_manifest_records_the_export(exported, backend: str, quant: str) -> None
 
 def test_second_method_stores_no_second_copy_of_the_weights(exported) -> None:
     """XNNPACK keys weights by content across methods: adding prefill adds graph bytes, no weight bytes."""
-    both = exported("backend=xnnpack", "quant=fp32", "export.methods=[prefill,decode]")
-    one = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]")
+    both = exported("backend=xnnpack", "quant=fp32", "export.methods=[prefill,decode]", "export.layout=split")
+    one = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]", "export.layout=split")
     s2, s1 = both.manifest["program"]["storage"], one.manifest["program"]["storage"]
     assert s1["named_data_entries"] == 15, "14 layer linears + lm_head, each its own entry"
     for key in ("named_data_entries", "named_data_bytes", "constant_buffer_bytes"):
@@ -137,7 +137,7 @@ def test_second_method_stores_no_second_copy_of_the_weights(exported) -> None:
 
 
 def test_decode_only_program_validates_token_by_token(exported) -> None:
-    result = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]")
+    result = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]", "export.layout=split")
     assert LoadedProgram(result.pte_path).method_names >= {"decode"}
     assert "prefill" not in result.manifest["methods"]
     v = result.manifest["validation"]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from exporters.artifacts import ExportResult
+from exporters.driver import Driver
 from exporters.runtime import LoadedProgram
 from models.checkpoint import build_model, open_checkpoint
 from models.decoder import CausalLM
@@ -83,7 +84,7 @@ def test_sliding_windows_really_mask(family_checkpoint, family: str) -> None:
 def export_family(exported, family_checkpoint, family: str, quant: str, model_option: str,  # type: ignore[no-untyped-def]
                   methods: str = "[prefill,decode]") -> ExportResult:
     return exported(f"model={model_option}", f"model.checkpoint={family_checkpoint(family)}", "backend=xnnpack",
-                    f"quant={quant}", f"export.methods={methods}", f"export.max_seq_len={MAX_SEQ_LEN}")
+                    f"quant={quant}", f"export.methods={methods}", "export.layout=split", f"export.max_seq_len={MAX_SEQ_LEN}")
 
 
 def prompt_ids(ckpt: Path) -> torch.Tensor:
@@ -93,17 +94,14 @@ def prompt_ids(ckpt: Path) -> torch.Tensor:
 
 
 def run_greedy(program: LoadedProgram, reference, tokens: torch.Tensor):  # type: ignore[no-untyped-def]
-    """Prefill the prompt (token by token through decode if the program has no prefill), then
+    """Prefill the prompt (token by token through the one-token method if the program has no prefill), then
     DECODE_STEPS greedy decode steps; yields (runtime, reference) logits per step."""
-    if "prefill" in program.method_names:
-        logits = program.run("prefill", tokens, torch.tensor([0]))[0][0]
-    else:
-        for pos in range(tokens.shape[1]):
-            logits = program.run("decode", tokens[:, pos:pos + 1], torch.tensor([pos]))[0][0]
+    driver = Driver.of(program)
+    logits = driver.prefill(tokens)[0]
     for _ in range(DECODE_STEPS + 1):
         yield logits, reference(tokens)
         next_token = logits.argmax().view(1, 1)
-        logits = program.run("decode", next_token, torch.tensor([tokens.shape[1]]))[0][0]
+        logits = driver.decode_one_token(next_token, tokens.shape[1])[0]
         tokens = torch.cat([tokens, next_token], dim=1)
 
 

@@ -27,7 +27,7 @@ OTHER_TEXT = ("People who build apps for phones want a language model that answe
 
 
 def _export(real_exported, backend: str, quant: str, *extra: str):  # type: ignore[no-untyped-def]
-    return real_exported(f"backend={backend}", f"quant={quant}", "export.methods=[prefill,decode]", *extra)
+    return real_exported(f"backend={backend}", f"quant={quant}", "export.methods=[prefill,decode]", "export.layout=split", *extra)
 
 
 @pytest.mark.parametrize("pair", RUNNABLE, ids=["-".join(p) for p in RUNNABLE])
@@ -92,7 +92,7 @@ def test_unquantized_tied_embedding_is_stored_once_on_portable(exported) -> None
 
 @pytest.mark.parametrize("backend", ["coreml", "vulkan"])
 def test_static_shape_backends_lower_and_their_captured_programs_validate(exported, backend: str) -> None:
-    result = exported(f"backend={backend}", "export.prefill_chunk=16", "export.methods=[prefill,decode]")
+    result = exported(f"backend={backend}", "export.prefill_chunk=16", "export.methods=[prefill,decode]", "export.layout=split")
     m = result.manifest
     assert set(m["methods"]) == {"prefill", "decode"}
     assert m["methods"]["prefill"]["inputs"][0]["shape"] == [1, 16] and not m["methods"]["prefill"]["dynamic_tokens"]
@@ -103,8 +103,8 @@ def test_static_shape_backends_lower_and_their_captured_programs_validate(export
 
 
 def test_coreml_shares_weights_between_methods(exported) -> None:
-    both = exported("backend=coreml", "export.prefill_chunk=16", "export.methods=[prefill,decode]")
-    one = exported("backend=coreml", "export.prefill_chunk=16", "export.methods=[decode]")
+    both = exported("backend=coreml", "export.prefill_chunk=16", "export.methods=[prefill,decode]", "export.layout=split")
+    one = exported("backend=coreml", "export.prefill_chunk=16", "export.methods=[decode]", "export.layout=split")
     ratio = both.manifest["program"]["size_bytes"] / one.manifest["program"]["size_bytes"]
     assert ratio <= 1.02, f"Core ML two methods / one method = {ratio:.3f}"
 
@@ -112,7 +112,7 @@ def test_coreml_shares_weights_between_methods(exported) -> None:
 def test_layers_a_group_size_does_not_divide_fall_back_and_are_recorded(exported) -> None:
     """intermediate_size=200: no group size XNNPACK takes divides down_proj's width, and 4-bit per row needs a
     multiple of 32 too, so those layers get the 8-bit scheme with one scale per row."""
-    result = exported("model.arch.intermediate_size=200", "quant=8da4w", "export.methods=[decode]")
+    result = exported("model.arch.intermediate_size=200", "quant=8da4w", "export.methods=[decode]", "export.layout=split")
     q = result.manifest["quantization"]
     assert result.manifest["validation"]["passed"]
     down = [n for n in q["linear"]["layers"] if n.endswith("mlp.down_proj")]

@@ -95,7 +95,7 @@ def export_broken(checkpoint: Path, out: Path, *overrides: str, tamper: Tamper |
 def test_weight_only_4w_forced_onto_xnnpack_is_rejected(smollm2_truncated: Path, tmp_path: Path) -> None:
     """XNNPACK runs weight-only int4 linears wrongly (DESIGN.md): forced past the config check, it is caught."""
     v = export_broken(smollm2_truncated, tmp_path, "quant=4w", "backend.supported_linear=[null,4w]",
-                      "export.methods=[decode]")["validation"]
+                      "export.methods=[decode]", "export.layout=split")["validation"]
     assert v["kl_mean"] > 100 * v["tolerance"]["max_kl"] and v["top1_agreement"] < 0.5
     assert v["perplexity"] > 2 * v["eager_perplexity"]
 
@@ -110,7 +110,7 @@ def test_a_kv_cache_that_does_not_carry_from_prefill_to_decode_is_rejected(
     unshared = ExecutorchBackendConfig(emit_mutable_buffer_names=True, run_reinplace_pass=True,
                                        do_quant_fusion_and_const_prop=True)
     monkeypatch.setattr(emit, "backend_config", lambda: unshared)
-    v = export_broken(smollm2_truncated, tmp_path, "export.methods=[prefill,decode]")["validation"]
+    v = export_broken(smollm2_truncated, tmp_path, "export.methods=[prefill,decode]", "export.layout=split")["validation"]
     assert any(f.startswith("KL") for f in v["failures"])
     assert v["kl_mean"] > 100 * v["tolerance"]["max_kl"]
 
@@ -123,7 +123,7 @@ def test_a_corrupted_weight_is_rejected(smollm2_truncated: Path, tmp_path: Path)
         program.state_dict[name] = torch.nn.Parameter(program.state_dict[name].detach().t().contiguous(),
                                                       requires_grad=False)
 
-    v = export_broken(smollm2_truncated, tmp_path, "export.methods=[decode]",
+    v = export_broken(smollm2_truncated, tmp_path, "export.methods=[decode]", "export.layout=split",
                       tamper=Tamper(transpose_weight))["validation"]
     assert any(f.startswith("KL") for f in v["failures"])
 
@@ -147,7 +147,7 @@ def test_a_wrong_rope_base_is_rejected(smollm2_truncated: Path, tmp_path: Path) 
             assert program.constants[key].shape == values.shape
             program.constants[key] = values * table.attention_scaling
 
-    v = export_broken(smollm2_truncated, tmp_path, "export.methods=[decode]", "export.max_seq_len=64",
+    v = export_broken(smollm2_truncated, tmp_path, "export.methods=[decode]", "export.layout=split", "export.max_seq_len=64",
                       "validation.prompt_tokens=16", tamper=Tamper(wrong_base))["validation"]
     assert v["failures"]
 
@@ -170,7 +170,7 @@ def test_a_gguf_file_exports_like_a_checkpoint_and_reports_quality(small_gguf: P
                     "city. The captain knew each passenger by name and greeted them as they came aboard. " * 3)
     env = {**os.environ, "LLM_EXPORTERS_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-m", "exporters.llm", "model=hf", f"model.checkpoint={small_gguf}",
-                           "backend=xnnpack", "quant=8da4w", "export.methods=[decode]", f"validation.text_file={text}",
+                           "backend=xnnpack", "quant=8da4w", "export.methods=[decode]", "export.layout=split", f"validation.text_file={text}",
                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     out = proc.stdout + proc.stderr

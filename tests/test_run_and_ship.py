@@ -55,7 +55,7 @@ def test_stock_runner_ours_and_eager_agree_on_greedy_text(default_export) -> Non
 
 
 def test_forward_costs_graph_bytes_not_weight_bytes(exported, default_export) -> None:
-    two = exported("export.methods=[prefill,decode]").manifest["program"]["storage"]
+    two = exported("export.methods=[prefill,decode]", "export.layout=split").manifest["program"]["storage"]
     three = default_export.manifest["program"]["storage"]
     alone = exported("export.methods=[forward]").manifest["program"]["storage"]
     assert two["named_data_bytes"] == three["named_data_bytes"] == alone["named_data_bytes"]
@@ -137,9 +137,12 @@ def test_bundle_holds_everything_and_verifies(tmp_path: Path, default_export) ->
         "model.pte", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "manifest.json", "README.md"}
     m = json.loads((folder / "manifest.json").read_text())
     assert m["files"]["model.pte"]["sha256"] == default_export.manifest["program"]["sha256"]
-    assert set(m["methods"]) == {"prefill", "decode", "forward"} and m["constant_methods"]["get_max_seq_len"] == 128
+    assert set(m["methods"]) == {"prefill", "decode_one_token", "forward"} and m["constant_methods"]["get_max_seq_len"] == 128
+    assert m["layout"]["name"] == "stock" and {o["result"] for o in m["layout"]["stock_runners"].values()} == {"correct"}
     assert m["validation"]["passed"] and m["versions"]["executorch"] == "1.4.1"
-    assert "load_method(\"prefill\")" in (folder / "README.md").read_text()
+    readme = (folder / "README.md").read_text()
+    assert 'load_method("prefill")' in readme and 'load_method("decode_one_token")' in readme
+    assert "share_memory_arenas=*/true" in readme and "| 1.5.1 | correct |" in readme
     assert verify_bundle(folder) == [] and verify_bundle(archive) == []
     _, archive2 = make_bundle(default_export.pte_path.parent, tmp_path / "b")
     assert archive.read_bytes() == archive2.read_bytes(), "packaging is deterministic"

@@ -1,0 +1,43 @@
+"""Greedy text of ExecuTorch's stock ``TextLLMRunner`` for a program, in whatever runtime runs this script.
+
+Standalone on purpose (it imports only ExecuTorch), so any venv with an ExecuTorch release can run it:
+
+    <venv>/bin/python scripts/stock_runner.py model.pte tokenizer.json "The capital of France is" 20
+
+Prints one JSON line: the ExecuTorch release, the generated text, and the runner's statistics. The runner
+logs which methods it uses on stderr ("Using method: ...").
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from importlib import metadata
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("pte")
+    parser.add_argument("tokenizer")
+    parser.add_argument("prompt")
+    parser.add_argument("max_new_tokens", type=int)
+    args = parser.parse_args()
+
+    # Kernels the programs may call that the runtime does not register by itself.
+    with contextlib.suppress(ImportError):
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+    with contextlib.suppress(ImportError):
+        import executorch.kernels.quantized  # noqa: F401
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+    pieces: list[str] = []
+    stats: list[str] = []
+    runner = TextLLMRunner(args.pte, args.tokenizer)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, echo=False, num_bos=1)
+    runner.generate(args.prompt, config, token_callback=pieces.append, stats_callback=lambda s: stats.append(str(s)))
+    print(json.dumps({"executorch": metadata.version("executorch"), "text": "".join(pieces), "stats": stats}))
+
+
+if __name__ == "__main__":
+    main()
