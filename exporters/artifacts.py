@@ -78,9 +78,13 @@ class CapturedMethods:
     programs: dict[str, Any]  # method name -> torch.export.ExportedProgram
     signatures: dict[str, dict[str, Any]]
     reference_programs: dict[str, Any] | None = None  # untouched copies, for hosts that cannot run the delegate
+    # Methods that compute exactly what another one does (forward and prefill): captured and lowered once,
+    # emitted under both names. method name -> the captured method it shares.
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
-        return ", ".join(f"{n}{'(dynamic)' if s.dynamic else ''}" for n, s in self.specs.items())
+        return ", ".join(f"{n}{'(dynamic)' if s.dynamic else ''}{f' = {self.aliases[n]}' if n in self.aliases else ''}"
+                         for n, s in self.specs.items())
 
 
 @dataclass
@@ -107,6 +111,7 @@ class EmittedProgram:
     sha256: str
     storage: dict[str, Any]  # bytes by kind: shared weights, other constants, graphs (pte_contents)
     reference_programs: dict[str, Any] | None = None
+    aliases: dict[str, str] = field(default_factory=dict)  # method -> the method whose lowered graph it shares
 
     def summary(self) -> str:
         return f"{self.size_bytes / 1e6:.2f} MB"

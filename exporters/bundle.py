@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from exporters.errors import UserError
+from exporters.stages.package import program_in
 from models.tokenizer import TOKENIZER_FILES
 
-BUNDLED = ("model.pte", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json")
+BUNDLED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json")
 MANIFEST = "manifest.json"
 
 
@@ -39,24 +40,25 @@ def _how_to_run(m: dict[str, Any], tokenizer: str) -> str:
     step = by_kind.get("decode") or prompt
     runners = "\n".join(f"| {release} | {o['result']} | {o['why']} |" for release, o in layout["stock_runners"].items())
     tested = m["versions"].get("executorch")
+    pte = m["program"]["file"]
     return f"""Layout `{layout['name']}` (for {layout['for']}). Call {layout['call_order']}.
 {layout['kv_cache'][0].upper() + layout['kv_cache'][1:]}.
 
 ```python
 from executorch.runtime import Runtime   # shares memory arenas between the methods of a program
-program = Runtime.get().load_program("model.pte")
+program = Runtime.get().load_program("{pte}")
 prompt = program.load_method("{prompt}")   # tokens int64[1, T], input_pos int64[1] -> logits[1, vocab]
 step = program.load_method("{step}")       # tokens int64[1, 1], input_pos int64[1] -> logits[1, vocab]
 logits = prompt.execute([prompt_ids, torch.tensor([0])])[0]
 logits = step.execute([next_id.view(1, 1), torch.tensor([len(prompt_ids[0])])])[0]
 ```
 
-In C++: `executorch::extension::Module module("model.pte", Module::LoadMode::MmapUseMlockIgnoreErrors,
+In C++: `executorch::extension::Module module("{pte}", Module::LoadMode::MmapUseMlockIgnoreErrors,
 nullptr, nullptr, nullptr, /*share_memory_arenas=*/true);` then `module.execute("{prompt}", ...)` and
 `module.execute("{step}", ...)`. Without `share_memory_arenas` each method has its own KV cache and the
 text is wrong, with no error.
 
-ExecuTorch's stock runner (`executorch.extension.llm.runner.TextLLMRunner("model.pte", "{tokenizer}")`,
+ExecuTorch's stock runner (`executorch.extension.llm.runner.TextLLMRunner("{pte}", "{tokenizer}")`,
 or the C++ `llm::create_text_llm_runner`) chooses methods by name:
 
 | ExecuTorch release | result | how |
@@ -112,8 +114,9 @@ Every file's sha256 is in `manifest.json`; check them with `python -m exporters.
 def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     """Write ``<out>/<name>/`` and ``<out>/<name>.tar.gz`` from a finished run folder."""
     manifest_file = run_dir / MANIFEST
-    if not manifest_file.is_file() or not (run_dir / "model.pte").is_file():
-        raise UserError(f"{run_dir}: not a finished export (needs model.pte and manifest.json).")
+    pte = program_in(run_dir)
+    if not manifest_file.is_file() or not pte.is_file():
+        raise UserError(f"{run_dir}: not a finished export (needs manifest.json and the program it names).")
     m = json.loads(manifest_file.read_text())
     if m.get("status") != "ok":
         raise UserError(f"{run_dir}: the export's status is {m.get('status')!r}; only validated exports are packaged.")
@@ -124,13 +127,13 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     if bundle.exists():
         shutil.rmtree(bundle)
     bundle.mkdir(parents=True)
-    for file in BUNDLED:
+    for file in (pte.name, *BUNDLED):
         if (run_dir / file).is_file():
             shutil.copy2(run_dir / file, bundle / file)
     (bundle / "README.md").write_text(_readme(name, m))
     files = {p.name: {"sha256": sha256_of(p), "size_bytes": p.stat().st_size} for p in sorted(bundle.iterdir())}
-    if files["model.pte"]["sha256"] != m["program"]["sha256"]:
-        raise UserError(f"{run_dir / 'model.pte'} no longer matches the sha256 its manifest recorded.")
+    if files[pte.name]["sha256"] != m["program"]["sha256"]:
+        raise UserError(f"{pte} no longer matches the sha256 its manifest recorded.")
     bundle_manifest = {
         "bundle": name,
         "model": {**m["model"], "id": cfg["model"].get("checkpoint") or cfg["model"]["name"], "family":

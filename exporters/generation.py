@@ -17,6 +17,7 @@ import torch
 
 from exporters.driver import Driver
 from exporters.errors import UserError
+from exporters.stages.package import program_in
 from exporters.runtime import LoadedProgram
 from models.errors import ModelError
 from models.tokenizer import TextTokenizer, find_tokenizer, load_tokenizer
@@ -42,11 +43,12 @@ class GenerationResult:
 
 
 def resolve_program(path: str | Path) -> Path:
-    """A run folder (its model.pte) or a .pte file."""
+    """A run folder (the program its manifest names) or a .pte file."""
     p = Path(path)
-    pte = p / "model.pte" if p.is_dir() else p
+    pte = program_in(p) if p.is_dir() else p
     if not pte.is_file():
-        raise UserError(f"{path}: no ExecuTorch program there. Give a .pte file or a run folder holding model.pte.")
+        raise UserError(f"{path}: no ExecuTorch program there ({pte.name} is missing). Give a .pte file or a run "
+                        "folder of a finished export.")
     return pte
 
 

@@ -71,9 +71,27 @@ def hf_checkpoint(model_cfg: Any, work_dir: Path) -> Checkpoint:
         config = random_init_config(model_cfg, overrides)
         return Checkpoint(path=Path("<random-init>"), hf_config=config, weight_files=[], bos_id=1, eos_ids=[2])
     ckpt = open_checkpoint(model_cfg.checkpoint, need_weights=not model_cfg.random_init)
-    for key, value in overrides.items():
-        setattr(ckpt.hf_config, key, value)
+    apply_arch_overrides(ckpt.hf_config, overrides, model_cfg.checkpoint)
     return ckpt
+
+
+def apply_arch_overrides(config: Any, overrides: dict[str, Any], source: str) -> None:
+    """Set ``model.arch.*`` on a checkpoint's config, each where transformers reads it.
+
+    RoPE's base lives in ``rope_parameters`` (transformers 5 ignores a ``rope_theta`` attribute once those
+    exist), so it is written there; a config with one RoPE table per layer type has no single base to set.
+    """
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    if "rope_theta" in overrides:
+        config.standardize_rope_params()
+        params = config.rope_parameters or {}
+        if "rope_theta" not in params:
+            raise ModelError(
+                f"model.arch.rope_theta cannot be applied to {source}: its config.json has one RoPE table per layer "
+                f"type ({', '.join(params)}), each with its own base. Edit rope_parameters in config.json instead."
+            )
+        params["rope_theta"] = overrides["rope_theta"]
 
 
 @register_source("tiny")

@@ -105,6 +105,9 @@ def test_manifest_records_the_export(exported, backend: str, quant: str) -> None
     assert m["methods"]["decode_one_token"]["inputs"][0] == {"name": "tokens", "shape": [1, 1], "dtype": "int64"}
     assert m["methods"]["prefill"]["inputs"][0]["shape"][1] == "num_tokens"
     assert m["methods"]["prefill"]["outputs"][0]["shape"] == [1, 384]
+    # forward is prefill's graph, lowered once and emitted under both names: identical outputs.
+    assert m["methods"]["forward"]["lowered_once_with"] == "prefill" and m["methods"]["prefill"]["lowered_once_with"] is None
+    assert m["validation"]["forward_kl"] <= 1e-12
     v = m["validation"]
     assert v["passed"] and not v["failures"] and v["methods"] == {"prompt": "prefill", "step": "decode_one_token",
                                                                    "forward": "checked against prefill"}

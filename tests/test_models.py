@@ -134,3 +134,26 @@ def test_unsupported_architecture_lists_supported_ones(tmp_path: Path, tiny_chec
     expected = r"GPTNeoXForCausalLM.*not implemented.*LlamaForCausalLM \(model=llama\).*Qwen3ForCausalLM"
     with pytest.raises(ModelError, match=expected):
         build_model(open_checkpoint(d), 32)
+
+
+def test_rope_theta_override_reaches_the_rope_table(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """model.arch.rope_theta on a checkpoint with its own config.json: applied, not silently dropped."""
+    from models.decoder import rope_table
+    from models.sources import SOURCES
+    from tests.conftest import compose_config
+
+    base = SOURCES["hf"](compose_config("model=llama", f"model.checkpoint={tiny_checkpoint}").model, tmp_path)
+    cfg = compose_config("model=llama", f"model.checkpoint={tiny_checkpoint}", "model.arch.rope_theta=12345")
+    ckpt = SOURCES["hf"](cfg.model, tmp_path)
+    head_dim = ckpt.hf_config.hidden_size // ckpt.hf_config.num_attention_heads
+    assert rope_table(ckpt.hf_config).inv_freq[1] == pytest.approx(12345 ** (-2 / head_dim))
+    assert rope_table(base.hf_config).inv_freq[1] != pytest.approx(12345 ** (-2 / head_dim))
+
+
+def test_rope_theta_override_of_per_layer_rope_is_refused(family_checkpoint, tmp_path: Path) -> None:
+    from models.sources import SOURCES
+    from tests.conftest import compose_config
+
+    cfg = compose_config("model=gemma3", f"model.checkpoint={family_checkpoint('gemma3')}", "model.arch.rope_theta=1e5")
+    with pytest.raises(ModelError, match="one RoPE table per layer type"):
+        SOURCES["hf"](cfg.model, tmp_path)

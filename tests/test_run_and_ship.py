@@ -168,3 +168,16 @@ def test_rejected_exports_are_not_packaged(tmp_path: Path, default_export) -> No
     (run / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(UserError, match="only validated exports are packaged"):
         make_bundle(run)
+
+
+def test_a_renamed_program_is_found_by_generate_and_package(exported, default_export, tmp_path: Path) -> None:
+    """export.output_name: generate and package read the program's name from the manifest."""
+    renamed = exported("export.output_name=smol.pte")
+    run_dir = renamed.pte_path.parent
+    assert renamed.pte_path.name == "smol.pte" and not (run_dir / "model.pte").exists()
+    greedy = SamplingConfig(max_new_tokens=NEW_TOKENS)
+    assert Generator(run_dir).generate(PROMPT, greedy).new_ids == Generator(default_export.pte_path).generate(
+        PROMPT, greedy).new_ids
+    folder, archive = make_bundle(run_dir, tmp_path)
+    assert (folder / "smol.pte").is_file() and 'load_program("smol.pte")' in (folder / "README.md").read_text()
+    assert verify_bundle(archive) == []

@@ -12,7 +12,7 @@ import torch
 
 from exporters.artifacts import CapturedMethods, QuantizedModel
 from exporters.layouts import Layout
-from exporters.methods import method_specs
+from exporters.methods import MethodSpec, method_specs
 from exporters.pipeline import Stage
 
 
@@ -35,6 +35,23 @@ def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens
     }
 
 
+def same_graph_aliases(specs: dict[str, MethodSpec]) -> dict[str, str]:
+    """Methods whose graph is another's (same inputs, same token bounds: prefill and forward) -> that method.
+
+    Such a method is captured and lowered once and emitted under both names: lowering is most of an
+    export's time, and the emitter stores the identical delegate blobs and weights once anyway.
+    """
+    first: dict[tuple[Any, ...], str] = {}
+    aliases = {}
+    for name, spec in specs.items():
+        key = (spec.min_tokens, spec.max_tokens, spec.dynamic)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
 class CaptureStage(Stage):
     name = "capture"
 
@@ -51,19 +68,21 @@ class CaptureStage(Stage):
 
     def run(self, quantized: QuantizedModel) -> CapturedMethods:
         specs = method_specs(self.methods, self.layout, self.max_seq_len, self.dynamic_shapes, self.prefill_chunk)
+        aliases = same_graph_aliases(specs)
         model = quantized.model
 
         def capture_all() -> dict[str, torch.export.ExportedProgram]:
             with torch.no_grad():
                 return {name: torch.export.export(model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes,
                                                   strict=False)
-                        for name, spec in specs.items()}
+                        for name, spec in specs.items() if name not in aliases}
 
         programs = capture_all()
-        return CapturedMethods(
-            quantized=quantized,
-            specs=specs,
-            programs=programs,
-            signatures={name: signature(p) for name, p in programs.items()},
-            reference_programs=capture_all() if self.keep_reference else None,
-        )
+        signatures = {name: signature(p) for name, p in programs.items()}
+        reference = capture_all() if self.keep_reference else None
+        for alias, source in aliases.items():
+            signatures[alias] = signatures[source]
+            if reference is not None:
+                reference[alias] = reference[source]
+        return CapturedMethods(quantized=quantized, specs=specs, programs=programs, signatures=signatures,
+                               reference_programs=reference, aliases=aliases)

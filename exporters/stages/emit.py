@@ -68,4 +68,5 @@ class EmitStage(Stage):
             sha256=hashlib.sha256(data).hexdigest(),
             storage=storage_breakdown(data),
             reference_programs=captured.reference_programs,
+            aliases=captured.aliases,
         )

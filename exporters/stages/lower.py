@@ -7,6 +7,7 @@ keys constants by the sha256 of their bytes).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from exporters.artifacts import CapturedMethods, LoweredProgram
@@ -36,6 +37,14 @@ def constant_methods(captured: CapturedMethods, max_seq_len: int, dynamic_shapes
     return values
 
 
+def lowered_copy(program: Any) -> Any:
+    """Another method over an already lowered graph. The graph is copied, because ``to_executorch`` rewrites
+    each method's graph in place; the weights are not (the copy shares their tensors, and the emitter stores
+    identical constants and delegate blobs once)."""
+    shared = {id(t): t for t in (*program.state_dict.values(), *program.constants.values())}
+    return copy.deepcopy(program, shared)
+
+
 def count_delegates(edge: Any) -> dict[str, int]:
     counts = {}
     for name in edge.methods:
@@ -63,5 +72,8 @@ class LowerStage(Stage):
             compile_config=EdgeCompileConfig(_check_ir_validity=False),
         )
         captured.programs = {}  # rewritten by the call above; do not reuse
+        for alias, source in captured.aliases.items():
+            # No public API adds a method to an EdgeProgramManager; its method dict is the one place to.
+            edge._edge_programs[alias] = lowered_copy(edge.exported_program(source))
         return LoweredProgram(captured=captured, edge=edge, constant_methods=constants,
                               delegated_partitions=count_delegates(edge))

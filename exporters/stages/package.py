@@ -29,6 +29,13 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def program_in(run_dir: Path) -> Path:
+    """The program of a run folder: the file its manifest names (``export.output_name``), else model.pte."""
+    manifest = run_dir / "manifest.json"
+    name = json.loads(manifest.read_text())["program"]["file"] if manifest.is_file() else "model.pte"
+    return run_dir / name
+
+
 def rejected_path(final: Path) -> Path:
     return final.with_name(final.stem + ".rejected" + final.suffix)
 
@@ -62,7 +69,8 @@ class PackageStage(Stage):
             "methods": {
                 name: {**emitted.signatures[name], "dynamic_tokens": spec.dynamic,
                        "tokens": [spec.min_tokens, spec.max_tokens],
-                       "delegated_partitions": emitted.delegated_partitions.get(name, 0)}
+                       "delegated_partitions": emitted.delegated_partitions.get(name, 0),
+                       "lowered_once_with": emitted.aliases.get(name)}
                 for name, spec in emitted.specs.items()
             },
             "layout": layout_manifest(self.layout, {name: spec.kind for name, spec in emitted.specs.items()}),
