@@ -162,7 +162,8 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for the new tokens, or None: no RoPE
+# (cos, sin, rotate) for the new tokens, or None: no RoPE. ``rotate`` is the matrix of rotate_half.
+Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
 class Attention(nn.Module):
@@ -260,18 +261,28 @@ class CustomOpsAttention(Attention):
 ATTENTION: dict[str, type[Attention]] = {"aten": Attention, "custom_ops": CustomOpsAttention}
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate_half_matrix(dim: int) -> torch.Tensor:
+    """R with ``F.linear(x, R) == cat(-x[..., dim/2:], x[..., :dim/2])`` (transformers' rotate_half).
+
+    A linear with a constant 0/±1 weight is exact, and XNNPACK delegates it at any token count, where it
+    does not delegate slices of a dynamic-length tensor: written with slices, RoPE split every layer of
+    dynamic-length prefill into two partitions around four portable slice ops.
+    """
+    half = dim // 2
+    rows = torch.arange(half)
+    r = torch.zeros(dim, dim)
+    r[rows, rows + half] = -1.0
+    r[rows + half, rows] = 1.0
+    return r
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``cos.shape[-1]`` features of ``x`` [1, T, heads, d] (all unless rotary is partial)."""
     rot_dim = cos.shape[-1]
     if rot_dim == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + F.linear(x, rotate) * sin
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return torch.cat((x_rot * cos + F.linear(x_rot, rotate) * sin, x_pass), dim=-1)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -366,6 +377,7 @@ class CausalLM(nn.Module):
         for name, _ in args.rope:
             self.register_buffer(f"rope_cos_{name}", torch.empty(0), persistent=False)
             self.register_buffer(f"rope_sin_{name}", torch.empty(0), persistent=False)
+            self.register_buffer(f"rope_rotate_{name}", torch.empty(0), persistent=False)
         self.register_buffer("cache_positions", torch.empty(0, dtype=torch.int64), persistent=False)
         # Python floats (not tensors, so export sees a constant): the scale rounded to each dtype.
         self.embed_scale = {
@@ -391,6 +403,7 @@ class CausalLM(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             setattr(self, f"rope_cos_{name}", emb.cos() * table.attention_scaling)
             setattr(self, f"rope_sin_{name}", emb.sin() * table.attention_scaling)
+            setattr(self, f"rope_rotate_{name}", rotate_half_matrix(emb.shape[-1]).to(device))
         self.cache_positions = torch.arange(a.max_context_len, device=device)
         dtype = self.lm_head.weight.dtype if self.lm_head.weight.is_floating_point() else torch.float32
         for layer in self.model.layers:
@@ -410,7 +423,7 @@ class CausalLM(nn.Module):
         for name, _ in a.rope:  # [T, 1, rot_dim]: broadcasts over heads
             cos = getattr(self, f"rope_cos_{name}")[positions].to(h.dtype).unsqueeze(1)
             sin = getattr(self, f"rope_sin_{name}")[positions].to(h.dtype).unsqueeze(1)
-            ropes[name] = (cos, sin)
+            ropes[name] = (cos, sin, getattr(self, f"rope_rotate_{name}").to(h.dtype))
         # Additive masks over the whole cache: query at position p sees cache slots s <= p, and with a
         # sliding window w only p - w < s.
         slots, queries = self.cache_positions[None, :], positions[:, None]
@@ -421,8 +434,10 @@ class CausalLM(nn.Module):
         for layer, rope, window in zip(self.model.layers, a.layer_rope, a.layer_window):
             h = layer(h, ropes[rope], positions, masks[window])
         h = self.model.norm(h)
-        if not full_logits:
-            h = h[:, -1, :]
+        if not full_logits:  # the last token's hidden state [1, hidden]
+            # A view when T is a static 1 (decode), which XNNPACK delegates; it has no select, so a
+            # dynamic-length method keeps one portable op here.
+            h = h.view(1, -1) if isinstance(seq_len, int) and seq_len == 1 else h[:, -1, :]
         logits = self.lm_head(h)
         if a.final_logit_softcap is not None:
             logits = torch.tanh(logits / a.final_logit_softcap) * a.final_logit_softcap
