@@ -136,6 +136,8 @@ class ExportConfig:
     export: ExportSection = field(default_factory=ExportSection)
     validate: bool = True
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    # Show library warnings, library logging and the ExecuTorch runtime's own output on the console.
+    verbose: bool = False
 
 
 def register_configs() -> None:

@@ -7,19 +7,22 @@ typo or a wrong type is an error naming the key.
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from exporters import console
 from exporters.errors import REPORTED_ERRORS, UserError
 from exporters.generation import Generator, SamplingConfig, chat_prompt
 
 USAGE = """usage: python -m exporters.generate <run folder or .pte> prompt="..." [key=value ...]
 
 keys: prompt (required), max_new_tokens=128, temperature=0.0 (greedy), top_p=1.0, seed=0,
-      chat=false (apply tokenizer_config.json's chat template), tokenizer=<tokenizer.json>
+      chat=false (apply tokenizer_config.json's chat template), tokenizer=<tokenizer.json>,
+      verbose=false (true: the runtime's own log lines too)
 """
 
 
@@ -32,6 +35,7 @@ class GenerateArgs:
     seed: int = 0
     chat: bool = False
     tokenizer: Optional[str] = None
+    verbose: bool = False
 
 
 def parse(argv: list[str]) -> tuple[str, GenerateArgs]:
@@ -51,19 +55,24 @@ def parse(argv: list[str]) -> tuple[str, GenerateArgs]:
 def main(argv: list[str] | None = None) -> int:
     try:
         path, args = parse(sys.argv[1:] if argv is None else argv)
-        generator = Generator(path, args.tokenizer)
-        prompt = chat_prompt(generator.pte, args.prompt) if args.chat else args.prompt
-        ids = generator.encode(prompt)
-        generator.check_fits(ids)
-        sys.stdout.write(args.prompt if not args.chat else "")
-        result = generator.generate(
-            prompt, SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed), prompt_ids=ids,
-            on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
-        )
+        console.VERBOSE = args.verbose
+        if not args.verbose:
+            warnings.simplefilter("ignore")
+        with console.native_stderr_to(None):  # the runtime's log lines; the text goes to stdout
+            generator = Generator(path, args.tokenizer)
+            prompt = chat_prompt(generator.pte, args.prompt) if args.chat else args.prompt
+            ids = generator.encode(prompt)
+            generator.check_fits(ids)
+            sys.stdout.write(args.prompt if not args.chat else "")
+            result = generator.generate(
+                prompt, SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed), prompt_ids=ids,
+                on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
+            )
     except REPORTED_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"\n\n[prompt {len(result.prompt_ids)} tokens at {result.prompt_tokens_per_s:.1f} tok/s; "
+    print(f"\n\n[loaded {generator.pte.name} in {generator.load_seconds:.2f} s; "
+          f"prompt {len(result.prompt_ids)} tokens at {result.prompt_tokens_per_s:.1f} tok/s; "
           f"generated {len(result.new_ids)} tokens at {result.generation_tokens_per_s:.1f} tok/s; "
           f"stopped: {result.stop_reason}]", file=sys.stderr)
     return 0

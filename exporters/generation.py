@@ -47,8 +47,8 @@ def resolve_program(path: str | Path) -> Path:
     p = Path(path)
     pte = program_in(p) if p.is_dir() else p
     if not pte.is_file():
-        raise UserError(f"{path}: no ExecuTorch program there ({pte.name} is missing). Give a .pte file or a run "
-                        "folder of a finished export.")
+        missing = f"the folder has no {pte.name}" if p.is_dir() else "no such file"
+        raise UserError(f"{path}: {missing}. Give a .pte file or the run folder of a finished export.")
     return pte
 
 
@@ -115,6 +115,7 @@ class Generator:
     """A loaded program plus its metadata; ``generate`` may be called repeatedly (the cache is rewritten)."""
 
     def __init__(self, pte: str | Path, tokenizer: str | None = None) -> None:
+        start = time.perf_counter()
         self.pte = resolve_program(pte)
         self.program = LoadedProgram(self.pte)
         self.tokenizer = tokenizer_for(self.pte, tokenizer)
@@ -124,8 +125,9 @@ class Generator:
         eos = self.program.constant("get_eos_ids") if "get_eos_ids" in names else []
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.driver = Driver.of(self.program)
-        # Loaded now, so that the prompt rate measures the prompt alone.
+        # Loaded now (XNNPACK packs each method's weights at load), so the rates measure running alone.
         self.program.load(self.driver.roles.prompt, self.driver.roles.step)
+        self.load_seconds = time.perf_counter() - start
 
     def encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer.encode(prompt)

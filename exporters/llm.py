@@ -11,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from exporters import console
 from exporters.api import export
 from exporters.errors import REPORTED_ERRORS
 
@@ -20,8 +21,11 @@ log = logging.getLogger("exporters")
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     output_dir = cfg.export.output_dir or HydraConfig.get().runtime.output_dir
+    console.VERBOSE = bool(cfg.verbose) or bool(HydraConfig.get().verbose)
+    logging.captureWarnings(True)  # warnings become records: llm.log gets them, the console filter drops them
     try:
-        result = export(cfg, output_dir)
+        with console.native_stderr_to(console.log_file()):
+            result = export(cfg, output_dir)
     except REPORTED_ERRORS as e:
         log.error("export failed: %s", e)
         if HydraConfig.get().mode == RunMode.MULTIRUN:

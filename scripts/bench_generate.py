@@ -1,0 +1,53 @@
+"""How much of the program's decode speed ``exporters.generate`` delivers.
+
+    python scripts/bench_generate.py <run folder or .pte> [--prompt-len 64] [--steps 64] [--repeats 5]
+
+Measures, on one loaded program: the bare loop (the step method called with argmax tokens, nothing else)
+and ``Generator.generate`` (sampling, eos checks, streaming text) over the same number of new tokens, and
+prefill alone. Medians after a warm-up; the ratio generate/bare is what the Python loop costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from exporters.generation import Generator, SamplingConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("program")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    gen = Generator(args.program)
+    gen.eos_ids = set()  # the same number of tokens every time
+    driver = gen.driver
+    vocab = int(gen.program.constant("get_vocab_size"))
+    bare, ours, prefill = [], [], []
+    for r in range(args.repeats + 1):
+        prompt = torch.randint(3, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(r))
+        t = time.perf_counter()
+        logits = driver.prefill(prompt)
+        prefill_s = time.perf_counter() - t
+        t = time.perf_counter()
+        for i in range(args.steps):
+            logits = driver.decode_one_token(int(logits.argmax()), args.prompt_len + i)
+        bare_s = time.perf_counter() - t
+        result = gen.generate("", SamplingConfig(max_new_tokens=args.steps), prompt_ids=prompt[0].tolist())
+        if r:  # the first round warms up
+            prefill.append(args.prompt_len / prefill_s)
+            bare.append(args.steps / bare_s)
+            ours.append(result.generation_tokens_per_s)
+    b, g, p = statistics.median(bare), statistics.median(ours), statistics.median(prefill)
+    print(f"load {gen.load_seconds:.2f} s; prefill {p:.1f} tok/s ({args.prompt_len} tokens); decode: bare loop "
+          f"{b:.1f} tok/s, generate {g:.1f} tok/s ({g / b:.1%} of bare)")
+
+
+if __name__ == "__main__":
+    main()
