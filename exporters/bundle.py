@@ -17,9 +17,9 @@ from typing import Any
 
 from exporters.errors import UserError
 from exporters.stages.package import program_in
-from models.tokenizer import TOKENIZER_FILES
+from models.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 
-BUNDLED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json")
+BUNDLED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", CHAT_TEMPLATE_FILE, "generation_config.json")
 MANIFEST = "manifest.json"
 
 

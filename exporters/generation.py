@@ -20,7 +20,7 @@ from exporters.errors import UserError
 from exporters.stages.package import program_in
 from exporters.runtime import LoadedProgram
 from models.errors import ModelError
-from models.tokenizer import TextTokenizer, find_tokenizer, load_tokenizer
+from models.tokenizer import CHAT_TEMPLATE_FILE, TextTokenizer, find_tokenizer, load_tokenizer
 
 
 @dataclass
@@ -87,12 +87,20 @@ def tokenizer_for(pte: Path, tokenizer: str | None) -> TextTokenizer:
         raise UserError(str(e)) from e
 
 
+def chat_template(folder: Path) -> str | None:
+    """The chat template beside a program: ``chat_template.jinja`` (how transformers saves it now), else the
+    ``chat_template`` of ``tokenizer_config.json`` (older checkpoints)."""
+    jinja, config_file = folder / CHAT_TEMPLATE_FILE, folder / "tokenizer_config.json"
+    if jinja.is_file():
+        return jinja.read_text()
+    return json.loads(config_file.read_text()).get("chat_template") if config_file.is_file() else None
+
+
 def chat_prompt(pte: Path, prompt: str) -> str:
-    """Apply the chat template of the tokenizer_config.json next to the program."""
-    config_file = pte.parent / "tokenizer_config.json"
-    template = json.loads(config_file.read_text()).get("chat_template") if config_file.is_file() else None
-    if not template:
-        raise UserError(f"chat=true needs a chat_template in {config_file}; this model has none. Use chat=false.")
+    """Apply the model's chat template (see :func:`chat_template`) to one user message."""
+    if not chat_template(pte.parent):
+        raise UserError(f"chat=true needs a chat template ({CHAT_TEMPLATE_FILE}, or chat_template in "
+                        f"tokenizer_config.json) in {pte.parent}; this model has none. Use chat=false.")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(pte.parent), local_files_only=True)

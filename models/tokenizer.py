@@ -14,6 +14,8 @@ from models.errors import ModelError
 
 # In order of preference when a directory holds both.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# Where transformers 5 saves a chat template (older checkpoints keep it inside tokenizer_config.json).
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 class TextTokenizer(Protocol):

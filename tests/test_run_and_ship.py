@@ -110,6 +110,9 @@ def test_chat_template_is_applied_when_asked(tmp_path: Path, default_export) -> 
     config["chat_template"] = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     (run / "tokenizer_config.json").write_text(json.dumps(config))
     assert chat_prompt(run / "model.pte", "hi") == "<user>hi<assistant>"
+    # Current checkpoints keep it in chat_template.jinja, which wins.
+    (run / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert chat_prompt(run / "model.pte", "hi") == "[hi]"
 
 
 def test_generate_cli_streams_and_reports_speed(default_export) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from exporters.generation import Generator, SamplingConfig
+from exporters.generation import Generator, SamplingConfig, chat_prompt
 from exporters.layouts import STOCK_RUNNERS
 from tests.conftest import eager_model_of
 from tests.runtimes import stock_runner
@@ -67,6 +67,9 @@ def test_stock_layout_fp32_writes_transformers_text(real_exported, smollm2_trunc
 
     result = real_exported("quant=fp32")
     assert set(result.manifest["methods"]) == {"prefill", "decode_one_token", "forward"}
+    # SmolLM2-Instruct's chat template is a chat_template.jinja: copied beside the program and applied.
+    assert "chat_template.jinja" in result.manifest["tokenizer_files"]
+    assert chat_prompt(result.pte_path, "Hi").startswith("<|im_start|>")
     assert result.manifest["layout"]["stock_runners"][release]["result"] == "correct"
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_truncated), dtype=torch.float32).eval()
     with torch.no_grad():
