@@ -16,7 +16,9 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from exporters.errors import UserError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# The config groups: inside the installed package (a wheel), else conf/ at the top of the checkout.
+CONF_DIR = next(p for p in (Path(__file__).resolve().parent / "conf", Path(__file__).resolve().parent.parent / "conf")
+                if (p / "config.yaml").is_file())
 
 
 @dataclass

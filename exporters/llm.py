@@ -13,12 +13,13 @@ from omegaconf import DictConfig
 
 from exporters import console
 from exporters.api import export
+from exporters.config import CONF_DIR
 from exporters.errors import REPORTED_ERRORS
 
 log = logging.getLogger("exporters")
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     output_dir = cfg.export.output_dir or HydraConfig.get().runtime.output_dir
     console.VERBOSE = bool(cfg.verbose) or bool(HydraConfig.get().verbose)

@@ -19,7 +19,7 @@ from pathlib import Path
 ARCH = ["model=llama", "model.random_init=true", "model.arch.hidden_size=768", "model.arch.intermediate_size=2048",
         "model.arch.num_hidden_layers=12", "model.arch.num_attention_heads=12", "model.arch.num_key_value_heads=12",
         "model.arch.vocab_size=32000", "model.arch.tie_word_embeddings=false", "export.max_seq_len=256",
-        "backend=xnnpack", "export.methods=[prefill,decode]"]
+        "backend=xnnpack", "export.methods=[prefill,decode]", "export.layout=split"]
 
 
 def export_size(out: Path, *overrides: str) -> dict:
