@@ -110,11 +110,21 @@ def test_lm_head_follows_linear_unless_overridden() -> None:
     ("validation.prompt_tokens=0", "prompt_tokens"),
     ("validation.max_tokens=2", "max_tokens"),
     ("quant.qparams=minmax", "qparams"),
+    ("export.layout=ours", "export.layout='ours' is not known. Allowed: stock, split"),
 ])
 def test_bad_values_are_refused_before_any_work(override: str, named: str) -> None:
     cfg = compose_config(override)
     with pytest.raises(UserError, match=named):
         to_typed(cfg)
+
+
+@pytest.mark.parametrize("methods", ["[prefill,decode]", "[decode]"])
+def test_stock_layout_refuses_methods_a_stock_runner_cannot_run(methods: str) -> None:
+    """No forward: 1.4.1's runner stops with an error; the export says so before any work, and the fix."""
+    with pytest.raises(UserError, match=r"ExecuTorch 1\.4\.1 stock runner: fails .*Add forward to export.methods, or "
+                                        r"set export.layout=split"):
+        to_typed(compose_config(f"export.methods={methods}"))
+    assert to_typed(compose_config(f"export.methods={methods}", "export.layout=split")).export.layout == "split"
 
 
 @pytest.mark.parametrize("content,named", [(None, "no such file"), ("", "is empty"), ("  \n", "is empty")])
