@@ -35,9 +35,7 @@ def _how_to_run(m: dict[str, Any], tokenizer: str) -> str:
     """Which methods to call in which order, what the runtime must do for the shared KV cache, and which
     stock runners run the program correctly (from the manifest's ``layout``)."""
     layout = m["layout"]
-    by_kind = {kind: name for name, kind in layout["methods"].items()}
-    prompt = by_kind.get("prefill") or by_kind.get("forward") or by_kind["decode"]
-    step = by_kind.get("decode") or prompt
+    prompt, step = layout["prompt_method"], layout["token_method"]
     runners = "\n".join(f"| {release} | {o['result']} | {o['why']} |" for release, o in layout["stock_runners"].items())
     tested = m["versions"].get("executorch")
     pte = m["program"]["file"]

@@ -115,23 +115,20 @@ def check_layout(layout_name: str, kinds: Collection[str]) -> Layout:
     return layout
 
 
-def layout_of_program(methods: Collection[str]) -> Layout:
-    """Which layout a program's method names follow (one without a one-token method fits ``stock``)."""
-    return next((layout for layout in LAYOUTS.values() if layout.name_of("decode") in methods), LAYOUTS["stock"])
-
-
-def layout_manifest(layout: Layout, methods: dict[str, str]) -> dict[str, object]:
+def layout_manifest(layout: Layout, methods: dict[str, str], prompt: str | None,
+                    step: str | None) -> dict[str, object]:
     """The manifest's ``layout`` section: what app developers need to call the program correctly.
 
-    ``methods`` maps each LLM method in the program to its kind.
+    ``methods`` maps each LLM method in the program to its kind; ``prompt`` and ``step`` are the methods an
+    app calls for the prompt and for each new token (``exporters.driver.MethodRoles``).
     """
     by_kind = {kind: name for name, kind in methods.items()}
-    prompt = by_kind.get("prefill") or by_kind.get("forward") or by_kind.get("decode")
-    step = by_kind.get("decode") or by_kind.get("forward") or by_kind.get("prefill")
     return {
         "name": layout.name,
         "for": layout.for_whom,
         "methods": methods,
+        "prompt_method": prompt,
+        "token_method": step,
         "call_order": (f"{prompt}(prompt tokens [1, T], position [start]) once, then {step}(token [1, 1], "
                        f"[position]) for each new token at the next position"),
         "kv_cache": ("one KV cache shared by all methods: load them from one program in a runtime that shares "

@@ -75,6 +75,7 @@ METHOD_KINDS: dict[str, Callable[[int, bool, int], MethodSpec]] = {
 }
 
 
-def method_specs(kinds: list[str], layout: Layout, max_seq_len: int, dynamic: bool, chunk: int) -> dict[str, MethodSpec]:
+def method_specs(kinds: list[str], layout: Layout, max_seq_len: int, dynamic: bool,
+                 chunk: int) -> dict[str, MethodSpec]:
     """Program method name (as the layout names it) -> what that method is."""
     return {layout.name_of(kind): METHOD_KINDS[kind](max_seq_len, dynamic, chunk) for kind in kinds}

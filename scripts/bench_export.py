@@ -255,7 +255,8 @@ def main() -> None:
     lines = [f"{args.preset} ({params / 1e6:.1f}M parameters), xnnpack {args.quant} g{args.group_size}, "
              f"max_seq_len {args.max_seq_len}; ours: prefill + decode_one_token + forward"
              f"{'' if args.validate else ' (validate=false)'}", "",
-             f"| exporter | wall s | peak RSS GB | .pte MB | RSS after load MB | decode tok/s | prefill tok/s ({args.prefill_len}) |",
+             "| exporter | wall s | peak RSS GB | .pte MB | RSS after load MB | decode tok/s | "
+             f"prefill tok/s ({args.prefill_len}) |",
              "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         lines.append(f"| {name} | {r['wall_s']} | {r['peak_rss_gb']} | {r['pte_mb']} | {r['rss_after_load_mb']} | "

@@ -20,7 +20,8 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", type=Path, help="folders holding report.json")
     ap.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     args = ap.parse_args()
-    reports = sorted((json.loads((run / "report.json").read_text()) for run in args.runs), key=lambda r: r["parameters"])
+    reports = sorted((json.loads((run / "report.json").read_text()) for run in args.runs),
+                     key=lambda r: r["parameters"])
     exporters = sorted({name for r in reports for name in r["results"]})
     header = "| model | parameters | quant | " + " | ".join(
         f"{e} {label.split(' (')[0]}" for e in exporters for _, label in QUANTITIES) + " |"

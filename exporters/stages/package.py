@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from exporters.artifacts import ExportResult, ValidatedProgram
-from exporters.errors import ValidationFailed
+from exporters.driver import MethodRoles
+from exporters.errors import UserError, ValidationFailed
 from exporters.layouts import Layout, layout_manifest
 from exporters.pipeline import Stage
 from exporters.stages.emit import write_atomically
@@ -51,6 +52,10 @@ class PackageStage(Stage):
     def run(self, validated: ValidatedProgram) -> ExportResult:
         emitted = validated.emitted
         report = validated.report
+        try:
+            roles: MethodRoles | None = MethodRoles.choose({n: spec.shape for n, spec in emitted.specs.items()})
+        except UserError:  # static-shape prompt methods only (validate=false): nothing can step one token
+            roles = None
         ok = report is None or report.passed
         pte = emitted.final_path if ok else rejected_path(emitted.final_path)
         os.replace(emitted.path, pte)
@@ -73,7 +78,8 @@ class PackageStage(Stage):
                        "lowered_once_with": emitted.aliases.get(name)}
                 for name, spec in emitted.specs.items()
             },
-            "layout": layout_manifest(self.layout, {name: spec.kind for name, spec in emitted.specs.items()}),
+            "layout": layout_manifest(self.layout, {name: spec.kind for name, spec in emitted.specs.items()},
+                                      roles.prompt if roles else None, roles.step if roles else None),
             "constant_methods": emitted.constant_methods,
             "model": {"checkpoint": str(ckpt.path), "architecture": list(ckpt.hf_config.architectures or []),
                       "family": emitted.quantized.loaded.family,
