@@ -162,8 +162,7 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-# (cos, sin, rotate) for the new tokens, or None: no RoPE. ``rotate`` is the matrix of rotate_half.
-Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for the new tokens, or None: no RoPE
 
 
 class Attention(nn.Module):
@@ -184,6 +183,10 @@ class Attention(nn.Module):
         cache_shape = (1, kv, args.max_context_len, d)
         self.register_buffer("k_cache", torch.zeros(cache_shape), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape), persistent=False)
+        # rotate_half's matrix (rotate_half_matrix), one per projection: Core ML's converter takes each
+        # constant once. Identical bytes, so the program stores them once.
+        self.register_buffer("q_rotate", torch.empty(0), persistent=False)
+        self.register_buffer("k_rotate", torch.empty(0), persistent=False)
         self.scale = args.scale
 
     def _qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, ...]:
@@ -202,7 +205,7 @@ class Attention(nn.Module):
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = apply_rope(q, *rope, self.q_rotate), apply_rope(k, *rope, self.k_rotate)
         return q, k, v
 
     def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -280,9 +283,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: to
     """Rotate the first ``cos.shape[-1]`` features of ``x`` [1, T, heads, d] (all unless rotary is partial)."""
     rot_dim = cos.shape[-1]
     if rot_dim == x.shape[-1]:
-        return x * cos + F.linear(x, rotate) * sin
+        return x * cos + F.linear(x, rotate.to(x.dtype)) * sin
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    return torch.cat((x_rot * cos + F.linear(x_rot, rotate) * sin, x_pass), dim=-1)
+    return torch.cat((x_rot * cos + F.linear(x_rot, rotate.to(x.dtype)) * sin, x_pass), dim=-1)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -377,7 +380,6 @@ class CausalLM(nn.Module):
         for name, _ in args.rope:
             self.register_buffer(f"rope_cos_{name}", torch.empty(0), persistent=False)
             self.register_buffer(f"rope_sin_{name}", torch.empty(0), persistent=False)
-            self.register_buffer(f"rope_rotate_{name}", torch.empty(0), persistent=False)
         self.register_buffer("cache_positions", torch.empty(0, dtype=torch.int64), persistent=False)
         # Python floats (not tensors, so export sees a constant): the scale rounded to each dtype.
         self.embed_scale = {
@@ -403,11 +405,14 @@ class CausalLM(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             setattr(self, f"rope_cos_{name}", emb.cos() * table.attention_scaling)
             setattr(self, f"rope_sin_{name}", emb.sin() * table.attention_scaling)
-            setattr(self, f"rope_rotate_{name}", rotate_half_matrix(emb.shape[-1]).to(device))
         self.cache_positions = torch.arange(a.max_context_len, device=device)
         dtype = self.lm_head.weight.dtype if self.lm_head.weight.is_floating_point() else torch.float32
-        for layer in self.model.layers:
+        rot_dims = {name: 2 * len(table.inv_freq) for name, table in a.rope}
+        for layer, rope in zip(self.model.layers, a.layer_rope):
             attn = layer.self_attn
+            if rope is not None:
+                attn.q_rotate = rotate_half_matrix(rot_dims[rope]).to(device)
+                attn.k_rotate = rotate_half_matrix(rot_dims[rope]).to(device)
             cache_dtype = torch.float32 if isinstance(attn, CustomOpsAttention) else dtype
             attn.k_cache = torch.zeros(attn.k_cache.shape, dtype=cache_dtype, device=device)
             attn.v_cache = torch.zeros(attn.v_cache.shape, dtype=cache_dtype, device=device)
@@ -423,7 +428,7 @@ class CausalLM(nn.Module):
         for name, _ in a.rope:  # [T, 1, rot_dim]: broadcasts over heads
             cos = getattr(self, f"rope_cos_{name}")[positions].to(h.dtype).unsqueeze(1)
             sin = getattr(self, f"rope_sin_{name}")[positions].to(h.dtype).unsqueeze(1)
-            ropes[name] = (cos, sin, getattr(self, f"rope_rotate_{name}").to(h.dtype))
+            ropes[name] = (cos, sin)
         # Additive masks over the whole cache: query at position p sees cache slots s <= p, and with a
         # sliding window w only p - w < s.
         slots, queries = self.cache_positions[None, :], positions[:, None]
