@@ -182,9 +182,6 @@ def check_config(cfg: ExportConfig | DictConfig) -> None:
         one_of("export.methods entry", method, sorted(METHOD_KINDS), "Fix export.methods.")
     if not ex.methods:
         raise UserError("export.methods is empty: give at least one of " + ", ".join(sorted(METHOD_KINDS)) + ".")
-    from exporters.layouts import check_layout
-
-    check_layout(ex.layout, ex.methods)
     if ex.max_seq_len < 2:
         raise UserError(f"export.max_seq_len={ex.max_seq_len} is too small: use 2 or more.")
     v = cfg.validation
@@ -201,6 +198,9 @@ def check_config(cfg: ExportConfig | DictConfig) -> None:
         if getattr(q, name) < 0:
             raise UserError(f"quant.{name}={getattr(q, name)}: use 0 (per channel) or a positive group size.")
     check_backend_supports(cfg)
+    from exporters.layouts import check_layout
+
+    check_layout(ex.layout, ex.methods, b.dynamic_shapes)
     if not b.dynamic_shapes and not (1 <= ex.prefill_chunk < ex.max_seq_len):
         raise UserError(
             f"export.prefill_chunk={ex.prefill_chunk} must be between 1 and export.max_seq_len - 1 "

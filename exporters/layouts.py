@@ -29,11 +29,14 @@ class StockRunner:
     decode_method: str | None  # when the program has it, it runs the generated tokens
     shares_kv_cache: bool = False  # whether its methods see one KV cache (share_memory_arenas)
 
-    def outcome(self, methods: Collection[str]) -> "RunnerOutcome":
+    def outcome(self, methods: Collection[str], dynamic: bool = True) -> "RunnerOutcome":
         prompt = next((m for m in self.prompt_methods if m in methods), None)
         if prompt is None:
             return RunnerOutcome(self.release, None, None, "fails",
                                  f"it needs a method named {' or '.join(self.prompt_methods)} and stops with an error")
+        if not dynamic:  # enable_dynamic_shape=false: it feeds the prompt one token at a time
+            return RunnerOutcome(self.release, prompt, prompt, "fails",
+                                 f"it feeds {prompt} one token at a time, and {prompt} takes a fixed chunk")
         step = self.decode_method if self.decode_method in methods else prompt
         if step != prompt and not self.shares_kv_cache:
             return RunnerOutcome(self.release, prompt, step, "wrong text",
@@ -78,9 +81,10 @@ class Layout:
     def name_of(self, kind: str) -> str:
         return self.method_names[kind]
 
-    def runner_outcomes(self, kinds: Collection[str]) -> list[RunnerOutcome]:
+    def runner_outcomes(self, kinds: Collection[str], dynamic: bool = True) -> list[RunnerOutcome]:
+        """What each stock runner does with a program of these method kinds (``dynamic``: prompt length)."""
         names = {self.name_of(k) for k in kinds}
-        return [runner.outcome(names) for runner in STOCK_RUNNERS]
+        return [runner.outcome(names, dynamic) for runner in STOCK_RUNNERS]
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -99,24 +103,26 @@ LAYOUTS: dict[str, Layout] = {
 KIND_OF_NAME: dict[str, str] = {name: kind for layout in LAYOUTS.values() for kind, name in layout.method_names.items()}
 
 
-def check_layout(layout_name: str, kinds: Collection[str]) -> Layout:
+def check_layout(layout_name: str, kinds: Collection[str], dynamic: bool = True) -> Layout:
     """The layout, if every stock runner it promises to serve runs the program correctly."""
     if layout_name not in LAYOUTS:
         raise UserError(f"export.layout={layout_name!r} is not known. Allowed: {', '.join(LAYOUTS)}.")
     layout = LAYOUTS[layout_name]
     if layout_name == "stock":
-        bad = [o for o in layout.runner_outcomes(kinds) if not o.correct]
+        bad = [o for o in layout.runner_outcomes(kinds, dynamic) if not o.correct]
         if bad:
+            fix = ("Add forward to export.methods, or set" if dynamic else
+                   "This backend exports static shapes (export.prefill_chunk), which no stock runner runs: set")
             raise UserError(
                 f"export.layout=stock promises correct text in ExecuTorch's stock runners, but with "
-                f"export.methods={list(kinds)} " + "; ".join(o.describe() for o in bad) + ". Add forward to "
-                "export.methods, or set export.layout=split for an app that shares memory arenas between methods."
+                f"export.methods={list(kinds)} " + "; ".join(o.describe() for o in bad) + f". {fix} "
+                "export.layout=split for an app that shares memory arenas between methods."
             )
     return layout
 
 
 def layout_manifest(layout: Layout, methods: dict[str, str], prompt: str | None,
-                    step: str | None) -> dict[str, object]:
+                    step: str | None, dynamic: bool) -> dict[str, object]:
     """The manifest's ``layout`` section: what app developers need to call the program correctly.
 
     ``methods`` maps each LLM method in the program to its kind; ``prompt`` and ``step`` are the methods an
@@ -137,5 +143,5 @@ def layout_manifest(layout: Layout, methods: dict[str, str], prompt: str | None,
                     "one method holds the KV cache",
         "stock_runners": {o.release: {"result": o.result, "prompt_method": o.prompt_method,
                                       "token_method": o.step_method, "why": o.why}
-                          for o in layout.runner_outcomes(by_kind)},
+                          for o in layout.runner_outcomes(by_kind, dynamic)},
     }

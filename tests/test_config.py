@@ -22,7 +22,10 @@ def test_groups_have_the_required_options() -> None:
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_against_the_schema(group: str, option: str) -> None:
     backend = "backend=coreml" if option in ("4w", "8w") else "backend=xnnpack"
-    cfg = compose_config(f"{group}={option}", *([backend] if group == "quant" else []))
+    extra = [backend] if group == "quant" else []
+    if "backend=coreml" in extra or option in ("coreml", "vulkan"):  # static shapes: no stock runner runs them
+        extra.append("export.layout=split")
+    cfg = compose_config(f"{group}={option}", *extra)
     assert getattr(cfg, group).name == option, "each option file names itself"
     typed = to_typed(cfg)
     assert isinstance(typed, ExportConfig)
@@ -125,6 +128,12 @@ def test_stock_layout_refuses_methods_a_stock_runner_cannot_run(methods: str) ->
                                         r"set export.layout=split"):
         to_typed(compose_config(f"export.methods={methods}"))
     assert to_typed(compose_config(f"export.methods={methods}", "export.layout=split")).export.layout == "split"
+
+
+@pytest.mark.parametrize("backend", ["coreml", "vulkan"])
+def test_stock_layout_refuses_static_shape_backends(backend: str) -> None:
+    with pytest.raises(UserError, match=r"takes a fixed chunk.*static shapes .*set export.layout=split"):
+        to_typed(compose_config(f"backend={backend}"))
 
 
 @pytest.mark.parametrize("content,named", [(None, "no such file"), ("", "is empty"), ("  \n", "is empty")])

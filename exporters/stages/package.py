@@ -79,7 +79,8 @@ class PackageStage(Stage):
                 for name, spec in emitted.specs.items()
             },
             "layout": layout_manifest(self.layout, {name: spec.kind for name, spec in emitted.specs.items()},
-                                      roles.prompt if roles else None, roles.step if roles else None),
+                                      roles.prompt if roles else None, roles.step if roles else None,
+                                      all(spec.dynamic for spec in emitted.specs.values() if spec.kind != "decode")),
             "constant_methods": emitted.constant_methods,
             "model": {"checkpoint": str(ckpt.path), "architecture": list(ckpt.hf_config.architectures or []),
                       "family": emitted.quantized.loaded.family,
