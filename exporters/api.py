@@ -10,10 +10,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from exporters.artifacts import ExportResult
+from exporters.benchmark import reset_peak_rss
 from exporters.config import ExportConfig, check_config, to_typed
 from exporters.errors import UserError
 from exporters.layouts import LAYOUTS
 from exporters.pipeline import Stage, run_pipeline
+from exporters.stages.bench import BenchStage
 from exporters.stages.capture import CaptureStage
 from exporters.stages.emit import EmitStage
 from exporters.stages.load import LoadStage
@@ -41,6 +43,7 @@ def build_stages(cfg: ExportConfig, output_dir: Path, resolved: dict[str, Any], 
         EmitStage(output_dir / ex.output_name),
         ValidateStage(Tolerance.of(cfg.quant), enabled=cfg.validate, runs_here=cfg.backend.runs_here),
         PackageStage(resolved, timings, LAYOUTS[ex.layout]),
+        BenchStage(cfg.benchmark, ex.max_seq_len, enabled=bool(cfg.bench) and cfg.backend.runs_here),
     ]
 
 
@@ -59,6 +62,7 @@ def export(cfg: DictConfig | ExportConfig, output_dir: str | Path | None = None)
     out.mkdir(parents=True, exist_ok=True)
     assert isinstance(resolved, dict)
     timings: dict[str, float] = {}
+    reset_peak_rss()  # the manifest's peak RSS is this export's, not the process's whole life
     result = run_pipeline(build_stages(typed, out, resolved, timings), timings)
     assert isinstance(result, ExportResult)
     return result

@@ -182,4 +182,7 @@ class ExportResult:
     manifest: dict[str, Any]
 
     def summary(self) -> str:
-        return f"{self.pte_path}"
+        from exporters.benchmark import describe_bench
+
+        bench = self.manifest.get("bench")
+        return describe_bench(bench) if bench else f"{self.pte_path}"

@@ -7,6 +7,7 @@ backend?) are checked in :func:`check_config` with the allowed alternatives spel
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -131,6 +132,33 @@ class ValidationConfig:
 
 
 @dataclass
+class BenchmarkConfig:
+    # Runtime speed of the written program (the bench stage): a prompt of prompt_tokens through the prompt
+    # method, then steps greedy tokens one at a time; medians over repeats after one warm-up round.
+    # Both are cut to fit export.max_seq_len (at most half of it for the prompt).
+    prompt_tokens: int = 64
+    steps: int = 64
+    repeats: int = 3
+
+
+@dataclass
+class SearchConfig:
+    # The trial objective of an Optuna search (--config-name search): a numeric column of the sweep
+    # summary (exporters.report.JobRow), e.g. size_mb, decode_tok_s, ppl_increase; the sweeper's
+    # direction says whether it is minimized or maximized.
+    objective: str = "size_mb"
+    # Trials whose perplexity increase over fp32 is above this are infeasible (scored inf); null = no bound.
+    max_ppl_increase: Optional[float] = None
+
+
+@dataclass
+class SweepConfig:
+    # Memory one export job needs, in GB (SmolLM2-135M about 3, a 1B model about 10: the peak RSS column
+    # of a sweep summary): the local_parallel launcher runs as many jobs at once as fit in memory.
+    job_memory_gb: int = 4
+
+
+@dataclass
 class ExportConfig:
     model: ModelConfig = MISSING
     quant: QuantConfig = MISSING
@@ -138,13 +166,32 @@ class ExportConfig:
     export: ExportSection = field(default_factory=ExportSection)
     validate: bool = True
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    # Measure the program's speed and memory in the runtime after writing it (manifest "bench").
+    # null = on in sweeps (-m), off for a single export.
+    bench: Optional[bool] = None
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
     # Show library warnings, library logging and the ExecuTorch runtime's own output on the console.
     verbose: bool = False
 
 
+def parallel_jobs(job_memory_gb: int) -> int:
+    """Jobs a machine runs at once: one per core, no more than fit in the memory available now."""
+    with open("/proc/meminfo") as f:
+        available_gb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 1024**2
+    return max(1, min(os.cpu_count() or 1, int(available_gb // max(job_memory_gb, 1))))
+
+
 def register_configs() -> None:
-    """Make the schema known to Hydra; ``conf/config.yaml`` lists it first in its defaults."""
+    """Make the schema known to Hydra (``conf/config.yaml`` lists it first in its defaults), and the
+    resolvers the launcher presets in ``conf/hydra/launcher/`` use."""
     ConfigStore.instance().store(name="export_schema", node=ExportConfig)
+    resolvers = {"exporters.parallel_jobs": parallel_jobs,
+                 "exporters.abspath": lambda path: os.path.abspath(path),
+                 "exporters.gib": lambda gb: int(gb) * 1024**3}
+    for name, resolver in resolvers.items():
+        OmegaConf.register_new_resolver(name, resolver, replace=True)
 
 
 register_configs()
@@ -189,6 +236,18 @@ def check_config(cfg: ExportConfig | DictConfig) -> None:
         raise UserError(f"validation.prompt_tokens={v.prompt_tokens}: use 1 or more (at most half of export.max_seq_len is used).")
     if v.max_tokens < 8:
         raise UserError(f"validation.max_tokens={v.max_tokens} is too few to measure anything: use 8 or more.")
+    for name in ("prompt_tokens", "steps", "repeats"):
+        if getattr(cfg.benchmark, name) < 1:
+            raise UserError(f"benchmark.{name}={getattr(cfg.benchmark, name)}: use 1 or more.")
+    if cfg.bench and not b.runs_here:
+        raise UserError(
+            f"bench=true: backend={b.name}'s delegate cannot run on this host, so its speed cannot be measured "
+            "here. Set bench=false, or run the bench on a device with that backend."
+        )
+    from exporters.report import JobRow
+
+    numeric = [f for f, t in JobRow.__annotations__.items() if "float" in str(t)]
+    one_of("search.objective", cfg.search.objective, numeric, "Pick a numeric column of the sweep summary.")
     one_of("quant.qparams", q.qparams, sorted(QPARAMS), "Set quant.qparams to one of those.")
     if cfg.validate and v.text_file is not None:
         from exporters.quality import read_text

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from exporters.artifacts import ExportResult, ValidatedProgram
+from exporters.benchmark import peak_rss_mb
 from exporters.driver import MethodRoles
 from exporters.errors import UserError, ValidationFailed
 from exporters.layouts import Layout, layout_manifest
@@ -91,6 +92,9 @@ class PackageStage(Stage):
             "validation": None if report is None else {"quality": report.quality(), **asdict(report)},
             "tokenizer_files": copied,
             "timings_s": self.timings,
+            # The export itself (every stage up to validation), for sweeps that compare configs.
+            "resources": {"wall_s": round(sum(self.timings.values()), 1), "peak_rss_mb": round(peak_rss_mb())},
+            "bench": None,
             "versions": package_versions(),
             "config": self.resolved_config,
         }

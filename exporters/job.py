@@ -1,0 +1,124 @@
+"""One job of a sweep: the export runs in a child process, and the job records what became of it.
+
+Why a child process: whatever happens to an export (a config that cannot work, a crash, the
+out-of-memory killer's SIGKILL), the launcher's worker survives and writes a ``failed`` row with the
+reason; no exception leaves the job, so Hydra finishes the sweep and its end-of-sweep callback writes the
+summary. Each export also gets a fresh process: its peak RSS is its own, and its memory is returned to
+the system before the worker takes the next job (joblib and Ray reuse workers).
+
+    parent (Hydra job, any launcher)          child (python -m exporters.job)
+    config + folders as JSON on stdin   ->    export(); manifest.json; FAILED on a reported error
+    os.wait4: exit status, peak RSS     <-    exit 0 / 2 (reported error) / 1 (crash) / killed
+    result.json in the job folder
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from exporters.report import JobRow, write_result
+
+log = logging.getLogger("exporters")
+
+FAILED_FILE = "FAILED"  # the child's one-paragraph reason when a reported error stops the export
+REPORTED_ERROR_EXIT = 2
+
+
+def run_sweep_job(cfg: DictConfig, job_dir: Path, job_num: int, overrides: list[str], log_file: Path | None,
+                  verbose: bool) -> JobRow:
+    """Export ``cfg`` into ``job_dir`` in a child process and write the job's ``result.json``."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / FAILED_FILE).unlink(missing_ok=True)
+    request = {"config": OmegaConf.to_container(cfg, resolve=True), "output_dir": str(job_dir),
+               "log_file": str(log_file) if log_file else None, "label": f"job {job_num}", "verbose": verbose}
+    start = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-m", "exporters.job", str(job_dir)], stdin=subprocess.PIPE)
+    assert child.stdin is not None
+    child.stdin.write(json.dumps(request).encode())
+    child.stdin.close()
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    row = JobRow(job=job_num, overrides=" ".join(overrides), model=cfg.model.name, quant=cfg.quant.name,
+                 backend=cfg.backend.name, status="ok", job_s=round(time.perf_counter() - start, 1))
+    manifest = job_dir / "manifest.json"
+    if manifest.is_file():
+        m = json.loads(manifest.read_text())
+        row = row.with_manifest(m, f"{job_dir.name}/{m['program']['file']}")
+    if child.returncode != 0:
+        row.status, row.reason = "failed", _failure_reason(child.returncode, job_dir)
+        if row.peak_rss_mb is None:
+            row.peak_rss_mb = round(usage.ru_maxrss / 1024)  # Linux: KiB; what it reached before it stopped
+    write_result(job_dir, row)
+    return row
+
+
+def _failure_reason(returncode: int, job_dir: Path) -> str:
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        hint = (" The out-of-memory killer sends SIGKILL when memory runs out: run fewer jobs at once "
+                "(hydra.launcher.n_jobs, sweep.job_memory_gb) or give each more memory."
+                if -returncode == signal.SIGKILL else "")
+        return f"the export process was killed by {name}.{hint}"
+    failed = job_dir / FAILED_FILE
+    if failed.is_file():
+        return failed.read_text().strip()
+    return f"the export process exited with status {returncode} and left no reason; see {job_dir / 'llm.log'}."
+
+
+def _configure_child_logging(label: str, log_file: str | None) -> None:
+    """The story on the console, prefixed with the job; everything in the job's ``llm.log`` (as Hydra does)."""
+    from exporters.console import StoryFilter
+
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    console = logging.StreamHandler(sys.stdout)
+    console.addFilter(StoryFilter())
+    console.setFormatter(logging.Formatter(f"[{label}] %(message)s"))
+    root.addHandler(console)
+    if log_file:
+        handler = logging.FileHandler(log_file)
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(handler)
+    logging.captureWarnings(True)
+
+
+def _child_main(request: dict[str, Any]) -> int:
+    from exporters import console
+    from exporters.api import export
+    from exporters.config import ExportConfig
+    from exporters.errors import REPORTED_ERRORS
+
+    console.VERBOSE = bool(request["verbose"])
+    _configure_child_logging(request["label"], request["log_file"])
+    out = Path(request["output_dir"])
+    try:
+        with console.native_stderr_to(request["log_file"]):
+            result = export(OmegaConf.merge(OmegaConf.structured(ExportConfig), request["config"]), out)
+    except REPORTED_ERRORS as e:
+        log.error("export failed: %s", e)
+        (out / FAILED_FILE).write_text(f"{e}\n")
+        return REPORTED_ERROR_EXIT
+    except Exception as e:  # a bug, not bad input: the traceback goes to llm.log, the row gets one line
+        log.error("export crashed: %s: %s", type(e).__name__, e)
+        (out / FAILED_FILE).write_text(f"crashed: {type(e).__name__}: {e} (traceback in llm.log)\n")
+        if request["log_file"]:
+            with open(request["log_file"], "a") as f:
+                traceback.print_exc(file=f)
+        return 1
+    console.log_export_summary(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(json.loads(sys.stdin.read())))

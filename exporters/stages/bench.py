@@ -1,0 +1,55 @@
+"""Bench: measure the written program as an app would run it, and add the numbers to ``manifest.json``.
+
+Runs after ``package``, so the export's own wall time and peak RSS (the manifest's ``resources``) do not
+include it. On by default in sweeps (``-m``), off for a single export; ``bench=true/false`` forces it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict
+
+from exporters.artifacts import ExportResult
+from exporters.benchmark import measure_speed, rss_after_load_mb
+from exporters.config import BenchmarkConfig
+from exporters.driver import Driver
+from exporters.pipeline import Stage
+from exporters.runtime import LoadedProgram
+from exporters.stages.emit import write_atomically
+
+log = logging.getLogger("exporters")
+
+
+def bench_lengths(settings: BenchmarkConfig, max_seq_len: int) -> tuple[int, int]:
+    """Prompt tokens and decode steps that fit the context: the configured ones, else half and half."""
+    prompt = min(settings.prompt_tokens, max_seq_len // 2)
+    return prompt, min(settings.steps, max_seq_len - prompt)
+
+
+class BenchStage(Stage):
+    name = "bench"
+
+    def __init__(self, settings: BenchmarkConfig, max_seq_len: int, enabled: bool) -> None:
+        self.settings = settings
+        self.max_seq_len = max_seq_len
+        self.enabled = enabled
+
+    def run(self, result: ExportResult) -> ExportResult:
+        if not self.enabled:
+            return result
+        start = time.perf_counter()
+        program = LoadedProgram(result.pte_path)
+        driver = Driver.of(program)
+        prompt_tokens, steps = bench_lengths(self.settings, self.max_seq_len)
+        speed = measure_speed(program, driver, prompt_tokens, steps, self.settings.repeats,
+                              int(program.constant("get_vocab_size")))
+        del program, driver
+        result.manifest["bench"] = {
+            **asdict(speed),
+            "rss_after_load_mb": rss_after_load_mb(result.pte_path, [speed.prompt_method, speed.step_method]),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        write_atomically(result.manifest_path, (json.dumps(result.manifest, indent=2) + "\n").encode())
+        return result
