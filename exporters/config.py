@@ -183,12 +183,24 @@ def parallel_jobs(job_memory_gb: int) -> int:
     return max(1, min(os.cpu_count() or 1, int(available_gb // max(job_memory_gb, 1))))
 
 
+# Ray puts unix sockets under <temp dir>/session_<date>_<time>_<us>_<pid>/sockets/, and a socket path may
+# not exceed 107 bytes: room for the temp dir itself.
+RAY_SOCKET_SUFFIX = len("/session_2026-11-23_00-42-50_854187_1234567/sockets/plasma_store")
+
+
+def ray_temp_dir(sweep_dir: str) -> str:
+    """Ray's temporary folder for a sweep: ``<sweep folder>/.ray`` where its socket paths fit, else Ray's
+    own default ``/tmp/ray``."""
+    inside = os.path.join(os.path.abspath(sweep_dir), ".ray")
+    return inside if len(inside) + RAY_SOCKET_SUFFIX <= 107 else "/tmp/ray"
+
+
 def register_configs() -> None:
     """Make the schema known to Hydra (``conf/config.yaml`` lists it first in its defaults), and the
     resolvers the launcher presets in ``conf/hydra/launcher/`` use."""
     ConfigStore.instance().store(name="export_schema", node=ExportConfig)
     resolvers = {"exporters.parallel_jobs": parallel_jobs,
-                 "exporters.abspath": lambda path: os.path.abspath(path),
+                 "exporters.ray_temp_dir": ray_temp_dir,
                  "exporters.gib": lambda gb: int(gb) * 1024**3}
     for name, resolver in resolvers.items():
         OmegaConf.register_new_resolver(name, resolver, replace=True)

@@ -21,10 +21,10 @@ def test_wheel_carries_its_configs_and_exports_from_elsewhere(tmp_path: Path) ->
                     "-w", str(tmp_path / "dist")], check=True, capture_output=True)
     wheel = next((tmp_path / "dist").glob("llm_exporters-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for group in ("model", "quant", "backend"):
+    for group in ("model", "quant", "backend", "hydra/launcher"):
         shipped = {Path(n).name for n in names if n.startswith(f"exporters/conf/{group}/")}
         assert shipped == {p.name for p in (REPO_ROOT / "conf" / group).glob("*.yaml")}, group
-    assert "exporters/conf/config.yaml" in names and "exporters/data/validation_text.txt" in names
+    assert "exporters/conf/config.yaml" in names and "exporters/conf/search.yaml" in names and "exporters/data/validation_text.txt" in names
 
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
