@@ -20,13 +20,14 @@ class SweepSummary(Callback):
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from exporters.report import SUMMARY_FILES, write_summary
+        from exporters.report import SUMMARY_FILES, labels, write_summary
 
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_summary(sweep_dir)
         ok = sum(r.ok for r in rows)
         log.info("sweep: %d jobs, %d ok, %d failed. Summary: %s", len(rows), ok, len(rows) - ok,
                  ", ".join(str(sweep_dir / name) for name in SUMMARY_FILES))
+        label = labels(rows)
         for row in rows:
             if not row.ok:
-                log.info("  job %d (%s) failed: %s", row.job, row.label, row.reason.splitlines()[0][:300])
+                log.info("  job %d (%s) failed: %s", row.job, label[row.job], row.reason.splitlines()[0][:300])

@@ -55,10 +55,6 @@ class JobRow:
     def ok(self) -> bool:
         return self.status == "ok"
 
-    @property
-    def label(self) -> str:
-        return self.overrides or f"{self.model} {self.quant} {self.backend}"
-
     def with_manifest(self, manifest: dict[str, Any], program: str) -> "JobRow":
         """This row with the measures a job's ``manifest.json`` holds."""
         validation, bench, resources = manifest.get("validation"), manifest.get("bench"), manifest.get("resources", {})
@@ -74,6 +70,13 @@ class JobRow:
                           ppl_increase=validation["perplexity"] / validation["reference_perplexity"] - 1,
                           kl_mean=validation["kl_mean"], top1_agreement=validation["top1_agreement"])
         return JobRow(**{**asdict(self), **values})
+
+
+def labels(rows: list[JobRow]) -> dict[int, str]:
+    """What tells each job apart: its overrides minus those every job shares (the checkpoint, say)."""
+    shared = set.intersection(*(set(r.overrides.split()) for r in rows)) if rows else set()
+    return {r.job: " ".join(o for o in r.overrides.split() if o not in shared) or f"{r.model} {r.quant} {r.backend}"
+            for r in rows}
 
 
 def write_result(job_dir: Path, row: JobRow) -> None:
@@ -152,6 +155,7 @@ def _cell(value: float | None, fmt: Callable[[float], str]) -> str:
 def write_markdown(rows: list[JobRow], path: Path, sweep_dir: Path) -> None:
     """Working configs smallest first, each marked where it is on a Pareto front; failed ones after."""
     fronts = {t.name: {r.job for r in pareto_front(rows, t)} for t in TRADEOFFS}
+    label = labels(rows)
     ok = sorted((r for r in rows if r.ok), key=lambda r: (r.size_mb is None, r.size_mb or 0.0))
     failed = [r for r in rows if not r.ok]
     lines = [
@@ -168,7 +172,7 @@ def write_markdown(rows: list[JobRow], path: Path, sweep_dir: Path) -> None:
     for r in ok:
         best = ", ".join(name for name, jobs in fronts.items() if r.job in jobs)
         lines.append(
-            f"| {r.job} | {r.label} | {'**' + best + '**' if best else ''} | {_cell(r.size_mb, '{:.1f}'.format)} | "
+            f"| {r.job} | {label[r.job]} | {'**' + best + '**' if best else ''} | {_cell(r.size_mb, '{:.1f}'.format)} | "
             f"{_cell(r.export_s, '{:.0f}'.format)} | {_cell(r.peak_rss_mb, '{:.0f}'.format)} | "
             f"{_cell(r.prefill_tok_s, '{:.0f}'.format)} | {_cell(r.decode_tok_s, '{:.0f}'.format)} | "
             f"{_cell(r.rss_after_load_mb, '{:.0f}'.format)} | {_cell(r.perplexity, '{:.2f}'.format)} | "
@@ -176,7 +180,7 @@ def write_markdown(rows: list[JobRow], path: Path, sweep_dir: Path) -> None:
             f"{_cell(r.kl_mean, '{:.2g}'.format)} | {_cell(r.top1_agreement, '{:.0%}'.format)} |")
     if failed:
         lines += ["", "## Failed", "", "| job | config | reason |", "|---:|---|---|"]
-        lines += [f"| {r.job} | {r.label} | {r.reason.replace('|', '/').replace(chr(10), ' ')} |" for r in failed]
+        lines += [f"| {r.job} | {label[r.job]} | {r.reason.replace('|', '/').replace(chr(10), ' ')} |" for r in failed]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -187,6 +191,7 @@ def write_pareto_plot(rows: list[JobRow], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    label = labels(rows)
     fig, axes = plt.subplots(1, len(TRADEOFFS), figsize=(6 * len(TRADEOFFS), 4.5))
     for ax, tradeoff in zip(axes, TRADEOFFS):
         points = [r for r in rows if r.ok and getattr(r, tradeoff.column) is not None and r.ppl_increase is not None]
@@ -196,7 +201,7 @@ def write_pareto_plot(rows: list[JobRow], path: Path) -> None:
         ax.plot([getattr(r, tradeoff.column) for r in front], [100 * r.ppl_increase for r in front],  # type: ignore[operator]
                 "o-", color="tab:red", label="Pareto front")
         for r in points:
-            ax.annotate(r.label, (getattr(r, tradeoff.column), 100 * r.ppl_increase), fontsize=7,  # type: ignore[operator]
+            ax.annotate(label[r.job], (getattr(r, tradeoff.column), 100 * r.ppl_increase), fontsize=7,  # type: ignore[operator]
                         textcoords="offset points", xytext=(4, 4))
         ax.set_xlabel(tradeoff.axis + (" (higher is better)" if tradeoff.higher_is_better else ""))
         ax.set_ylabel("perplexity increase over fp32 (%)")

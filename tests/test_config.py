@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from exporters.config import CONF_DIR, ExportConfig, to_typed
+from exporters.config import CONF_DIR, ExportConfig, parallel_jobs, ray_temp_dir, to_typed
 from exporters.errors import UserError
 from tests.conftest import compose_config
 
@@ -114,9 +119,12 @@ def test_lm_head_follows_linear_unless_overridden() -> None:
     ("validation.max_tokens=2", "max_tokens"),
     ("quant.qparams=minmax", "qparams"),
     ("export.layout=ours", "export.layout='ours' is not known. Allowed: stock, split"),
+    ("benchmark.steps=0", "benchmark.steps"),
+    ("search.objective=size", "search.objective='size' is not known. Allowed: size_mb"),
+    ("bench=true backend=coreml export.layout=split", "bench=true: backend=coreml's delegate cannot run"),
 ])
 def test_bad_values_are_refused_before_any_work(override: str, named: str) -> None:
-    cfg = compose_config(override)
+    cfg = compose_config(*override.split())
     with pytest.raises(UserError, match=named):
         to_typed(cfg)
 
@@ -153,3 +161,38 @@ def test_a_validation_text_too_short_to_score_is_one_clear_error(tmp_path) -> No
     with pytest.raises(UserError, match=r"validation text \(.*short.txt\) is \d+ tokens long; it needs at least"):
         export(compose_config(f"validation.text_file={path}"), tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.pte"))
+
+
+@pytest.mark.parametrize("launcher", sorted(p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml")))
+def test_launcher_presets_compose_and_resolve(launcher: str) -> None:
+    """Each preset extends its plugin's launcher config; the sizes it computes from sweep.job_memory_gb resolve."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"hydra/launcher={launcher}", "sweep.job_memory_gb=3"],
+                      return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    settings = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert settings["_target_"].startswith("hydra_plugins.")
+    if launcher == "local_parallel":
+        assert 1 <= settings["n_jobs"] <= (os.cpu_count() or 1)
+    if launcher == "slurm":
+        assert settings["mem_gb"] == 3
+    if launcher == "ray_cluster":
+        assert settings["ray"]["remote"] == {"max_retries": 0, "num_cpus": 1, "memory": 3 * 1024**3}
+        assert settings["ray"]["init"]["include_dashboard"] is False
+
+
+def test_parallel_jobs_fit_in_memory() -> None:
+    assert parallel_jobs(10**6) == 1  # never zero, even when one job needs more than the machine has
+    assert parallel_jobs(1) == os.cpu_count()
+
+
+def test_ray_temp_dir_stays_in_the_sweep_folder_only_where_its_sockets_fit() -> None:
+    assert ray_temp_dir("/tmp/sw1") == "/tmp/sw1/.ray"
+    assert ray_temp_dir("/tmp/" + "x" * 60) == "/tmp/ray"
+
+
+def test_search_config_composes_with_the_optuna_sweeper() -> None:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="search", return_hydra_config=True)
+    assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper") and cfg.search.max_ppl_increase == 0.25
+    to_typed(compose_config("search.max_ppl_increase=0.1", "search.objective=decode_tok_s"))
