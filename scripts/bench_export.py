@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from exporters.benchmark import measure_speed, rss_after_load_mb
+from exporters.driver import Driver
+from exporters.runtime import LoadedProgram
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -152,58 +155,12 @@ def export_llm_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path)
     ]
 
 
-RSS_AFTER_LOAD = """
-import sys
-import executorch.extension.llm.custom_ops.custom_ops
-import executorch.kernels.quantized
-from executorch.runtime import Runtime
-
-def rss_mb():
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
-
-before = rss_mb()
-program = Runtime.get().load_program(sys.argv[1])
-methods = [program.load_method(m) for m in sys.argv[2:]]
-print(rss_mb() - before)
-"""
-
-
-def rss_after_load_mb(pte: Path, methods: list[str]) -> float:
-    """RSS a fresh process gains by loading the program and these methods (imports not counted; the pip
-    runtime's XNNPACK packs each loaded method's weights separately)."""
-    out = subprocess.run([sys.executable, "-c", RSS_AFTER_LOAD, str(pte), *methods], capture_output=True, text=True,
-                         check=True)
-    return round(float(out.stdout.strip().splitlines()[-1]), 1)
-
-
-def tokens_per_second(pte: Path, prefill_method: str, decode_method: str, prefill_len: int, vocab: int,
-                      decode_steps: int, repeats: int) -> dict[str, float]:
-    """Median steady-state decode and prefill throughput of a program in the ExecuTorch runtime.
-
-    The program is loaded once (as an app does) and warmed up by one round; each round then prefills a new
-    prompt at position 0 (overwriting the cache) and decodes ``decode_steps`` greedy tokens.
-    """
-    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (kernels for export_llm's sdpa)
-    import executorch.kernels.quantized  # noqa: F401
-    from executorch.runtime import Runtime
-
-    program = Runtime.get().load_program(str(pte))
-    prefill, decode = program.load_method(prefill_method), program.load_method(decode_method)
-    decode_rates, prefill_rates = [], []
-    for r in range(repeats + 1):
-        prompt = torch.randint(0, vocab, (1, prefill_len), generator=torch.Generator().manual_seed(r))
-        t = time.perf_counter()
-        logits = prefill.execute([prompt, torch.tensor([0])])[0]
-        prefill_s = time.perf_counter() - t
-        t = time.perf_counter()
-        for i in range(decode_steps):
-            token = logits.reshape(-1, logits.shape[-1])[-1].argmax().view(1, 1)
-            logits = decode.execute([token, torch.tensor([prefill_len + i])])[0]
-        if r:  # the first round warms up
-            decode_rates.append(decode_steps / (time.perf_counter() - t))
-            prefill_rates.append(prefill_len / prefill_s)
-    return {"decode_tok_s": round(statistics.median(decode_rates), 1),
-            "prefill_tok_s": round(statistics.median(prefill_rates), 1)}
+def tokens_per_second(pte: Path, prefill_len: int, decode_steps: int, repeats: int, vocab: int) -> dict[str, float]:
+    """Median steady-state prefill and decode throughput, driven as exporters.generate drives a program
+    (ours: prefill then decode_one_token; export_llm's: forward for both)."""
+    program = LoadedProgram(pte)
+    speed = measure_speed(program, Driver.of(program), prefill_len, decode_steps, repeats, vocab)
+    return {"decode_tok_s": speed.decode_tokens_per_s, "prefill_tok_s": speed.prefill_tokens_per_s}
 
 
 def main() -> None:
@@ -224,11 +181,10 @@ def main() -> None:
     root = args.out or Path(tempfile.mkdtemp(prefix="bench_export_"))
     root.mkdir(parents=True, exist_ok=True)
     hf_dir = hf_checkpoint(p, root)
-    exporters = {"export_llm": (export_llm_cmd, ("forward", "forward"), [["forward"]]),
-                 "llm-exporters": (ours_cmd, ("prefill", "decode_one_token"),
-                                   [["prefill", "decode_one_token"], ["prefill", "decode_one_token", "forward"]])}
+    exporters = {"export_llm": (export_llm_cmd, [["forward"]]),
+                 "llm-exporters": (ours_cmd, [["prefill", "decode_one_token"], ["prefill", "decode_one_token", "forward"]])}
     results = {}
-    for name, (build, methods, loads) in exporters.items():
+    for name, (build, loads) in exporters.items():
         if args.only and name != args.only:
             continue
         out = root / name
@@ -239,7 +195,7 @@ def main() -> None:
         row["pte_mb"] = round(pte.stat().st_size / 1e6, 1)
         row["rss_after_load_mb"] = rss_after_load_mb(pte, loads[0])
         row.update({f"rss_after_load_mb[{'+'.join(m)}]": rss_after_load_mb(pte, m) for m in loads[1:]})
-        row.update(tokens_per_second(pte, *methods, args.prefill_len, p.vocab, args.decode_steps, args.repeats))
+        row.update(tokens_per_second(pte, args.prefill_len, args.decode_steps, args.repeats, p.vocab))
         if name == "llm-exporters":
             row["stages_s"] = json.loads((out / "manifest.json").read_text())["timings_s"]
         results[name] = row
