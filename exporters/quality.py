@@ -10,7 +10,7 @@ scored on exactly the same positions.
 Why these measures: on real weights a quantized program's logits differ from its eager model by
 several units (SmolLM2-135M 8da4w: max |diff| 3.2) while being right, so a max-logit-error gate
 rejects good programs. KL divergence of the program's distribution from the eager one and perplexity
-measure what a user sees; they grow by orders of magnitude for a broken program (DESIGN.md, README).
+measure what a user sees; they grow by orders of magnitude for a broken program (docs/DESIGN.md, README).
 """
 
 from __future__ import annotations

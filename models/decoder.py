@@ -7,7 +7,7 @@ transformers' eager model is a direct reference. What differs between families i
 :class:`DecoderArgs`, filled in by :mod:`models.families`.
 
 Why not transformers' own model: its exportable static-cache wrapper fails in ``to_edge`` with
-torch 2.13 (see DESIGN.md). This module keeps everything ``torch.export`` and ExecuTorch like:
+torch 2.13 (see docs/DESIGN.md). This module keeps everything ``torch.export`` and ExecuTorch like:
 
 * the KV cache is a pair of fixed-size buffers per layer, ``[1, n_kv_heads, max_context_len, head_dim]``,
   with the same names in every exported method, so methods share them in the runtime;

@@ -58,7 +58,7 @@ class Preset:
 
 PRESETS = {
     "tiny": Preset(dim=64, hidden=256, layers=2, heads=4, kv_heads=4, vocab=512),
-    # The 134M-parameter Llama of DESIGN.md: dim 768, 12 layers, 12 heads, vocab 32000, untied.
+    # The 134M-parameter Llama of docs/DESIGN.md: dim 768, 12 layers, 12 heads, vocab 32000, untied.
     "134m": Preset(dim=768, hidden=2048, layers=12, heads=12, kv_heads=12, vocab=32000),
     "smollm2": Preset(dim=576, hidden=1536, layers=30, heads=9, kv_heads=3, vocab=49152, rope_theta=100000.0,
                       tied=True, real=True),

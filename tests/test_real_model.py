@@ -93,7 +93,7 @@ def export_broken(checkpoint: Path, out: Path, *overrides: str, tamper: Tamper |
 
 
 def test_weight_only_4w_forced_onto_xnnpack_is_rejected(smollm2_truncated: Path, tmp_path: Path) -> None:
-    """XNNPACK runs weight-only int4 linears wrongly (DESIGN.md): forced past the config check, it is caught."""
+    """XNNPACK runs weight-only int4 linears wrongly (docs/DESIGN.md): forced past the config check, it is caught."""
     v = export_broken(smollm2_truncated, tmp_path, "quant=4w", "backend.supported_linear=[null,4w]",
                       "export.methods=[decode]", "export.layout=split")["validation"]
     assert v["kl_mean"] > 100 * v["tolerance"]["max_kl"] and v["top1_agreement"] < 0.5

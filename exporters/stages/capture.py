@@ -1,7 +1,7 @@
 """Capture: one ``torch.export`` per method over the same module (same weights, same KV-cache buffers).
 
 Each method is captured separately: ``to_edge_transform_and_lower`` rewrites the programs it is given,
-so one ExportedProgram must not appear under two names (DESIGN.md).
+so one ExportedProgram must not appear under two names (docs/DESIGN.md).
 """
 
 from __future__ import annotations

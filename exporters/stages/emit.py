@@ -12,7 +12,7 @@ from exporters.pte_contents import storage_breakdown
 
 
 def backend_config():  # type: ignore[no-untyped-def]
-    """Shared mutable buffers: decode continues the cache prefill wrote (DESIGN.md: 0.31 error without)."""
+    """Shared mutable buffers: decode continues the cache prefill wrote (docs/DESIGN.md: 0.31 error without)."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
 
