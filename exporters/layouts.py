@@ -108,6 +108,12 @@ def check_layout(layout_name: str, kinds: Collection[str], dynamic: bool = True)
     if layout_name not in LAYOUTS:
         raise UserError(f"export.layout={layout_name!r} is not known. Allowed: {', '.join(LAYOUTS)}.")
     layout = LAYOUTS[layout_name]
+    if not dynamic and "decode" not in kinds:
+        raise UserError(
+            f"export.methods={list(kinds)}: this backend exports prompt methods with a fixed chunk of "
+            "export.prefill_chunk tokens, so without decode nothing in the program takes one token at a time and "
+            "it could not generate. Add decode to export.methods."
+        )
     if layout_name == "stock":
         bad = [o for o in layout.runner_outcomes(kinds, dynamic) if not o.correct]
         if bad:

@@ -13,7 +13,7 @@ from typing import Any
 from exporters.artifacts import ExportResult, ValidatedProgram
 from exporters.benchmark import peak_rss_mb
 from exporters.driver import MethodRoles
-from exporters.errors import UserError, ValidationFailed
+from exporters.errors import ValidationFailed
 from exporters.layouts import Layout, layout_manifest
 from exporters.pipeline import Stage
 from exporters.stages.emit import write_atomically
@@ -53,10 +53,8 @@ class PackageStage(Stage):
     def run(self, validated: ValidatedProgram) -> ExportResult:
         emitted = validated.emitted
         report = validated.report
-        try:
-            roles: MethodRoles | None = MethodRoles.choose({n: spec.shape for n, spec in emitted.specs.items()})
-        except UserError:  # static-shape prompt methods only (validate=false): nothing can step one token
-            roles = None
+        # The config check refused method sets where nothing takes one token, so there always are roles.
+        roles = MethodRoles.choose({n: spec.shape for n, spec in emitted.specs.items()})
         ok = report is None or report.passed
         pte = emitted.final_path if ok else rejected_path(emitted.final_path)
         os.replace(emitted.path, pte)
@@ -80,7 +78,7 @@ class PackageStage(Stage):
                 for name, spec in emitted.specs.items()
             },
             "layout": layout_manifest(self.layout, {name: spec.kind for name, spec in emitted.specs.items()},
-                                      roles.prompt if roles else None, roles.step if roles else None,
+                                      roles.prompt, roles.step,
                                       all(spec.dynamic for spec in emitted.specs.values() if spec.kind != "decode")),
             "constant_methods": emitted.constant_methods,
             "model": {"checkpoint": str(ckpt.path), "architecture": list(ckpt.hf_config.architectures or []),
