@@ -6,30 +6,15 @@ exported once per session and shared by every test that reads it.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
-import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
 from exporters.api import export
 from exporters.artifacts import ExportResult
-from exporters.config import CONF_DIR
 from models.tiny import write_tiny_checkpoint
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# Decoder layers of SmolLM2-135M kept in the real model the quant/backend tests export.
-REAL_LAYERS = 2
-
-
-def compose_config(*overrides: str) -> DictConfig:
-    """Compose the real conf/ tree exactly as the CLI does, without Hydra parsing pytest's argv."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+from tests.helpers import REAL_LAYERS, compose_config
 
 
 @pytest.fixture(scope="session")
@@ -90,38 +75,3 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., ExportRe
         return cache[key]
 
     return get
-
-
-def assert_matches_transformers(ref, ours, tokens: torch.Tensor, prefill_len: int, atol: float = 1e-4) -> None:  # type: ignore[no-untyped-def]
-    """Our decoder on ``tokens[:, :prefill_len]`` then one token per step, against ``ref``'s logits for the
-    whole sequence: the KV cache must carry the prefix exactly."""
-    with torch.no_grad():
-        expected = ref(tokens).logits
-        got = ours(tokens[:, :prefill_len], torch.tensor([0]), full_logits=True)
-        assert (got - expected[:, :prefill_len]).abs().max().item() <= atol, "prefill"
-        for pos in range(prefill_len, tokens.shape[1]):
-            step = ours(tokens[:, pos:pos + 1], torch.tensor([pos]))
-            assert (step - expected[:, pos]).abs().max().item() <= atol, f"decode step at position {pos}"
-
-
-def copy_checkpoint(src: Path, dst: Path, config: dict[str, Any] | None = None, drop: tuple[str, ...] = ()) -> Path:
-    """A copy of checkpoint ``src`` at ``dst`` with ``config.json`` fields set (``config``) or removed (``drop``)."""
-    shutil.copytree(src, dst)
-    if config or drop:
-        path = dst / "config.json"
-        cfg = {k: v for k, v in json.loads(path.read_text()).items() if k not in drop}
-        path.write_text(json.dumps({**cfg, **(config or {})}))
-    return dst
-
-
-def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
-    """Rebuild, independently of the pipeline, the eager model an export must match (same quantization)."""
-    from exporters.config import QuantConfig
-    from exporters.quantization import quantize_model
-    from models.checkpoint import build_model, open_checkpoint
-
-    cfg = result.manifest["config"]
-    model = build_model(open_checkpoint(result.manifest["model"]["checkpoint"]), cfg["export"]["max_seq_len"],
-                        attention=result.manifest["model"]["attention"])
-    quantize_model(model, QuantConfig(**cfg["quant"]))
-    return model

@@ -13,7 +13,7 @@ from omegaconf.errors import ValidationError
 
 from exporters.config import CONF_DIR, ExportConfig, parallel_jobs, ray_temp_dir, to_typed
 from exporters.errors import UserError
-from tests.conftest import compose_config
+from tests.helpers import compose_config
 
 GROUPS = {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for group in ("model", "quant", "backend")}
 

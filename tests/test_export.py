@@ -14,7 +14,7 @@ import torch
 
 from exporters.artifacts import ExportResult
 from exporters.runtime import LoadedProgram
-from tests.conftest import eager_model_of
+from tests.helpers import eager_model_of
 
 PAIRS = [("portable", "fp32"), ("xnnpack", "fp32"), ("xnnpack", "8da4w")]
 CONSTANTS = {"get_max_seq_len", "get_max_context_len", "get_vocab_size", "get_bos_id", "get_eos_ids",
@@ -150,7 +150,7 @@ def test_decode_only_program_validates_token_by_token(exported) -> None:
 def test_failed_validation_leaves_no_finished_looking_program(tmp_path: Path) -> None:
     from exporters.api import export
     from exporters.errors import ValidationFailed
-    from tests.conftest import compose_config
+    from tests.helpers import compose_config
 
     cfg = compose_config("backend=portable", "quant.max_kl=0.0", "validation.max_tokens=16")
     with pytest.raises(ValidationFailed, match="does not match the eager model"):
@@ -164,7 +164,7 @@ def test_failed_validation_leaves_no_finished_looking_program(tmp_path: Path) ->
 def test_failed_load_writes_no_program(tmp_path: Path) -> None:
     from exporters.api import export
     from models.errors import ModelError
-    from tests.conftest import compose_config
+    from tests.helpers import compose_config
 
     with pytest.raises(ModelError):
         export(compose_config("model=llama", f"model.checkpoint={tmp_path / 'missing'}"), tmp_path / "out")

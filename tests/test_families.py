@@ -22,7 +22,7 @@ from models.decoder import CausalLM
 from models.errors import ModelError
 from models.families import FAMILIES
 from models.tokenizer import find_tokenizer, load_tokenizer
-from tests.conftest import assert_matches_transformers, copy_checkpoint, eager_model_of
+from tests.helpers import assert_matches_transformers, copy_checkpoint, eager_model_of
 from tests.family_cases import FAMILY_CASES
 
 FAMILY_NAMES = list(FAMILY_CASES)
@@ -163,7 +163,7 @@ def test_family_option_must_match_the_checkpoint(family_checkpoint) -> None:
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_random_init_builds_a_family_from_model_arch(family: str) -> None:
     from models.sources import SOURCES
-    from tests.conftest import compose_config
+    from tests.helpers import compose_config
 
     arch = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
             "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "model.arch.vocab_size=300"]
@@ -176,7 +176,7 @@ def test_random_init_builds_a_family_from_model_arch(family: str) -> None:
 
 def test_inconsistent_heads_are_a_clear_error() -> None:
     from models.sources import SOURCES
-    from tests.conftest import compose_config
+    from tests.helpers import compose_config
 
     arch = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
             "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=3", "model.arch.vocab_size=300"]
@@ -187,7 +187,7 @@ def test_inconsistent_heads_are_a_clear_error() -> None:
 
 def test_random_init_without_family_says_how_to_pick_one() -> None:
     from models.sources import SOURCES
-    from tests.conftest import compose_config
+    from tests.helpers import compose_config
 
     with pytest.raises(ModelError, match="cannot tell which family.*model=<family>"):
         SOURCES["hf"](compose_config("model=hf", "model.random_init=true").model, Path("."))
@@ -201,7 +201,7 @@ def test_longrope_past_its_switch_over_is_refused(family_checkpoint) -> None:
 def test_unknown_family_option_lists_the_families() -> None:
     from exporters.config import to_typed
     from exporters.errors import UserError
-    from tests.conftest import compose_config
+    from tests.helpers import compose_config
 
     with pytest.raises(UserError, match=r"model.family='falcon' is not known.*gemma.*qwen3"):
         to_typed(compose_config("model=hf", "model.family=falcon"))
@@ -209,7 +209,7 @@ def test_unknown_family_option_lists_the_families() -> None:
 
 def test_tiny_source_writes_any_family(tmp_path: Path) -> None:
     from models.sources import SOURCES
-    from tests.conftest import compose_config
+    from tests.helpers import compose_config
 
     cfg = compose_config("model=tiny", "model.family=gemma2").model
     ckpt = SOURCES["tiny"](cfg, tmp_path)

@@ -11,7 +11,7 @@ import torch
 from models.checkpoint import build_model, open_checkpoint
 from models.errors import ModelError
 from models.tiny import write_tiny_checkpoint
-from tests.conftest import assert_matches_transformers, copy_checkpoint
+from tests.helpers import assert_matches_transformers, copy_checkpoint
 
 VARIANTS = {
     "tiny-default (GQA 2:1, tied)": {},
@@ -140,7 +140,7 @@ def test_rope_theta_override_reaches_the_rope_table(tiny_checkpoint: Path, tmp_p
     """model.arch.rope_theta on a checkpoint with its own config.json: applied, not silently dropped."""
     from models.decoder import rope_table
     from models.sources import SOURCES
-    from tests.conftest import compose_config
+    from tests.helpers import compose_config
 
     base = SOURCES["hf"](compose_config("model=llama", f"model.checkpoint={tiny_checkpoint}").model, tmp_path)
     cfg = compose_config("model=llama", f"model.checkpoint={tiny_checkpoint}", "model.arch.rope_theta=12345")
@@ -152,7 +152,7 @@ def test_rope_theta_override_reaches_the_rope_table(tiny_checkpoint: Path, tmp_p
 
 def test_rope_theta_override_of_per_layer_rope_is_refused(family_checkpoint, tmp_path: Path) -> None:
     from models.sources import SOURCES
-    from tests.conftest import compose_config
+    from tests.helpers import compose_config
 
     cfg = compose_config("model=gemma3", f"model.checkpoint={family_checkpoint('gemma3')}", "model.arch.rope_theta=1e5")
     with pytest.raises(ModelError, match="one RoPE table per layer type"):

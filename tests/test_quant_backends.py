@@ -11,7 +11,7 @@ import torch
 
 from exporters.runtime import LoadedProgram
 from models.tokenizer import load_tokenizer
-from tests.conftest import eager_model_of
+from tests.helpers import eager_model_of
 
 # Every quant option each runnable backend supports, on the real (truncated) SmolLM2.
 RUNNABLE = [

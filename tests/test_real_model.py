@@ -22,7 +22,7 @@ from exporters.config import to_typed
 from exporters.errors import ValidationFailed
 from exporters.pipeline import Stage, run_pipeline
 from models.errors import ModelError
-from tests.conftest import REAL_LAYERS, assert_matches_transformers, compose_config
+from tests.helpers import REAL_LAYERS, assert_matches_transformers, compose_config
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,7 @@ import torch
 from exporters.bundle import make_bundle, verify_bundle
 from exporters.errors import UserError
 from exporters.generation import Generator, SamplingConfig, TextStream, chat_prompt
-from tests.conftest import REPO_ROOT, compose_config
+from tests.helpers import REPO_ROOT, compose_config
 
 PROMPT = "Once upon a time"
 NEW_TOKENS = 24

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from exporters.generation import Generator, SamplingConfig, chat_prompt
 from exporters.layouts import STOCK_RUNNERS
-from tests.conftest import eager_model_of
+from tests.helpers import eager_model_of
 from tests.runtimes import stock_runner
 
 RELEASES = [r.release for r in STOCK_RUNNERS]

@@ -13,7 +13,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 
 def test_wheel_carries_its_configs_and_exports_from_elsewhere(tmp_path: Path) -> None:
