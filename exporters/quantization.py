@@ -204,4 +204,6 @@ def quantize_model(model: nn.Module, cfg: QuantConfig) -> AppliedQuantization:
     if lm_head and head is not None and not (tied and not applied.untied_embeddings):
         applied.lm_head = _apply(model, LINEAR_SCHEMES, lm_head, lm_head_group_size, qparams, {"lm_head": head},
                                  lambda m: m.in_features, applied.notes)
+    if hasattr(model, "tied_head"):  # the decoder computes logits from the embedding's matrix only if plain
+        model.tied_head = tied and not applied.untied_embeddings and not embedding
     return applied

@@ -375,6 +375,8 @@ class CausalLM(nn.Module):
         self.args = args
         self.model = DecoderBody(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # True while lm_head and the embedding are one unquantized matrix (quantize_model updates it).
+        self.tied_head = args.tie_word_embeddings
         if args.tie_word_embeddings:
             self.tie_weights()
         for name, _ in args.rope:
@@ -391,6 +393,19 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits from the final hidden states ``h`` [..., hidden] -> [..., vocab].
+
+        A tied, unquantized matrix W [vocab, hidden] (``tied_head``; decided before capture, because
+        ``torch.export`` gives tied parameters one placeholder each) is used as the embedding stores it,
+        through the embedding's own parameter: ``(W @ h^T)^T``.
+        ``h @ W^T`` would make ExecuTorch's constant propagation fold ``W^T`` into a second constant, and a
+        delegate keep its own copy of W beside the embedding's: the largest matrix of a small model twice.
+        """
+        if self.tied_head:
+            return (self.model.embed_tokens.weight @ h.mT).mT
+        return self.lm_head(h)
 
     @torch.no_grad()
     def init_buffers(self, device: str | torch.device = "cpu") -> None:
@@ -443,7 +458,7 @@ class CausalLM(nn.Module):
             # A view when T is a static 1 (decode), which XNNPACK delegates; it has no select, so a
             # dynamic-length method keeps one portable op here.
             h = h.view(1, -1) if isinstance(seq_len, int) and seq_len == 1 else h[:, -1, :]
-        logits = self.lm_head(h)
+        logits = self.head(h)
         if a.final_logit_softcap is not None:
             logits = torch.tanh(logits / a.final_logit_softcap) * a.final_logit_softcap
         return logits
