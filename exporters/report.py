@@ -75,8 +75,11 @@ class JobRow:
 def labels(rows: list[JobRow]) -> dict[int, str]:
     """What tells each job apart: its overrides minus those every job shares (the checkpoint, say)."""
     shared = set.intersection(*(set(r.overrides.split()) for r in rows)) if rows else set()
-    return {r.job: " ".join(o for o in r.overrides.split() if o not in shared) or f"{r.model} {r.quant} {r.backend}"
-            for r in rows}
+    own = {r.job: [o for o in r.overrides.split() if o not in shared] for r in rows}
+    keys = {o.split("=")[0] for overrides in own.values() for o in overrides}
+    if len(keys) == 1 and all(len(overrides) == 1 for overrides in own.values()):  # quant=fp32 -> fp32
+        own = {job: [o.split("=", 1)[1] for o in overrides] for job, overrides in own.items()}
+    return {r.job: " ".join(own[r.job]) or f"{r.model} {r.quant} {r.backend}" for r in rows}
 
 
 def write_result(job_dir: Path, row: JobRow) -> None:
@@ -210,8 +213,7 @@ def write_pareto_plot(rows: list[JobRow], path: Path) -> None:
             ax.text(0.5, 0.5, "no job has both measures", ha="center", va="center", transform=ax.transAxes)
         ax.legend(loc="best", fontsize=8)
     fig.suptitle("Quality loss against size and speed (lower left / lower right is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from exporters.report import TRADEOFFS, JobRow, labels, pareto_front, read_rows, write_result, write_summary
@@ -27,7 +28,9 @@ def test_pareto_front_keeps_only_configs_nothing_beats_on_both() -> None:
 
 
 def test_labels_drop_what_every_job_shares() -> None:
-    assert labels(ROWS)[3] == "quant=8da4w"
+    assert labels(ROWS)[3] == "8da4w"  # one key varies: its value says it all
+    extra = dataclasses.replace(ROWS[0], job=9, overrides="model.checkpoint=/m quant=fp32 x=1")
+    assert labels([*ROWS, extra])[9] == "quant=fp32 x=1"  # two keys vary: both named
 
 
 def test_summary_marks_the_front_and_lists_failed_jobs_with_their_reason(tmp_path: Path) -> None:
@@ -43,6 +46,6 @@ def test_summary_marks_the_front_and_lists_failed_jobs_with_their_reason(tmp_pat
     assert [r.job for r in rows] == [0, 1, 2, 3, 4, 5] and rows[5].status == "failed"
     assert "killed" in rows[5].reason
     md = (tmp_path / "summary.md").read_text()
-    assert "| 3 | quant=8da4w | **size, speed** |" in md and "| 4 | quant=worse |  |" in md
-    assert "| 5 | quant=8da4w_emb4w | the job left no result" in md
+    assert "| 3 | 8da4w | **size, speed** |" in md and "| 4 | worse |  |" in md
+    assert "| 5 | 8da4w_emb4w | the job left no result" in md
     assert read_rows(tmp_path) == rows
