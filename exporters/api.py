@@ -36,7 +36,7 @@ def build_stages(cfg: ExportConfig, output_dir: Path, resolved: dict[str, Any], 
     return [
         LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir, attention=cfg.backend.attention),
         ReferenceStage(cfg.validation, prompt_tokens, enabled=cfg.validate),
-        QuantizeStage(cfg.quant),
+        QuantizeStage(cfg.quant, ex.tied_embedding),
         CaptureStage(ex.methods, LAYOUTS[ex.layout], ex.max_seq_len, cfg.backend.dynamic_shapes, ex.prefill_chunk,
                      keep_reference=cfg.validate and not cfg.backend.runs_here),
         LowerStage(cfg.backend, ex.max_seq_len),

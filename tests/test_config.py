@@ -120,6 +120,7 @@ def test_lm_head_follows_linear_unless_overridden() -> None:
     ("quant.qparams=minmax", "qparams"),
     ("export.layout=ours", "export.layout='ours' is not known. Allowed: stock, split"),
     ("benchmark.steps=0", "benchmark.steps"),
+    ("export.tied_embedding=once", "export.tied_embedding='once' is not known. Allowed: shared, copied"),
     ("backend=coreml export.layout=split export.methods=[prefill]", "without decode nothing in the program takes one"),
     ("search.objective=size", "search.objective='size' is not known. Allowed: size_mb"),
     ("bench=true backend=coreml export.layout=split", "bench=true: backend=coreml's delegate cannot run"),

@@ -88,6 +88,19 @@ def test_unquantized_tied_embedding_is_stored_once(exported, backend: str) -> No
     storage = result.manifest["program"]["storage"]
     stored = storage["constant_buffer_bytes"] + storage["named_data_bytes"]  # the program's and the delegate's
     assert unique_bytes <= stored < unique_bytes + embed_bytes // 2
+    assert "tied embedding stored once, lm_head reads it" in result.manifest["quantization"]["notes"]
+
+
+def test_tied_embedding_copied_on_request(exported) -> None:
+    """export.tied_embedding=copied: the backend's own copy for lm_head (faster on XNNPACK), same numbers."""
+    shared, copied = exported("backend=portable", "quant=fp32"), exported("backend=portable", "quant=fp32",
+                                                                          "export.tied_embedding=copied")
+    model = eager_model_of(copied)
+    embed_bytes = model.model.embed_tokens.weight.numel() * 4
+    stored_shared, stored_copied = (r.manifest["program"]["storage"]["constant_buffer_bytes"] for r in (shared, copied))
+    assert stored_copied >= stored_shared + embed_bytes
+    assert copied.manifest["validation"]["passed"]
+    assert copied.manifest["validation"]["perplexity"] == pytest.approx(shared.manifest["validation"]["perplexity"])
 
 
 @pytest.mark.parametrize("backend", ["coreml", "vulkan"])
