@@ -39,7 +39,8 @@ def run_sweep_job(cfg: DictConfig, job_dir: Path, job_num: int, overrides: list[
                   verbose: bool) -> JobRow:
     """Export ``cfg`` into ``job_dir`` in a child process and write the job's ``result.json``."""
     job_dir.mkdir(parents=True, exist_ok=True)
-    (job_dir / FAILED_FILE).unlink(missing_ok=True)
+    for stale in (FAILED_FILE, "manifest.json", "result.json"):  # a folder reused by a re-run: only this run's
+        (job_dir / stale).unlink(missing_ok=True)
     request = {"config": OmegaConf.to_container(cfg, resolve=True), "output_dir": str(job_dir),
                "log_file": str(log_file) if log_file else None, "label": f"job {job_num}", "verbose": verbose}
     start = time.perf_counter()
