@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import logging
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -20,7 +19,6 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
-log = logging.getLogger("exporters")
 
 RESULT_FILE = "result.json"
 SUMMARY_FILES = ("summary.csv", "summary.md", "pareto.png")

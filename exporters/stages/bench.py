@@ -7,7 +7,6 @@ include it. On by default in sweeps (``-m``), off for a single export; ``bench=t
 from __future__ import annotations
 
 import json
-import logging
 import time
 from dataclasses import asdict
 
@@ -19,7 +18,6 @@ from exporters.pipeline import Stage
 from exporters.runtime import LoadedProgram
 from exporters.stages.emit import write_atomically
 
-log = logging.getLogger("exporters")
 
 
 def bench_lengths(settings: BenchmarkConfig, max_seq_len: int) -> tuple[int, int]:
