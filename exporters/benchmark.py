@@ -8,6 +8,7 @@ then decodes greedy tokens one at a time through the program's one-token method.
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -63,6 +64,13 @@ def peak_rss_mb() -> float:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def wait_with_peak_rss(child: subprocess.Popen) -> float:
+    """Wait for ``child`` (its exit code goes to ``child.returncode``); its peak RSS in MB, even if it was killed."""
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_maxrss / 1024  # Linux: KiB
 
 
 def rss_after_load_mb(pte: Path, methods: list[str]) -> float:

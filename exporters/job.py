@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from exporters.benchmark import wait_with_peak_rss
 from exporters.report import JobRow, write_result
 
 log = logging.getLogger("exporters")
@@ -48,8 +48,7 @@ def run_sweep_job(cfg: DictConfig, job_dir: Path, job_num: int, overrides: list[
     assert child.stdin is not None
     child.stdin.write(json.dumps(request).encode())
     child.stdin.close()
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
+    child_peak_rss_mb = wait_with_peak_rss(child)
     row = JobRow(job=job_num, overrides=" ".join(overrides), model=cfg.model.name, quant=cfg.quant.name,
                  backend=cfg.backend.name, status="ok", job_s=round(time.perf_counter() - start, 1))
     manifest = job_dir / "manifest.json"
@@ -59,7 +58,7 @@ def run_sweep_job(cfg: DictConfig, job_dir: Path, job_num: int, overrides: list[
     if child.returncode != 0:
         row.status, row.reason = "failed", _failure_reason(child.returncode, job_dir)
         if row.peak_rss_mb is None:
-            row.peak_rss_mb = round(usage.ru_maxrss / 1024)  # Linux: KiB; what it reached before it stopped
+            row.peak_rss_mb = round(child_peak_rss_mb)  # what it reached before it stopped
     write_result(job_dir, row)
     return row
 

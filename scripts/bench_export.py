@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from exporters.benchmark import measure_speed, rss_after_load_mb
+from exporters.benchmark import measure_speed, rss_after_load_mb, wait_with_peak_rss
 from exporters.driver import Driver
 from exporters.runtime import LoadedProgram
 
@@ -80,11 +79,11 @@ def run_measured(cmd: list[str], log: Path) -> dict[str, float]:
     start = time.perf_counter()
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
-        _, status, usage = os.wait4(proc.pid, 0)
+        peak_mb = wait_with_peak_rss(proc)
     wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
+    if proc.returncode != 0:
         raise SystemExit(f"command failed ({log}):\n  {' '.join(cmd)}\n" + log.read_text()[-3000:])
-    return {"wall_s": round(wall, 1), "peak_rss_gb": round(usage.ru_maxrss / 1024**2, 2)}
+    return {"wall_s": round(wall, 1), "peak_rss_gb": round(peak_mb / 1024, 2)}
 
 
 def hf_checkpoint(p: Preset, root: Path) -> Path:

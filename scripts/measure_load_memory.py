@@ -34,19 +34,17 @@ from models.tiny import write_tiny_checkpoint
 # Warm-up: load a tiny checkpoint first, so every lazy import happens before the baseline.
 build_model(open_checkpoint(write_tiny_checkpoint(tempfile.mkdtemp(), train_steps=0)), 16)
 
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS counter to the current RSS
-base = status("VmRSS:")
+from exporters.benchmark import current_rss_mb, peak_rss_mb, reset_peak_rss
+MB = 1024 * 1024
+reset_peak_rss()  # the peak-RSS counter starts again at the current RSS
+base = current_rss_mb() * MB
 t = time.perf_counter()
 model = build_model(open_checkpoint({ckpt!r}), 256)
 seconds = time.perf_counter() - t
-peak = status("VmHWM:")
+peak = peak_rss_mb() * MB
 for p in model.parameters():  # read one element per 2 KB: every page of every weight becomes resident
     p.detach().reshape(-1)[::512].float().sum()
-resident = status("VmHWM:")
+resident = peak_rss_mb() * MB
 params = sum(p.numel() * p.element_size() for p in model.parameters())
 print(json.dumps({{"rss_before_loading": base, "peak_rss_loading": peak, "peak_rss_weights_resident": resident,
                   "model_param_bytes": params, "load_seconds": round(seconds, 2)}}))
