@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from exporters.manifest import Manifest, Signature, ValidationReport
 from exporters.methods import MethodSpec
 from exporters.quality import TextWindows, perplexity
 from exporters.quantization import AppliedQuantization
@@ -76,7 +77,7 @@ class CapturedMethods:
     quantized: QuantizedModel
     specs: dict[str, MethodSpec]
     programs: dict[str, Any]  # method name -> torch.export.ExportedProgram
-    signatures: dict[str, dict[str, Any]]
+    signatures: dict[str, Signature]
     reference_programs: dict[str, Any] | None = None  # untouched copies, for hosts that cannot run the delegate
     # Methods that compute exactly what another one does (forward and prefill): captured and lowered once,
     # emitted under both names. method name -> the captured method it shares.
@@ -90,7 +91,7 @@ class CapturedMethods:
 @dataclass
 class LoweredProgram:
     captured: CapturedMethods
-    edge: Any  # executorch.exir.EdgeProgramManager over every method
+    edge: Any  # executorch.exir.EdgeProgramManager over every method; emit drops it once used
     constant_methods: dict[str, Any]
     delegated_partitions: dict[str, int]
 
@@ -102,7 +103,7 @@ class LoweredProgram:
 class EmittedProgram:
     quantized: QuantizedModel
     specs: dict[str, MethodSpec]
-    signatures: dict[str, dict[str, Any]]
+    signatures: dict[str, Signature]
     constant_methods: dict[str, Any]
     delegated_partitions: dict[str, int]
     path: Path  # written completely, but under a provisional name until validated
@@ -118,53 +119,6 @@ class EmittedProgram:
 
 
 @dataclass
-class ValidationReport:
-    """The program against the eager model it came from, on the validation text (``exporters.quality``)."""
-
-    passed: bool
-    failures: list[str]  # each measure outside its tolerance, with value and limit
-    # What was compared with the eager model: the .pte in the ExecuTorch runtime, or (for a delegate
-    # this host cannot run) the captured programs before delegation.
-    checked: str
-    text: str
-    methods: dict[str, str | None]  # prompt / step method driven, and forward when checked against prefill
-    windows: int
-    prompt_tokens: int
-    scored_tokens: int
-    kl_mean: float
-    kl_max: float
-    top1_agreement: float
-    top5_overlap: float
-    max_abs_error: float
-    max_rel_error: float
-    perplexity: float  # of the program
-    eager_perplexity: float  # of the eager model quantized the same way
-    reference_perplexity: float  # of the unquantized model
-    reference_dtype: str
-    forward_kl: float | None  # KL(prefill || forward) on the first prompt, when both exist
-    tolerance: dict[str, float] = field(default_factory=dict)
-    per_window: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def increase_over_reference(self) -> float:
-        return self.perplexity / self.reference_perplexity - 1
-
-    def quality(self) -> str:
-        """``perplexity 21.4 (eager 21.1, fp32 16.8, +27%)``: the number people choose a scheme by."""
-        return (f"perplexity {self.perplexity:.2f} (eager {self.eager_perplexity:.2f}, {self.reference_dtype} "
-                f"{self.reference_perplexity:.2f}, {self.increase_over_reference:+.1%})")
-
-    def describe(self) -> str:
-        verdict = "passed" if self.passed else "FAILED (" + "; ".join(self.failures) + ")"
-        where = "" if self.checked == "runtime" else " [captured programs only: the delegate cannot run on this host]"
-        t = self.tolerance
-        return (f"{verdict}{where}: {self.scored_tokens} tokens of {self.text} through "
-                f"{self.methods['prompt']}+{self.methods['step']}, KL {self.kl_mean:.2g} (limit {t['max_kl']:.2g}), "
-                f"top-1 {self.top1_agreement:.1%} (min {t['min_top1']:.0%}), top-5 overlap {self.top5_overlap:.1%}, "
-                f"{self.quality()}")
-
-
-@dataclass
 class ValidatedProgram:
     emitted: EmittedProgram
     report: ValidationReport | None  # None when validation was switched off
@@ -175,14 +129,12 @@ class ValidatedProgram:
 
 @dataclass
 class ExportResult:
-    """What ``export()`` returns: where the program is and what the manifest says about it."""
+    """What ``export()`` returns: where the program is and what its manifest says."""
 
     pte_path: Path
     manifest_path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     def summary(self) -> str:
-        from exporters.benchmark import describe_bench
-
-        bench = self.manifest.get("bench")
-        return describe_bench(bench) if bench else f"{self.pte_path}"
+        bench = self.manifest.bench
+        return bench.describe() if bench else f"{self.pte_path}"

@@ -112,9 +112,3 @@ def measure_speed(program: LoadedProgram, driver: Driver, prompt_tokens: int, st
     return Speed(prompt_tokens, steps, repeats, round(statistics.median(prefill_rates), 1),
                  round(statistics.median(decode_rates), 1), driver.roles.prompt, driver.roles.step)
 
-
-def describe_bench(bench: dict) -> str:
-    """One line of a manifest's ``bench`` section."""
-    return (f"prefill {bench['prefill_tokens_per_s']:.0f} tok/s ({bench['prompt_tokens']} tokens), decode "
-            f"{bench['decode_tokens_per_s']:.0f} tok/s ({bench['steps']} steps), RSS after load "
-            f"{bench['rss_after_load_mb']:.0f} MB")

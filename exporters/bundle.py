@@ -7,40 +7,30 @@ the same export twice gives the same bytes.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import json
 import shutil
 import tarfile
 from pathlib import Path
-from typing import Any
 
 from exporters.errors import UserError
-from exporters.stages.package import program_in
+from exporters.files import sha256_of
+from exporters.manifest import MANIFEST_FILE, Manifest, ValidationReport, program_in
 from models.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 
 BUNDLED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", CHAT_TEMPLATE_FILE, "generation_config.json")
-MANIFEST = "manifest.json"
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _how_to_run(m: dict[str, Any], tokenizer: str) -> str:
+def _how_to_run(m: Manifest, tokenizer: str) -> str:
     """Which methods to call in which order, what the runtime must do for the shared KV cache, and which
     stock runners run the program correctly (from the manifest's ``layout``)."""
-    layout = m["layout"]
-    prompt, step = layout["prompt_method"], layout["token_method"]
-    runners = "\n".join(f"| {release} | {o['result']} | {o['why']} |" for release, o in layout["stock_runners"].items())
-    tested = m["versions"].get("executorch")
-    pte = m["program"]["file"]
-    return f"""Layout `{layout['name']}` (for {layout['for']}). Call {layout['call_order']}.
-{layout['kv_cache'][0].upper() + layout['kv_cache'][1:]}.
+    layout = m.layout
+    prompt, step = layout.prompt_method, layout.token_method
+    runners = "\n".join(f"| {release} | {o.result} | {o.why} |" for release, o in layout.stock_runners.items())
+    tested = m.versions.get("executorch")
+    pte = m.program.file
+    return f"""Layout `{layout.name}` (for {layout.audience}). Call {layout.call_order}.
+{layout.kv_cache[0].upper() + layout.kv_cache[1:]}.
 
 ```python
 from executorch.runtime import Runtime   # shares memory arenas between the methods of a program
@@ -67,20 +57,26 @@ Validated in the ExecuTorch {tested} Python runtime; the runner outcomes follow 
 and are tested with that release's runner by llm-exporters' test suite."""
 
 
-def _readme(name: str, m: dict[str, Any]) -> str:
-    cfg = m["config"]
+def _validation_text(v: ValidationReport | None) -> str:
+    if v is None:
+        return "Not validated (exported with validate=false)."
+    return (f"Run in the ExecuTorch runtime ({v.checked}) against the eager model on {v.scored_tokens} tokens of "
+            f"{v.text}: mean KL divergence {v.kl_mean}, greedy agreement {v.top1_agreement}. Quality: {v.quality()}.")
+
+
+def _readme(name: str, m: Manifest) -> str:
+    cfg = m.config
     rows = "\n".join(
-        f"| `{method}` | " + ", ".join(f"`{i['name']}`: {i['dtype']}{i['shape']}" for i in sig["inputs"])
-        + " | " + ", ".join(f"{o['dtype']}{o['shape']}" for o in sig["outputs"]) + " |"
-        for method, sig in m["methods"].items()
+        f"| `{method}` | " + ", ".join(f"`{i.name}`: {i.dtype}{i.shape}" for i in sig.inputs)
+        + " | " + ", ".join(f"{o.dtype}{o.shape}" for o in sig.outputs) + " |"
+        for method, sig in m.methods.items()
     )
-    constants = "\n".join(f"| `{k}` | `{v}` |" for k, v in m["constant_methods"].items())
-    v = m.get("validation") or {}
-    tokenizer = next((f for f in TOKENIZER_FILES if f in m.get("tokenizer_files", [])), TOKENIZER_FILES[0])
+    constants = "\n".join(f"| `{k}` | `{v}` |" for k, v in m.constant_methods.items())
+    tokenizer = next((f for f in TOKENIZER_FILES if f in m.tokenizer_files), TOKENIZER_FILES[0])
     return f"""# {name}
 
 ExecuTorch program exported by llm-exporters: model `{cfg['model']['name']}`
-({m['model'].get('family')} family), quantization `{cfg['quant']['name']}`, backend `{cfg['backend']['name']}`,
+({m.model.family} family), quantization `{cfg['quant']['name']}`, backend `{cfg['backend']['name']}`,
 context {cfg['export']['max_seq_len']} tokens.
 
 ## Run it
@@ -101,9 +97,7 @@ context {cfg['export']['max_seq_len']} tokens.
 
 ## Validation
 
-Run in the ExecuTorch runtime ({v.get('checked', 'not run')}) against the eager model on
-{v.get('scored_tokens', 'n/a')} tokens of {v.get('text', 'n/a')}: mean KL divergence {v.get('kl_mean', 'n/a')},
-greedy agreement {v.get('top1_agreement', 'n/a')}. Quality: {v.get('quality', 'not measured')}.
+{_validation_text(m.validation)}
 
 Every file's sha256 is in `manifest.json`; check them with `python -m exporters.package --verify <this folder>`.
 """
@@ -111,15 +105,15 @@ Every file's sha256 is in `manifest.json`; check them with `python -m exporters.
 
 def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     """Write ``<out>/<name>/`` and ``<out>/<name>.tar.gz`` from a finished run folder."""
-    manifest_file = run_dir / MANIFEST
+    manifest_file = run_dir / MANIFEST_FILE
     pte = program_in(run_dir)
     if not manifest_file.is_file() or not pte.is_file():
         raise UserError(f"{run_dir}: not a finished export (needs manifest.json and the program it names).")
-    m = json.loads(manifest_file.read_text())
-    if m.get("status") != "ok":
-        raise UserError(f"{run_dir}: the export's status is {m.get('status')!r}; only validated exports are packaged.")
-    cfg = m["config"]
-    name = f"{cfg['model']['name']}-{cfg['quant']['name']}-{cfg['backend']['name']}-{m['program']['sha256'][:12]}"
+    m = Manifest.read(manifest_file)
+    if not m.ok:
+        raise UserError(f"{run_dir}: the export's status is {m.status!r}; only validated exports are packaged.")
+    cfg = m.config
+    name = f"{cfg['model']['name']}-{cfg['quant']['name']}-{cfg['backend']['name']}-{m.program.sha256[:12]}"
     out = out or run_dir / "release"
     bundle = out / name
     if bundle.exists():
@@ -130,18 +124,19 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
             shutil.copy2(run_dir / file, bundle / file)
     (bundle / "README.md").write_text(_readme(name, m))
     files = {p.name: {"sha256": sha256_of(p), "size_bytes": p.stat().st_size} for p in sorted(bundle.iterdir())}
-    if files[pte.name]["sha256"] != m["program"]["sha256"]:
+    if files[pte.name]["sha256"] != m.program.sha256:
         raise UserError(f"{pte} no longer matches the sha256 its manifest recorded.")
+    full = m.to_dict()
     bundle_manifest = {
         "bundle": name,
-        "model": {**m["model"], "id": cfg["model"].get("checkpoint") or cfg["model"]["name"], "family":
-                  (m["model"].get("architecture") or ["unknown"])[0]},
-        "quant": m["quantization"], "backend": cfg["backend"]["name"],
-        "methods": m["methods"], "layout": m["layout"], "constant_methods": m["constant_methods"],
-        "validation": {k: v for k, v in (m.get("validation") or {}).items() if k != "per_window"},
-        "versions": m["versions"], "config": cfg, "files": files,
+        "model": {**full["model"], "id": cfg["model"].get("checkpoint") or cfg["model"]["name"], "family":
+                  (m.model.architecture or ["unknown"])[0]},
+        "quant": full["quantization"], "backend": cfg["backend"]["name"],
+        "methods": full["methods"], "layout": full["layout"], "constant_methods": m.constant_methods,
+        "validation": {k: v for k, v in (full["validation"] or {}).items() if k != "per_window"},
+        "versions": m.versions, "config": cfg, "files": files,
     }
-    (bundle / MANIFEST).write_text(json.dumps(bundle_manifest, indent=2) + "\n")
+    (bundle / MANIFEST_FILE).write_text(json.dumps(bundle_manifest, indent=2) + "\n")
     archive = out / f"{name}.tar.gz"
     archive.write_bytes(_deterministic_tar_gz(bundle))
     return bundle, archive
@@ -169,9 +164,9 @@ def verify_bundle(path: Path) -> list[str]:
             if len(folders) != 1:
                 return [f"{path}: expected one bundle folder inside, found {len(folders)}"]
             return verify_bundle(folders[0])
-    manifest_file = path / MANIFEST
+    manifest_file = path / MANIFEST_FILE
     if not manifest_file.is_file():
-        return [f"{path}: no {MANIFEST}; not a bundle made by `python -m exporters.package`"]
+        return [f"{path}: no {MANIFEST_FILE}; not a bundle made by `python -m exporters.package`"]
     files = json.loads(manifest_file.read_text())["files"]
     problems = []
     for name, expected in files.items():
@@ -180,6 +175,6 @@ def verify_bundle(path: Path) -> list[str]:
             problems.append(f"missing: {name}")
         elif (actual := sha256_of(f)) != expected["sha256"]:
             problems.append(f"changed: {name} (sha256 {actual[:16]}..., manifest says {expected['sha256'][:16]}...)")
-    extra = sorted(p.name for p in path.iterdir() if p.name not in files and p.name != MANIFEST)
+    extra = sorted(p.name for p in path.iterdir() if p.name not in files and p.name != MANIFEST_FILE)
     problems += [f"not in the manifest: {name}" for name in extra]
     return problems

@@ -58,28 +58,26 @@ def log_file() -> Path | None:
 
 def log_export_summary(result: Any) -> None:
     """The closing lines of an export (an ``ExportResult``): what was written, how it runs, how good it is."""
-    from exporters.benchmark import describe_bench
-
     m = result.manifest
-    validation = m["validation"]
+    validation = m.validation
     verdict = "skipped (validate=false)" if validation is None else (
-        f"passed (KL {validation['kl_mean']:.2g}, top-1 agreement {validation['top1_agreement']:.0%})"
-        + ("" if validation["checked"] == "runtime" else f"; checked on {validation['checked']}"))
-    quality = "not measured (validate=false)" if validation is None else validation["quality"]
-    runners = "; ".join(f"{release} {o['result'].upper() if o['result'] != 'correct' else o['result']}"
-                        for release, o in m["layout"]["stock_runners"].items())
+        f"passed (KL {validation.kl_mean:.2g}, top-1 agreement {validation.top1_agreement:.0%})"
+        + ("" if validation.checked == "runtime" else f"; checked on {validation.checked}"))
+    quality = "not measured (validate=false)" if validation is None else validation.quality()
+    runners = "; ".join(f"{release} {o.result.upper() if o.result != 'correct' else o.result}"
+                        for release, o in m.layout.stock_runners.items())
     log.info(
         "exported %s\n  size: %.2f MB  sha256: %s\n  methods: %s (layout %s)\n  constants: %s\n"
         "  ExecuTorch stock runners: %s\n  validation: %s\n  quality: %s\n  export: %.0f s, peak RSS %.0f MB%s\n"
         "  manifest: %s",
-        result.pte_path, m["program"]["size_bytes"] / 1e6, m["program"]["sha256"][:16],
-        ", ".join(m["methods"]), m["layout"]["name"], ", ".join(m["constant_methods"]), runners, verdict, quality,
-        m["resources"]["wall_s"], m["resources"]["peak_rss_mb"],
-        "" if m["bench"] is None else "\n  runtime: " + describe_bench(m["bench"]), result.manifest_path,
+        result.pte_path, m.program.size_bytes / 1e6, m.program.sha256[:16],
+        ", ".join(m.methods), m.layout.name, ", ".join(m.constant_methods), runners, verdict, quality,
+        m.resources.wall_s, m.resources.peak_rss_mb,
+        "" if m.bench is None else "\n  runtime: " + m.bench.describe(), result.manifest_path,
     )
-    for release, o in m["layout"]["stock_runners"].items():
-        if o["result"] != "correct":
+    for release, o in m.layout.stock_runners.items():
+        if o.result != "correct":
             log.warning("ExecuTorch %s's stock runner would give %s with this program: %s. export.layout=stock "
                         "(with forward in export.methods) makes a program every stock runner runs correctly.",
-                        release, o["result"], o["why"])
+                        release, o.result, o.why)
 

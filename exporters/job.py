@@ -27,6 +27,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from exporters.benchmark import wait_with_peak_rss
+from exporters.manifest import MANIFEST_FILE, Manifest
 from exporters.report import JobRow, write_result
 
 log = logging.getLogger("exporters")
@@ -39,7 +40,7 @@ def run_sweep_job(cfg: DictConfig, job_dir: Path, job_num: int, overrides: list[
                   verbose: bool) -> JobRow:
     """Export ``cfg`` into ``job_dir`` in a child process and write the job's ``result.json``."""
     job_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (FAILED_FILE, "manifest.json", "result.json"):  # a folder reused by a re-run: only this run's
+    for stale in (FAILED_FILE, MANIFEST_FILE, "result.json"):  # a folder reused by a re-run: only this run's
         (job_dir / stale).unlink(missing_ok=True)
     request = {"config": OmegaConf.to_container(cfg, resolve=True), "output_dir": str(job_dir),
                "log_file": str(log_file) if log_file else None, "label": f"job {job_num}", "verbose": verbose}
@@ -51,10 +52,9 @@ def run_sweep_job(cfg: DictConfig, job_dir: Path, job_num: int, overrides: list[
     child_peak_rss_mb = wait_with_peak_rss(child)
     row = JobRow(job=job_num, overrides=" ".join(overrides), model=cfg.model.name, quant=cfg.quant.name,
                  backend=cfg.backend.name, status="ok", job_s=round(time.perf_counter() - start, 1))
-    manifest = job_dir / "manifest.json"
-    if manifest.is_file():
-        m = json.loads(manifest.read_text())
-        row = row.with_manifest(m, f"{job_dir.name}/{m['program']['file']}")
+    if (job_dir / MANIFEST_FILE).is_file():
+        m = Manifest.read(job_dir)
+        row = row.with_manifest(m, f"{job_dir.name}/{m.program.file}")
     if child.returncode != 0:
         row.status, row.reason = "failed", _failure_reason(child.returncode, job_dir)
         if row.peak_rss_mb is None:
@@ -95,7 +95,7 @@ def _configure_child_logging(label: str, log_file: str | None) -> None:
 
 def _child_main(request: dict[str, Any]) -> int:
     from exporters import console
-    from exporters.api import export
+    from exporters.export import export
     from exporters.config import ExportConfig
     from exporters.errors import REPORTED_ERRORS
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Collection
 
 from exporters.errors import UserError
+from exporters.manifest import LayoutEntry, RunnerEntry
 
 
 @dataclass(frozen=True)
@@ -127,27 +128,26 @@ def check_layout(layout_name: str, kinds: Collection[str], dynamic: bool = True)
     return layout
 
 
-def layout_manifest(layout: Layout, methods: dict[str, str], prompt: str | None,
-                    step: str | None, dynamic: bool) -> dict[str, object]:
+def layout_manifest(layout: Layout, methods: dict[str, str], prompt: str, step: str, dynamic: bool) -> LayoutEntry:
     """The manifest's ``layout`` section: what app developers need to call the program correctly.
 
     ``methods`` maps each LLM method in the program to its kind; ``prompt`` and ``step`` are the methods an
     app calls for the prompt and for each new token (``exporters.driver.MethodRoles``).
     """
     by_kind = {kind: name for name, kind in methods.items()}
-    return {
-        "name": layout.name,
-        "for": layout.for_whom,
-        "methods": methods,
-        "prompt_method": prompt,
-        "token_method": step,
-        "call_order": (f"{prompt}(prompt tokens [1, T], position [start]) once, then {step}(token [1, 1], "
-                       f"[position]) for each new token at the next position"),
-        "kv_cache": ("one KV cache shared by all methods: load them from one program in a runtime that shares "
-                     "memory arenas between methods (C++: executorch::extension::Module with "
-                     "share_memory_arenas=true; Python: executorch.runtime)") if prompt != step else
-                    "one method holds the KV cache",
-        "stock_runners": {o.release: {"result": o.result, "prompt_method": o.prompt_method,
-                                      "token_method": o.step_method, "why": o.why}
-                          for o in layout.runner_outcomes(by_kind, dynamic)},
-    }
+    return LayoutEntry(
+        name=layout.name,
+        audience=layout.for_whom,
+        methods=methods,
+        prompt_method=prompt,
+        token_method=step,
+        call_order=(f"{prompt}(prompt tokens [1, T], position [start]) once, then {step}(token [1, 1], "
+                    f"[position]) for each new token at the next position"),
+        kv_cache=("one KV cache shared by all methods: load them from one program in a runtime that shares "
+                  "memory arenas between methods (C++: executorch::extension::Module with "
+                  "share_memory_arenas=true; Python: executorch.runtime)") if prompt != step else
+                 "one method holds the KV cache",
+        stock_runners={o.release: RunnerEntry(result=o.result, prompt_method=o.prompt_method,
+                                                token_method=o.step_method, why=o.why)
+                       for o in layout.runner_outcomes(by_kind, dynamic)},
+    )

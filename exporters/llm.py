@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from exporters import console
-from exporters.api import export
+from exporters.export import export
 from exporters.config import CONF_DIR
 from exporters.errors import REPORTED_ERRORS
 from exporters.job import run_sweep_job

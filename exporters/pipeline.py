@@ -23,14 +23,20 @@ class Stage(ABC):
     def run(self, artifact: Any) -> Any: ...
 
 
-def run_pipeline(stages: Sequence[Stage], timings: dict[str, float], artifact: Any = None) -> Any:
-    """Run ``stages`` in order, recording each one's wall time (seconds) in ``timings``."""
-    for index, stage in enumerate(stages, start=1):
-        log.info("[%d/%d] %s ...", index, len(stages), stage.name)
+def run_pipeline(stages: Sequence[Stage], artifact: Any = None, first: int = 1,
+                 total: int | None = None) -> tuple[Any, dict[str, float]]:
+    """Run ``stages`` in order; the last artifact and each stage's wall time in seconds.
+
+    ``first`` and ``total`` number the progress lines when one export runs its stages in more than one call.
+    """
+    total = total or first + len(stages) - 1
+    timings: dict[str, float] = {}
+    for index, stage in enumerate(stages, start=first):
+        log.info("[%d/%d] %s ...", index, total, stage.name)
         start = time.perf_counter()
         artifact = stage.run(artifact)
         timings[stage.name] = round(time.perf_counter() - start, 3)
         summary = getattr(artifact, "summary", lambda: "")()
-        log.info("[%d/%d] %s done in %.1f s%s", index, len(stages), stage.name, timings[stage.name],
+        log.info("[%d/%d] %s done in %.1f s%s", index, total, stage.name, timings[stage.name],
                  f": {summary}" if summary else "")
-    return artifact
+    return artifact, timings

@@ -9,13 +9,14 @@ layers (``lm_head`` may have its own), and the scheme of the token embedding.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, is_dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from exporters.config import QuantConfig
+from exporters.manifest import AppliedQuantization, AppliedScheme
 
 log = logging.getLogger("exporters")
 
@@ -102,43 +103,6 @@ def layer_scheme(scheme: str, width: int, requested: int) -> tuple[str, int]:
 
 def _describe_choice(scheme: str, group: int) -> str:
     return f"{scheme}, " + ("one scale per row" if group == 0 else f"group size {group}")
-
-
-@dataclass
-class AppliedScheme:
-    scheme: str
-    torchao_config: str
-    torchao_args: dict[str, Any]  # of the requested scheme and group size
-    layers: dict[str, int]  # layer -> group size actually used (0 = one scale per row)
-    # Layers the requested group size does not fit -> what they got instead ("8da8w, one scale per row").
-    fallbacks: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class AppliedQuantization:
-    """Exactly what was done to the model, for the manifest."""
-
-    dtype: str = "fp32"
-    linear: AppliedScheme | None = None
-    lm_head: AppliedScheme | None = None
-    embedding: AppliedScheme | None = None
-    untied_embeddings: bool = False
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def linear_scheme(self) -> str | None:
-        return self.linear.scheme if self.linear else None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def describe(self) -> str:
-        parts = [self.dtype]
-        for role in ("linear", "lm_head", "embedding"):
-            applied = getattr(self, role)
-            if applied:
-                parts.append(f"{role} {applied.scheme} ({len(applied.layers)} layers)")
-        return ", ".join(parts) + (", embeddings untied" if self.untied_embeddings else "")
 
 
 def _describe(config: Any) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
+from exporters.manifest import Manifest
+
 
 RESULT_FILE = "result.json"
 SUMMARY_FILES = ("summary.csv", "summary.md", "pareto.png")
@@ -53,20 +55,18 @@ class JobRow:
     def ok(self) -> bool:
         return self.status == "ok"
 
-    def with_manifest(self, manifest: dict[str, Any], program: str) -> "JobRow":
+    def with_manifest(self, manifest: Manifest, program: str) -> "JobRow":
         """This row with the measures a job's ``manifest.json`` holds."""
-        validation, bench, resources = manifest.get("validation"), manifest.get("bench"), manifest.get("resources", {})
-        values: dict[str, Any] = {
-            "size_mb": manifest["program"]["size_bytes"] / 1e6, "program": program,
-            "export_s": resources.get("wall_s"), "peak_rss_mb": resources.get("peak_rss_mb"),
-        }
-        if bench:
-            values.update(prefill_tok_s=bench["prefill_tokens_per_s"], decode_tok_s=bench["decode_tokens_per_s"],
-                          rss_after_load_mb=bench["rss_after_load_mb"])
-        if validation:
-            values.update(perplexity=validation["perplexity"], fp32_perplexity=validation["reference_perplexity"],
-                          ppl_increase=validation["perplexity"] / validation["reference_perplexity"] - 1,
-                          kl_mean=validation["kl_mean"], top1_agreement=validation["top1_agreement"])
+        m = manifest
+        values: dict[str, Any] = {"size_mb": m.program.size_bytes / 1e6, "program": program,
+                                  "export_s": m.resources.wall_s, "peak_rss_mb": m.resources.peak_rss_mb}
+        if m.bench:
+            values.update(prefill_tok_s=m.bench.prefill_tokens_per_s, decode_tok_s=m.bench.decode_tokens_per_s,
+                          rss_after_load_mb=m.bench.rss_after_load_mb)
+        if m.validation:
+            v = m.validation
+            values.update(perplexity=v.perplexity, fp32_perplexity=v.reference_perplexity,
+                          ppl_increase=v.increase_over_reference, kl_mean=v.kl_mean, top1_agreement=v.top1_agreement)
         return JobRow(**{**asdict(self), **values})
 
 

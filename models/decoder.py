@@ -28,7 +28,8 @@ from torch import nn
 
 @dataclass(frozen=True)
 class RopeTable:
-    """Inverse RoPE frequencies and the cos/sin scale, as transformers computes them for a rope type."""
+    """Inverse RoPE frequencies and the cos/sin scale of one rope type (``models.families.rope_table`` reads
+    them from a transformers config)."""
 
     inv_freq: tuple[float, ...]
     attention_scaling: float = 1.0
@@ -112,33 +113,6 @@ class DecoderArgs:
         return blockers
 
 
-def rope_table(hf_config: Any, layer_type: str | None = None) -> RopeTable:
-    """RoPE frequencies for the config's rope type, using transformers' own implementation.
-
-    Covers ``default``, ``linear``, ``llama3``, ``yarn``, ``longrope`` ... and partial rotary: one source
-    of truth, so the exported model cannot drift from the reference it is compared against.
-    ``layer_type`` picks one of several tables (Gemma 3: ``sliding_attention`` / ``full_attention``).
-    """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    hf_config.standardize_rope_params()
-    params = hf_config.rope_parameters or {}
-    if layer_type is not None:
-        params = params[layer_type]
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        base = params["rope_theta"]
-        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        dim = int(dim * params.get("partial_rotary_factor", 1.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        return RopeTable(tuple(inv_freq.tolist()))
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"rope type {rope_type!r} is not supported; known: {sorted(ROPE_INIT_FUNCTIONS)}")
-    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
-    return RopeTable(tuple(inv_freq.float().tolist()), float(scaling))
-
-
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, exactly as transformers' ``LlamaRMSNorm`` or, with ``unit_offset``,
     ``GemmaRMSNorm`` (scale by ``1 + weight`` before casting back)."""
@@ -165,7 +139,64 @@ class RMSNorm(nn.Module):
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for the new tokens, or None: no RoPE
 
 
+class KVCache(nn.Module):
+    """One layer's static cache for ATen attention: ``k_cache`` / ``v_cache`` [1, kv_heads, max_context, head_dim].
+
+    The same buffer names in every exported method let the methods share one cache in the runtime; the
+    update is ``index_copy_`` at the new tokens' positions (an in-place ``index_put_`` after emit).
+    """
+
+    def __init__(self, kv_heads: int, max_context: int, head_dim: int) -> None:
+        super().__init__()
+        shape = self.shape(kv_heads, max_context, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+
+    @staticmethod
+    def shape(kv_heads: int, max_context: int, head_dim: int) -> tuple[int, ...]:
+        return (1, kv_heads, max_context, head_dim)
+
+    def cache_dtype(self, activations: torch.dtype) -> torch.dtype:
+        return activations
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write ``k`` / ``v`` [1, kv_heads, T, head_dim] at ``positions`` [T]."""
+        self.k_cache.index_copy_(2, positions, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(2, positions, v.to(self.v_cache.dtype))
+
+    @torch.no_grad()
+    def rebuild(self, activations: torch.dtype, device: str | torch.device) -> None:
+        """Empty buffers in the dtype this layout keeps for ``activations``, on ``device``."""
+        dtype = self.cache_dtype(activations)
+        self.k_cache = torch.zeros(self.k_cache.shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(self.v_cache.shape, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+
+
+class CustomOpsKVCache(KVCache):
+    """The cache of ExecuTorch's LLM kernels: [1, max_context, kv_heads, head_dim], always fp32 (the kernels
+    take fp32), written by ``llama::update_cache`` from the first new position on."""
+
+    @staticmethod
+    def shape(kv_heads: int, max_context: int, head_dim: int) -> tuple[int, ...]:
+        return (1, max_context, kv_heads, head_dim)
+
+    def cache_dtype(self, activations: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: Any) -> None:  # type: ignore[override]
+        """Write ``k`` / ``v`` [1, T, kv_heads, head_dim] from position ``start_pos`` (a SymInt) on."""
+        torch.ops.llama.update_cache(k.float(), self.k_cache, start_pos)
+        torch.ops.llama.update_cache(v.float(), self.v_cache, start_pos)
+
+
 class Attention(nn.Module):
+    cache_layout: type[KVCache] = KVCache
+
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         self.args = args
@@ -180,9 +211,7 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps, args.unit_offset_norm)
             self.k_norm = RMSNorm(d, args.rms_norm_eps, args.unit_offset_norm)
-        cache_shape = (1, kv, args.max_context_len, d)
-        self.register_buffer("k_cache", torch.zeros(cache_shape), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(cache_shape), persistent=False)
+        self.kv_cache = self.cache_layout(kv, args.max_context_len, d)
         # rotate_half's matrix (rotate_half_matrix), one per projection: Core ML's converter takes each
         # constant once. Identical bytes, so the program stores them once.
         self.register_buffer("q_rotate", torch.empty(0), persistent=False)
@@ -213,19 +242,19 @@ class Attention(nn.Module):
         a = self.args
         kv, rep, d = a.num_key_value_heads, a.n_rep, a.head_dim
 
-        self.k_cache.index_copy_(2, positions, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(2, positions, v.to(self.v_cache.dtype))
+        cache = self.kv_cache
+        cache.update(k, v, positions)
 
         # Grouped-query attention without copying the cache: the n_rep query heads of one kv head are
         # stacked along the query axis, [1, kv, rep * T, d] against the [1, kv, max_context, d] cache.
         q = q.contiguous().view(1, kv, -1, d)
-        scores = torch.matmul(q, self.k_cache.transpose(2, 3)) * self.scale
+        scores = torch.matmul(q, cache.k_cache.transpose(2, 3)) * self.scale  # [1, kv, rep * T, max_context]
         if a.attn_logit_softcap is not None:
             scores = torch.tanh(scores / a.attn_logit_softcap) * a.attn_logit_softcap
-        scores = scores.view(1, kv, rep, -1, a.max_context_len) + mask
+        scores = scores.view(1, kv, rep, -1, a.max_context_len) + mask  # [1, kv, rep, T, max_context]
         probs = F.softmax(scores.float(), dim=-1).to(q.dtype).view(1, kv, -1, a.max_context_len)
-        out = torch.matmul(probs, self.v_cache).view(1, kv, rep, -1, d).permute(0, 3, 1, 2, 4)  # [1, T, kv, rep, d]
-        out = out.contiguous().view(1, -1, a.num_attention_heads * d)
+        out = torch.matmul(probs, cache.v_cache).view(1, kv, rep, -1, d).permute(0, 3, 1, 2, 4)  # [1, T, kv, rep, d]
+        out = out.contiguous().view(1, -1, a.num_attention_heads * d)  # [1, T, heads * d]
         return self.o_proj(out)
 
 
@@ -236,6 +265,8 @@ class CustomOpsAttention(Attention):
     use :class:`Attention` (see :meth:`DecoderArgs.custom_ops_blockers`).
     """
 
+    cache_layout = CustomOpsKVCache
+
     def __init__(self, args: DecoderArgs) -> None:
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers llama:: ops)
 
@@ -243,21 +274,19 @@ class CustomOpsAttention(Attention):
         if blockers:
             raise ValueError(f"llama::custom_sdpa cannot compute {', '.join(blockers)}; use attention='aten'")
         super().__init__(args)
-        shape = (1, args.max_context_len, args.num_key_value_heads, args.head_dim)
-        self.k_cache = torch.zeros(shape)
-        self.v_cache = torch.zeros(shape)
 
     def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         a = self.args
         dtype = x.dtype
-        q, k, v = self._qkv(x, rope)
+        q, k, v = self._qkv(x, rope)  # each [1, T, heads, d]: the kernels' layout, no transpose
         start_pos = positions[0].item()
         torch._check_is_size(start_pos)
         torch._check(start_pos < a.max_context_len)
+        cache = self.kv_cache
+        cache.update(k, v, start_pos)
         # The kernels take fp32; casting around them is cheaper than doing without them.
-        torch.ops.llama.update_cache(k.float(), self.k_cache, start_pos)
-        torch.ops.llama.update_cache(v.float(), self.v_cache, start_pos)
-        out = torch.ops.llama.custom_sdpa(q.float(), self.k_cache, self.v_cache, start_pos, None, 0.0, True, self.scale)
+        out = torch.ops.llama.custom_sdpa(q.float(), cache.k_cache, cache.v_cache, start_pos, None, 0.0, True,
+                                          self.scale)  # [1, T, heads, d]
         return self.o_proj(out.to(dtype).view(1, -1, a.num_attention_heads * a.head_dim))
 
 
@@ -428,9 +457,7 @@ class CausalLM(nn.Module):
             if rope is not None:
                 attn.q_rotate = rotate_half_matrix(rot_dims[rope]).to(device)
                 attn.k_rotate = rotate_half_matrix(rot_dims[rope]).to(device)
-            cache_dtype = torch.float32 if isinstance(attn, CustomOpsAttention) else dtype
-            attn.k_cache = torch.zeros(attn.k_cache.shape, dtype=cache_dtype, device=device)
-            attn.v_cache = torch.zeros(attn.v_cache.shape, dtype=cache_dtype, device=device)
+            attn.kv_cache.rebuild(dtype, device)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, full_logits: bool = False) -> torch.Tensor:
         a = self.args
@@ -467,8 +494,7 @@ class CausalLM(nn.Module):
     def reset_cache(self) -> None:
         """Zero every KV buffer, so a new sequence starts clean (eager reference runs)."""
         for layer in self.model.layers:
-            layer.self_attn.k_cache.zero_()
-            layer.self_attn.v_cache.zero_()
+            layer.self_attn.kv_cache.reset()
 
     def kv_cache_buffers(self) -> list[str]:
         return [name for name, _ in self.named_buffers() if name.endswith(("k_cache", "v_cache"))]

@@ -11,8 +11,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from models.decoder import DecoderArgs, rope_table
+import torch
+
+from models.decoder import DecoderArgs, RopeTable
 from models.errors import ModelError
+
+
+def rope_table(hf_config: Any, layer_type: str | None = None) -> RopeTable:
+    """RoPE frequencies for the config's rope type, using transformers' own implementation.
+
+    Covers ``default``, ``linear``, ``llama3``, ``yarn``, ``longrope`` ... and partial rotary: one source
+    of truth, so the exported model cannot drift from the reference it is compared against.
+    ``layer_type`` picks one of several tables (Gemma 3: ``sliding_attention`` / ``full_attention``).
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config.standardize_rope_params()
+    params = hf_config.rope_parameters or {}
+    if layer_type is not None:
+        params = params[layer_type]
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        dim = int(dim * params.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return RopeTable(tuple(inv_freq.tolist()))
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope type {rope_type!r} is not supported; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
+    return RopeTable(tuple(inv_freq.float().tolist()), float(scaling))
+
 
 FamilyAdapter = Callable[[Any, int], dict[str, Any]]
 

@@ -28,6 +28,7 @@ import torch
 
 from exporters.benchmark import measure_speed, rss_after_load_mb, wait_with_peak_rss
 from exporters.driver import Driver
+from exporters.manifest import Manifest
 from exporters.runtime import LoadedProgram
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,6 +54,13 @@ class Preset:
         kv = self.kv_heads * self.dim // self.heads
         layer = 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.hidden + 2 * self.dim
         return self.vocab * self.dim * (1 if self.tied else 2) + self.layers * layer + self.dim
+
+    def arch_overrides(self) -> list[str]:
+        """This shape as our exporter's ``model.arch.*`` overrides (random weights, no checkpoint needed)."""
+        arch = {"hidden_size": self.dim, "intermediate_size": self.hidden, "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "vocab_size": self.vocab,
+                "rope_theta": self.rope_theta, "tie_word_embeddings": str(self.tied).lower()}
+        return ["model=llama", "model.random_init=true", *(f"model.arch.{k}={v}" for k, v in arch.items())]
 
 
 PRESETS = {
@@ -196,7 +204,7 @@ def main() -> None:
         row.update({f"rss_after_load_mb[{'+'.join(m)}]": rss_after_load_mb(pte, m) for m in loads[1:]})
         row.update(tokens_per_second(pte, args.prefill_len, args.decode_steps, args.repeats, p.vocab))
         if name == "llm-exporters":
-            row["stages_s"] = json.loads((out / "manifest.json").read_text())["timings_s"]
+            row["stages_s"] = Manifest.read(out).timings_s
         results[name] = row
         print(f"  {row}", flush=True)
     keys = ("wall_s", "peak_rss_gb", "pte_mb", "rss_after_load_mb", "decode_tok_s", "prefill_tok_s")

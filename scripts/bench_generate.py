@@ -16,7 +16,7 @@ import time
 import torch
 
 from exporters.driver import Driver
-from exporters.generation import Generator, SamplingConfig
+from exporters.generator import Generator, SamplingConfig
 
 
 def bare_loop_seconds(driver: Driver, logits: torch.Tensor, start: int, steps: int) -> float:

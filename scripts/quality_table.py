@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from exporters.manifest import MANIFEST_FILE, Manifest  # noqa: E402
 from models.gguf import gguf_checkpoint  # noqa: E402
 from models.smollm2 import gguf_file, truncated_copy  # noqa: E402
 
@@ -43,15 +44,15 @@ def run(checkpoint: Path, out: Path, backend: str, overrides: list[str], extra: 
                           capture_output=True, text=True)
     row = {"backend": backend, "options": label(overrides),
            "wall_s": round(time.perf_counter() - t, 1)}
-    manifest = out / "manifest.json"
-    if not manifest.exists():
+    if not (out / MANIFEST_FILE).exists():
         return {**row, "error": (proc.stdout + proc.stderr)[-600:]}
-    m = json.loads(manifest.read_text())
-    v = m["validation"]
-    return {**row, "passed": v["passed"], "failures": v["failures"], "kl_mean": v["kl_mean"], "kl_max": v["kl_max"],
-            "top1": v["top1_agreement"], "top5": v["top5_overlap"], "max_abs_error": v["max_abs_error"],
-            "ppl": v["perplexity"], "ppl_eager": v["eager_perplexity"], "ppl_ref": v["reference_perplexity"],
-            "forward_kl": v["forward_kl"], "mb": m["program"]["size_bytes"] / 1e6}
+    m = Manifest.read(out)
+    v = m.validation
+    assert v is not None  # this script always validates
+    return {**row, "passed": v.passed, "failures": v.failures, "kl_mean": v.kl_mean, "kl_max": v.kl_max,
+            "top1": v.top1_agreement, "top5": v.top5_overlap, "max_abs_error": v.max_abs_error,
+            "ppl": v.perplexity, "ppl_eager": v.eager_perplexity, "ppl_ref": v.reference_perplexity,
+            "forward_kl": v.forward_kl, "mb": m.program.size_bytes / 1e6}
 
 
 def main() -> None:

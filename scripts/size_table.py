@@ -16,10 +16,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-ARCH = ["model=llama", "model.random_init=true", "model.arch.hidden_size=768", "model.arch.intermediate_size=2048",
-        "model.arch.num_hidden_layers=12", "model.arch.num_attention_heads=12", "model.arch.num_key_value_heads=12",
-        "model.arch.vocab_size=32000", "model.arch.tie_word_embeddings=false", "export.max_seq_len=256",
-        "backend=xnnpack", "export.methods=[prefill,decode]", "export.layout=split"]
+from bench_export import PRESETS  # the 134M preset is defined once, there
+
+from exporters.manifest import Manifest
+
+ARCH = [*PRESETS["134m"].arch_overrides(), "export.max_seq_len=256", "backend=xnnpack",
+        "export.methods=[prefill,decode]", "export.layout=split"]
 
 
 def export_size(out: Path, *overrides: str) -> dict:
@@ -27,9 +29,9 @@ def export_size(out: Path, *overrides: str) -> dict:
                           capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-800:]}
-    m = json.loads((out / "manifest.json").read_text())
-    return {"bytes": m["program"]["size_bytes"], "validation_max_rel_error": m["validation"]["max_rel_error"],
-            "lower_s": m["timings_s"]["lower"]}
+    m = Manifest.read(out)
+    return {"bytes": m.program.size_bytes, "validation_max_rel_error": m.validation.max_rel_error if m.validation else None,
+            "lower_s": m.timings_s["lower"]}
 
 
 def main() -> None:

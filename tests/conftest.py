@@ -11,7 +11,7 @@ from typing import Callable
 
 import pytest
 
-from exporters.api import export
+from exporters.export import export
 from exporters.artifacts import ExportResult
 from models.tiny import write_tiny_checkpoint
 from tests.helpers import REAL_LAYERS, compose_config

@@ -54,8 +54,8 @@ def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
     from exporters.quantization import quantize_model
     from models.checkpoint import build_model, open_checkpoint
 
-    cfg = result.manifest["config"]
-    model = build_model(open_checkpoint(result.manifest["model"]["checkpoint"]), cfg["export"]["max_seq_len"],
-                        attention=result.manifest["model"]["attention"])
+    cfg = result.manifest.config
+    model = build_model(open_checkpoint(result.manifest.model.checkpoint), cfg["export"]["max_seq_len"],
+                        attention=result.manifest.model.attention)
     quantize_model(model, QuantConfig(**cfg["quant"]))
     return model

@@ -156,7 +156,7 @@ def test_a_bad_validation_text_file_is_refused_before_any_work(tmp_path, content
 
 
 def test_a_validation_text_too_short_to_score_is_one_clear_error(tmp_path) -> None:
-    from exporters.api import export
+    from exporters.export import export
 
     path = tmp_path / "short.txt"
     path.write_text("Too short.")

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from exporters.artifacts import ExportResult
+from exporters.errors import UserError
+from exporters.manifest import Manifest
 from exporters.runtime import LoadedProgram
 from tests.helpers import eager_model_of
 
@@ -56,7 +58,7 @@ def test_program_has_methods_and_constants(exported, backend: str, quant: str) -
     for name, value in expected.items():
         assert program.constant(name) == value, name
     assert program.constant("get_eos_ids") == 2  # a one-element list comes back as its element
-    assert result.manifest["constant_methods"]["get_eos_ids"] == [2]
+    assert result.manifest.constant_methods["get_eos_ids"] == [2]
 
 
 @pytest.mark.parametrize("backend,quant", PAIRS)
@@ -125,13 +127,23 @@ def test_manifest_records_the_export(exported, backend: str, quant: str) -> None
         assert m["quantization"]["untied_embeddings"]
     for name in ("tokenizer.json", "generation_config.json"):
         assert (result.pte_path.parent / name).exists()
+    # The file is the typed manifest export() returned, field for field.
+    assert Manifest.read(result.pte_path.parent) == result.manifest
+
+
+def test_a_manifest_that_does_not_fit_is_refused_by_name(exported, tmp_path: Path) -> None:
+    m = json.loads(export_pair(exported, "xnnpack", "fp32").manifest_path.read_text())
+    del m["program"]["sha256"]
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(UserError, match=r"not a manifest this version.*program.*sha256.*Re-export"):
+        Manifest.read(tmp_path)
 
 
 def test_second_method_stores_no_second_copy_of_the_weights(exported) -> None:
     """XNNPACK keys weights by content across methods: adding prefill adds graph bytes, no weight bytes."""
     both = exported("backend=xnnpack", "quant=fp32", "export.methods=[prefill,decode]", "export.layout=split")
     one = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]", "export.layout=split")
-    s2, s1 = both.manifest["program"]["storage"], one.manifest["program"]["storage"]
+    s2, s1 = both.manifest.program.storage, one.manifest.program.storage
     # 14 layer linears + the RoPE rotate_half matrix, each its own entry; the tied lm_head reads the
     # embedding's constant (export.tied_embedding=shared), so it has none.
     assert s1["named_data_entries"] == 15
@@ -144,13 +156,13 @@ def test_second_method_stores_no_second_copy_of_the_weights(exported) -> None:
 def test_decode_only_program_validates_token_by_token(exported) -> None:
     result = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]", "export.layout=split")
     assert LoadedProgram(result.pte_path).method_names >= {"decode"}
-    assert "prefill" not in result.manifest["methods"]
-    v = result.manifest["validation"]
-    assert v["passed"] and v["methods"] == {"prompt": "decode", "step": "decode", "forward": None}
+    assert "prefill" not in result.manifest.methods
+    v = result.manifest.validation
+    assert v.passed and v.methods == {"prompt": "decode", "step": "decode", "forward": None}
 
 
 def test_failed_validation_leaves_no_finished_looking_program(tmp_path: Path) -> None:
-    from exporters.api import export
+    from exporters.export import export
     from exporters.errors import ValidationFailed
     from tests.helpers import compose_config
 
@@ -164,7 +176,7 @@ def test_failed_validation_leaves_no_finished_looking_program(tmp_path: Path) ->
 
 
 def test_failed_load_writes_no_program(tmp_path: Path) -> None:
-    from exporters.api import export
+    from exporters.export import export
     from models.errors import ModelError
     from tests.helpers import compose_config
 

@@ -109,7 +109,7 @@ def run_greedy(program: LoadedProgram, reference, tokens: torch.Tensor):  # type
 def test_fp32_program_matches_transformers(exported, family_checkpoint, family: str) -> None:
     ckpt = family_checkpoint(family)
     result = export_family(exported, family_checkpoint, family, "fp32", model_option=family)
-    assert result.manifest["model"]["family"] == family
+    assert result.manifest.model.family == family
     ref = transformers_model(ckpt)
     tokens = prompt_ids(ckpt)
     with torch.no_grad():
@@ -127,8 +127,8 @@ def test_8da4w_program_matches_the_eager_quantized_model(exported, family_checkp
     """Exported through model=hf (the family comes from config.json), decode only: the quantized prefill
     path is the same code as fp32's and is covered for Llama in test_export; this keeps the suite short."""
     result = export_family(exported, family_checkpoint, family, "8da4w", model_option="hf", methods="[decode]")
-    assert result.manifest["model"]["family"] == family
-    assert result.manifest["quantization"]["linear"]["torchao_config"] == "Int8DynamicActivationIntxWeightConfig"
+    assert result.manifest.model.family == family
+    assert result.manifest.quantization.linear.torchao_config == "Int8DynamicActivationIntxWeightConfig"
     eager = eager_model_of(result)
 
     def full_sequence(tokens: torch.Tensor) -> torch.Tensor:
@@ -144,12 +144,12 @@ def test_8da4w_program_matches_the_eager_quantized_model(exported, family_checkp
 
 def test_sentencepiece_tokenizer_is_validated_copied_and_used_for_generation(exported, family_checkpoint) -> None:
     """Gemma's test checkpoint has only tokenizer.model: export validates with it, ships it, generates with it."""
-    from exporters.generation import Generator, SamplingConfig
+    from exporters.generator import Generator, SamplingConfig
 
     ckpt = family_checkpoint("gemma")
     assert (ckpt / "tokenizer.model").exists() and not (ckpt / "tokenizer.json").exists()
     result = export_family(exported, family_checkpoint, "gemma", "fp32", model_option="gemma")
-    assert "tokenizer.model" in result.manifest["tokenizer_files"]
+    assert "tokenizer.model" in result.manifest.tokenizer_files
     assert (result.pte_path.parent / "tokenizer.model").exists()
     out = Generator(result.pte_path).generate("Once upon a time", SamplingConfig(max_new_tokens=12))
     assert out.new_ids and out.text == load_tokenizer(ckpt / "tokenizer.model").decode(out.new_ids)

@@ -138,7 +138,7 @@ def test_unsupported_architecture_lists_supported_ones(tmp_path: Path, tiny_chec
 
 def test_rope_theta_override_reaches_the_rope_table(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """model.arch.rope_theta on a checkpoint with its own config.json: applied, not silently dropped."""
-    from models.decoder import rope_table
+    from models.families import rope_table
     from models.sources import SOURCES
     from tests.helpers import compose_config
 

@@ -33,11 +33,11 @@ def _export(real_exported, backend: str, quant: str, *extra: str):  # type: igno
 @pytest.mark.parametrize("pair", RUNNABLE, ids=["-".join(p) for p in RUNNABLE])
 def test_runtime_matches_the_quantized_eager_model(real_exported, pair: tuple[str, ...]) -> None:
     result = _export(real_exported, *pair)
-    v = result.manifest["validation"]
-    assert v["passed"] and v["checked"] == "runtime", v["failures"]
-    tol = v["tolerance"]
-    assert v["kl_mean"] <= tol["max_kl"] and v["top1_agreement"] >= tol["min_top1"]
-    assert v["perplexity"] <= v["eager_perplexity"] * (1 + tol["max_ppl_increase"])
+    v = result.manifest.validation
+    assert v.passed and v.checked == "runtime", v.failures
+    tol = v.tolerance
+    assert v.kl_mean <= tol["max_kl"] and v.top1_agreement >= tol["min_top1"]
+    assert v.perplexity <= v.eager_perplexity * (1 + tol["max_ppl_increase"])
 
     # Independent of the pipeline's own check: rebuild the eager model, run the .pte ourselves on another
     # text and compare the distributions.
@@ -58,37 +58,37 @@ def test_runtime_matches_the_quantized_eager_model(real_exported, pair: tuple[st
 @pytest.mark.parametrize("pair", RUNNABLE, ids=["-".join(p) for p in RUNNABLE])
 def test_manifest_records_exactly_what_was_applied(real_exported, pair: tuple[str, ...]) -> None:
     manifest = _export(real_exported, *pair).manifest
-    q, cfg = manifest["quantization"], manifest["config"]["quant"]
-    assert q["dtype"] == cfg["dtype"]
+    q, cfg = manifest.quantization, manifest.config["quant"]
+    assert q.dtype == cfg["dtype"]
     for role in ("linear", "lm_head", "embedding"):
-        applied = q[role]
+        applied = getattr(q, role)
         if cfg[role] is None:
             assert applied is None
         else:
-            assert applied["scheme"] == cfg[role] and applied["torchao_config"].endswith("Config")
-            assert applied["torchao_args"]["intx_choose_qparams_algorithm"].lower().endswith("hqq_scale_only")
-            assert applied["layers"] and applied["fallbacks"] == {}
+            assert applied.scheme == cfg[role] and applied.torchao_config.endswith("Config")
+            assert applied.torchao_args["intx_choose_qparams_algorithm"].lower().endswith("hqq_scale_only")
+            assert applied.layers and applied.fallbacks == {}
 
 
 def test_lm_head_gets_its_own_scheme_and_untying_is_recorded(real_exported) -> None:
-    m = _export(real_exported, *RUNNABLE[6]).manifest["quantization"]
-    assert m["linear"]["scheme"] == "8da4w" and "lm_head" not in m["linear"]["layers"]
-    assert m["lm_head"]["scheme"] == "8da8w" and m["lm_head"]["torchao_args"]["weight_dtype"] == "torch.int8"
-    assert m["untied_embeddings"] and "untied" in m["notes"][0]
+    m = _export(real_exported, *RUNNABLE[6]).manifest.quantization
+    assert m.linear.scheme == "8da4w" and "lm_head" not in m.linear.layers
+    assert m.lm_head.scheme == "8da8w" and m.lm_head.torchao_args["weight_dtype"] == "torch.int8"
+    assert m.untied_embeddings and "untied" in m.notes[0]
 
 
 @pytest.mark.parametrize("backend", ["portable", "xnnpack"])
 def test_unquantized_tied_embedding_is_stored_once(exported, backend: str) -> None:
     """The tied matrix is the largest of a small model (SmolLM2-135M: 113 MB in fp32): one copy, not two."""
     result = exported(f"backend={backend}", "quant=fp32")
-    assert not result.manifest["quantization"]["untied_embeddings"] and result.manifest["validation"]["passed"]
+    assert not result.manifest.quantization.untied_embeddings and result.manifest.validation.passed
     model = eager_model_of(result)
     unique_bytes = sum(p.numel() * 4 for p in model.parameters())  # parameters() yields a tied tensor once
     embed_bytes = model.model.embed_tokens.weight.numel() * 4
-    storage = result.manifest["program"]["storage"]
+    storage = result.manifest.program.storage
     stored = storage["constant_buffer_bytes"] + storage["named_data_bytes"]  # the program's and the delegate's
     assert unique_bytes <= stored < unique_bytes + embed_bytes // 2
-    assert "tied embedding stored once, lm_head reads it" in result.manifest["quantization"]["notes"]
+    assert "tied embedding stored once, lm_head reads it" in result.manifest.quantization.notes
 
 
 def test_tied_embedding_copied_on_request(exported) -> None:
@@ -97,28 +97,28 @@ def test_tied_embedding_copied_on_request(exported) -> None:
                                                                           "export.tied_embedding=copied")
     model = eager_model_of(copied)
     embed_bytes = model.model.embed_tokens.weight.numel() * 4
-    stored_shared, stored_copied = (r.manifest["program"]["storage"]["constant_buffer_bytes"] for r in (shared, copied))
+    stored_shared, stored_copied = (r.manifest.program.storage["constant_buffer_bytes"] for r in (shared, copied))
     assert stored_copied >= stored_shared + embed_bytes
-    assert copied.manifest["validation"]["passed"]
-    assert copied.manifest["validation"]["perplexity"] == pytest.approx(shared.manifest["validation"]["perplexity"])
+    assert copied.manifest.validation.passed
+    assert copied.manifest.validation.perplexity == pytest.approx(shared.manifest.validation.perplexity)
 
 
 @pytest.mark.parametrize("backend", ["coreml", "vulkan"])
 def test_static_shape_backends_lower_and_their_captured_programs_validate(exported, backend: str) -> None:
     result = exported(f"backend={backend}", "export.prefill_chunk=16", "export.methods=[prefill,decode]", "export.layout=split")
     m = result.manifest
-    assert set(m["methods"]) == {"prefill", "decode"}
-    assert m["methods"]["prefill"]["inputs"][0]["shape"] == [1, 16] and not m["methods"]["prefill"]["dynamic_tokens"]
-    assert m["methods"]["decode"]["delegated_partitions"] >= 1
-    assert m["validation"]["passed"]
-    assert m["validation"]["checked"] == "captured programs (delegate cannot run on this host)"
-    assert m["constant_methods"]["enable_dynamic_shape"] is False
+    assert set(m.methods) == {"prefill", "decode"}
+    assert m.methods["prefill"].inputs[0].shape == [1, 16] and not m.methods["prefill"].dynamic_tokens
+    assert m.methods["decode"].delegated_partitions >= 1
+    assert m.validation.passed
+    assert m.validation.checked == "captured programs (delegate cannot run on this host)"
+    assert m.constant_methods["enable_dynamic_shape"] is False
 
 
 def test_coreml_shares_weights_between_methods(exported) -> None:
     both = exported("backend=coreml", "export.prefill_chunk=16", "export.methods=[prefill,decode]", "export.layout=split")
     one = exported("backend=coreml", "export.prefill_chunk=16", "export.methods=[decode]", "export.layout=split")
-    ratio = both.manifest["program"]["size_bytes"] / one.manifest["program"]["size_bytes"]
+    ratio = both.manifest.program.size_bytes / one.manifest.program.size_bytes
     assert ratio <= 1.02, f"Core ML two methods / one method = {ratio:.3f}"
 
 
@@ -126,14 +126,14 @@ def test_layers_a_group_size_does_not_divide_fall_back_and_are_recorded(exported
     """intermediate_size=200: no group size XNNPACK takes divides down_proj's width, and 4-bit per row needs a
     multiple of 32 too, so those layers get the 8-bit scheme with one scale per row."""
     result = exported("model.arch.intermediate_size=200", "quant=8da4w", "export.methods=[decode]", "export.layout=split")
-    q = result.manifest["quantization"]
-    assert result.manifest["validation"]["passed"]
-    down = [n for n in q["linear"]["layers"] if n.endswith("mlp.down_proj")]
-    assert down and all(q["linear"]["layers"][n] == 0 for n in down)
-    assert q["linear"]["fallbacks"] == {n: "8da8w, one scale per row" for n in down}
-    assert all(g == 32 for n, g in q["linear"]["layers"].items() if n not in down)
+    q = result.manifest.quantization
+    assert result.manifest.validation.passed
+    down = [n for n in q.linear.layers if n.endswith("mlp.down_proj")]
+    assert down and all(q.linear.layers[n] == 0 for n in down)
+    assert q.linear.fallbacks == {n: "8da8w, one scale per row" for n in down}
+    assert all(g == 32 for n, g in q.linear.layers.items() if n not in down)
     assert any("does not divide the width of 2 layer(s)" in note and "8da8w, one scale per row" in note
-               for note in q["notes"])
+               for note in q.notes)
 
 
 @pytest.mark.parametrize("width,requested,chosen", [(576, 32, 32), (576, 128, 96), (1536, 256, 256), (200, 32, 0),

@@ -17,9 +17,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from exporters.api import build_stages
+from exporters.export import build_stages, delivery_stages
 from exporters.config import to_typed
 from exporters.errors import ValidationFailed
+from exporters.manifest import Manifest, ValidationReport
 from exporters.pipeline import Stage, run_pipeline
 from models.errors import ModelError
 from tests.helpers import REAL_LAYERS, assert_matches_transformers, compose_config
@@ -76,28 +77,27 @@ class Tamper(Stage):
         return captured
 
 
-def export_broken(checkpoint: Path, out: Path, *overrides: str, tamper: Tamper | None = None) -> dict[str, Any]:
-    """Export with ``tamper`` inserted after capture; the export must fail validation. Returns the manifest."""
+def export_broken(checkpoint: Path, out: Path, *overrides: str, tamper: Tamper | None = None) -> ValidationReport:
+    """Export with ``tamper`` inserted after capture; the export must fail validation. Returns its report."""
     cfg = to_typed(compose_config("model=llama", f"model.checkpoint={checkpoint}", *overrides))
-    timings: dict[str, float] = {}
-    stages = build_stages(cfg, out, {"overrides": list(overrides)}, timings)
+    stages = build_stages(cfg, out) + delivery_stages(cfg, {"overrides": list(overrides)}, {})
     if tamper is not None:
         stages.insert(next(i for i, s in enumerate(stages) if s.name == "capture") + 1, tamper)
     with pytest.raises(ValidationFailed, match="does not match the eager model"):
-        run_pipeline(stages, timings)
+        run_pipeline(stages)
     assert not (out / "model.pte").exists() and (out / "model.rejected.pte").exists()
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["status"] == "failed validation" and manifest["validation"]["failures"]
-    print("rejected:", manifest["validation"]["failures"])  # shown with pytest -s: which measure caught it
-    return manifest
+    manifest = Manifest.read(out)
+    assert manifest.status == "failed validation" and manifest.validation and manifest.validation.failures
+    print("rejected:", manifest.validation.failures)  # shown with pytest -s: which measure caught it
+    return manifest.validation
 
 
 def test_weight_only_4w_forced_onto_xnnpack_is_rejected(smollm2_truncated: Path, tmp_path: Path) -> None:
     """XNNPACK runs weight-only int4 linears wrongly (docs/DESIGN.md): forced past the config check, it is caught."""
     v = export_broken(smollm2_truncated, tmp_path, "quant=4w", "backend.supported_linear=[null,4w]",
-                      "export.methods=[decode]", "export.layout=split")["validation"]
-    assert v["kl_mean"] > 100 * v["tolerance"]["max_kl"] and v["top1_agreement"] < 0.5
-    assert v["perplexity"] > 2 * v["eager_perplexity"]
+                      "export.methods=[decode]", "export.layout=split")
+    assert v.kl_mean > 100 * v.tolerance["max_kl"] and v.top1_agreement < 0.5
+    assert v.perplexity > 2 * v.eager_perplexity
 
 
 def test_a_kv_cache_that_does_not_carry_from_prefill_to_decode_is_rejected(
@@ -110,9 +110,9 @@ def test_a_kv_cache_that_does_not_carry_from_prefill_to_decode_is_rejected(
     unshared = ExecutorchBackendConfig(emit_mutable_buffer_names=True, run_reinplace_pass=True,
                                        do_quant_fusion_and_const_prop=True)
     monkeypatch.setattr(emit, "backend_config", lambda: unshared)
-    v = export_broken(smollm2_truncated, tmp_path, "export.methods=[prefill,decode]", "export.layout=split")["validation"]
-    assert any(f.startswith("KL") for f in v["failures"])
-    assert v["kl_mean"] > 100 * v["tolerance"]["max_kl"]
+    v = export_broken(smollm2_truncated, tmp_path, "export.methods=[prefill,decode]", "export.layout=split")
+    assert any(f.startswith("KL") for f in v.failures)
+    assert v.kl_mean > 100 * v.tolerance["max_kl"]
 
 
 def test_a_corrupted_weight_is_rejected(smollm2_truncated: Path, tmp_path: Path) -> None:
@@ -124,13 +124,13 @@ def test_a_corrupted_weight_is_rejected(smollm2_truncated: Path, tmp_path: Path)
                                                       requires_grad=False)
 
     v = export_broken(smollm2_truncated, tmp_path, "export.methods=[decode]", "export.layout=split",
-                      tamper=Tamper(transpose_weight))["validation"]
-    assert any(f.startswith("KL") for f in v["failures"])
+                      tamper=Tamper(transpose_weight))
+    assert any(f.startswith("KL") for f in v.failures)
 
 
 def test_a_wrong_rope_base_is_rejected(smollm2_truncated: Path, tmp_path: Path) -> None:
     """RoPE tables computed with base 10000 where the checkpoint says 100000."""
-    from models.decoder import rope_table
+    from models.families import rope_table
 
     from transformers import AutoConfig
 
@@ -148,8 +148,8 @@ def test_a_wrong_rope_base_is_rejected(smollm2_truncated: Path, tmp_path: Path) 
             program.constants[key] = values * table.attention_scaling
 
     v = export_broken(smollm2_truncated, tmp_path, "export.methods=[decode]", "export.layout=split", "export.max_seq_len=64",
-                      "validation.prompt_tokens=16", tamper=Tamper(wrong_base))["validation"]
-    assert v["failures"]
+                      "validation.prompt_tokens=16", tamper=Tamper(wrong_base))
+    assert v.failures
 
 
 # --- GGUF files as a source ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 from exporters.bundle import make_bundle, verify_bundle
 from exporters.errors import UserError
-from exporters.generation import Generator, SamplingConfig, TextStream, chat_prompt
+from exporters.generator import Generator, SamplingConfig, TextStream, chat_prompt
 from tests.helpers import REPO_ROOT, compose_config
 
 PROMPT = "Once upon a time"
@@ -55,9 +55,9 @@ def test_stock_runner_ours_and_eager_agree_on_greedy_text(default_export) -> Non
 
 
 def test_forward_costs_graph_bytes_not_weight_bytes(exported, default_export) -> None:
-    two = exported("export.methods=[prefill,decode]", "export.layout=split").manifest["program"]["storage"]
-    three = default_export.manifest["program"]["storage"]
-    alone = exported("export.methods=[forward]").manifest["program"]["storage"]
+    two = exported("export.methods=[prefill,decode]", "export.layout=split").manifest.program.storage
+    three = default_export.manifest.program.storage
+    alone = exported("export.methods=[forward]").manifest.program.storage
     assert two["named_data_bytes"] == three["named_data_bytes"] == alone["named_data_bytes"]
     # Non-delegated constants agree up to a few bytes of per-graph scalars (e.g. decode's static positions).
     assert max(s["constant_buffer_bytes"] for s in (two, three, alone)) - min(
@@ -128,10 +128,10 @@ def test_generate_cli_streams_and_reports_speed(default_export) -> None:
 
 
 def test_same_config_exports_byte_identical_programs(tmp_path: Path, default_export) -> None:
-    from exporters.api import export
+    from exporters.export import export
 
     again = export(compose_config(), tmp_path)
-    assert again.manifest["program"]["sha256"] == default_export.manifest["program"]["sha256"]
+    assert again.manifest.program.sha256 == default_export.manifest.program.sha256
 
 
 def test_bundle_holds_everything_and_verifies(tmp_path: Path, default_export) -> None:
@@ -139,7 +139,7 @@ def test_bundle_holds_everything_and_verifies(tmp_path: Path, default_export) ->
     assert {p.name for p in folder.iterdir()} == {
         "model.pte", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "manifest.json", "README.md"}
     m = json.loads((folder / "manifest.json").read_text())
-    assert m["files"]["model.pte"]["sha256"] == default_export.manifest["program"]["sha256"]
+    assert m["files"]["model.pte"]["sha256"] == default_export.manifest.program.sha256
     assert set(m["methods"]) == {"prefill", "decode_one_token", "forward"} and m["constant_methods"]["get_max_seq_len"] == 128
     assert m["layout"]["name"] == "stock" and {o["result"] for o in m["layout"]["stock_runners"].values()} == {"correct"}
     assert m["validation"]["passed"] and m["versions"]["executorch"] == "1.4.1"

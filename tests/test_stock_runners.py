@@ -14,7 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from exporters.generation import Generator, SamplingConfig, chat_prompt
+from exporters.generator import Generator, SamplingConfig, chat_prompt
 from exporters.layouts import STOCK_RUNNERS
 from tests.helpers import eager_model_of
 from tests.runtimes import stock_runner
@@ -66,11 +66,11 @@ def test_stock_layout_fp32_writes_transformers_text(real_exported, smollm2_trunc
     from transformers import AutoModelForCausalLM
 
     result = real_exported("quant=fp32")
-    assert set(result.manifest["methods"]) == {"prefill", "decode_one_token", "forward"}
+    assert set(result.manifest.methods) == {"prefill", "decode_one_token", "forward"}
     # SmolLM2-Instruct's chat template is a chat_template.jinja: copied beside the program and applied.
-    assert "chat_template.jinja" in result.manifest["tokenizer_files"]
+    assert "chat_template.jinja" in result.manifest.tokenizer_files
     assert chat_prompt(result.pte_path, "Hi").startswith("<|im_start|>")
-    assert result.manifest["layout"]["stock_runners"][release]["result"] == "correct"
+    assert result.manifest.layout.stock_runners[release].result == "correct"
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_truncated), dtype=torch.float32).eval()
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -94,12 +94,12 @@ def test_split_layout_does_what_the_manifest_says(real_exported, smollm2_truncat
     """The prefill/decode names: right in 1.4.1 (it runs forward only), wrong text in 1.5.1 (forward, then
     decode with a cache of its own), and the manifest says so before anyone runs it."""
     split = real_exported("quant=fp32", "export.layout=split")
-    outcome = split.manifest["layout"]["stock_runners"][release]
+    outcome = split.manifest.layout.stock_runners[release]
     expected = Generator(real_exported("quant=fp32").pte_path).generate(
         PROMPT, SamplingConfig(max_new_tokens=NEW_TOKENS), prompt_ids=prompt_ids).new_ids
     result = stock_runner(release, split.pte_path, PROMPT, NEW_TOKENS)
     expected_text = Tokenizer.from_file(str(split.pte_path.parent / "tokenizer.json")).decode(
         expected[:printed_tokens(result)])
-    assert outcome["result"] == ("correct" if result["text"] == expected_text else "wrong text"), result
-    assert outcome["result"] == {"1.4.1": "correct", "1.5.1": "wrong text"}[release]
-    assert f"Using method: {outcome['prompt_method']}" in result["log"]
+    assert outcome.result == ("correct" if result["text"] == expected_text else "wrong text"), result
+    assert outcome.result == {"1.4.1": "correct", "1.5.1": "wrong text"}[release]
+    assert f"Using method: {outcome.prompt_method}" in result["log"]

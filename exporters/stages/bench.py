@@ -6,7 +6,6 @@ include it. On by default in sweeps (``-m``), off for a single export; ``bench=t
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
 
@@ -14,10 +13,9 @@ from exporters.artifacts import ExportResult
 from exporters.benchmark import measure_speed, rss_after_load_mb
 from exporters.config import BenchmarkConfig
 from exporters.driver import Driver
+from exporters.manifest import BenchResult
 from exporters.pipeline import Stage
 from exporters.runtime import LoadedProgram
-from exporters.stages.emit import write_atomically
-
 
 
 def bench_lengths(settings: BenchmarkConfig, max_seq_len: int) -> tuple[int, int]:
@@ -44,10 +42,10 @@ class BenchStage(Stage):
         speed = measure_speed(program, driver, prompt_tokens, steps, self.settings.repeats,
                               int(program.constant("get_vocab_size")))
         del program, driver
-        result.manifest["bench"] = {
+        result.manifest.bench = BenchResult(
             **asdict(speed),
-            "rss_after_load_mb": rss_after_load_mb(result.pte_path, [speed.prompt_method, speed.step_method]),
-            "seconds": round(time.perf_counter() - start, 1),
-        }
-        write_atomically(result.manifest_path, (json.dumps(result.manifest, indent=2) + "\n").encode())
+            rss_after_load_mb=rss_after_load_mb(result.pte_path, [speed.prompt_method, speed.step_method]),
+            seconds=round(time.perf_counter() - start, 1),
+        )
+        result.manifest.write(result.manifest_path)
         return result

@@ -12,16 +12,17 @@ import torch
 
 from exporters.artifacts import CapturedMethods, QuantizedModel
 from exporters.layouts import Layout
+from exporters.manifest import Signature, TensorSpec
 from exporters.methods import MethodSpec, method_specs
 from exporters.pipeline import Stage
 
 
-def _tensor_spec(value: Any, name: str, dim_name: str) -> dict[str, Any]:
-    shape = [d if isinstance(d, int) else dim_name for d in value.shape]
-    return {"name": name, "shape": shape, "dtype": str(value.dtype).removeprefix("torch.")}
+def _tensor_spec(value: Any, name: str, dim_name: str) -> TensorSpec:
+    shape: list[int | str] = [d if isinstance(d, int) else dim_name for d in value.shape]
+    return TensorSpec(name=name, shape=shape, dtype=str(value.dtype).removeprefix("torch."))
 
 
-def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens") -> dict[str, Any]:
+def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens") -> Signature:
     """Input and output shapes/dtypes of a captured method; the dynamic token dim appears as ``dim_name``."""
     sig = program.graph_signature
     nodes = {n.name: n for n in program.graph.nodes}
@@ -29,10 +30,8 @@ def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens
     output_node = next(n for n in program.graph.nodes if n.op == "output")
     outputs = output_node.args[0]
     user_outputs = [o for o in outputs[len(outputs) - len(sig.user_outputs):]]
-    return {
-        "inputs": inputs,
-        "outputs": [_tensor_spec(o.meta["val"], f"output_{i}", dim_name) for i, o in enumerate(user_outputs)],
-    }
+    return Signature(inputs=inputs,
+                     outputs=[_tensor_spec(o.meta["val"], f"output_{i}", dim_name) for i, o in enumerate(user_outputs)])
 
 
 def same_graph_aliases(specs: dict[str, MethodSpec]) -> dict[str, str]:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 from exporters.artifacts import EmittedProgram, LoweredProgram
+from exporters.files import sha256_of, write_atomically
 from exporters.pipeline import Stage
 from exporters.pte_contents import storage_breakdown
 
@@ -25,19 +24,6 @@ def backend_config():  # type: ignore[no-untyped-def]
     )
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temporary name in the same folder, fsync, then rename: never a half-written file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def provisional_path(final: Path) -> Path:
     """Where the program sits until validation accepts it: cannot be mistaken for a finished export."""
     return final.with_name(final.stem + ".unvalidated" + final.suffix)
@@ -51,10 +37,14 @@ class EmitStage(Stage):
 
     def run(self, lowered: LoweredProgram) -> EmittedProgram:
         program = lowered.edge.to_executorch(backend_config())
-        data = program.buffer
+        # The edge programs are not needed past this point (to_executorch transformed copies of them):
+        # dropping them here keeps them out of the peak memory of serialization.
+        lowered.edge = None
         path = provisional_path(self.final_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, data)
+        # Streamed piece by piece: program.buffer would hold the whole file in memory once more.
+        write_atomically(path, program.write_to_file)
+        del program
         captured = lowered.captured
         return EmittedProgram(
             quantized=captured.quantized,
@@ -64,9 +54,9 @@ class EmitStage(Stage):
             delegated_partitions=lowered.delegated_partitions,
             path=path,
             final_path=self.final_path,
-            size_bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
-            storage=storage_breakdown(data),
+            size_bytes=path.stat().st_size,
+            sha256=sha256_of(path),
+            storage=storage_breakdown(path),
             reference_programs=captured.reference_programs,
             aliases=captured.aliases,
         )

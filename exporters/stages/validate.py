@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from exporters.artifacts import EmittedProgram, ValidatedProgram, ValidationReport
+from exporters.artifacts import EmittedProgram, ValidatedProgram
+from exporters.manifest import ValidationReport
 from exporters.config import QuantConfig
 from exporters.driver import Driver, MethodRoles
 from exporters.pipeline import Stage

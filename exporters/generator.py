@@ -17,7 +17,7 @@ import torch
 
 from exporters.driver import Driver
 from exporters.errors import UserError
-from exporters.stages.package import program_in
+from exporters.manifest import program_in
 from exporters.runtime import LoadedProgram
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE, TextTokenizer, find_tokenizer, load_tokenizer

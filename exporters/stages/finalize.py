@@ -1,9 +1,8 @@
-"""Package: accept or reject the program, copy the tokenizer beside it, write ``manifest.json``."""
+"""Finalize: accept or reject the program (its final or ``.rejected`` name), copy the tokenizer beside it,
+and write ``manifest.json``."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
 import os
 import shutil
 from importlib import metadata
@@ -15,8 +14,8 @@ from exporters.benchmark import peak_rss_mb
 from exporters.driver import MethodRoles
 from exporters.errors import ValidationFailed
 from exporters.layouts import Layout, layout_manifest
+from exporters.manifest import MANIFEST_FILE, Manifest, MethodEntry, ModelEntry, ProgramFile, Resources
 from exporters.pipeline import Stage
-from exporters.stages.emit import write_atomically
 
 PACKAGES = ("torch", "executorch", "torchao", "transformers", "hydra-core", "tokenizers", "safetensors")
 
@@ -31,19 +30,12 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def program_in(run_dir: Path) -> Path:
-    """The program of a run folder: the file its manifest names (``export.output_name``), else model.pte."""
-    manifest = run_dir / "manifest.json"
-    name = json.loads(manifest.read_text())["program"]["file"] if manifest.is_file() else "model.pte"
-    return run_dir / name
-
-
 def rejected_path(final: Path) -> Path:
     return final.with_name(final.stem + ".rejected" + final.suffix)
 
 
-class PackageStage(Stage):
-    name = "package"
+class FinalizeStage(Stage):
+    name = "finalize"
 
     def __init__(self, resolved_config: dict[str, Any], timings: dict[str, float], layout: Layout) -> None:
         self.layout = layout
@@ -66,38 +58,37 @@ class PackageStage(Stage):
                 shutil.copy2(src, out_dir / src.name)
             if src is not None:
                 copied.append(src.name)
-        manifest = {
-            "status": "ok" if ok else "failed validation",
-            "program": {"file": pte.name, "size_bytes": emitted.size_bytes, "sha256": emitted.sha256,
-                        "storage": emitted.storage},
-            "methods": {
-                name: {**emitted.signatures[name], "dynamic_tokens": spec.dynamic,
-                       "tokens": [spec.min_tokens, spec.max_tokens],
-                       "delegated_partitions": emitted.delegated_partitions.get(name, 0),
-                       "lowered_once_with": emitted.aliases.get(name)}
+        manifest = Manifest(
+            status="ok" if ok else "failed validation",
+            program=ProgramFile(file=pte.name, size_bytes=emitted.size_bytes, sha256=emitted.sha256,
+                                storage=emitted.storage),
+            methods={
+                name: MethodEntry(inputs=emitted.signatures[name].inputs, outputs=emitted.signatures[name].outputs,
+                                  dynamic_tokens=spec.dynamic,
+                                  tokens=[spec.min_tokens, spec.max_tokens],
+                                  delegated_partitions=emitted.delegated_partitions.get(name, 0),
+                                  lowered_once_with=emitted.aliases.get(name))
                 for name, spec in emitted.specs.items()
             },
-            "layout": layout_manifest(self.layout, {name: spec.kind for name, spec in emitted.specs.items()},
-                                      roles.prompt, roles.step,
-                                      all(spec.dynamic for spec in emitted.specs.values() if spec.kind != "decode")),
-            "constant_methods": emitted.constant_methods,
-            "model": {"checkpoint": str(ckpt.path), "architecture": list(ckpt.hf_config.architectures or []),
-                      "family": emitted.quantized.loaded.family,
-                      "attention": emitted.quantized.model.args.attention,
-                      "parameters": sum(p.numel() for p in emitted.quantized.model.parameters()),
-                      "converted_from": ckpt.converted_from},
-            "quantization": emitted.quantized.quantization.as_dict(),
-            "validation": None if report is None else {"quality": report.quality(), **asdict(report)},
-            "tokenizer_files": copied,
-            "timings_s": self.timings,
-            # The export itself (every stage up to validation), for sweeps that compare configs.
-            "resources": {"wall_s": round(sum(self.timings.values()), 1), "peak_rss_mb": round(peak_rss_mb())},
-            "bench": None,
-            "versions": package_versions(),
-            "config": self.resolved_config,
-        }
-        manifest_path = out_dir / "manifest.json"
-        write_atomically(manifest_path, (json.dumps(manifest, indent=2) + "\n").encode())
+            layout=layout_manifest(self.layout, {name: spec.kind for name, spec in emitted.specs.items()},
+                                   roles.prompt, roles.step,
+                                   all(spec.dynamic for spec in emitted.specs.values() if spec.kind != "decode")),
+            constant_methods=emitted.constant_methods,
+            model=ModelEntry(checkpoint=str(ckpt.path), architecture=list(ckpt.hf_config.architectures or []),
+                             family=emitted.quantized.loaded.family,
+                             attention=emitted.quantized.model.args.attention,
+                             parameters=sum(p.numel() for p in emitted.quantized.model.parameters()),
+                             converted_from=ckpt.converted_from),
+            quantization=emitted.quantized.quantization,
+            validation=report,
+            tokenizer_files=copied,
+            timings_s=self.timings,
+            resources=Resources(wall_s=round(sum(self.timings.values()), 1), peak_rss_mb=round(peak_rss_mb())),
+            versions=package_versions(),
+            config=self.resolved_config,
+        )
+        manifest_path = out_dir / MANIFEST_FILE
+        manifest.write(manifest_path)
         if not ok:
             assert report is not None
             raise ValidationFailed(

@@ -20,7 +20,7 @@ from exporters.stages.capture import CaptureStage
 from exporters.stages.emit import EmitStage
 from exporters.stages.load import LoadStage
 from exporters.stages.lower import LowerStage
-from exporters.stages.package import PackageStage
+from exporters.stages.finalize import FinalizeStage
 from exporters.stages.quantize import QuantizeStage
 from exporters.stages.reference import ReferenceStage, prompt_length
 from exporters.stages.validate import Tolerance, ValidateStage
@@ -28,8 +28,8 @@ from exporters.stages.validate import Tolerance, ValidateStage
 log = logging.getLogger("exporters")
 
 
-def build_stages(cfg: ExportConfig, output_dir: Path, resolved: dict[str, Any], timings: dict[str, float]) -> list[Stage]:
-    """The pipeline for one export; each stage gets only its own part of the config."""
+def build_stages(cfg: ExportConfig, output_dir: Path) -> list[Stage]:
+    """The stages that make and check the program (load .. validate); each gets only its own part of the config."""
     ex = cfg.export
     prompt_tokens = prompt_length(cfg.validation.prompt_tokens, ex.max_seq_len,
                                   None if cfg.backend.dynamic_shapes else ex.prefill_chunk)
@@ -42,8 +42,14 @@ def build_stages(cfg: ExportConfig, output_dir: Path, resolved: dict[str, Any], 
         LowerStage(cfg.backend, ex.max_seq_len),
         EmitStage(output_dir / ex.output_name),
         ValidateStage(Tolerance.of(cfg.quant), enabled=cfg.validate, runs_here=cfg.backend.runs_here),
-        PackageStage(resolved, timings, LAYOUTS[ex.layout]),
-        BenchStage(cfg.benchmark, ex.max_seq_len, enabled=bool(cfg.bench) and cfg.backend.runs_here),
+    ]
+
+
+def delivery_stages(cfg: ExportConfig, resolved: dict[str, Any], timings: dict[str, float]) -> list[Stage]:
+    """The stages after the program is checked: the manifest records ``timings`` of the stages before."""
+    return [
+        FinalizeStage(resolved, timings, LAYOUTS[cfg.export.layout]),
+        BenchStage(cfg.benchmark, cfg.export.max_seq_len, enabled=bool(cfg.bench) and cfg.backend.runs_here),
     ]
 
 
@@ -61,8 +67,10 @@ def export(cfg: DictConfig | ExportConfig, output_dir: str | Path | None = None)
     out = Path(target)
     out.mkdir(parents=True, exist_ok=True)
     assert isinstance(resolved, dict)
-    timings: dict[str, float] = {}
     reset_peak_rss()  # the manifest's peak RSS is this export's, not the process's whole life
-    result = run_pipeline(build_stages(typed, out, resolved, timings), timings)
+    making = build_stages(typed, out)
+    total = len(making) + 2
+    validated, timings = run_pipeline(making, total=total)
+    result, _ = run_pipeline(delivery_stages(typed, resolved, timings), validated, first=len(making) + 1, total=total)
     assert isinstance(result, ExportResult)
     return result

@@ -1,0 +1,33 @@
+"""Writing files so that a reader never sees half of one, and hashing them without reading them whole."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+
+def write_atomically(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
+    """Write ``data`` (bytes, or a function that writes to an open file) to a temporary name in the same
+    folder, fsync, then rename: never a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            if isinstance(data, bytes):
+                fh.write(data)
+            else:
+                data(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

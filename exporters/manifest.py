@@ -1,0 +1,249 @@
+"""``manifest.json``: what an export wrote, typed once.
+
+The finalize stage builds a :class:`Manifest`, the bench stage adds its numbers, and every reader (console,
+sweep report, bundles, generate, scripts) gets the same typed object back from :meth:`Manifest.read`.
+Serialization happens in one place (:meth:`Manifest.write`); pydantic turns the JSON back into these
+dataclasses and says which field is wrong when a file does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from exporters.errors import UserError
+from exporters.files import write_atomically
+
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    shape: list[int | str]  # the dynamic token dimension is named ("num_tokens")
+    dtype: str
+
+
+@dataclass
+class Signature:
+    """A captured method's user inputs and outputs."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+@dataclass
+class MethodEntry(Signature):
+    """One LLM method of the program: its signature and how it was lowered."""
+
+    dynamic_tokens: bool
+    tokens: list[int]  # [min, max] tokens per call
+    delegated_partitions: int
+    lowered_once_with: str | None = None  # the method whose lowered graph this one shares (forward -> prefill)
+
+
+@dataclass
+class RunnerEntry:
+    """What one release of ExecuTorch's stock runner does with the program."""
+
+    result: str  # "correct", "wrong text", "cannot run"
+    prompt_method: str | None
+    token_method: str | None
+    why: str
+
+
+@dataclass
+class LayoutEntry:
+    """What app developers need to call the program correctly (``exporters.layouts``)."""
+
+    name: str
+    audience: str
+    methods: dict[str, str]  # method -> its kind (prefill, decode, forward)
+    prompt_method: str
+    token_method: str
+    call_order: str
+    kv_cache: str
+    stock_runners: dict[str, RunnerEntry]  # release -> outcome
+
+
+@dataclass
+class ProgramFile:
+    file: str  # beside the manifest (export.output_name)
+    size_bytes: int
+    sha256: str
+    storage: dict[str, int]  # bytes by kind (exporters.pte_contents.storage_breakdown)
+
+
+@dataclass
+class ModelEntry:
+    checkpoint: str
+    architecture: list[str]
+    family: str | None
+    attention: str
+    parameters: int
+    converted_from: dict[str, Any] | None = None  # the GGUF file a checkpoint was converted from, and how
+
+
+@dataclass
+class ValidationReport:
+    """The program against the eager model it came from, on the validation text (``exporters.quality``)."""
+
+    passed: bool
+    failures: list[str]  # each measure outside its tolerance, with value and limit
+    # What was compared with the eager model: the .pte in the ExecuTorch runtime, or (for a delegate
+    # this host cannot run) the captured programs before delegation.
+    checked: str
+    text: str
+    methods: dict[str, str | None]  # prompt / step method driven, and forward when checked against prefill
+    windows: int
+    prompt_tokens: int
+    scored_tokens: int
+    kl_mean: float
+    kl_max: float
+    top1_agreement: float
+    top5_overlap: float
+    max_abs_error: float
+    max_rel_error: float
+    perplexity: float  # of the program
+    eager_perplexity: float  # of the eager model quantized the same way
+    reference_perplexity: float  # of the unquantized model
+    reference_dtype: str
+    forward_kl: float | None  # KL(prefill || forward) on the first prompt, when both exist
+    tolerance: dict[str, float] = field(default_factory=dict)
+    per_window: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def increase_over_reference(self) -> float:
+        return self.perplexity / self.reference_perplexity - 1
+
+    def quality(self) -> str:
+        """``perplexity 21.4 (eager 21.1, fp32 16.8, +27%)``: the number people choose a scheme by."""
+        return (f"perplexity {self.perplexity:.2f} (eager {self.eager_perplexity:.2f}, {self.reference_dtype} "
+                f"{self.reference_perplexity:.2f}, {self.increase_over_reference:+.1%})")
+
+    def describe(self) -> str:
+        verdict = "passed" if self.passed else "FAILED (" + "; ".join(self.failures) + ")"
+        where = "" if self.checked == "runtime" else " [captured programs only: the delegate cannot run on this host]"
+        t = self.tolerance
+        return (f"{verdict}{where}: {self.scored_tokens} tokens of {self.text} through "
+                f"{self.methods['prompt']}+{self.methods['step']}, KL {self.kl_mean:.2g} (limit {t['max_kl']:.2g}), "
+                f"top-1 {self.top1_agreement:.1%} (min {t['min_top1']:.0%}), top-5 overlap {self.top5_overlap:.1%}, "
+                f"{self.quality()}")
+
+
+@dataclass
+class AppliedScheme:
+    scheme: str
+    torchao_config: str
+    torchao_args: dict[str, Any]  # of the requested scheme and group size
+    layers: dict[str, int]  # layer -> group size actually used (0 = one scale per row)
+    # Layers the requested group size does not fit -> what they got instead ("8da8w, one scale per row").
+    fallbacks: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class AppliedQuantization:
+    """Exactly what was done to the model, for the manifest."""
+
+    dtype: str = "fp32"
+    linear: AppliedScheme | None = None
+    lm_head: AppliedScheme | None = None
+    embedding: AppliedScheme | None = None
+    untied_embeddings: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def linear_scheme(self) -> str | None:
+        return self.linear.scheme if self.linear else None
+
+    def describe(self) -> str:
+        parts = [self.dtype]
+        for role in ("linear", "lm_head", "embedding"):
+            applied = getattr(self, role)
+            if applied:
+                parts.append(f"{role} {applied.scheme} ({len(applied.layers)} layers)")
+        return ", ".join(parts) + (", embeddings untied" if self.untied_embeddings else "")
+
+
+@dataclass
+class Resources:
+    """The export itself (load .. validate): what a sweep compares configs by."""
+
+    wall_s: float
+    peak_rss_mb: float
+
+
+@dataclass
+class BenchResult:
+    """The written program measured in the runtime as an app runs it (``exporters.stages.bench``)."""
+
+    prompt_tokens: int
+    steps: int
+    repeats: int
+    prefill_tokens_per_s: float  # prompt tokens / time of the prompt call(s), median
+    decode_tokens_per_s: float  # steps / time of the one-token calls, median
+    prompt_method: str
+    step_method: str
+    rss_after_load_mb: float  # a fresh process loading prompt_method and step_method
+    seconds: float  # the measurement itself
+
+    def describe(self) -> str:
+        return (f"prefill {self.prefill_tokens_per_s:.0f} tok/s ({self.prompt_tokens} tokens), decode "
+                f"{self.decode_tokens_per_s:.0f} tok/s ({self.steps} steps), RSS after load "
+                f"{self.rss_after_load_mb:.0f} MB")
+
+
+@dataclass
+class Manifest:
+    status: str  # "ok" or "failed validation"
+    program: ProgramFile
+    methods: dict[str, MethodEntry]
+    layout: LayoutEntry
+    constant_methods: dict[str, Any]
+    model: ModelEntry
+    quantization: AppliedQuantization
+    validation: ValidationReport | None  # None with validate=false
+    tokenizer_files: list[str]
+    timings_s: dict[str, float]  # per stage, load .. validate
+    resources: Resources
+    versions: dict[str, str]
+    config: dict[str, Any]  # the resolved config the export ran with
+    bench: BenchResult | None = None  # None unless the bench stage ran
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.validation is not None:  # the one line people choose a scheme by, readable without code
+            data["validation"] = {"quality": self.validation.quality(), **data["validation"]}
+        return data
+
+    def write(self, path: Path) -> None:
+        """Write atomically: a reader never sees half a manifest."""
+        write_atomically(path, (json.dumps(self.to_dict(), indent=2) + "\n").encode())
+
+    @classmethod
+    def read(cls, path: Path) -> "Manifest":
+        """The manifest at ``path`` (a file, or the run folder holding ``manifest.json``)."""
+        from pydantic import TypeAdapter, ValidationError
+
+        path = path / MANIFEST_FILE if path.is_dir() else path
+        try:
+            return TypeAdapter(cls).validate_json(path.read_bytes())
+        except FileNotFoundError:
+            raise UserError(f"{path} does not exist: point at a run folder of a finished export.") from None
+        except ValidationError as e:
+            raise UserError(f"{path} is not a manifest this version of llm-exporters writes "
+                            f"({e.error_count()} problems, first: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}). "
+                            "Re-export the model to get a current manifest.") from None
+
+
+
+def program_in(run_dir: Path) -> Path:
+    """The program of a run folder: the file its manifest names (``export.output_name``), else model.pte."""
+    name = Manifest.read(run_dir).program.file if (run_dir / MANIFEST_FILE).is_file() else "model.pte"
+    return run_dir / name
