@@ -13,12 +13,12 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from exporters.driver import Driver
+from exporters.manifest import Speed
 from exporters.runtime import LoadedProgram
 
 # Run in a fresh interpreter: RSS a process gains by loading the program and some of its methods
@@ -79,17 +79,6 @@ def rss_after_load_mb(pte: Path, methods: list[str]) -> float:
     out = subprocess.run([sys.executable, "-c", _RSS_AFTER_LOAD, str(pte), *methods], capture_output=True,
                          text=True, check=True)
     return round(float(out.stdout.strip().splitlines()[-1]), 1)
-
-
-@dataclass(frozen=True)
-class Speed:
-    prompt_tokens: int
-    steps: int
-    repeats: int
-    prefill_tokens_per_s: float  # prompt tokens / time of the prompt call(s), median
-    decode_tokens_per_s: float  # steps / time of the one-token calls, median
-    prompt_method: str
-    step_method: str
 
 
 def measure_speed(program: LoadedProgram, driver: Driver, prompt_tokens: int, steps: int, repeats: int,

@@ -175,9 +175,9 @@ class Resources:
     peak_rss_mb: float
 
 
-@dataclass
-class BenchResult:
-    """The written program measured in the runtime as an app runs it (``exporters.stages.bench``)."""
+@dataclass(frozen=True)
+class Speed:
+    """Prefill and decode throughput of a program in the runtime (``exporters.benchmark.measure_speed``)."""
 
     prompt_tokens: int
     steps: int
@@ -186,6 +186,12 @@ class BenchResult:
     decode_tokens_per_s: float  # steps / time of the one-token calls, median
     prompt_method: str
     step_method: str
+
+
+@dataclass(frozen=True)
+class BenchResult(Speed):
+    """The written program measured in the runtime as an app runs it (``exporters.stages.bench``)."""
+
     rss_after_load_mb: float  # a fresh process loading prompt_method and step_method
     seconds: float  # the measurement itself
 

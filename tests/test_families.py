@@ -22,7 +22,7 @@ from models.decoder import CausalLM
 from models.errors import ModelError
 from models.families import FAMILIES
 from models.tokenizer import find_tokenizer, load_tokenizer
-from tests.helpers import assert_matches_transformers, copy_checkpoint, eager_model_of
+from tests.helpers import assert_matches_transformers, compose_config, copy_checkpoint, eager_model_of
 from tests.family_cases import FAMILY_CASES
 
 FAMILY_NAMES = list(FAMILY_CASES)
@@ -35,8 +35,13 @@ def test_every_registered_family_has_a_case_and_a_config_option() -> None:
     from exporters.config import CONF_DIR
 
     assert set(FAMILY_CASES) == set(FAMILIES)
+    # One conf/model/<family>.yaml per registered family (each keeps its comment on which checkpoints it
+    # covers), and each selects exactly its own family: the files cannot drift from the registry.
+    options = {p.stem for p in (CONF_DIR / "model").glob("*.yaml")} - {"hf", "auto", "tiny"}
+    assert options == set(FAMILIES)
     for name in FAMILIES:
-        assert (CONF_DIR / "model" / f"{name}.yaml").exists(), name
+        model = compose_config(f"model={name}").model
+        assert (model.name, model.family, model.source) == (name, name, "hf"), name
 
 
 def transformers_model(ckpt: Path):  # type: ignore[no-untyped-def]
@@ -163,7 +168,6 @@ def test_family_option_must_match_the_checkpoint(family_checkpoint) -> None:
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_random_init_builds_a_family_from_model_arch(family: str) -> None:
     from models.sources import SOURCES
-    from tests.helpers import compose_config
 
     arch = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
             "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "model.arch.vocab_size=300"]
@@ -176,7 +180,6 @@ def test_random_init_builds_a_family_from_model_arch(family: str) -> None:
 
 def test_inconsistent_heads_are_a_clear_error() -> None:
     from models.sources import SOURCES
-    from tests.helpers import compose_config
 
     arch = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
             "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=3", "model.arch.vocab_size=300"]
@@ -187,7 +190,6 @@ def test_inconsistent_heads_are_a_clear_error() -> None:
 
 def test_random_init_without_family_says_how_to_pick_one() -> None:
     from models.sources import SOURCES
-    from tests.helpers import compose_config
 
     with pytest.raises(ModelError, match="cannot tell which family.*model=<family>"):
         SOURCES["hf"](compose_config("model=hf", "model.random_init=true").model, Path("."))
@@ -209,7 +211,6 @@ def test_unknown_family_option_lists_the_families() -> None:
 
 def test_tiny_source_writes_any_family(tmp_path: Path) -> None:
     from models.sources import SOURCES
-    from tests.helpers import compose_config
 
     cfg = compose_config("model=tiny", "model.family=gemma2").model
     ckpt = SOURCES["tiny"](cfg, tmp_path)
