@@ -15,7 +15,7 @@ from pathlib import Path
 
 from exporters.errors import UserError
 from exporters.files import sha256_of
-from exporters.manifest import MANIFEST_FILE, Manifest, ValidationReport, program_in
+from exporters.manifest import MANIFEST_FILE, Manifest, ValidationReport
 from models.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 
 BUNDLED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", CHAT_TEMPLATE_FILE, "generation_config.json")
@@ -106,10 +106,10 @@ Every file's sha256 is in `manifest.json`; check them with `python -m exporters.
 def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     """Write ``<out>/<name>/`` and ``<out>/<name>.tar.gz`` from a finished run folder."""
     manifest_file = run_dir / MANIFEST_FILE
-    pte = program_in(run_dir)
-    if not manifest_file.is_file() or not pte.is_file():
+    m = Manifest.read(manifest_file) if manifest_file.is_file() else None
+    if m is None or not (run_dir / m.program.file).is_file():
         raise UserError(f"{run_dir}: not a finished export (needs manifest.json and the program it names).")
-    m = Manifest.read(manifest_file)
+    pte = run_dir / m.program.file
     if not m.ok:
         raise UserError(f"{run_dir}: the export's status is {m.status!r}; only validated exports are packaged.")
     cfg = m.config

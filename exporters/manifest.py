@@ -248,7 +248,6 @@ class Manifest:
                             "Re-export the model to get a current manifest.") from None
 
 
-
 def program_in(run_dir: Path) -> Path:
     """The program of a run folder: the file its manifest names (``export.output_name``), else model.pte."""
     name = Manifest.read(run_dir).program.file if (run_dir / MANIFEST_FILE).is_file() else "model.pte"

@@ -5,14 +5,12 @@ Used for the manifest and to prove that extra methods add graph bytes but no wei
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 
-def storage_breakdown(pte_file: Path) -> dict[str, Any]:
+def storage_breakdown(data: bytes) -> dict[str, Any]:
     from executorch.exir._serialize._program import deserialize_pte_binary
 
-    data = pte_file.read_bytes()
     pte = deserialize_pte_binary(data)
     named = pte.named_data
     named_bytes = sum(len(b) for b in named.buffers) if named is not None else 0
