@@ -78,6 +78,12 @@ class Driver:
     def of(program: Any) -> "Driver":
         return Driver(program, MethodRoles.choose(program_method_shapes(program)))
 
+    def load(self) -> None:
+        """Load the prompt and step methods now, so that no timed call pays for loading them."""
+        load = getattr(self.program, "load", None)  # LoadedProgram loads lazily; captured programs need not
+        if load is not None:
+            load(self.roles.prompt, self.roles.step)
+
     def prefill(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Logits after the last of ``tokens`` [1, T] placed at ``start``..: whole calls of the prompt
         method, and what a static-shape prompt method cannot take one token at a time. -> [1, V]"""

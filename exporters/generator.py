@@ -134,7 +134,7 @@ class Generator:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.driver = Driver.of(self.program)
         # Loaded now (XNNPACK packs each method's weights at load), so the rates measure running alone.
-        self.program.load(self.driver.roles.prompt, self.driver.roles.step)
+        self.driver.load()
         self.load_seconds = time.perf_counter() - start
 
     def encode(self, prompt: str) -> list[int]:

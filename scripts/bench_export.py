@@ -7,8 +7,10 @@
 
 For each exporter: wall time and peak RSS of the export process (os.wait4 on the child), .pte size, RSS
 of a fresh process after loading the program's methods, then decode and prefill tokens/s of the written
-program in the ExecuTorch runtime (median of repeats). Numbers are reported as ratios against export_llm
-measured in the same run, because absolute times on a shared 2-core machine drift. Our exporter runs with
+programs in the ExecuTorch runtime (median of repeats), measured after both exports, both programs
+loaded in one process and timed round by round in alternating order, so both run under the same
+conditions. Numbers are reported as ratios against export_llm measured in the same run, because
+absolute times on a shared 2-core machine drift. Our exporter runs with
 validate=false (export_llm does not validate; --validate adds it). Writes report.json and report.md next
 to the programs. Measure alone: two heavy exports at once distort each other's numbers.
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from exporters.benchmark import measure_speed, rss_after_load_mb, wait_with_peak_rss
+from exporters.benchmark import measure_speeds, rss_after_load_mb, wait_with_peak_rss
 from exporters.driver import Driver
 from exporters.manifest import Manifest
 from exporters.runtime import LoadedProgram
@@ -162,12 +164,14 @@ def export_llm_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path)
     ]
 
 
-def tokens_per_second(pte: Path, prefill_len: int, decode_steps: int, repeats: int, vocab: int) -> dict[str, float]:
-    """Median steady-state prefill and decode throughput, driven as exporters.generate drives a program
-    (ours: prefill then decode_one_token; export_llm's: forward for both)."""
-    program = LoadedProgram(pte)
-    speed = measure_speed(program, Driver.of(program), prefill_len, decode_steps, repeats, vocab)
-    return {"decode_tok_s": speed.decode_tokens_per_s, "prefill_tok_s": speed.prefill_tokens_per_s}
+def tokens_per_second(ptes: dict[str, Path], prefill_len: int, decode_steps: int, repeats: int,
+                      vocab: int) -> dict[str, dict[str, float]]:
+    """Median steady-state prefill and decode throughput of each program, driven as exporters.generate
+    drives it (ours: prefill then decode_one_token; export_llm's: forward for both), rounds interleaved."""
+    drivers = {name: Driver.of(LoadedProgram(pte)) for name, pte in ptes.items()}
+    speeds = measure_speeds(drivers, prefill_len, decode_steps, repeats, vocab)
+    return {name: {"decode_tok_s": s.decode_tokens_per_s, "prefill_tok_s": s.prefill_tokens_per_s}
+            for name, s in speeds.items()}
 
 
 def main() -> None:
@@ -202,11 +206,16 @@ def main() -> None:
         row["pte_mb"] = round(pte.stat().st_size / 1e6, 1)
         row["rss_after_load_mb"] = rss_after_load_mb(pte, loads[0])
         row.update({f"rss_after_load_mb[{'+'.join(m)}]": rss_after_load_mb(pte, m) for m in loads[1:]})
-        row.update(tokens_per_second(pte, args.prefill_len, args.decode_steps, args.repeats, p.vocab))
         if name == "llm-exporters":
             row["stages_s"] = Manifest.read(out).timings_s
         results[name] = row
         print(f"  {row}", flush=True)
+    print("measuring runtime speed ...", flush=True)
+    speeds = tokens_per_second({name: root / name / "model.pte" for name in results}, args.prefill_len,
+                               args.decode_steps, args.repeats, p.vocab)
+    for name, speed in speeds.items():
+        results[name].update(speed)
+        print(f"  {name}: {speed}", flush=True)
     keys = ("wall_s", "peak_rss_gb", "pte_mb", "rss_after_load_mb", "decode_tok_s", "prefill_tok_s")
     ratios = ({k: round(results["llm-exporters"][k] / results["export_llm"][k], 2) for k in keys}
               if len(results) == 2 else {})

@@ -39,8 +39,8 @@ class BenchStage(Stage):
         program = LoadedProgram(result.pte_path)
         driver = Driver.of(program)
         prompt_tokens, steps = bench_lengths(self.settings, self.max_seq_len)
-        speed = measure_speed(program, driver, prompt_tokens, steps, self.settings.repeats,
-                              int(program.constant("get_vocab_size")))
+        vocab_size = int(program.constant("get_vocab_size"))
+        speed = measure_speed(driver, prompt_tokens, steps, self.settings.repeats, vocab_size)
         del program, driver
         result.manifest.bench = BenchResult(
             **asdict(speed),
