@@ -8,8 +8,9 @@ which the pip wheel of ExecuTorch 1.5.1 has and 1.4.1's does not, so run it with
         ours=out/model.pte export_llm=bench/export_llm/model.pte
 
 Each program prefills a random prompt, then decodes ``--steps`` tokens one at a time through its one-token
-method (``decode_one_token``, ``decode``, else ``forward``); the table is the mean time per decode step of
-each operator (delegate calls are one row per call site), side by side, slowest first.
+method (``decode_one_token``, ``decode``, else ``forward``). Two tables, programs side by side, mean per decode
+step: where the time goes (delegate calls, XNNPACK operators inside them, operators outside any delegate),
+and the slowest operator kinds.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import re
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,16 +30,29 @@ STEP_METHODS = ("decode_one_token", "decode", "forward")
 PROMPT_METHODS = ("prefill", "forward")
 
 
-def profile(pte: Path, prompt_tokens: int, steps: int) -> tuple[dict[str, float], float]:
-    """Mean milliseconds per decode step of each operator (by name), and the wall ms per step."""
+@dataclass
+class DecodeProfile:
+    """Mean per decode step, from the runtime's own events."""
+
+    wall_ms: float  # Python's view: one execute() call
+    execute_ms: float  # Method::execute
+    delegate_calls: int
+    delegate_ms: float  # inside DELEGATE_CALL events, XNNPACK's setup and invoke included
+    delegated_ops: int  # XNNPACK operators inside the delegate calls
+    delegated_ops_ms: float
+    portable_calls: int  # operators the program runs outside any delegate (portable / custom kernels)
+    portable_ms: float
+    per_operator: dict[str, float] = field(default_factory=dict)  # ms by operator kind ("#N" dropped)
+
+
+def profile(pte: Path, prompt_tokens: int, steps: int) -> DecodeProfile:
     from executorch.devtools import Inspector
     from executorch.runtime import Runtime
 
     program = Runtime.get().load_program(str(pte), enable_etdump=True, debug_buffer_size=0)
     names = set(program.method_names)
     prompt = program.load_method(next(m for m in PROMPT_METHODS if m in names))
-    step_name = next(m for m in STEP_METHODS if m in names)
-    step = program.load_method(step_name)
+    step = program.load_method(next(m for m in STEP_METHODS if m in names))
     logits = prompt.execute([torch.randint(0, 1000, (1, prompt_tokens)), torch.tensor([0])])[0]
     start = time.perf_counter()
     for i in range(steps):
@@ -50,12 +66,40 @@ def profile(pte: Path, prompt_tokens: int, steps: int) -> tuple[dict[str, float]
     # One "Execute" block per method, each event holding one sample per call; the step method's block
     # is the last one, and its last ``steps`` samples are the decode calls (forward also ran the prompt).
     step_block = [b for b in inspector.event_blocks if b.name == "Execute"][-1]
-    per_op: dict[str, float] = collections.defaultdict(float)
+    result = DecodeProfile(wall_ms, 0.0, 0, 0.0, 0, 0.0, 0, 0.0)
+    per_operator: dict[str, float] = collections.defaultdict(float)
     for event in step_block.events:
-        if event.perf_data is not None and event.name != "OPERATOR_CALL":  # it wraps the native_call beside it
-            samples = event.perf_data.raw[-steps:]
-            per_op[event.name] += sum(samples) / len(samples)
-    return dict(per_op), wall_ms
+        if event.perf_data is None or event.name == "OPERATOR_CALL":  # it wraps the native call beside it
+            continue
+        samples = event.perf_data.raw[-steps:]
+        ms = sum(samples) / len(samples)
+        if event.name == "Method::execute":
+            result.execute_ms += ms
+        elif event.name == "DELEGATE_CALL":
+            result.delegate_calls += 1
+            result.delegate_ms += ms
+        elif event.name.startswith(("native_call_", "llama::", "quantized_decomposed::")):
+            result.portable_calls += 1
+            result.portable_ms += ms
+            per_operator[event.name.removeprefix("native_call_")] += ms
+        else:  # an XNNPACK operator, reported by the delegate ("Fully Connected (NC, ...) GEMM #3")
+            result.delegated_ops += 1
+            result.delegated_ops_ms += ms
+            per_operator["xnnpack: " + re.sub(r" #\d+$", "", event.name)] += ms
+    result.per_operator = dict(per_operator)
+    return result
+
+
+ROWS = [
+    ("wall per step (Python)", "wall_ms", "{:.3f} ms"),
+    ("Method::execute", "execute_ms", "{:.3f} ms"),
+    ("delegate calls", "delegate_calls", "{}"),
+    ("time in delegate calls", "delegate_ms", "{:.3f} ms"),
+    ("XNNPACK operators inside them", "delegated_ops", "{}"),
+    ("time in those operators", "delegated_ops_ms", "{:.3f} ms"),
+    ("operators outside delegates", "portable_calls", "{}"),
+    ("time in those operators", "portable_ms", "{:.3f} ms"),
+]
 
 
 def main() -> None:
@@ -63,7 +107,7 @@ def main() -> None:
     parser.add_argument("programs", nargs="+", help="label=path.pte")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
     with contextlib.suppress(ImportError):
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
@@ -74,14 +118,15 @@ def main() -> None:
         label, _, path = item.partition("=")
         results[label] = profile(Path(path), args.prompt_tokens, args.steps)
     labels = list(results)
-    ops = sorted({op for per_op, _ in results.values() for op in per_op},
-                 key=lambda op: -max(results[label][0].get(op, 0.0) for label in labels))
-    print("| operator | " + " | ".join(f"{label} ms/step" for label in labels) + " |")
-    print("|---|" + "---:|" * len(labels))
+    header = "| per decode step | " + " | ".join(labels) + " |\n|---|" + "---:|" * len(labels)
+    print(header)
+    for title, attr, fmt in ROWS:
+        print(f"| {title} | " + " | ".join(fmt.format(getattr(results[label], attr)) for label in labels) + " |")
+    ops = sorted({op for r in results.values() for op in r.per_operator},
+                 key=lambda op: -max(r.per_operator.get(op, 0.0) for r in results.values()))
+    print("\n" + header.replace("per decode step", "operator (ms per decode step)"))
     for op in ops[:args.top]:
-        print(f"| {op} | " + " | ".join(f"{results[label][0].get(op, 0.0):.3f}" for label in labels) + " |")
-    print("| **sum of operators** | " + " | ".join(f"{sum(results[label][0].values()):.3f}" for label in labels) + " |")
-    print("| **wall per step** | " + " | ".join(f"{results[label][1]:.3f}" for label in labels) + " |")
+        print(f"| {op} | " + " | ".join(f"{results[label].per_operator.get(op, 0.0):.3f}" for label in labels) + " |")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from exporters.benchmark import measure_speeds
 from exporters.bundle import make_bundle, verify_bundle
+from exporters.driver import Driver
 from exporters.errors import UserError
 from exporters.generator import Generator, SamplingConfig, TextStream, chat_prompt
+from exporters.runtime import LoadedProgram
 from tests.helpers import REPO_ROOT, compose_config
 
 PROMPT = "Once upon a time"
@@ -70,6 +73,19 @@ def test_generate_falls_back_to_forward_only_programs(exported, default_export) 
     greedy = SamplingConfig(max_new_tokens=NEW_TOKENS)
     expected = Generator(default_export.pte_path).generate(PROMPT, greedy)
     assert Generator(forward_only.pte_path).generate(PROMPT, greedy).new_ids == expected.new_ids
+
+
+def test_programs_compared_side_by_side_each_run_their_own_methods(exported, default_export) -> None:
+    """bench_export's comparison: two programs timed in alternating rounds, each through its own methods."""
+    forward_only = exported("export.methods=[forward]")
+    drivers = {"ours": Driver.of(LoadedProgram(default_export.pte_path)),
+               "forward only": Driver.of(LoadedProgram(forward_only.pte_path))}
+    speeds = measure_speeds(drivers, prompt_tokens=8, steps=4, repeats=2, vocab_size=256)
+    assert (speeds["ours"].prompt_method, speeds["ours"].step_method) == ("prefill", "decode_one_token")
+    assert (speeds["forward only"].prompt_method, speeds["forward only"].step_method) == ("forward", "forward")
+    for speed in speeds.values():
+        assert (speed.prompt_tokens, speed.steps, speed.repeats) == (8, 4, 2)
+        assert speed.prefill_tokens_per_s > 0 and speed.decode_tokens_per_s > 0
 
 
 def test_sampling_is_seeded_and_stops_at_eos(default_export) -> None:
