@@ -35,13 +35,13 @@ class DecodeProfile:
     """Mean per decode step, from the runtime's own events."""
 
     wall_ms: float  # Python's view: one execute() call
-    execute_ms: float  # Method::execute
-    delegate_calls: int
-    delegate_ms: float  # inside DELEGATE_CALL events, XNNPACK's setup and invoke included
-    delegated_ops: int  # XNNPACK operators inside the delegate calls
-    delegated_ops_ms: float
-    portable_calls: int  # operators the program runs outside any delegate (portable / custom kernels)
-    portable_ms: float
+    execute_ms: float = 0.0  # Method::execute
+    delegate_calls: int = 0
+    delegate_ms: float = 0.0  # inside DELEGATE_CALL events, XNNPACK's setup and invoke included
+    delegated_ops: int = 0  # XNNPACK operators inside the delegate calls
+    delegated_ops_ms: float = 0.0
+    portable_calls: int = 0  # operators the program runs outside any delegate (portable / custom kernels)
+    portable_ms: float = 0.0
     per_operator: dict[str, float] = field(default_factory=dict)  # ms by operator kind ("#N" dropped)
 
 
@@ -66,7 +66,7 @@ def profile(pte: Path, prompt_tokens: int, steps: int) -> DecodeProfile:
     # One "Execute" block per method, each event holding one sample per call; the step method's block
     # is the last one, and its last ``steps`` samples are the decode calls (forward also ran the prompt).
     step_block = [b for b in inspector.event_blocks if b.name == "Execute"][-1]
-    result = DecodeProfile(wall_ms, 0.0, 0, 0.0, 0, 0.0, 0, 0.0)
+    result = DecodeProfile(wall_ms)
     per_operator: dict[str, float] = collections.defaultdict(float)
     for event in step_block.events:
         if event.perf_data is None or event.name == "OPERATOR_CALL":  # it wraps the native call beside it
