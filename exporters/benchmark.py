@@ -99,7 +99,7 @@ def measure_speeds(drivers: dict[str, Driver], prompt_tokens: int, steps: int, r
     for r in range(repeats + 1):  # round 0 warms up
         prompt = torch.randint(0, vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(r))
         for label in (list(drivers) if r % 2 == 0 else list(reversed(drivers))):
-            prefill_s, decode_s = _time_round(drivers[label], prompt, steps)
+            prefill_s, decode_s = time_round(drivers[label], prompt, steps)
             if r:
                 rates[label][0].append(prompt_tokens / prefill_s)
                 rates[label][1].append(steps / decode_s)
@@ -108,7 +108,7 @@ def measure_speeds(drivers: dict[str, Driver], prompt_tokens: int, steps: int, r
             for label, driver in drivers.items()}
 
 
-def _time_round(driver: Driver, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
+def time_round(driver: Driver, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
     """Seconds to prefill ``prompt`` at position 0, and to decode ``steps`` greedy tokens after it."""
     start = time.perf_counter()
     logits = driver.prefill(prompt)

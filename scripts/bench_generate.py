@@ -11,20 +11,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from exporters.driver import Driver
+from exporters.benchmark import time_round
 from exporters.generator import Generator, SamplingConfig
-
-
-def bare_loop_seconds(driver: Driver, logits: torch.Tensor, start: int, steps: int) -> float:
-    """The step method called with argmax tokens, nothing else."""
-    t = time.perf_counter()
-    for i in range(steps):
-        logits = driver.decode_one_token(int(logits.argmax()), start + i)
-    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -36,7 +27,6 @@ def main() -> None:
     args = ap.parse_args()
     gen = Generator(args.program)
     gen.eos_ids = set()  # the same number of tokens every time
-    driver = gen.driver
     vocab = int(gen.program.constant("get_vocab_size"))
     sampling = SamplingConfig(max_new_tokens=args.steps)
     bare, ours, prefill = [], [], []
@@ -45,10 +35,7 @@ def main() -> None:
         # Alternate which of the two runs first, so neither always runs on a warmer machine.
         if r % 2:
             rate = gen.generate("", sampling, prompt_ids=prompt[0].tolist()).generation_tokens_per_s
-        t = time.perf_counter()
-        logits = driver.prefill(prompt)
-        prefill_s = time.perf_counter() - t
-        bare_s = bare_loop_seconds(driver, logits, args.prompt_len, args.steps)
+        prefill_s, bare_s = time_round(gen.driver, prompt, args.steps)  # the bare loop: argmax tokens only
         if not r % 2:
             rate = gen.generate("", sampling, prompt_ids=prompt[0].tolist()).generation_tokens_per_s
         if r:  # the first round warms up
