@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from exporters.artifacts import EmittedProgram, LoweredProgram
-from exporters.files import write_atomically
+from exporters.files import sha256_of, write_atomically
 from exporters.pipeline import Stage
 from exporters.pte_contents import storage_breakdown
 
@@ -46,7 +45,6 @@ class EmitStage(Stage):
         # Streamed piece by piece: program.buffer would hold the whole file in memory once more.
         write_atomically(path, program.write_to_file)
         del program
-        data = path.read_bytes()  # read back once, with nothing else of the program left in memory
         captured = lowered.captured
         return EmittedProgram(
             quantized=captured.quantized,
@@ -56,9 +54,9 @@ class EmitStage(Stage):
             delegated_partitions=lowered.delegated_partitions,
             path=path,
             final_path=self.final_path,
-            size_bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
-            storage=storage_breakdown(data),
+            size_bytes=path.stat().st_size,
+            sha256=sha256_of(path),
+            storage=storage_breakdown(path),
             reference_programs=captured.reference_programs,
             aliases=captured.aliases,
         )
