@@ -103,7 +103,7 @@ def main() -> None:
         start = time.perf_counter()
         artifact = stage.run(artifact)
         at_end = current_rss_mb()
-        peak = max(peak_rss_mb(), *STEP_PEAKS)  # a probed step resets the window: keep the steps' peaks too
+        peak = max([peak_rss_mb(), *STEP_PEAKS])  # a probed step resets the window: keep the steps' peaks too
         return_freed_memory()
         print(f"{stage.name:10s} {time.perf_counter() - start:7.1f} s  peak {peak:6.0f}  at end {at_end:6.0f}"
               f"  after returning freed heap {current_rss_mb():6.0f}", flush=True)
