@@ -3,7 +3,7 @@ ExecuTorch's emitter and serializer, our writing, hashing and storage breakdown)
 
     python scripts/profile_memory.py                 # 134M Llama preset, xnnpack 8da4w, max_seq_len 256
     python scripts/profile_memory.py --layers 4      # the same shape cut to 4 layers (about 2 minutes)
-    python scripts/profile_memory.py --layers 4 --backend portable export.max_seq_len=512   # + Hydra overrides
+    python scripts/profile_memory.py --layers 4 --backend portable quant.group_size=64   # + Hydra overrides
 
 Runs the export's stages in this process (validate=false) and prints, per stage, the peak RSS (VmHWM,
 reset before each stage), RSS at its end and after freed heap went back to the OS. Around each emit step
