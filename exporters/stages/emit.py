@@ -46,6 +46,7 @@ class EmitStage(Stage):
         write_atomically(path, program.write_to_file)
         del program
         captured = lowered.captured
+        storage = storage_breakdown(path)
         return EmittedProgram(
             quantized=captured.quantized,
             specs=captured.specs,
@@ -54,9 +55,9 @@ class EmitStage(Stage):
             delegated_partitions=lowered.delegated_partitions,
             path=path,
             final_path=self.final_path,
-            size_bytes=path.stat().st_size,
+            size_bytes=storage["total_bytes"],
             sha256=sha256_of(path),
-            storage=storage_breakdown(path),
+            storage=storage,
             reference_programs=captured.reference_programs,
             aliases=captured.aliases,
         )
