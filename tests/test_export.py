@@ -170,6 +170,30 @@ def test_storage_breakdown_agrees_with_a_full_deserialization(exported, backend:
     assert (storage["named_data_bytes"] > 0) == (backend == "xnnpack")
 
 
+def test_an_alias_is_written_as_executorch_plans_and_emits_it(tmp_path: Path) -> None:
+    """Emit adds forward as prefill's execution plan renamed, skipping to_executorch's passes for it; ExecuTorch,
+    given forward as its own copy of prefill's lowered graph (how emit worked before), writes the same bytes."""
+    import copy
+
+    from exporters.config import to_typed
+    from exporters.export import build_stages
+    from exporters.stages.emit import backend_config, to_executorch
+    from tests.helpers import compose_config
+
+    lowered = None
+    for stage in build_stages(to_typed(compose_config("backend=xnnpack", "validate=false")), tmp_path)[:5]:
+        lowered = stage.run(lowered)  # load .. lower
+    aliases = lowered.captured.aliases
+    assert aliases == {"forward": "prefill"} and "forward" not in lowered.edge.methods
+    edge = copy.deepcopy(lowered.edge)  # to_executorch consumes the programs it is given
+    ours = to_executorch(lowered.edge, aliases).buffer
+
+    source = edge.exported_program("prefill")
+    shared = {id(t): t for t in (*source.state_dict.values(), *source.constants.values())}
+    edge._edge_programs["forward"] = copy.deepcopy(source, shared)
+    assert ours == edge.to_executorch(backend_config()).buffer
+
+
 def test_decode_only_program_validates_token_by_token(exported) -> None:
     result = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]", "export.layout=split")
     assert LoadedProgram(result.pte_path).method_names >= {"decode"}

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 from exporters.artifacts import EmittedProgram, LoweredProgram
 from exporters.files import sha256_of, write_atomically
@@ -24,6 +27,37 @@ def backend_config():  # type: ignore[no-untyped-def]
     )
 
 
+def to_executorch(edge: Any, aliases: dict[str, str]) -> Any:
+    """``edge.to_executorch``, then each alias (forward = prefill) added as its source's execution plan renamed.
+
+    ``to_executorch`` runs its passes and memory planning once per method, and for an alias they would cost
+    as much as for its source and give the same plan: emitting forward from its own copy of prefill's graph
+    wrote a plan equal to prefill's but for its name (delegate segments, constants and memory plan included;
+    checked on every backend), and took a third of emit on SmolLM2 (docs/DESIGN.md, 2c).
+    """
+    from executorch.exir._serialize._serialize import serialize_for_executorch
+
+    config = backend_config()
+    manager = edge.to_executorch(config)
+    if not aliases:
+        return manager
+    program = manager.executorch_program
+    n_methods = len(manager.methods)  # the methods' plans come first, by name; the constant methods' follow
+    plans = {plan.name: plan for plan in program.execution_plan[:n_methods]}
+    for alias, source in aliases.items():
+        # A deep copy (small: the data lives outside the plans): the serializer rewrites each plan's delegates.
+        plans[alias] = dataclasses.replace(copy.deepcopy(plans[source]), name=alias)
+        for debug_map in (manager.debug_handle_map, manager.delegate_map, manager.instruction_id_to_num_outs_map):
+            if source in debug_map:
+                debug_map[alias] = debug_map[source]
+    program.execution_plan = [plans[name] for name in sorted(plans)] + program.execution_plan[n_methods:]
+    # The manager serialized the program when it was built (its constructor emits and serializes):
+    # serialize it again, now with the aliases. The serializer copies the plans and shares the data.
+    manager._pte_data, manager._tensor_data = serialize_for_executorch(
+        manager._emitter_output, config, manager._data_serializer, manager._named_data)
+    return manager
+
+
 def provisional_path(final: Path) -> Path:
     """Where the program sits until validation accepts it: cannot be mistaken for a finished export."""
     return final.with_name(final.stem + ".unvalidated" + final.suffix)
@@ -36,7 +70,7 @@ class EmitStage(Stage):
         self.final_path = final_path
 
     def run(self, lowered: LoweredProgram) -> EmittedProgram:
-        program = lowered.edge.to_executorch(backend_config())
+        program = to_executorch(lowered.edge, lowered.captured.aliases)
         # The edge programs are not needed past this point (to_executorch transformed copies of them):
         # dropping them here keeps them out of the peak memory of serialization.
         lowered.edge = None

@@ -7,7 +7,6 @@ keys constants by the sha256 of their bytes).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from exporters.artifacts import CapturedMethods, LoweredProgram
@@ -37,20 +36,13 @@ def constant_methods(captured: CapturedMethods, max_seq_len: int, dynamic_shapes
     return values
 
 
-def lowered_copy(program: Any) -> Any:
-    """Another method over an already lowered graph. The graph is copied, because ``to_executorch`` rewrites
-    each method's graph in place; the weights are not (the copy shares their tensors, and the emitter stores
-    identical constants and delegate blobs once)."""
-    shared = {id(t): t for t in (*program.state_dict.values(), *program.constants.values())}
-    return copy.deepcopy(program, shared)
-
-
-def count_delegates(edge: Any) -> dict[str, int]:
+def count_delegates(edge: Any, aliases: dict[str, str]) -> dict[str, int]:
+    """Delegated partitions per method, aliases included (they are emitted from their source's graph)."""
     counts = {}
     for name in edge.methods:
         graph = edge.exported_program(name).graph
         counts[name] = sum(1 for n in graph.nodes if n.op == "call_function" and "call_delegate" in str(n.target))
-    return counts
+    return {**counts, **{alias: counts[source] for alias, source in aliases.items()}}
 
 
 class LowerStage(Stage):
@@ -72,8 +64,6 @@ class LowerStage(Stage):
             compile_config=EdgeCompileConfig(_check_ir_validity=False),
         )
         captured.programs = {}  # rewritten by the call above; do not reuse
-        for alias, source in captured.aliases.items():
-            # No public API adds a method to an EdgeProgramManager; its method dict is the one place to.
-            edge._edge_programs[alias] = lowered_copy(edge.exported_program(source))
+        # Aliases (forward = prefill) are not lowered: emit adds them as copies of their source's planned graph.
         return LoweredProgram(captured=captured, edge=edge, constant_methods=constants,
-                              delegated_partitions=count_delegates(edge))
+                              delegated_partitions=count_delegates(edge, captured.aliases))
