@@ -15,6 +15,7 @@ from exporters.layouts import Layout
 from exporters.manifest import Signature, TensorSpec
 from exporters.methods import MethodSpec, method_specs
 from exporters.pipeline import Stage
+from exporters.quantization import share_activation_quantization
 
 
 def _tensor_spec(value: Any, name: str, dim_name: str) -> TensorSpec:
@@ -77,6 +78,8 @@ class CaptureStage(Stage):
                         for name, spec in specs.items() if name not in aliases}
 
         programs = capture_all()
+        for program in programs.values():
+            share_activation_quantization(program)
         signatures = {name: signature(p) for name, p in programs.items()}
         reference = capture_all() if self.keep_reference else None
         for alias, source in aliases.items():
