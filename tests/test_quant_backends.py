@@ -159,3 +159,35 @@ def test_qparams_choice_changes_the_scales_and_is_recorded(tiny_checkpoint) -> N
             "hqq_scale_only" if qparams == "hqq" else "affine")
         weights[qparams] = model.model.layers[0].mlp.down_proj.weight.dequantize()
     assert not torch.equal(weights["hqq"], weights["affine"])
+
+
+def test_each_activation_is_quantized_once(smollm2_truncated, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """q/k/v read one activation and gate/up another: the captured program quantizes each once (torchao alone
+    quantizes it per linear), and computes exactly the logits of the program that quantizes it per linear."""
+    import copy
+
+    from exporters.config import to_typed
+    from exporters.export import build_stages
+    from exporters.quantization import share_activation_quantization
+    from tests.helpers import REAL_LAYERS, compose_config
+
+    cfg = to_typed(compose_config("model=llama", f"model.checkpoint={smollm2_truncated}", "quant=8da4w",
+                                  "validate=false", "export.methods=[decode]", "export.layout=split"))
+    captured = None
+    for stage in build_stages(cfg, tmp_path)[:4]:  # load .. capture
+        captured = stage.run(captured)
+    spec = captured.specs["decode"]
+    with torch.no_grad():
+        per_linear = torch.export.export(captured.quantized.model, spec.example_inputs,
+                                         dynamic_shapes=spec.dynamic_shapes, strict=False)
+    shared = copy.deepcopy(per_linear)
+    assert share_activation_quantization(shared) > 0
+
+    def quantized_activations(program) -> int:  # type: ignore[no-untyped-def]
+        return sum(1 for n in program.graph.nodes if "choose_qparams_affine" in str(n.target))
+
+    # Per layer: 7 linears (q, k, v, o, gate, up, down) read 4 distinct activations; plus lm_head.
+    assert quantized_activations(per_linear) == 7 * REAL_LAYERS + 1
+    assert quantized_activations(shared) == quantized_activations(captured.programs["decode"]) == 4 * REAL_LAYERS + 1
+    token, position = torch.tensor([[42]]), torch.tensor([3])
+    assert torch.equal(per_linear.module()(token, position), shared.module()(token, position))
