@@ -33,7 +33,7 @@ def to_executorch(edge: Any, aliases: dict[str, str]) -> Any:
     ``to_executorch`` runs its passes and memory planning once per method, and for an alias they would cost
     as much as for its source and give the same plan: emitting forward from its own copy of prefill's graph
     wrote a plan equal to prefill's but for its name (delegate segments, constants and memory plan included;
-    checked on every backend), and took a third of emit on SmolLM2 (docs/DESIGN.md, 2c).
+    checked on xnnpack, portable and vulkan programs), and took a third of emit on SmolLM2 (docs/DESIGN.md, 2c).
     """
     from executorch.exir._serialize._serialize import serialize_for_executorch
 
@@ -71,7 +71,7 @@ class EmitStage(Stage):
 
     def run(self, lowered: LoweredProgram) -> EmittedProgram:
         program = to_executorch(lowered.edge, lowered.captured.aliases)
-        # The edge programs are not needed past this point (to_executorch transformed copies of them):
+        # The edge programs are not needed past this point (to_executorch consumed them):
         # dropping them here keeps them out of the peak memory of serialization.
         lowered.edge = None
         path = provisional_path(self.final_path)

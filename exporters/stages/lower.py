@@ -64,6 +64,6 @@ class LowerStage(Stage):
             compile_config=EdgeCompileConfig(_check_ir_validity=False),
         )
         captured.programs = {}  # rewritten by the call above; do not reuse
-        # Aliases (forward = prefill) are not lowered: emit adds them as copies of their source's planned graph.
+        # Aliases (forward = prefill) are not lowered: emit writes their source's execution plan under their name.
         return LoweredProgram(captured=captured, edge=edge, constant_methods=constants,
                               delegated_partitions=count_delegates(edge, captured.aliases))
