@@ -25,7 +25,8 @@ BLOCK_ELEMENTS = 1 << 20
 @torch.no_grad()  # as torchao's: a weight Parameter would otherwise record every block's graph
 def hqq_scale_only_by_rows(hp_tensor: torch.Tensor, block_size: Sequence[int], qmin: int, qmax: int, *,
                            iters: int = 20, stochastic: bool = False,
-                           early_stop_tol: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+                           early_stop_tol: float = 1e-5,
+                           block_elements: int = BLOCK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
     """``(qdata, scale)`` exactly as torchao's ``_choose_qparams_and_quantize_scale_only_hqq`` returns them.
 
     ``qdata`` is int8 where torchao returns int32 holding the same values (its only caller casts to int8).
@@ -41,7 +42,7 @@ def hqq_scale_only_by_rows(hp_tensor: torch.Tensor, block_size: Sequence[int], q
     group_size = int(block_size[1])
     assert width % group_size == 0, f"in_features={width} must be divisible by group_size={group_size}"
     weights = hp_tensor.to(torch.float32).contiguous().view(rows, width // group_size, group_size)
-    step = max(1, BLOCK_ELEMENTS // width)
+    step = max(1, block_elements // width)
     blocks = [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
     qabs = max(abs(qmin), abs(qmax)) or 1
 

@@ -191,3 +191,28 @@ def test_each_activation_is_quantized_once(smollm2_truncated, tmp_path) -> None:
     assert quantized_activations(shared) == quantized_activations(captured.programs["decode"]) == 4 * REAL_LAYERS + 1
     token, position = torch.tensor([[42]]), torch.tensor([3])
     assert torch.equal(per_linear.module()(token, position), shared.module()(token, position))
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (8, 32)])
+def test_hqq_by_rows_is_torchaos_hqq_bit_for_bit(smollm2_truncated, bits: int, group_size: int) -> None:  # type: ignore[no-untyped-def]
+    """HQQ computed a block of rows at a time gives torchao's quantized values and scales exactly, on the real
+    embedding (many blocks; the 8-bit runs stop early) and a real MLP weight, and quantize_ uses it."""
+    from safetensors.torch import load_file
+    from torchao.quantization.quant_primitives import _choose_qparams_and_quantize_scale_only_hqq
+    from torchao.quantization.quantize_.workflows.intx import intx_unpacked_to_int8_tensor as intx
+
+    from exporters.hqq import hqq_by_rows, hqq_scale_only_by_rows
+
+    weights = load_file(smollm2_truncated / "model.safetensors")
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"):
+        weight = weights[name].float()
+        expected_q, expected_scale = _choose_qparams_and_quantize_scale_only_hqq(weight, [1, group_size], qmin, qmax)
+        q, scale = hqq_scale_only_by_rows(weight, [1, group_size], qmin, qmax, block_elements=1 << 18)
+        assert weight.numel() > 1 << 18
+        assert torch.equal(q, expected_q.to(torch.int8)), name
+        assert torch.equal(scale, expected_scale), name
+    original = intx._choose_qparams_and_quantize_scale_only_hqq
+    with hqq_by_rows():
+        assert intx._choose_qparams_and_quantize_scale_only_hqq is hqq_scale_only_by_rows
+    assert intx._choose_qparams_and_quantize_scale_only_hqq is original
