@@ -159,7 +159,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig) -> AppliedQuantization:
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
     # Linears first: each one's fp32 weight is freed as it is quantized, so the embedding (the largest single
     # matrix, whose HQQ pass holds about four fp32 copies of it at once) is quantized beside int8 linears
-    # rather than the whole fp32 model. Llama-3.2-1B shape, 8da4w_emb4w: this stage's peak 9.6 -> 6.x GB.
+    # rather than the whole fp32 model. Llama-3.2-1B shape, 8da4w_emb4w: this stage's peak 9.4 -> 6.8 GB.
     if linear and linears:
         applied.linear = _apply(model, LINEAR_SCHEMES, linear, group_size, qparams, linears,
                                 lambda m: m.in_features, applied.notes)

@@ -196,7 +196,7 @@ def test_each_activation_is_quantized_once(smollm2_truncated, tmp_path) -> None:
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (8, 32)])
 def test_hqq_by_rows_is_torchaos_hqq_bit_for_bit(smollm2_truncated, bits: int, group_size: int) -> None:  # type: ignore[no-untyped-def]
     """HQQ computed a block of rows at a time gives torchao's quantized values and scales exactly, on the real
-    embedding (many blocks; the 8-bit runs stop early) and a real MLP weight, and quantize_ uses it."""
+    embedding and a real MLP weight cut into many blocks; ``hqq_by_rows`` swaps it in and restores torchao's."""
     from safetensors.torch import load_file
     from torchao.quantization.quant_primitives import _choose_qparams_and_quantize_scale_only_hqq
     from torchao.quantization.quantize_.workflows.intx import intx_unpacked_to_int8_tensor as intx
