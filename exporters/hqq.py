@@ -46,6 +46,9 @@ def hqq_scale_only_by_rows(hp_tensor: torch.Tensor, block_size: Sequence[int], q
     blocks = [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
     qabs = max(abs(qmin), abs(qmax)) or 1
 
+    def rounded(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:  # [rows, groups, group_size] integer values
+        return (w / s.unsqueeze(-1)).round().clamp(qmin, qmax)
+
     scale = torch.empty(weights.shape[:2], dtype=torch.float32)  # [rows, groups]
     for b in blocks:
         scale[b] = (weights[b].abs().amax(dim=2) / qabs).clamp_min(eps)
@@ -54,7 +57,7 @@ def hqq_scale_only_by_rows(hp_tensor: torch.Tensor, block_size: Sequence[int], q
         refined = torch.empty_like(scale)
         for b in blocks:
             w, s = weights[b], scale[b]
-            q = (w / s.unsqueeze(-1)).round().clamp(qmin, qmax)
+            q = rounded(w, s)
             num = (w * q).sum(dim=2, dtype=torch.float32)
             den = (q * q).sum(dim=2, dtype=torch.float32)
             refined[b] = torch.where(den > 0, num / den, s).clamp_min(eps).abs()
@@ -65,8 +68,7 @@ def hqq_scale_only_by_rows(hp_tensor: torch.Tensor, block_size: Sequence[int], q
 
     qdata = torch.empty((rows, width), dtype=torch.int8)
     for b in blocks:
-        w = weights[b]
-        qdata[b] = (w / scale[b].unsqueeze(-1)).round().clamp(qmin, qmax).view(-1, width).to(torch.int8)
+        qdata[b] = rounded(weights[b], scale[b]).view(-1, width).to(torch.int8)
     return qdata, scale.to(hp_tensor.dtype)
 
 
