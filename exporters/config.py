@@ -7,7 +7,6 @@ backend?) are checked in :func:`check_config` with the allowed alternatives spel
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -61,17 +60,17 @@ class QuantConfig:
     name: str = MISSING
     # Dtype of weights and activations left in floating point: fp32, fp16 or bf16.
     dtype: str = "fp32"
-    # Scheme of the linear layers (a key of exporters.quantization.LINEAR_SCHEMES), or null for none.
+    # Scheme of the linear layers (a key of exporters.quant.schemes.LINEAR_SCHEMES), or null for none.
     linear: Optional[str] = None
     # Elements per quantization group along the input dimension; 0 = one scale per output channel.
     group_size: int = 32
     # The output projection may use its own scheme; by default it follows the linear layers.
     lm_head: Optional[str] = "${.linear}"
     lm_head_group_size: int = "${.group_size}"  # type: ignore[assignment]
-    # Scheme of the token embedding (a key of exporters.quantization.EMBEDDING_SCHEMES), or null.
+    # Scheme of the token embedding (a key of exporters.quant.schemes.EMBEDDING_SCHEMES), or null.
     embedding: Optional[str] = None
     embedding_group_size: int = 32
-    # How integer scales are chosen (a key of exporters.quantization.QPARAMS): "hqq" as ExecuTorch's
+    # How integer scales are chosen (a key of exporters.quant.schemes.QPARAMS): "hqq" as ExecuTorch's
     # export_llm does, or "affine" (min/max).
     qparams: str = "hqq"
     # Validation tolerances of the program against the eager model quantized the same way, on the
@@ -86,7 +85,7 @@ class QuantConfig:
 @dataclass
 class BackendConfig:
     name: str = MISSING
-    # Key of exporters.backends.PARTITIONERS; `options` are passed to it.
+    # Key of exporters.program.backends.PARTITIONERS; `options` are passed to it.
     partitioner: str = MISSING
     options: Dict[str, Any] = field(default_factory=dict)
     # Whether prefill/forward get a dynamic token dimension (else a fixed export.prefill_chunk).
@@ -107,9 +106,9 @@ class BackendConfig:
 class ExportSection:
     # Longest sequence (prompt + generated) the program accepts; also the KV-cache length.
     max_seq_len: int = 128
-    # Methods to capture, each a key of exporters.methods.METHOD_KINDS.
+    # Methods to capture, each a key of exporters.program.methods.METHOD_KINDS.
     methods: List[str] = field(default_factory=lambda: ["prefill", "decode", "forward"])
-    # How the methods are named (a key of exporters.layouts.LAYOUTS): "stock" runs correctly in every
+    # How the methods are named (a key of exporters.program.layouts.LAYOUTS): "stock" runs correctly in every
     # ExecuTorch stock runner we test; "split" uses the prefill/decode names, which ExecuTorch 1.5.1's
     # stock runner runs with two KV caches (wrong text): only for apps that share memory arenas.
     layout: str = "stock"
@@ -148,7 +147,7 @@ class BenchmarkConfig:
 @dataclass
 class SearchConfig:
     # The trial objective of an Optuna search (--config-name search): a numeric column of the sweep
-    # summary (exporters.report.JobRow), e.g. size_mb, decode_tok_s, ppl_increase; the sweeper's
+    # summary (exporters.sweeps.summary.JobRow), e.g. size_mb, decode_tok_s, ppl_increase; the sweeper's
     # direction says whether it is minimized or maximized.
     objective: str = "size_mb"
     # Trials whose perplexity increase over fp32 is above this are infeasible (scored inf); null = no bound.
@@ -180,37 +179,14 @@ class ExportConfig:
     verbose: bool = False
 
 
-def parallel_jobs(job_memory_gb: int) -> int:
-    """Jobs a machine runs at once: one per core, no more than fit in the memory available now."""
-    with open("/proc/meminfo") as f:
-        available_gb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 1024**2
-    return max(1, min(os.cpu_count() or 1, int(available_gb // max(job_memory_gb, 1))))
-
-
-# Ray puts unix sockets under <temp dir>/session_<date>_<time>_<us>_<pid>/sockets/, and a socket path may
-# not exceed 107 bytes: room for the temp dir itself.
-RAY_SOCKET_SUFFIX = len("/session_2026-11-23_00-42-50_854187_1234567/sockets/plasma_store")
-
-
-def ray_temp_dir(sweep_dir: str) -> str:
-    """Ray's temporary folder for a sweep: ``<sweep folder>/.ray`` where its socket paths fit, else Ray's
-    own default ``/tmp/ray``."""
-    inside = os.path.join(os.path.abspath(sweep_dir), ".ray")
-    return inside if len(inside) + RAY_SOCKET_SUFFIX <= 107 else "/tmp/ray"
-
-
 def register_configs() -> None:
-    """Make the schema known to Hydra (``conf/config.yaml`` lists it first in its defaults), and the
-    resolvers the launcher presets in ``conf/hydra/launcher/`` use."""
+    """Make the schema known to Hydra (``conf/config.yaml`` lists it first in its defaults), and the resolvers
+    the launcher presets use. The commands call it before Hydra composes; calling it again changes nothing."""
+    from exporters.sweeps.resolvers import RESOLVERS
+
     ConfigStore.instance().store(name="export_schema", node=ExportConfig)
-    resolvers = {"exporters.parallel_jobs": parallel_jobs,
-                 "exporters.ray_temp_dir": ray_temp_dir,
-                 "exporters.gib": lambda gb: int(gb) * 1024**3}
-    for name, resolver in resolvers.items():
+    for name, resolver in RESOLVERS.items():
         OmegaConf.register_new_resolver(name, resolver, replace=True)
-
-
-register_configs()
 
 
 def _names(values: Any) -> str:
@@ -219,9 +195,9 @@ def _names(values: Any) -> str:
 
 def check_config(cfg: ExportConfig | DictConfig) -> None:
     """Rules that span fields or groups; each failure says what is allowed instead."""
-    from exporters.backends import PARTITIONERS
-    from exporters.methods import METHOD_KINDS
-    from exporters.quantization import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, QPARAMS
+    from exporters.program.backends import PARTITIONERS
+    from exporters.program.methods import METHOD_KINDS
+    from exporters.quant.schemes import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, QPARAMS
     from models.decoder import ATTENTION
     from models.families import FAMILIES
     from models.sources import SOURCES
@@ -261,20 +237,20 @@ def check_config(cfg: ExportConfig | DictConfig) -> None:
             f"bench=true: backend={b.name}'s delegate cannot run on this host, so its speed cannot be measured "
             "here. Set bench=false, or run the bench on a device with that backend."
         )
-    from exporters.report import JobRow
+    from exporters.sweeps.summary import JobRow
 
     numeric = [f for f, t in JobRow.__annotations__.items() if "float" in str(t)]
     one_of("search.objective", cfg.search.objective, numeric, "Pick a numeric column of the sweep summary.")
     one_of("quant.qparams", q.qparams, sorted(QPARAMS), "Set quant.qparams to one of those.")
     if cfg.validate and v.text_file is not None:
-        from exporters.quality import read_text
+        from exporters.runtime.quality import read_text
 
         read_text(v.text_file)  # a missing or empty file fails now, before any work
     for name in ("group_size", "lm_head_group_size", "embedding_group_size"):
         if getattr(q, name) < 0:
             raise UserError(f"quant.{name}={getattr(q, name)}: use 0 (per channel) or a positive group size.")
     check_backend_supports(cfg)
-    from exporters.layouts import check_layout
+    from exporters.program.layouts import check_layout
 
     check_layout(ex.layout, ex.methods, b.dynamic_shapes)
     if not b.dynamic_shapes and not (1 <= ex.prefill_chunk < ex.max_seq_len):

@@ -9,12 +9,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from exporters.artifacts import ExportResult
-from exporters.benchmark import reset_peak_rss
+from exporters.stages.artifacts import ExportResult
+from exporters.runtime.memory import reset_peak_rss
 from exporters.config import ExportConfig, check_config, to_typed
 from exporters.errors import UserError
-from exporters.layouts import LAYOUTS
-from exporters.pipeline import Stage, run_pipeline
+from exporters.program.layouts import LAYOUTS
+from exporters.stages.pipeline import Stage, run_pipeline
 from exporters.stages.bench import BenchStage
 from exporters.stages.capture import CaptureStage
 from exporters.stages.emit import EmitStage
@@ -22,7 +22,7 @@ from exporters.stages.load import LoadStage
 from exporters.stages.lower import LowerStage
 from exporters.stages.finalize import FinalizeStage
 from exporters.stages.quantize import QuantizeStage
-from exporters.stages.reference import ReferenceStage, prompt_length
+from exporters.stages.baseline import ReferenceStage, prompt_length
 from exporters.stages.validate import Tolerance, ValidateStage
 
 log = logging.getLogger("exporters")

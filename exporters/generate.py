@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from exporters import console
 from exporters.errors import REPORTED_ERRORS, UserError
-from exporters.generator import Generator, SamplingConfig, chat_prompt
+from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt
 
 USAGE = """usage: python -m exporters.generate <run folder or .pte> prompt="..." [key=value ...]
 

@@ -1,8 +1,8 @@
 """``python -m exporters.llm model=... quant=... backend=...``: thin Hydra entry point around ``export()``.
 
 A single run exports in this process. In a sweep (``-m``) each job exports in a child process
-(``exporters.job``) and records a row in its folder, whatever happens to the export; the end-of-sweep
-callback (``exporters.callbacks.SweepSummary``) gathers the rows into the sweep's summary.
+(``exporters.sweeps.job``) and records a row in its folder, whatever happens to the export; the end-of-sweep
+callback (``exporters.sweeps.callbacks.SweepSummary``) gathers the rows into the sweep's summary.
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ from omegaconf import DictConfig, open_dict
 
 from exporters import console
 from exporters.export import export
-from exporters.config import CONF_DIR
+from exporters.config import CONF_DIR, register_configs
 from exporters.errors import REPORTED_ERRORS
-from exporters.job import run_sweep_job
-from exporters.search import objective
+from exporters.sweeps.job import run_sweep_job
+from exporters.sweeps.search import objective
 
 log = logging.getLogger("exporters")
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> float | None:
+def run(cfg: DictConfig) -> float | None:
+    """One export, or one job of a sweep (Hydra calls it once per job)."""
     hydra_cfg = HydraConfig.get()
     output_dir = cfg.export.output_dir or hydra_cfg.runtime.output_dir
     console.VERBOSE = bool(cfg.verbose) or bool(hydra_cfg.verbose)
@@ -48,6 +49,11 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     console.log_export_summary(result)
     return None
+
+
+def main() -> None:
+    register_configs()  # the schema and the launcher resolvers, before Hydra composes
+    run()
 
 
 if __name__ == "__main__":

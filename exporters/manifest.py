@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from exporters.errors import UserError
-from exporters.files import write_atomically
+from exporters.program.files import write_atomically
 
 MANIFEST_FILE = "manifest.json"
 
@@ -56,7 +56,7 @@ class RunnerEntry:
 
 @dataclass
 class LayoutEntry:
-    """What app developers need to call the program correctly (``exporters.layouts``)."""
+    """What app developers need to call the program correctly (``exporters.program.layouts``)."""
 
     name: str
     audience: str
@@ -73,7 +73,7 @@ class ProgramFile:
     file: str  # beside the manifest (export.output_name)
     size_bytes: int
     sha256: str
-    storage: dict[str, int]  # bytes by kind (exporters.pte_contents.storage_breakdown)
+    storage: dict[str, int]  # bytes by kind (exporters.program.contents.storage_breakdown)
 
 
 @dataclass
@@ -88,7 +88,7 @@ class ModelEntry:
 
 @dataclass
 class ValidationReport:
-    """The program against the eager model it came from, on the validation text (``exporters.quality``)."""
+    """The program against the eager model it came from, on the validation text (``exporters.runtime.quality``)."""
 
     passed: bool
     failures: list[str]  # each measure outside its tolerance, with value and limit
@@ -177,7 +177,7 @@ class Resources:
 
 @dataclass(frozen=True)
 class Speed:
-    """Prefill and decode throughput of a program in the runtime (``exporters.benchmark.measure_speed``)."""
+    """Prefill and decode throughput of a program in the runtime (``exporters.runtime.speed.measure_speed``)."""
 
     prompt_tokens: int
     steps: int

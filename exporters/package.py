@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from exporters.bundle import make_bundle, verify_bundle
+from exporters.release.bundle import make_bundle, verify_bundle
 from exporters.errors import UserError
 
 USAGE = "usage: python -m exporters.package <run folder> [out=<dir>] | --verify <bundle folder or .tar.gz>"

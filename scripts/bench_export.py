@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 
-from exporters.benchmark import measure_speeds, rss_after_load_mb, wait_with_peak_rss
-from exporters.driver import Driver
+from exporters.runtime.memory import rss_after_load_mb, wait_with_peak_rss
+from exporters.runtime.speed import measure_speeds
+from exporters.runtime.driver import Driver
 from exporters.manifest import Manifest
-from exporters.runtime import LoadedProgram
+from exporters.runtime.programs import LoadedProgram
 
 REPO = Path(__file__).resolve().parent.parent
 

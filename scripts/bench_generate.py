@@ -14,8 +14,8 @@ import statistics
 
 import torch
 
-from exporters.benchmark import time_round
-from exporters.generator import Generator, SamplingConfig
+from exporters.runtime.speed import time_round
+from exporters.runtime.generator import Generator, SamplingConfig
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
 
 A quick way to compare quantization choices before paying for an export; the exported program tracks
 the eager model it came from (validation checks that), so these numbers predict the program's.
-Windows and scoring are the ones validation uses (``exporters.quality``).
+Windows and scoring are the ones validation uses (``exporters.runtime.quality``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exporters.config import QuantConfig  # noqa: E402
-from exporters.quality import full_sequence, make_windows, perplexity, read_text, text_ids, window_logits  # noqa: E402
-from exporters.quantization import QPARAMS, quantize_model  # noqa: E402
+from exporters.runtime.quality import full_sequence, make_windows, perplexity, read_text, text_ids, window_logits  # noqa: E402
+from exporters.quant.schemes import QPARAMS, quantize_model  # noqa: E402
 from models.checkpoint import build_model, open_checkpoint  # noqa: E402
 from models.gguf import gguf_checkpoint  # noqa: E402
 from models.smollm2 import gguf_file  # noqa: E402

@@ -34,7 +34,7 @@ from models.tiny import write_tiny_checkpoint
 # Warm-up: load a tiny checkpoint first, so every lazy import happens before the baseline.
 build_model(open_checkpoint(write_tiny_checkpoint(tempfile.mkdtemp(), train_steps=0)), 16)
 
-from exporters.benchmark import current_rss_mb, peak_rss_mb, reset_peak_rss
+from exporters.runtime.memory import current_rss_mb, peak_rss_mb, reset_peak_rss
 MB = 1024 * 1024
 reset_peak_rss()  # the peak-RSS counter starts again at the current RSS
 base = current_rss_mb() * MB

@@ -32,10 +32,10 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_export import PRESETS, hf_checkpoint  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from exporters.benchmark import current_rss_mb, peak_rss_mb, reset_peak_rss  # noqa: E402
+from exporters.runtime.memory import current_rss_mb, peak_rss_mb, reset_peak_rss  # noqa: E402
 from exporters.config import CONF_DIR, to_typed  # noqa: E402
 from exporters.export import build_stages  # noqa: E402
-from exporters.pipeline import return_freed_memory  # noqa: E402
+from exporters.stages.pipeline import return_freed_memory  # noqa: E402
 
 
 STEP_PEAKS: list[float] = []  # the probed steps' peaks within the current stage

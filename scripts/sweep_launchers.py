@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from exporters.report import read_rows
+from exporters.sweeps.summary import read_rows
 
 LAUNCHERS = {"serial": [], "joblib": ["hydra/launcher=local_parallel"], "ray": ["hydra/launcher=ray_cluster"]}
 

@@ -12,9 +12,12 @@ from typing import Callable
 import pytest
 
 from exporters.export import export
-from exporters.artifacts import ExportResult
+from exporters.stages.artifacts import ExportResult
 from models.tiny import write_tiny_checkpoint
 from tests.helpers import REAL_LAYERS, compose_config
+from exporters.config import register_configs
+
+register_configs()  # the schema and launcher resolvers, for tests that compose with Hydra directly
 
 
 @pytest.fixture(scope="session")

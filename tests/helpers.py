@@ -11,8 +11,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from exporters.artifacts import ExportResult
-from exporters.config import CONF_DIR
+from exporters.stages.artifacts import ExportResult
+from exporters.config import CONF_DIR, register_configs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Decoder layers of SmolLM2-135M kept in the real model the quant/backend tests export.
@@ -21,6 +21,7 @@ REAL_LAYERS = 2
 
 def compose_config(*overrides: str) -> DictConfig:
     """Compose the real conf/ tree exactly as the CLI does, without Hydra parsing pytest's argv."""
+    register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 
@@ -51,7 +52,7 @@ def copy_checkpoint(src: Path, dst: Path, config: dict[str, Any] | None = None, 
 def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
     """Rebuild, independently of the pipeline, the eager model an export must match (same quantization)."""
     from exporters.config import QuantConfig
-    from exporters.quantization import quantize_model
+    from exporters.quant.schemes import quantize_model
     from models.checkpoint import build_model, open_checkpoint
 
     cfg = result.manifest.config

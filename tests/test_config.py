@@ -11,7 +11,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from exporters.config import CONF_DIR, ExportConfig, parallel_jobs, ray_temp_dir, to_typed
+from exporters.config import CONF_DIR, ExportConfig, to_typed
+from exporters.sweeps.resolvers import parallel_jobs, ray_temp_dir
 from exporters.errors import UserError
 from tests.helpers import compose_config
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from exporters.artifacts import ExportResult
+from exporters.stages.artifacts import ExportResult
 from exporters.errors import UserError
 from exporters.manifest import Manifest
-from exporters.runtime import LoadedProgram
+from exporters.runtime.programs import LoadedProgram
 from tests.helpers import eager_model_of
 
 PAIRS = [("portable", "fp32"), ("xnnpack", "fp32"), ("xnnpack", "8da4w")]

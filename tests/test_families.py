@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from exporters.artifacts import ExportResult
-from exporters.driver import Driver
-from exporters.runtime import LoadedProgram
+from exporters.stages.artifacts import ExportResult
+from exporters.runtime.driver import Driver
+from exporters.runtime.programs import LoadedProgram
 from models.checkpoint import build_model, open_checkpoint
 from models.decoder import CausalLM
 from models.errors import ModelError
@@ -149,7 +149,7 @@ def test_8da4w_program_matches_the_eager_quantized_model(exported, family_checkp
 
 def test_sentencepiece_tokenizer_is_validated_copied_and_used_for_generation(exported, family_checkpoint) -> None:
     """Gemma's test checkpoint has only tokenizer.model: export validates with it, ships it, generates with it."""
-    from exporters.generator import Generator, SamplingConfig
+    from exporters.runtime.generator import Generator, SamplingConfig
 
     ckpt = family_checkpoint("gemma")
     assert (ckpt / "tokenizer.model").exists() and not (ckpt / "tokenizer.json").exists()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exporters.runtime import LoadedProgram
+from exporters.runtime.programs import LoadedProgram
 from models.tokenizer import load_tokenizer
 from tests.helpers import eager_model_of
 
@@ -139,7 +139,7 @@ def test_layers_a_group_size_does_not_divide_fall_back_and_are_recorded(exported
 @pytest.mark.parametrize("width,requested,chosen", [(576, 32, 32), (576, 128, 96), (1536, 256, 256), (200, 32, 0),
                                                     (640, 0, 0), (320, 128, 64)])
 def test_fallback_group_size_is_the_largest_multiple_of_32_that_divides(width: int, requested: int, chosen: int) -> None:
-    from exporters.quantization import group_size_for
+    from exporters.quant.schemes import group_size_for
 
     assert group_size_for(width, requested) == chosen
 
@@ -147,7 +147,7 @@ def test_fallback_group_size_is_the_largest_multiple_of_32_that_divides(width: i
 def test_qparams_choice_changes_the_scales_and_is_recorded(tiny_checkpoint) -> None:
     """quant.qparams=affine (min/max) and the default hqq give different int4 weights; the manifest says which."""
     from exporters.config import QuantConfig
-    from exporters.quantization import quantize_model
+    from exporters.quant.schemes import quantize_model
     from models.checkpoint import build_model, open_checkpoint
 
     weights = {}
@@ -168,7 +168,7 @@ def test_each_activation_is_quantized_once(smollm2_truncated, tmp_path) -> None:
 
     from exporters.config import to_typed
     from exporters.export import build_stages
-    from exporters.quantization import share_activation_quantization
+    from exporters.quant.schemes import share_activation_quantization
     from tests.helpers import REAL_LAYERS, compose_config
 
     cfg = to_typed(compose_config("model=llama", f"model.checkpoint={smollm2_truncated}", "quant=8da4w",
@@ -201,7 +201,7 @@ def test_hqq_by_rows_is_torchaos_hqq_bit_for_bit(smollm2_truncated, bits: int, g
     from torchao.quantization.quant_primitives import _choose_qparams_and_quantize_scale_only_hqq
     from torchao.quantization.quantize_.workflows.intx import intx_unpacked_to_int8_tensor as intx
 
-    from exporters.hqq import hqq_by_rows, hqq_scale_only_by_rows
+    from exporters.quant.hqq import hqq_by_rows, hqq_scale_only_by_rows
 
     weights = load_file(smollm2_truncated / "model.safetensors")
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1

@@ -21,7 +21,7 @@ from exporters.export import build_stages, delivery_stages
 from exporters.config import to_typed
 from exporters.errors import ValidationFailed
 from exporters.manifest import Manifest, ValidationReport
-from exporters.pipeline import Stage, run_pipeline
+from exporters.stages.pipeline import Stage, run_pipeline
 from models.errors import ModelError
 from tests.helpers import REAL_LAYERS, assert_matches_transformers, compose_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from exporters.report import TRADEOFFS, JobRow, labels, pareto_front, read_rows, write_result, write_summary
+from exporters.sweeps.summary import TRADEOFFS, JobRow, labels, pareto_front, read_rows, write_result, write_summary
 
 SIZE, SPEED = TRADEOFFS
 

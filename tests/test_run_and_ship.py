@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from exporters.benchmark import measure_speeds
-from exporters.bundle import make_bundle, verify_bundle
-from exporters.driver import Driver
+from exporters.runtime.speed import measure_speeds
+from exporters.release.bundle import make_bundle, verify_bundle
+from exporters.runtime.driver import Driver
 from exporters.errors import UserError
-from exporters.generator import Generator, SamplingConfig, TextStream, chat_prompt
-from exporters.runtime import LoadedProgram
+from exporters.runtime.generator import Generator, SamplingConfig, TextStream, chat_prompt
+from exporters.runtime.programs import LoadedProgram
 from tests.helpers import REPO_ROOT, compose_config
 
 PROMPT = "Once upon a time"

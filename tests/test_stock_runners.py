@@ -1,6 +1,6 @@
 """ExecuTorch's stock runner of every release we claim, on real weights: the text it prints is the text
 transformers (fp32) or the eager quantized model (8da4w) writes, and the manifest's prediction of each
-runner's outcome (``exporters.layouts``) is what the runner really does.
+runner's outcome (``exporters.program.layouts``) is what the runner really does.
 
 The installed runtime is one release; the others run in cached virtual environments (``tests/runtimes.py``),
 built from the package registry on first use (about a minute when pip's cache has the wheels).
@@ -14,8 +14,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from exporters.generator import Generator, SamplingConfig, chat_prompt
-from exporters.layouts import STOCK_RUNNERS
+from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt
+from exporters.program.layouts import STOCK_RUNNERS
 from tests.helpers import eager_model_of
 from tests.runtimes import stock_runner
 

@@ -115,14 +115,14 @@ def test_submitit_local_sweep(tmp_path: Path) -> None:
 
 
 def _export_process_of(job_dir: Path) -> int | None:
-    """The pid of the child process exporting into ``job_dir`` (``python -m exporters.job <job_dir>``)."""
+    """The pid of the child process exporting into ``job_dir`` (``python -m exporters.sweeps.job <job_dir>``)."""
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
                 cmdline = (proc / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"exporters.job" in cmdline and str(job_dir).encode() in cmdline:
+            if b"exporters.sweeps.job" in cmdline and str(job_dir).encode() in cmdline:
                 return int(proc.name)
     return None
 

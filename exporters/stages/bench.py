@@ -9,13 +9,14 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from exporters.artifacts import ExportResult
-from exporters.benchmark import measure_speed, rss_after_load_mb
+from exporters.stages.artifacts import ExportResult
+from exporters.runtime.memory import rss_after_load_mb
+from exporters.runtime.speed import measure_speed
 from exporters.config import BenchmarkConfig
-from exporters.driver import Driver
+from exporters.runtime.driver import Driver
 from exporters.manifest import BenchResult
-from exporters.pipeline import Stage
-from exporters.runtime import LoadedProgram
+from exporters.stages.pipeline import Stage
+from exporters.runtime.programs import LoadedProgram
 
 
 def bench_lengths(settings: BenchmarkConfig, max_seq_len: int) -> tuple[int, int]:

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from exporters.artifacts import CapturedMethods, QuantizedModel
-from exporters.layouts import Layout
+from exporters.stages.artifacts import CapturedMethods, QuantizedModel
+from exporters.program.layouts import Layout
 from exporters.manifest import Signature, TensorSpec
-from exporters.methods import MethodSpec, method_specs
-from exporters.pipeline import Stage
-from exporters.quantization import share_activation_quantization
+from exporters.program.methods import MethodSpec, method_specs
+from exporters.stages.pipeline import Stage
+from exporters.quant.schemes import share_activation_quantization
 
 
 def _tensor_spec(value: Any, name: str, dim_name: str) -> TensorSpec:

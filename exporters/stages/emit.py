@@ -7,10 +7,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from exporters.artifacts import EmittedProgram, LoweredProgram
-from exporters.files import sha256_of, write_atomically
-from exporters.pipeline import Stage
-from exporters.pte_contents import storage_breakdown
+from exporters.stages.artifacts import EmittedProgram, LoweredProgram
+from exporters.program.files import sha256_of, write_atomically
+from exporters.stages.pipeline import Stage
+from exporters.program.contents import storage_breakdown
 
 
 def backend_config():  # type: ignore[no-untyped-def]

@@ -9,13 +9,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from exporters.artifacts import ExportResult, ValidatedProgram
-from exporters.benchmark import peak_rss_mb
-from exporters.driver import MethodRoles
+from exporters.stages.artifacts import ExportResult, ValidatedProgram
+from exporters.runtime.memory import peak_rss_mb
+from exporters.runtime.driver import MethodRoles
 from exporters.errors import ValidationFailed
-from exporters.layouts import Layout, layout_manifest
+from exporters.program.layouts import Layout, layout_manifest
 from exporters.manifest import MANIFEST_FILE, Manifest, MethodEntry, ModelEntry, ProgramFile, Resources
-from exporters.pipeline import Stage
+from exporters.stages.pipeline import Stage
 
 PACKAGES = ("torch", "executorch", "torchao", "transformers", "hydra-core", "tokenizers", "safetensors")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exporters.artifacts import LoadedModel
+from exporters.stages.artifacts import LoadedModel
 from exporters.config import ModelConfig
-from exporters.pipeline import Stage
+from exporters.stages.pipeline import Stage
 from models.checkpoint import build_model
 from models.sources import SOURCES
 

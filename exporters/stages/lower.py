@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from exporters.artifacts import CapturedMethods, LoweredProgram
-from exporters.backends import partitioners
+from exporters.stages.artifacts import CapturedMethods, LoweredProgram
+from exporters.program.backends import partitioners
 from exporters.config import BackendConfig
-from exporters.pipeline import Stage
+from exporters.stages.pipeline import Stage
 
 
 def constant_methods(captured: CapturedMethods, max_seq_len: int, dynamic_shapes: bool) -> dict[str, Any]:

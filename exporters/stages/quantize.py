@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from exporters.artifacts import LoadedModel, QuantizedModel
+from exporters.stages.artifacts import LoadedModel, QuantizedModel
 from exporters.config import QuantConfig
-from exporters.pipeline import Stage
-from exporters.quantization import quantize_model
+from exporters.stages.pipeline import Stage
+from exporters.quant.schemes import quantize_model
 
 
 class QuantizeStage(Stage):

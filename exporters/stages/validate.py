@@ -2,7 +2,7 @@
 
 The program goes over the windows the ``reference`` stage made, the way generation drives it (prompt
 method, then one token per step through the step method), and the eager model quantized the same
-way over the same tokens; the measures are in :mod:`exporters.quality`. Both sides keep their own
+way over the same tokens; the measures are in :mod:`exporters.runtime.quality`. Both sides keep their own
 KV cache, so a runtime cache that does not carry from prefill to decode shows up as a large KL.
 """
 
@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from exporters.artifacts import EmittedProgram, ValidatedProgram
+from exporters.stages.artifacts import EmittedProgram, ValidatedProgram
 from exporters.manifest import ValidationReport
 from exporters.config import QuantConfig
-from exporters.driver import Driver, MethodRoles
-from exporters.pipeline import Stage
-from exporters.quality import Agreement, TextWindows, full_sequence, negative_log_likelihood, perplexity, window_logits
-from exporters.runtime import CapturedPrograms, LoadedProgram
+from exporters.runtime.driver import Driver, MethodRoles
+from exporters.stages.pipeline import Stage
+from exporters.runtime.quality import Agreement, TextWindows, full_sequence, negative_log_likelihood, perplexity, window_logits
+from exporters.runtime.programs import CapturedPrograms, LoadedProgram
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Text generation with an exported program: prompt in, streamed text out, tokens/s measured.
 
-Works with whatever the program holds (``exporters.driver`` chooses the methods): either of our layouts,
+Works with whatever the program holds (``exporters.runtime.driver`` chooses the methods): either of our layouts,
 ``forward`` only (``export_llm``'s programs), fixed-size prefill chunks (static-shape backends), or a
 one-token method alone.
 """
@@ -15,10 +15,10 @@ from typing import Callable
 
 import torch
 
-from exporters.driver import Driver
+from exporters.runtime.driver import Driver
 from exporters.errors import UserError
 from exporters.manifest import program_in
-from exporters.runtime import LoadedProgram
+from exporters.runtime.programs import LoadedProgram
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE, TextTokenizer, find_tokenizer, load_tokenizer
 

@@ -3,7 +3,7 @@
 Validation, generation, the benchmarks and the tests all call programs through :class:`Driver`, so the
 choice of methods and the cutting of a prompt into calls exist once (gpt-fast's ``prefill`` /
 ``decode_one_token``). The methods share one KV cache: the runtime must share memory arenas between
-them (``executorch.runtime`` does; see ``exporters.layouts`` for the stock runners).
+them (``executorch.runtime`` does; see ``exporters.program.layouts`` for the stock runners).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import torch
 
 from exporters.errors import UserError
-from exporters.layouts import KIND_OF_NAME
-from exporters.methods import MethodShape
+from exporters.program.layouts import KIND_OF_NAME
+from exporters.program.methods import MethodShape
 
 
 class RunsMethods(Protocol):
@@ -49,7 +49,7 @@ class MethodRoles:
 
 
 def program_method_shapes(program: Any) -> dict[str, MethodShape]:
-    """The LLM methods of a loaded program (``exporters.runtime.LoadedProgram``), read from its constants."""
+    """The LLM methods of a loaded program (``exporters.runtime.programs.LoadedProgram``), read from its constants."""
     names = program.method_names
     dynamic = bool(program.constant("enable_dynamic_shape")) if "enable_dynamic_shape" in names else True
     context = int(program.constant("get_max_seq_len"))

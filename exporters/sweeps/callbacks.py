@@ -16,11 +16,11 @@ class SweepSummary(Callback):
     """At the end of every ``-m`` run, gather the jobs' rows into the sweep folder's summary files.
 
     Runs in the process that launched the sweep, after every launcher (joblib, submitit, Ray) has
-    returned; the rows were written by the jobs themselves, wherever they ran (``exporters.job``).
+    returned; the rows were written by the jobs themselves, wherever they ran (``exporters.sweeps.job``).
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from exporters.report import SUMMARY_FILES, labels, write_summary
+        from exporters.sweeps.summary import SUMMARY_FILES, labels, write_summary
 
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_summary(sweep_dir)

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from exporters.manifest import Manifest, Signature, ValidationReport
-from exporters.methods import MethodSpec
-from exporters.quality import TextWindows, perplexity
-from exporters.quantization import AppliedQuantization
+from exporters.program.methods import MethodSpec
+from exporters.runtime.quality import TextWindows, perplexity
+from exporters.quant.schemes import AppliedQuantization
 from models.checkpoint import Checkpoint
 from models.decoder import CausalLM
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from exporters.config import QuantConfig
-from exporters.hqq import hqq_by_rows
+from exporters.quant.hqq import hqq_by_rows
 from exporters.manifest import AppliedQuantization, AppliedScheme
 
 log = logging.getLogger("exporters")

@@ -1,4 +1,4 @@
-"""Runtime speed and memory of a written program, measured the way an app runs it.
+"""Runtime speed of a written program, measured the way an app runs it.
 
 Used by the ``bench`` stage (every sweep job) and by ``scripts/bench_export.py``, so a number in a sweep
 summary and one in the README come from the same code. Speeds are medians over repeats after one
@@ -8,76 +8,13 @@ then decodes greedy tokens one at a time through the program's one-token method.
 
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-from exporters.driver import Driver
+from exporters.runtime.driver import Driver
 from exporters.manifest import Speed
-
-# Run in a fresh interpreter: RSS a process gains by loading the program and some of its methods
-# (imports not counted). A fresh process, because one that has already run the program reuses freed memory.
-_RSS_AFTER_LOAD = """
-import sys
-from exporters.benchmark import current_rss_mb
-from exporters.runtime import LoadedProgram, register_runtime_kernels
-register_runtime_kernels()
-before = current_rss_mb()
-program = LoadedProgram(sys.argv[1])
-program.load(*sys.argv[2:])
-print(current_rss_mb() - before)
-"""
-
-
-def _status_mb(key: str) -> float:
-    """A memory field of ``/proc/self/status`` (Linux) in MB."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
-
-
-def current_rss_mb() -> float:
-    return _status_mb("VmRSS")
-
-
-def reset_peak_rss() -> bool:
-    """Start a new peak-RSS window for this process (Linux ``clear_refs``); False where that is impossible,
-    and then :func:`peak_rss_mb` is the peak of the process's whole life."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_mb() -> float:
-    """Peak RSS since :func:`reset_peak_rss` (VmHWM), or of the whole process where /proc is missing."""
-    try:
-        return _status_mb("VmHWM")
-    except OSError:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def wait_with_peak_rss(child: subprocess.Popen) -> float:
-    """Wait for ``child`` (its exit code goes to ``child.returncode``); its peak RSS in MB, even if it was killed."""
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    return usage.ru_maxrss / 1024  # Linux: KiB
-
-
-def rss_after_load_mb(pte: Path, methods: list[str]) -> float:
-    """RSS a fresh process gains by loading the program and ``methods`` (the pip runtime's XNNPACK packs
-    each loaded method's weights separately, so this grows with the methods an app loads)."""
-    out = subprocess.run([sys.executable, "-c", _RSS_AFTER_LOAD, str(pte), *methods], capture_output=True,
-                         text=True, check=True)
-    return round(float(out.stdout.strip().splitlines()[-1]), 1)
 
 
 def measure_speed(driver: Driver, prompt_tokens: int, steps: int, repeats: int, vocab_size: int) -> Speed:

@@ -12,7 +12,7 @@ import logging
 import math
 
 from exporters.config import SearchConfig
-from exporters.report import JobRow
+from exporters.sweeps.summary import JobRow
 
 log = logging.getLogger("exporters")
 

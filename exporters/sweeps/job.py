@@ -6,7 +6,7 @@ reason; no exception leaves the job, so Hydra finishes the sweep and its end-of-
 summary. Each export also gets a fresh process: its peak RSS is its own, and its memory is returned to
 the system before the worker takes the next job (joblib and Ray reuse workers).
 
-    parent (Hydra job, any launcher)          child (python -m exporters.job)
+    parent (Hydra job, any launcher)          child (python -m exporters.sweeps.job)
     config + folders as JSON on stdin   ->    export(); manifest.json; FAILED on a reported error
     os.wait4: exit status, peak RSS     <-    exit 0 / 2 (reported error) / 1 (crash) / killed
     result.json in the job folder
@@ -26,9 +26,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from exporters.benchmark import wait_with_peak_rss
+from exporters.runtime.memory import wait_with_peak_rss
 from exporters.manifest import MANIFEST_FILE, Manifest
-from exporters.report import JobRow, write_result
+from exporters.sweeps.summary import JobRow, write_result
 
 log = logging.getLogger("exporters")
 
@@ -45,7 +45,7 @@ def run_sweep_job(cfg: DictConfig, job_dir: Path, job_num: int, overrides: list[
     request = {"config": OmegaConf.to_container(cfg, resolve=True), "output_dir": str(job_dir),
                "log_file": str(log_file) if log_file else None, "label": f"job {job_num}", "verbose": verbose}
     start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "exporters.job", str(job_dir)], stdin=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-m", "exporters.sweeps.job", str(job_dir)], stdin=subprocess.PIPE)
     assert child.stdin is not None
     child.stdin.write(json.dumps(request).encode())
     child.stdin.close()

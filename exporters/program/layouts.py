@@ -8,7 +8,7 @@ cache and prints wrong text without a word. Each release's choice of methods is 
 once; every layout's outcome in every release is derived from it (the config check, the manifest,
 the bundle README), and ``tests/test_stock_runners.py`` runs the real runners of these releases.
 
-A *layout* names the methods in the program. Method *kinds* (``exporters.methods``) say what a
+A *layout* names the methods in the program. Method *kinds* (``exporters.program.methods``) say what a
 method computes: ``prefill`` and ``forward`` take a prompt, ``decode`` one token.
 """
 
@@ -132,7 +132,7 @@ def layout_manifest(layout: Layout, methods: dict[str, str], prompt: str, step: 
     """The manifest's ``layout`` section: what app developers need to call the program correctly.
 
     ``methods`` maps each LLM method in the program to its kind; ``prompt`` and ``step`` are the methods an
-    app calls for the prompt and for each new token (``exporters.driver.MethodRoles``).
+    app calls for the prompt and for each new token (``exporters.runtime.driver.MethodRoles``).
     """
     by_kind = {kind: name for name, kind in methods.items()}
     return LayoutEntry(

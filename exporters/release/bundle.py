@@ -14,7 +14,7 @@ import tarfile
 from pathlib import Path
 
 from exporters.errors import UserError
-from exporters.files import sha256_of
+from exporters.program.files import sha256_of
 from exporters.manifest import MANIFEST_FILE, Manifest, ValidationReport
 from models.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 

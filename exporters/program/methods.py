@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch.export import Dim
 
-from exporters.layouts import Layout
+from exporters.program.layouts import Layout
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ unquantized model's negative log-likelihood on them (the "fp32" perplexity of th
 
 from __future__ import annotations
 
-from exporters.artifacts import LoadedModel, ReferenceQuality
+from exporters.stages.artifacts import LoadedModel, ReferenceQuality
 from exporters.config import ValidationConfig
-from exporters.pipeline import Stage
-from exporters.quality import full_sequence, make_windows, read_text, text_ids, window_logits
-from exporters.quantization import DTYPES
+from exporters.stages.pipeline import Stage
+from exporters.runtime.quality import full_sequence, make_windows, read_text, text_ids, window_logits
+from exporters.quant.schemes import DTYPES
 
 
 def prompt_length(requested: int, max_seq_len: int, static_chunk: int | None) -> int:

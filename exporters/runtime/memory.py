@@ -1,0 +1,71 @@
+"""Memory of this process and of others: peak RSS of an export, RSS of a fresh process that loads a program.
+
+Linux's ``/proc`` gives a resettable peak (``clear_refs`` + ``VmHWM``), so an export in a long-lived process
+(the tests, a notebook) reports its own peak, not the process's whole life.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# Run in a fresh interpreter: RSS a process gains by loading the program and some of its methods
+# (imports not counted). A fresh process, because one that has already run the program reuses freed memory.
+_RSS_AFTER_LOAD = """
+import sys
+from exporters.runtime.memory import current_rss_mb
+from exporters.runtime.programs import LoadedProgram, register_runtime_kernels
+register_runtime_kernels()
+before = current_rss_mb()
+program = LoadedProgram(sys.argv[1])
+program.load(*sys.argv[2:])
+print(current_rss_mb() - before)
+"""
+
+
+def _status_mb(key: str) -> float:
+    """A memory field of ``/proc/self/status`` (Linux) in MB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
+
+
+def current_rss_mb() -> float:
+    return _status_mb("VmRSS")
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak-RSS window for this process (Linux ``clear_refs``); False where that is impossible,
+    and then :func:`peak_rss_mb` is the peak of the process's whole life."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float:
+    """Peak RSS since :func:`reset_peak_rss` (VmHWM), or of the whole process where /proc is missing."""
+    try:
+        return _status_mb("VmHWM")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def wait_with_peak_rss(child: subprocess.Popen) -> float:
+    """Wait for ``child`` (its exit code goes to ``child.returncode``); its peak RSS in MB, even if it was killed."""
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_maxrss / 1024  # Linux: KiB
+
+
+def rss_after_load_mb(pte: Path, methods: list[str]) -> float:
+    """RSS a fresh process gains by loading the program and ``methods`` (the pip runtime's XNNPACK packs
+    each loaded method's weights separately, so this grows with the methods an app loads)."""
+    out = subprocess.run([sys.executable, "-c", _RSS_AFTER_LOAD, str(pte), *methods], capture_output=True,
+                         text=True, check=True)
+    return round(float(out.stdout.strip().splitlines()[-1]), 1)
