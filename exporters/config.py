@@ -1,24 +1,92 @@
-"""Structured-config schema for ``conf/``: every group option is checked against these dataclasses.
+"""The schema of ``conf/``: every group option and override is checked against these dataclasses.
 
-Hydra merges the YAML files onto ``ExportConfig``, so a misspelt field or a wrong type fails at
-composition with a message naming the field. Cross-field rules (is this quant usable on this
-backend?) are checked in :func:`check_config` with the allowed alternatives spelled out.
+Hydra merges the YAML files onto :class:`ExportConfig`, so a misspelt field, a wrong type or a value outside
+a closed set (:class:`Choice`) fails at composition with a message naming the field. Keys added with ``+``
+bypass that check; :func:`to_typed` refuses them. Rules that span fields or need a registry (is this quant
+usable on this backend? is this a known family?) are checked by the module that owns each registry, all
+called from :func:`exporters.export.check_config` before any work.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from exporters.errors import UserError
+from exporters.sweeps.resolvers import RESOLVERS
 
 # The config groups: inside the installed package (a wheel), else conf/ at the top of the checkout.
 CONF_DIR = next(p for p in (Path(__file__).resolve().parent / "conf", Path(__file__).resolve().parent.parent / "conf")
                 if (p / "config.yaml").is_file())
+
+
+class Choice(str, Enum):
+    """A closed set of config values. Hydra refuses any other value at composition, listing these; the member
+    compares, hashes, formats and serializes as its string, so ``DTYPES[cfg.quant.dtype]`` and JSON just work."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Source(Choice):
+    """Which loader builds the checkpoint folder (``models.sources``)."""
+
+    hf = "hf"  # model.checkpoint: a Hugging Face folder or a GGUF file
+    tiny = "tiny"  # a deterministic tiny checkpoint of model.family, written into the run folder
+
+
+class DType(Choice):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class QParams(Choice):
+    """How integer scales are chosen: half-quadratic (scale only, as ExecuTorch's export_llm) or min/max."""
+
+    hqq = "hqq"
+    affine = "affine"
+
+
+class Attention(Choice):
+    """``models.decoder.ATTENTION``: ExecuTorch's LLM CPU kernels (runtimes must link them), or plain ATen ops."""
+
+    aten = "aten"
+    custom_ops = "custom_ops"
+
+
+class MethodKind(Choice):
+    """What a method computes (``exporters.program.methods``); its name in the program depends on the layout."""
+
+    prefill = "prefill"
+    decode = "decode"
+    forward = "forward"
+
+
+class LayoutName(Choice):
+    """How methods are named (``exporters.program.layouts``)."""
+
+    stock = "stock"
+    split = "split"
+
+
+class TiedEmbeddingStorage(Choice):
+    """A tied, unquantized embedding / lm_head matrix: stored once, or copied for lm_head (``exporters.quant.tied``)."""
+
+    shared = "shared"
+    copied = "copied"
 
 
 @dataclass
@@ -46,7 +114,7 @@ class ModelConfig:
     family: Optional[str] = None
     # Which loader builds the checkpoint directory: "hf" reads model.checkpoint, "tiny" writes a
     # deterministic tiny checkpoint of model.family (with tokenizer) into the run folder first.
-    source: str = "hf"
+    source: Source = Source.hf
     checkpoint: Optional[str] = None
     # Build the architecture with seeded random weights (benchmarks, size studies): needs config.json
     # from model.checkpoint, or every field of model.arch.
@@ -58,8 +126,8 @@ class ModelConfig:
 @dataclass
 class QuantConfig:
     name: str = MISSING
-    # Dtype of weights and activations left in floating point: fp32, fp16 or bf16.
-    dtype: str = "fp32"
+    # Dtype of weights and activations left in floating point.
+    dtype: DType = DType.fp32
     # Scheme of the linear layers (a key of exporters.quant.schemes.LINEAR_SCHEMES), or null for none.
     linear: Optional[str] = None
     # Elements per quantization group along the input dimension; 0 = one scale per output channel.
@@ -70,16 +138,15 @@ class QuantConfig:
     # Scheme of the token embedding (a key of exporters.quant.schemes.EMBEDDING_SCHEMES), or null.
     embedding: Optional[str] = None
     embedding_group_size: int = 32
-    # How integer scales are chosen (a key of exporters.quant.schemes.QPARAMS): "hqq" as ExecuTorch's
-    # export_llm does, or "affine" (min/max).
-    qparams: str = "hqq"
-    # Validation tolerances of the program against the eager model quantized the same way, on the
-    # validation text (calibrated on SmolLM2-135M; the numbers are in each conf/quant file):
+    # How integer scales are chosen: "hqq" as ExecuTorch's export_llm does, or "affine" (min/max).
+    qparams: QParams = QParams.hqq
+    # Validation tolerances of the program against the eager model quantized the same way (not against the
+    # unquantized baseline), on the validation text; calibrated on SmolLM2-135M (docs/quality.md):
     # mean KL(eager || program) per predicted token in nats, the share of positions whose greedy token
-    # agrees, and the allowed relative increase of the program's perplexity over the eager model's.
+    # agrees, and the allowed relative drift of the program's perplexity above the eager model's.
     max_kl: float = 1e-3
     min_top1: float = 0.95
-    max_ppl_increase: float = 0.01
+    max_ppl_drift: float = 0.01
 
 
 @dataclass
@@ -90,14 +157,14 @@ class BackendConfig:
     options: Dict[str, Any] = field(default_factory=dict)
     # Whether prefill/forward get a dynamic token dimension (else a fixed export.prefill_chunk).
     dynamic_shapes: bool = True
-    # Attention implementation (a key of models.decoder.ATTENTION): "custom_ops" uses ExecuTorch's LLM
-    # CPU kernels (runtimes must link them), "aten" plain ops any delegate can take.
-    attention: str = "aten"
+    # Attention implementation: "custom_ops" uses ExecuTorch's LLM CPU kernels (runtimes must link them),
+    # "aten" plain ops any delegate can take.
+    attention: Attention = Attention.aten
     # Whether this machine's ExecuTorch runtime can execute the delegate (else validation runs the
     # captured programs before delegation, and the manifest says so).
     runs_here: bool = True
     # What the backend's kernels can execute; anything else is refused at config time.
-    supported_dtypes: List[str] = field(default_factory=lambda: ["fp32"])
+    supported_dtypes: List[DType] = field(default_factory=lambda: [DType.fp32])
     supported_linear: List[Optional[str]] = field(default_factory=lambda: [None])
     supported_embedding: List[Optional[str]] = field(default_factory=lambda: [None])
 
@@ -111,11 +178,11 @@ class ExportSection:
     # How the methods are named (a key of exporters.program.layouts.LAYOUTS): "stock" runs correctly in every
     # ExecuTorch stock runner we test; "split" uses the prefill/decode names, which ExecuTorch 1.5.1's
     # stock runner runs with two KV caches (wrong text): only for apps that share memory arenas.
-    layout: str = "stock"
+    layout: LayoutName = LayoutName.stock
     # A tied, unquantized embedding/lm_head matrix: "shared" stores it once (lm_head reads the embedding's
     # copy; on XNNPACK it is then repacked at every call: SmolLM2-135M fp32 decode 32 instead of 43 tok/s,
     # .pte 539 instead of 652 MB), "copied" lets the backend keep its own packed copy for lm_head.
-    tied_embedding: str = "shared"
+    tied_embedding: TiedEmbeddingStorage = TiedEmbeddingStorage.shared
     # Token count of prefill on static-shape backends.
     prefill_chunk: int = 32
     output_name: str = "model.pte"
@@ -150,7 +217,8 @@ class SearchConfig:
     # summary (exporters.sweeps.summary.JobRow), e.g. size_mb, decode_tok_s, ppl_increase; the sweeper's
     # direction says whether it is minimized or maximized.
     objective: str = "size_mb"
-    # Trials whose perplexity increase over fp32 is above this are infeasible (scored inf); null = no bound.
+    # Trials whose perplexity increase over the unquantized baseline is above this are infeasible (scored
+    # inf); null = no bound.
     max_ppl_increase: Optional[float] = None
 
 
@@ -182,102 +250,70 @@ class ExportConfig:
 def register_configs() -> None:
     """Make the schema known to Hydra (``conf/config.yaml`` lists it first in its defaults), and the resolvers
     the launcher presets use. The commands call it before Hydra composes; calling it again changes nothing."""
-    from exporters.sweeps.resolvers import RESOLVERS
-
     ConfigStore.instance().store(name="export_schema", node=ExportConfig)
     for name, resolver in RESOLVERS.items():
         OmegaConf.register_new_resolver(name, resolver, replace=True)
 
 
-def _names(values: Any) -> str:
-    return ", ".join("none" if v is None else str(v) for v in values)
+#: Keys renamed since 0.1 -> their new name: a config that still uses one is told where it went.
+RENAMED_KEYS = {"quant.max_ppl_increase": "quant.max_ppl_drift"}
 
 
-def check_config(cfg: ExportConfig | DictConfig) -> None:
-    """Rules that span fields or groups; each failure says what is allowed instead."""
-    from exporters.program.backends import PARTITIONERS
-    from exporters.program.methods import METHOD_KINDS
-    from exporters.quant.schemes import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, QPARAMS
-    from models.decoder import ATTENTION
-    from models.families import FAMILIES
-    from models.sources import SOURCES
+def unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") -> list[str]:  # type: ignore[assignment]
+    """Keys of ``cfg`` that ``schema`` (default :class:`ExportConfig`) has no field for, as dotted paths.
 
-    def one_of(what: str, value: Any, allowed: Any, fix: str) -> None:
-        if value not in allowed:
-            raise UserError(f"{what}={value!r} is not known. Allowed: {_names(allowed)}. {fix}")
-
-    q, b, ex = cfg.quant, cfg.backend, cfg.export
-    one_of("model.source", cfg.model.source, sorted(SOURCES), "Fix the model option file.")
-    if cfg.model.family is not None:
-        one_of("model.family", cfg.model.family, sorted(FAMILIES), "Or use model=hf to take it from config.json.")
-    one_of("backend.partitioner", b.partitioner, sorted(PARTITIONERS), "Fix the backend option file.")
-    one_of("backend.attention", b.attention, sorted(ATTENTION), "Fix the backend option file.")
-    one_of("quant.dtype", q.dtype, list(DTYPES), "Pick another quant option or override quant.dtype.")
-    for role, value, table in (("linear", q.linear, LINEAR_SCHEMES), ("lm_head", q.lm_head, LINEAR_SCHEMES),
-                               ("embedding", q.embedding, EMBEDDING_SCHEMES)):
-        if value is not None:
-            one_of(f"quant.{role}", value, [None, *sorted(table)], f"Set quant.{role} to one of those.")
-    one_of("export.tied_embedding", ex.tied_embedding, ["shared", "copied"], "Set it to one of those.")
-    for method in ex.methods:
-        one_of("export.methods entry", method, sorted(METHOD_KINDS), "Fix export.methods.")
-    if not ex.methods:
-        raise UserError("export.methods is empty: give at least one of " + ", ".join(sorted(METHOD_KINDS)) + ".")
-    if ex.max_seq_len < 2:
-        raise UserError(f"export.max_seq_len={ex.max_seq_len} is too small: use 2 or more.")
-    v = cfg.validation
-    if v.prompt_tokens < 1:
-        raise UserError(f"validation.prompt_tokens={v.prompt_tokens}: use 1 or more (at most half of export.max_seq_len is used).")
-    if v.max_tokens < 8:
-        raise UserError(f"validation.max_tokens={v.max_tokens} is too few to measure anything: use 8 or more.")
-    for name in ("prompt_tokens", "steps", "repeats"):
-        if getattr(cfg.benchmark, name) < 1:
-            raise UserError(f"benchmark.{name}={getattr(cfg.benchmark, name)}: use 1 or more.")
-    if cfg.bench and not b.runs_here:
-        raise UserError(
-            f"bench=true: backend={b.name}'s delegate cannot run on this host, so its speed cannot be measured "
-            "here. Set bench=false, or run the bench on a device with that backend."
-        )
-    from exporters.sweeps.summary import JobRow
-
-    numeric = [f for f, t in JobRow.__annotations__.items() if "float" in str(t)]
-    one_of("search.objective", cfg.search.objective, numeric, "Pick a numeric column of the sweep summary.")
-    one_of("quant.qparams", q.qparams, sorted(QPARAMS), "Set quant.qparams to one of those.")
-    if cfg.validate and v.text_file is not None:
-        from exporters.runtime.quality import read_text
-
-        read_text(v.text_file)  # a missing or empty file fails now, before any work
-    for name in ("group_size", "lm_head_group_size", "embedding_group_size"):
-        if getattr(q, name) < 0:
-            raise UserError(f"quant.{name}={getattr(q, name)}: use 0 (per channel) or a positive group size.")
-    check_backend_supports(cfg)
-    from exporters.program.layouts import check_layout
-
-    check_layout(ex.layout, ex.methods, b.dynamic_shapes)
-    if not b.dynamic_shapes and not (1 <= ex.prefill_chunk < ex.max_seq_len):
-        raise UserError(
-            f"export.prefill_chunk={ex.prefill_chunk} must be between 1 and export.max_seq_len - 1 "
-            f"({ex.max_seq_len - 1})."
-        )
+    Hydra checks plain overrides against the schema, but ``+key=value`` adds a key whatever the schema says;
+    ``backend.options`` (a free dict passed to the partitioner) is the one place extra keys belong.
+    """
+    schema = schema or ExportConfig
+    hints = get_type_hints(schema)
+    known = {f.name for f in fields(schema)}
+    found = []
+    for key in cfg.keys():
+        if key == "hydra" and not prefix:
+            continue
+        if key not in known:
+            found.append(f"{prefix}{key}")
+        elif is_dataclass(hints[key]) and isinstance(cfg[key], DictConfig):
+            found += unknown_keys(cfg[key], hints[key], f"{prefix}{key}.")
+    return found
 
 
-def check_backend_supports(cfg: ExportConfig | DictConfig) -> None:
-    """Refuse a quant/backend pair the backend's kernels cannot execute, listing what would work."""
-    q, b = cfg.quant, cfg.backend
-    wanted = (("dtype", q.dtype, b.supported_dtypes), ("linear", q.linear, b.supported_linear),
-              ("lm_head", q.lm_head, b.supported_linear), ("embedding", q.embedding, b.supported_embedding))
-    for role, value, supported in wanted:
-        if value not in supported:
-            raise UserError(
-                f"quant={q.name} asks for {role} {value or 'none'}, which backend={b.name} cannot run. "
-                f"backend={b.name} supports dtypes {_names(b.supported_dtypes)}; linear/lm_head schemes "
-                f"{_names(b.supported_linear)}; embedding schemes {_names(b.supported_embedding)}. "
-                f"Pick another quant or backend, or override quant.{role}."
-            )
+def _known_paths(schema: type, prefix: str = "") -> list[str]:
+    hints = get_type_hints(schema)
+    paths = []
+    for f in fields(schema):
+        paths.append(prefix + f.name)
+        if is_dataclass(hints[f.name]):
+            paths += _known_paths(hints[f.name], f"{prefix}{f.name}.")
+    return paths
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Refuse keys the schema does not have (however they were added), naming the closest known field."""
+    unknown = unknown_keys(cfg)
+    if not unknown:
+        return
+    known = _known_paths(ExportConfig)
+    hints = []
+    for key in unknown:
+        if key in RENAMED_KEYS:
+            hints.append(f"{key} was renamed {RENAMED_KEYS[key]}")
+            continue
+        section, _, leaf = key.rpartition(".")
+        siblings = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == section]
+        close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.7)
+        hints.append(key + (f" (did you mean {section + '.' if section else ''}{close[0]}?)" if close else ""))
+    raise UserError(
+        f"unknown config key(s): {'; '.join(hints)}. Nothing was exported. A `+` override adds a key the schema "
+        "(exporters/config.py) does not have, and it would be ignored: fix the name, or see every field with "
+        "`python -m exporters.llm --cfg job`."
+    )
 
 
 def to_typed(cfg: DictConfig) -> ExportConfig:
-    """The composed config as a plain, validated ``ExportConfig`` instance."""
+    """The composed config as a plain ``ExportConfig`` instance, after refusing keys the schema does not know."""
+    check_known_keys(cfg)
     typed = OmegaConf.to_object(cfg)
     assert isinstance(typed, ExportConfig)
-    check_config(typed)
     return typed

@@ -62,8 +62,9 @@ def log_export_summary(result: Any) -> None:
     validation = m.validation
     verdict = "skipped (validate=false)" if validation is None else (
         f"passed (KL {validation.kl_mean:.2g}, top-1 agreement {validation.top1_agreement:.0%})"
-        + ("" if validation.checked == "runtime" else f"; checked on {validation.checked}"))
-    quality = "not measured (validate=false)" if validation is None else validation.quality()
+        + ("" if validation.checked == "runtime" else f"; checked on the {validation.checked}"))
+    quality = "not measured (validate=false)" if validation is None else (
+        f"{validation.quality()} on {validation.scored_tokens} tokens of {validation.text}")
     runners = "; ".join(f"{release} {o.result.upper() if o.result != 'correct' else o.result}"
                         for release, o in m.layout.stock_runners.items())
     log.info(

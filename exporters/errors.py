@@ -1,5 +1,7 @@
 """User-fixable errors: the CLI prints their message (what was wrong, what is allowed, the fix) without a traceback."""
 
+from typing import Iterable
+
 from models.errors import ModelError
 
 
@@ -13,3 +15,11 @@ class ValidationFailed(Exception):
 
 #: Exceptions the CLI reports as a one-paragraph message and a non-zero exit code.
 REPORTED_ERRORS = (UserError, ModelError, ValidationFailed)
+
+
+def check_choice(key: str, value: object, allowed: "Iterable[object]", fix: str) -> None:
+    """Refuse ``key=value`` unless ``value`` is one of ``allowed`` (a registry's names), listing them and the fix."""
+    allowed = list(allowed)
+    if value not in allowed:
+        names = ", ".join("none" if a is None else str(a) for a in allowed)
+        raise UserError(f"{key}={value!r} is not known. Allowed: {names}. {fix}")

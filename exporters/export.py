@@ -1,4 +1,8 @@
-"""``export(cfg)``: the whole export as a plain function (the CLI and the tests both call it)."""
+"""``export(cfg)``: the whole export as a plain function (the CLI, sweep jobs and tests all call it).
+
+Reads as the outline of an export: check the config (every rule, before any work), build the stages that will
+run, and run them once. ``run_stages`` stops after a named stage, for tests and profilers.
+"""
 
 from __future__ import annotations
 
@@ -9,68 +13,98 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from exporters.stages.artifacts import ExportResult
-from exporters.runtime.memory import reset_peak_rss
-from exporters.config import ExportConfig, check_config, to_typed
+from exporters.config import ExportConfig, to_typed
 from exporters.errors import UserError
+from exporters.program.backends import check_backend
 from exporters.program.layouts import LAYOUTS
-from exporters.stages.pipeline import Stage, run_pipeline
+from exporters.program.methods import check_methods
+from exporters.quant.schemes import check_quant
+from exporters.runtime.memory import reset_peak_rss
+from exporters.runtime.quality import check_validation
+from exporters.stages.artifacts import ExportResult
+from exporters.stages.baseline import BaselineStage, prompt_length
 from exporters.stages.bench import BenchStage
 from exporters.stages.capture import CaptureStage
 from exporters.stages.emit import EmitStage
+from exporters.stages.finalize import FinalizeStage
 from exporters.stages.load import LoadStage
 from exporters.stages.lower import LowerStage
-from exporters.stages.finalize import FinalizeStage
+from exporters.stages.pipeline import ExportContext, Stage, StageObserver, run_pipeline
 from exporters.stages.quantize import QuantizeStage
-from exporters.stages.baseline import ReferenceStage, prompt_length
 from exporters.stages.validate import Tolerance, ValidateStage
+from exporters.sweeps.summary import check_search
+from models.families import check_family
 
 log = logging.getLogger("exporters")
 
 
+def check_config(cfg: ExportConfig) -> None:
+    """Every rule that spans fields or needs a registry, each checked by the module that owns those keys."""
+    check_family(cfg.model.family)
+    check_backend(cfg.backend, cfg.bench)
+    check_quant(cfg.quant, cfg.backend)
+    check_methods(cfg.export, cfg.backend)
+    check_validation(cfg.validation, enabled=cfg.validate)
+    for name in ("prompt_tokens", "steps", "repeats"):
+        if getattr(cfg.benchmark, name) < 1:
+            raise UserError(f"benchmark.{name}={getattr(cfg.benchmark, name)}: use 1 or more.")
+    check_search(cfg.search)
+
+
 def build_stages(cfg: ExportConfig, output_dir: Path) -> list[Stage]:
-    """The stages that make and check the program (load .. validate); each gets only its own part of the config."""
-    ex = cfg.export
+    """The stages this export runs, each built from its own part of the config. Stages that would do nothing
+    are left out (validation's two with validate=false, bench unless asked for), so none reports "done"."""
+    ex, backend = cfg.export, cfg.backend
     prompt_tokens = prompt_length(cfg.validation.prompt_tokens, ex.max_seq_len,
-                                  None if cfg.backend.dynamic_shapes else ex.prefill_chunk)
+                                  None if backend.dynamic_shapes else ex.prefill_chunk)
+    validating = cfg.validate
     return [
-        LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir, attention=cfg.backend.attention),
-        ReferenceStage(cfg.validation, prompt_tokens, enabled=cfg.validate),
+        LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir, attention=backend.attention),
+        *([BaselineStage(cfg.validation, prompt_tokens, cfg.model.source)] if validating else []),
         QuantizeStage(cfg.quant, ex.tied_embedding),
-        CaptureStage(ex.methods, LAYOUTS[ex.layout], ex.max_seq_len, cfg.backend.dynamic_shapes, ex.prefill_chunk,
-                     keep_reference=cfg.validate and not cfg.backend.runs_here),
-        LowerStage(cfg.backend, ex.max_seq_len),
+        CaptureStage(ex.methods, LAYOUTS[ex.layout], ex.max_seq_len, backend.dynamic_shapes, ex.prefill_chunk,
+                     keep_undelegated=validating and not backend.runs_here),
+        LowerStage(backend, ex.max_seq_len),
         EmitStage(output_dir / ex.output_name),
-        ValidateStage(Tolerance.of(cfg.quant), enabled=cfg.validate, runs_here=cfg.backend.runs_here),
+        *([ValidateStage(Tolerance.of(cfg.quant), runs_here=backend.runs_here)] if validating else []),
+        FinalizeStage(LAYOUTS[ex.layout]),
+        *([BenchStage(cfg.benchmark, ex.max_seq_len)] if cfg.bench else []),
     ]
 
 
-def delivery_stages(cfg: ExportConfig, resolved: dict[str, Any], timings: dict[str, float]) -> list[Stage]:
-    """The stages after the program is checked: the manifest records ``timings`` of the stages before."""
-    return [
-        FinalizeStage(resolved, timings, LAYOUTS[cfg.export.layout]),
-        BenchStage(cfg.benchmark, cfg.export.max_seq_len, enabled=bool(cfg.bench) and cfg.backend.runs_here),
-    ]
+def checked_config(cfg: DictConfig | ExportConfig) -> ExportConfig:
+    """``cfg`` as a typed config that passed every check: what an export would run with."""
+    return _typed(cfg)[0]
 
 
-def export(cfg: DictConfig | ExportConfig, output_dir: str | Path | None = None) -> ExportResult:
-    """Export one model as described by a composed config; returns where the program and manifest are."""
+def _typed(cfg: DictConfig | ExportConfig) -> tuple[ExportConfig, dict[str, Any]]:
+    """The checked config, and the resolved form the manifest records."""
     if isinstance(cfg, DictConfig):
-        typed = to_typed(cfg)
-        resolved = OmegaConf.to_container(cfg, resolve=True)
+        typed, resolved = to_typed(cfg), OmegaConf.to_container(cfg, resolve=True)
     else:
-        check_config(cfg)
         typed, resolved = cfg, dataclasses.asdict(cfg)
+    check_config(typed)
+    assert isinstance(resolved, dict)
+    return typed, resolved
+
+
+def run_stages(cfg: DictConfig | ExportConfig, output_dir: str | Path | None = None, *,
+               stop_after: str | None = None, observer: StageObserver | None = None) -> tuple[Any, ExportContext]:
+    """Check ``cfg`` and run its stages (up to ``stop_after``); the last artifact and the run's context."""
+    typed, resolved = _typed(cfg)
     target = output_dir or typed.export.output_dir
     if target is None:
         raise UserError("no output folder: pass output_dir to export() or set export.output_dir.")
     out = Path(target)
     out.mkdir(parents=True, exist_ok=True)
-    assert isinstance(resolved, dict)
     reset_peak_rss()  # the manifest's peak RSS is this export's, not the process's whole life
-    making = build_stages(typed, out)
-    total = len(making) + 2
-    validated, timings = run_pipeline(making, total=total)
-    result, _ = run_pipeline(delivery_stages(typed, resolved, timings), validated, first=len(making) + 1, total=total)
+    ctx = ExportContext(config=typed, resolved_config=resolved, output_dir=out)
+    artifact = run_pipeline(build_stages(typed, out), ctx, stop_after=stop_after, observer=observer)
+    return artifact, ctx
+
+
+def export(cfg: DictConfig | ExportConfig, output_dir: str | Path | None = None) -> ExportResult:
+    """Export one model as described by a composed config; where the program and its manifest are."""
+    result, _ = run_stages(cfg, output_dir)
     assert isinstance(result, ExportResult)
     return result

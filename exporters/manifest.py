@@ -1,9 +1,10 @@
 """``manifest.json``: what an export wrote, typed once.
 
 The finalize stage builds a :class:`Manifest`, the bench stage adds its numbers, and every reader (console,
-sweep report, bundles, generate, scripts) gets the same typed object back from :meth:`Manifest.read`.
+sweep summary, bundles, generate, benchmarks) gets the same typed object back from :meth:`Manifest.read`.
 Serialization happens in one place (:meth:`Manifest.write`); pydantic turns the JSON back into these
-dataclasses and says which field is wrong when a file does not fit.
+dataclasses, checks every closed set (``Literal``), and says which field is wrong when a file does not fit.
+Manifests written by 0.1 (no ``version``) are read too: :func:`upgrade` renames their fields.
 """
 
 from __future__ import annotations
@@ -11,12 +12,21 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from exporters.errors import UserError
 from exporters.program.files import write_atomically
 
 MANIFEST_FILE = "manifest.json"
+#: 2: validation's reference_* fields became baseline_*, its tolerance max_ppl_increase became max_ppl_drift,
+#: ``checked`` a closed set, and quantization records ``tied_embedding``.
+MANIFEST_VERSION = 2
+
+Status = Literal["ok", "failed validation"]
+RunnerResult = Literal["correct", "wrong text", "fails"]
+# What was compared with the eager model: the .pte in the ExecuTorch runtime, or, for a delegate this host's
+# runtime cannot execute, the captured programs before lowering ("undelegated programs").
+Checked = Literal["runtime", "undelegated programs"]
 
 
 @dataclass
@@ -48,7 +58,7 @@ class MethodEntry(Signature):
 class RunnerEntry:
     """What one release of ExecuTorch's stock runner does with the program."""
 
-    result: str  # "correct", "wrong text", "cannot run"
+    result: RunnerResult  # "fails": the runner stops with an error
     prompt_method: str | None
     token_method: str | None
     why: str
@@ -92,9 +102,7 @@ class ValidationReport:
 
     passed: bool
     failures: list[str]  # each measure outside its tolerance, with value and limit
-    # What was compared with the eager model: the .pte in the ExecuTorch runtime, or (for a delegate
-    # this host cannot run) the captured programs before delegation.
-    checked: str
+    checked: Checked
     text: str
     methods: dict[str, str | None]  # prompt / step method driven, and forward when checked against prefill
     windows: int
@@ -108,24 +116,29 @@ class ValidationReport:
     max_rel_error: float
     perplexity: float  # of the program
     eager_perplexity: float  # of the eager model quantized the same way
-    reference_perplexity: float  # of the unquantized model
-    reference_dtype: str
+    baseline_perplexity: float  # of the unquantized model, as loaded
+    baseline_dtype: str  # the dtype it was scored in: the checkpoint's (fp32, or bf16 for a bf16 checkpoint)
     forward_kl: float | None  # KL(prefill || forward) on the first prompt, when both exist
     tolerance: dict[str, float] = field(default_factory=dict)
     per_window: list[dict[str, Any]] = field(default_factory=list)
 
     @property
-    def increase_over_reference(self) -> float:
-        return self.perplexity / self.reference_perplexity - 1
+    def ppl_increase(self) -> float:
+        """The quality loss: the program's perplexity over the unquantized baseline's, minus one."""
+        return self.perplexity / self.baseline_perplexity - 1
+
+    @property
+    def _shown_increase(self) -> float:
+        return 0.0 if abs(self.ppl_increase) < 5e-4 else self.ppl_increase  # no "-0.0%"
 
     def quality(self) -> str:
-        """``perplexity 21.4 (eager 21.1, fp32 16.8, +27%)``: the number people choose a scheme by."""
-        return (f"perplexity {self.perplexity:.2f} (eager {self.eager_perplexity:.2f}, {self.reference_dtype} "
-                f"{self.reference_perplexity:.2f}, {self.increase_over_reference:+.1%})")
+        """``perplexity 21.4 (eager 21.1, unquantized fp32 16.8, +27%)``: the number people choose a scheme by."""
+        return (f"perplexity {self.perplexity:.2f} (eager {self.eager_perplexity:.2f}, unquantized "
+                f"{self.baseline_dtype} {self.baseline_perplexity:.2f}, {self._shown_increase:+.1%})")
 
     def describe(self) -> str:
         verdict = "passed" if self.passed else "FAILED (" + "; ".join(self.failures) + ")"
-        where = "" if self.checked == "runtime" else " [captured programs only: the delegate cannot run on this host]"
+        where = "" if self.checked == "runtime" else " [undelegated programs: the delegate cannot run on this host]"
         t = self.tolerance
         return (f"{verdict}{where}: {self.scored_tokens} tokens of {self.text} through "
                 f"{self.methods['prompt']}+{self.methods['step']}, KL {self.kl_mean:.2g} (limit {t['max_kl']:.2g}), "
@@ -153,10 +166,7 @@ class AppliedQuantization:
     embedding: AppliedScheme | None = None
     untied_embeddings: bool = False
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def linear_scheme(self) -> str | None:
-        return self.linear.scheme if self.linear else None
+    tied_embedding: str = "not tied"  # exporters.quant.tied.TiedEmbedding
 
     def describe(self) -> str:
         parts = [self.dtype]
@@ -169,7 +179,7 @@ class AppliedQuantization:
 
 @dataclass
 class Resources:
-    """The export itself (load .. validate): what a sweep compares configs by."""
+    """The export itself (every stage before finalize): what a sweep compares configs by."""
 
     wall_s: float
     peak_rss_mb: float
@@ -203,7 +213,7 @@ class BenchResult(Speed):
 
 @dataclass
 class Manifest:
-    status: str  # "ok" or "failed validation"
+    status: Status
     program: ProgramFile
     methods: dict[str, MethodEntry]
     layout: LayoutEntry
@@ -212,11 +222,12 @@ class Manifest:
     quantization: AppliedQuantization
     validation: ValidationReport | None  # None with validate=false
     tokenizer_files: list[str]
-    timings_s: dict[str, float]  # per stage, load .. validate
+    timings_s: dict[str, float]  # seconds per stage, every stage before finalize
     resources: Resources
     versions: dict[str, str]
     config: dict[str, Any]  # the resolved config the export ran with
     bench: BenchResult | None = None  # None unless the bench stage ran
+    version: int = MANIFEST_VERSION
 
     @property
     def ok(self) -> bool:
@@ -239,13 +250,30 @@ class Manifest:
 
         path = path / MANIFEST_FILE if path.is_dir() else path
         try:
-            return TypeAdapter(cls).validate_json(path.read_bytes())
+            return TypeAdapter(cls).validate_python(upgrade(json.loads(path.read_bytes())))
         except FileNotFoundError:
             raise UserError(f"{path} does not exist: point at a run folder of a finished export.") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path} is not JSON ({e}): the file is damaged. Re-export the model.") from None
         except ValidationError as e:
             raise UserError(f"{path} is not a manifest this version of llm-exporters writes "
                             f"({e.error_count()} problems, first: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}). "
                             "Re-export the model to get a current manifest.") from None
+
+
+def upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """A manifest as this version writes it, from the JSON of any earlier version."""
+    if data.get("version", 1) < 2 and isinstance(data.get("validation"), dict):
+        v = dict(data["validation"])
+        for old in ("perplexity", "dtype"):
+            if f"reference_{old}" in v:
+                v[f"baseline_{old}"] = v.pop(f"reference_{old}")
+        if v.get("checked", "runtime") != "runtime":  # 0.1 wrote a sentence here
+            v["checked"] = "undelegated programs"
+        if "max_ppl_increase" in v.get("tolerance", {}):
+            v["tolerance"] = {("max_ppl_drift" if k == "max_ppl_increase" else k): x for k, x in v["tolerance"].items()}
+        data = {**data, "validation": v}
+    return data
 
 
 def program_in(run_dir: Path) -> Path:

@@ -66,6 +66,13 @@ def register_family(name: str, *architectures: str, model_type: str) -> Callable
     return wrap
 
 
+def check_family(name: str | None) -> None:
+    """``model.family`` names a registered family (or is null: take it from config.json)."""
+    if name is not None and name not in FAMILIES:
+        raise ModelError(f"model.family={name!r} is not known. Allowed: {', '.join(sorted(FAMILIES))}. "
+                         "Or use model=hf to take it from config.json.")
+
+
 def family_of_config(hf_config: Any) -> Family | None:
     """The family of ``config.json``'s ``architectures`` entry, else of its ``model_type``."""
     archs = list(getattr(hf_config, "architectures", None) or [])

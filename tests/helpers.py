@@ -52,7 +52,7 @@ def copy_checkpoint(src: Path, dst: Path, config: dict[str, Any] | None = None, 
 def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
     """Rebuild, independently of the pipeline, the eager model an export must match (same quantization)."""
     from exporters.config import QuantConfig
-    from exporters.quant.schemes import quantize_model
+    from exporters.quant.apply import quantize_model
     from models.checkpoint import build_model, open_checkpoint
 
     cfg = result.manifest.config

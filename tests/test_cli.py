@@ -19,7 +19,7 @@ def test_export_writes_program_manifest_and_log_into_the_run_folder(tmp_path: Pa
     proc = run_cli("backend=portable", "validation.max_tokens=24", f"hydra.run.dir={tmp_path}")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    for stage in ("load", "reference", "quantize", "capture", "lower", "emit", "validate", "finalize"):
+    for stage in ("load", "baseline", "quantize", "capture", "lower", "emit", "validate", "finalize"):
         assert f"{stage} done" in out
     assert "exported" in out and "validation: passed" in out and "methods: prefill, decode" in out
     assert "quality: perplexity " in out and "fp32 " in out

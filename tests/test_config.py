@@ -11,7 +11,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from exporters.config import CONF_DIR, ExportConfig, to_typed
+from exporters.config import CONF_DIR, ExportConfig
+from exporters.export import checked_config as to_typed
 from exporters.sweeps.resolvers import parallel_jobs, ray_temp_dir
 from exporters.errors import UserError
 from tests.helpers import compose_config
@@ -118,10 +119,7 @@ def test_lm_head_follows_linear_unless_overridden() -> None:
     ("quant.group_size=-1", "group_size"),
     ("validation.prompt_tokens=0", "prompt_tokens"),
     ("validation.max_tokens=2", "max_tokens"),
-    ("quant.qparams=minmax", "qparams"),
-    ("export.layout=ours", "export.layout='ours' is not known. Allowed: stock, split"),
     ("benchmark.steps=0", "benchmark.steps"),
-    ("export.tied_embedding=once", "export.tied_embedding='once' is not known. Allowed: shared, copied"),
     ("backend=coreml export.layout=split export.methods=[prefill]", "without decode nothing in the program takes one"),
     ("search.objective=size", "search.objective='size' is not known. Allowed: size_mb"),
     ("bench=true backend=coreml export.layout=split", "bench=true: backend=coreml's delegate cannot run"),
@@ -130,6 +128,41 @@ def test_bad_values_are_refused_before_any_work(override: str, named: str) -> No
     cfg = compose_config(*override.split())
     with pytest.raises(UserError, match=named):
         to_typed(cfg)
+
+
+@pytest.mark.parametrize("override,allowed", [
+    ("quant.qparams=minmax", "hqq, affine"),
+    ("quant.dtype=fp64", "fp32, fp16, bf16"),
+    ("export.layout=ours", "stock, split"),
+    ("export.tied_embedding=once", "shared, copied"),
+    ("backend.attention=flash", "aten, custom_ops"),
+    ("model.source=hub", "hf, tiny"),
+])
+def test_a_value_outside_a_closed_set_fails_at_composition_listing_the_allowed(override: str, allowed: str) -> None:
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as failure:
+        compose_config(override)
+    assert f"expected one of [{allowed}]" in str(failure.value.__cause__)
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["+model.foo=3", "+export.bar=1"], "model.foo; export.bar"),
+    (["+quant.grup_size=64"], "quant.grup_size (did you mean quant.group_size?)"),
+    (["+validation.max_token=3"], "validation.max_tokens?"),
+    (["+verbos=true"], "verbos (did you mean verbose?)"),
+    (["+quant.max_ppl_increase=0.1"], "quant.max_ppl_increase was renamed quant.max_ppl_drift"),
+])
+def test_a_key_added_with_plus_that_the_schema_lacks_is_refused(overrides: list[str], named: str) -> None:
+    """``+key=value`` bypasses Hydra's schema check; the export refuses the key instead of ignoring it."""
+    with pytest.raises(UserError, match="unknown config key") as failure:
+        to_typed(compose_config(*overrides))
+    assert named in str(failure.value)
+
+
+def test_backend_options_take_any_key() -> None:
+    """backend.options is passed to the partitioner as it is: the one place new keys belong."""
+    assert to_typed(compose_config("+backend.options.per_op_mode=true")).backend.options == {"per_op_mode": True}
 
 
 @pytest.mark.parametrize("methods", ["[prefill,decode]", "[decode]"])

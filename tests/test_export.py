@@ -116,9 +116,9 @@ def test_manifest_records_the_export(exported, backend: str, quant: str) -> None
     assert v["scored_tokens"] == 256 and v["text"].endswith("validation_text.txt")
     assert v["top1_agreement"] >= v["tolerance"]["min_top1"] and v["kl_mean"] <= v["tolerance"]["max_kl"]
     if quant == "fp32":
-        assert v["top1_agreement"] == 1.0 and v["perplexity"] == pytest.approx(v["reference_perplexity"], rel=1e-5)
+        assert v["top1_agreement"] == 1.0 and v["perplexity"] == pytest.approx(v["baseline_perplexity"], rel=1e-5)
     assert v["quality"].startswith(f"perplexity {v['perplexity']:.2f} (eager ")
-    assert set(m["timings_s"]) == {"load", "reference", "quantize", "capture", "lower", "emit", "validate"}
+    assert set(m["timings_s"]) == {"load", "baseline", "quantize", "capture", "lower", "emit", "validate"}
     assert m["config"]["backend"]["name"] == backend and m["config"]["quant"]["name"] == quant
     assert m["versions"]["executorch"] == "1.4.1"
     if quant == "8da4w":
@@ -175,15 +175,12 @@ def test_an_alias_is_written_as_executorch_plans_and_emits_it(tmp_path: Path) ->
     given forward as its own copy of prefill's lowered graph (how emit worked before), writes the same bytes."""
     import copy
 
-    from exporters.config import to_typed
-    from exporters.export import build_stages
+    from exporters.export import run_stages
     from exporters.stages.emit import backend_config, to_executorch
     from tests.helpers import compose_config
 
-    lowered = None
-    for stage in build_stages(to_typed(compose_config("backend=xnnpack", "validate=false")), tmp_path)[:5]:
-        lowered = stage.run(lowered)  # load .. lower
-    aliases = lowered.captured.aliases
+    lowered, _ = run_stages(compose_config("backend=xnnpack", "validate=false"), tmp_path, stop_after="lower")
+    aliases = lowered.methods.aliases
     assert aliases == {"forward": "prefill"} and "forward" not in lowered.edge.methods
     edge = copy.deepcopy(lowered.edge)  # to_executorch consumes the programs it is given
     ours = to_executorch(lowered.edge, aliases).buffer

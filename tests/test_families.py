@@ -201,11 +201,10 @@ def test_longrope_past_its_switch_over_is_refused(family_checkpoint) -> None:
 
 
 def test_unknown_family_option_lists_the_families() -> None:
-    from exporters.config import to_typed
-    from exporters.errors import UserError
+    from exporters.export import checked_config as to_typed
     from tests.helpers import compose_config
 
-    with pytest.raises(UserError, match=r"model.family='falcon' is not known.*gemma.*qwen3"):
+    with pytest.raises(ModelError, match=r"model.family='falcon' is not known.*gemma.*qwen3"):
         to_typed(compose_config("model=hf", "model.family=falcon"))
 
 

@@ -17,11 +17,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from exporters.export import build_stages, delivery_stages
-from exporters.config import to_typed
 from exporters.errors import ValidationFailed
+from exporters.export import build_stages, checked_config
 from exporters.manifest import Manifest, ValidationReport
-from exporters.stages.pipeline import Stage, run_pipeline
+from exporters.stages.pipeline import ExportContext, Stage, run_pipeline
 from models.errors import ModelError
 from tests.helpers import REAL_LAYERS, assert_matches_transformers, compose_config
 
@@ -66,12 +65,13 @@ def test_our_decoder_matches_transformers_on_the_real_weights(smollm2: Path) -> 
 class Tamper(Stage):
     """Changes the captured programs (never the eager model they are validated against)."""
 
-    name = "tamper"
+    name = "tamper"  # type: ignore[assignment]
+    after = ("capture",)
 
     def __init__(self, change: Callable[[torch.export.ExportedProgram], None]) -> None:
         self.change = change
 
-    def run(self, captured: Any) -> Any:
+    def run(self, captured: Any, ctx: ExportContext) -> Any:
         for program in captured.programs.values():
             self.change(program)
         return captured
@@ -79,12 +79,13 @@ class Tamper(Stage):
 
 def export_broken(checkpoint: Path, out: Path, *overrides: str, tamper: Tamper | None = None) -> ValidationReport:
     """Export with ``tamper`` inserted after capture; the export must fail validation. Returns its report."""
-    cfg = to_typed(compose_config("model=llama", f"model.checkpoint={checkpoint}", *overrides))
-    stages = build_stages(cfg, out) + delivery_stages(cfg, {"overrides": list(overrides)}, {})
+    cfg = checked_config(compose_config("model=llama", f"model.checkpoint={checkpoint}", *overrides))
+    stages = build_stages(cfg, out)
     if tamper is not None:
         stages.insert(next(i for i, s in enumerate(stages) if s.name == "capture") + 1, tamper)
+    ctx = ExportContext(config=cfg, resolved_config={"overrides": list(overrides)}, output_dir=out)
     with pytest.raises(ValidationFailed, match="does not match the eager model"):
-        run_pipeline(stages)
+        run_pipeline(stages, ctx)
     assert not (out / "model.pte").exists() and (out / "model.rejected.pte").exists()
     manifest = Manifest.read(out)
     assert manifest.status == "failed validation" and manifest.validation and manifest.validation.failures
@@ -182,7 +183,7 @@ def test_a_gguf_file_exports_like_a_checkpoint_and_reports_quality(small_gguf: P
     assert m["model"]["converted_from"]["dequantized_to"] == "float32"
     v = m["validation"]
     assert v["passed"] and v["text"] == str(text) and v["quality"] in out
-    assert v["reference_perplexity"] > 0 and v["eager_perplexity"] > 0 and v["perplexity"] > 0
+    assert v["baseline_perplexity"] > 0 and v["eager_perplexity"] > 0 and v["perplexity"] > 0
     assert list((tmp_path / "cache" / "gguf").iterdir()), "the converted checkpoint is cached for the next export"
 
 

@@ -6,7 +6,12 @@ Partitioners are built lazily so importing this module pulls in no backend's dep
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+from exporters.errors import UserError, check_choice
+
+if TYPE_CHECKING:
+    from exporters.config import BackendConfig
 
 PartitionerFactory = Callable[[dict[str, Any]], list[Any]]
 
@@ -67,3 +72,13 @@ def vulkan_partitioner(options: dict[str, Any]) -> list[Any]:
 
 def partitioners(name: str, options: dict[str, Any]) -> list[Any]:
     return PARTITIONERS[name](dict(options))
+
+
+def check_backend(backend: BackendConfig, bench: bool | None) -> None:
+    """The option file names a known partitioner, and a bench is asked for only where the delegate runs."""
+    check_choice("backend.partitioner", backend.partitioner, sorted(PARTITIONERS), "Fix the backend option file.")
+    if bench and not backend.runs_here:
+        raise UserError(
+            f"bench=true: backend={backend.name}'s delegate cannot run on this host, so its speed cannot be measured "
+            "here. Set bench=false, or run the bench on a device with that backend."
+        )

@@ -12,16 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from exporters.internals import read_program_header
+
 
 def storage_breakdown(path: Path) -> dict[str, int]:
-    from executorch.exir._serialize._program import _flatbuffer_to_program, _get_extended_header
-
     total = path.stat().st_size
-    with open(path, "rb") as f:
-        header = _get_extended_header(f.read(64))
-        f.seek(0)
-        # Without an extended header there are no segments: the flatbuffer is the whole file.
-        program = _flatbuffer_to_program(f.read(header.program_size if header is not None else -1))
+    program = read_program_header(path)
     segment_sizes = [segment.size for segment in program.segments or []]
     named_data = program.named_data or []
     named_bytes = sum(segment_sizes[i] for i in {entry.segment_index for entry in named_data})

@@ -7,12 +7,16 @@ differ only in how many tokens they accept, so they capture the same weights and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.export import Dim
 
-from exporters.program.layouts import Layout
+from exporters.errors import UserError, check_choice
+from exporters.program.layouts import Layout, check_layout
+
+if TYPE_CHECKING:
+    from exporters.config import BackendConfig, ExportSection
 
 
 @dataclass(frozen=True)
@@ -79,3 +83,19 @@ def method_specs(kinds: list[str], layout: Layout, max_seq_len: int, dynamic: bo
                  chunk: int) -> dict[str, MethodSpec]:
     """Program method name (as the layout names it) -> what that method is."""
     return {layout.name_of(kind): METHOD_KINDS[kind](max_seq_len, dynamic, chunk) for kind in kinds}
+
+
+def check_methods(ex: ExportSection, backend: BackendConfig) -> None:
+    """The methods, their layout and their token bounds make a program something can run."""
+    if not ex.methods:
+        raise UserError("export.methods is empty: give at least one of " + ", ".join(sorted(METHOD_KINDS)) + ".")
+    for method in ex.methods:  # Hydra replaces a list override whole, without checking its items
+        check_choice("export.methods entry", method, sorted(METHOD_KINDS), "Fix export.methods.")
+    if ex.max_seq_len < 2:
+        raise UserError(f"export.max_seq_len={ex.max_seq_len} is too small: use 2 or more.")
+    check_layout(ex.layout, ex.methods, backend.dynamic_shapes)
+    if not backend.dynamic_shapes and not (1 <= ex.prefill_chunk < ex.max_seq_len):
+        raise UserError(
+            f"export.prefill_chunk={ex.prefill_chunk} must be between 1 and export.max_seq_len - 1 "
+            f"({ex.max_seq_len - 1})."
+        )

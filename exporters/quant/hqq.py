@@ -13,9 +13,11 @@ result is torchao's, bit for bit (``tests/test_quant_backends.py`` checks it on 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
+
+from exporters.internals import torchao_hqq_replaced, torchao_hqq_scale_only
 
 # Elements per block: 4 MB of fp32, so a block's temporaries fit in a last-level cache while the Python
 # overhead per block (about ten tensor ops) stays small next to the work.
@@ -32,10 +34,8 @@ def hqq_scale_only_by_rows(hp_tensor: torch.Tensor, block_size: Sequence[int], q
     ``qdata`` is int8 where torchao returns int32 holding the same values (its only caller casts to int8).
     Stochastic rounding draws random numbers in whole-matrix order, so it is left to torchao.
     """
-    from torchao.quantization.quant_primitives import _choose_qparams_and_quantize_scale_only_hqq
-
     if stochastic or hp_tensor.ndim != 2 or len(block_size) != 2 or block_size[0] != 1:
-        return _choose_qparams_and_quantize_scale_only_hqq(hp_tensor, list(block_size), qmin, qmax, iters=iters,
+        return torchao_hqq_scale_only()(hp_tensor, list(block_size), qmin, qmax, iters=iters,
                                                            stochastic=stochastic, early_stop_tol=early_stop_tol)
     eps = torch.finfo(torch.float32).eps
     rows, width = hp_tensor.shape
@@ -72,14 +72,6 @@ def hqq_scale_only_by_rows(hp_tensor: torch.Tensor, block_size: Sequence[int], q
     return qdata, scale.to(hp_tensor.dtype)
 
 
-@contextlib.contextmanager
-def hqq_by_rows() -> Iterator[None]:
+def hqq_by_rows() -> contextlib.AbstractContextManager[None]:
     """Within this block, torchao's intx weight tensors choose HQQ scales with ``hqq_scale_only_by_rows``."""
-    from torchao.quantization.quantize_.workflows.intx import intx_unpacked_to_int8_tensor as intx
-
-    original = intx._choose_qparams_and_quantize_scale_only_hqq
-    intx._choose_qparams_and_quantize_scale_only_hqq = hqq_scale_only_by_rows
-    try:
-        yield
-    finally:
-        intx._choose_qparams_and_quantize_scale_only_hqq = original
+    return torchao_hqq_replaced(hqq_scale_only_by_rows)

@@ -129,8 +129,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     full = m.to_dict()
     bundle_manifest = {
         "bundle": name,
-        "model": {**full["model"], "id": cfg["model"].get("checkpoint") or cfg["model"]["name"], "family":
-                  (m.model.architecture or ["unknown"])[0]},
+        "model": {**full["model"], "id": cfg["model"].get("checkpoint") or cfg["model"]["name"]},
         "quant": full["quantization"], "backend": cfg["backend"]["name"],
         "methods": full["methods"], "layout": full["layout"], "constant_methods": m.constant_methods,
         "validation": {k: v for k, v in (full["validation"] or {}).items() if k != "per_window"},

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
@@ -21,6 +21,9 @@ from exporters.manifest import program_in
 from exporters.runtime.programs import LoadedProgram
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE, TextTokenizer, find_tokenizer, load_tokenizer
+
+
+StopReason = Literal["eos", "max_new_tokens", "context_full"]
 
 
 @dataclass
@@ -36,10 +39,9 @@ class GenerationResult:
     text: str
     prompt_ids: list[int]
     new_ids: list[int]
-    stop_reason: str  # "eos", "max_new_tokens" or "context_full"
+    stop_reason: StopReason
     prompt_tokens_per_s: float
     generation_tokens_per_s: float
-    stats: dict[str, float] = field(default_factory=dict)
 
 
 def resolve_program(path: str | Path) -> Path:
@@ -161,7 +163,7 @@ class Generator:
         logits = self.driver.prefill(torch.tensor([ids], dtype=torch.int64))
         prompt_s = time.perf_counter() - start
         new_ids: list[int] = []
-        stop = "max_new_tokens"
+        stop: StopReason = "max_new_tokens"
         start = time.perf_counter()
         while len(new_ids) < cfg.max_new_tokens:
             token = sample(logits, cfg, gen)

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -27,6 +27,9 @@ from exporters.errors import UserError
 from models.checkpoint import Checkpoint
 from models.decoder import CausalLM
 from models.tokenizer import find_tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from exporters.config import ValidationConfig
 
 DEFAULT_TEXT_NAME = "validation_text.txt"
 TOP_K = 5
@@ -49,6 +52,17 @@ def read_text(text_file: str | None) -> tuple[str, str]:
     if not text.strip():
         raise UserError(f"validation.text_file={text_file} is empty. {fix}")
     return text, str(path)
+
+
+def check_validation(cfg: ValidationConfig, enabled: bool) -> None:
+    """The validation settings can score something, and a given text file is readable (before any work)."""
+    if cfg.prompt_tokens < 1:
+        raise UserError(f"validation.prompt_tokens={cfg.prompt_tokens}: use 1 or more (at most half of "
+                        "export.max_seq_len is used).")
+    if cfg.max_tokens < 8:
+        raise UserError(f"validation.max_tokens={cfg.max_tokens} is too few to measure anything: use 8 or more.")
+    if enabled and cfg.text_file is not None:
+        read_text(cfg.text_file)
 
 
 @dataclass

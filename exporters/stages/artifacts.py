@@ -1,133 +1,114 @@
-"""The typed artifacts passed from stage to stage.
+"""The typed artifacts passed from stage to stage, and the baseline quality the context carries.
 
-Each artifact keeps what later stages need and drops what they do not (the lowered
-``EdgeProgramManager`` is not carried past emit, so its memory can be freed).
+Each artifact is frozen and holds what later stages need: the eager model (validation compares the program
+with it), the methods (finalize writes them into the manifest), the undelegated programs (validation runs them
+where the runtime cannot execute the delegate). What is no longer needed is not carried: the lowered
+``EdgeProgramManager`` ends at emit, the model at finalize.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exporters.manifest import Manifest, Signature, ValidationReport
+from exporters.manifest import Manifest, Signature
 from exporters.program.methods import MethodSpec
 from exporters.runtime.quality import TextWindows, perplexity
-from exporters.quant.schemes import AppliedQuantization
-from models.checkpoint import Checkpoint
 from models.decoder import CausalLM
 
 
-@dataclass
-class ReferenceQuality:
+@dataclass(frozen=True)
+class BaselineQuality:
     """The validation text in windows, and the unquantized model's negative log-likelihood on it."""
 
     text: TextWindows
     nll: float
-    dtype: str  # the checkpoint's dtype the reference ran in (fp32, or bf16 for a bf16 checkpoint)
+    dtype: str  # the checkpoint's dtype it ran in (fp32, or bf16 for a bf16 checkpoint)
 
     @property
     def perplexity(self) -> float:
         return perplexity(self.nll, self.text.scored_tokens)
 
     def summary(self) -> str:
-        return (f"{self.dtype} perplexity {self.perplexity:.2f} on {self.text.scored_tokens} tokens of "
+        return (f"unquantized {self.dtype} perplexity {self.perplexity:.2f} on {self.text.scored_tokens} tokens of "
                 f"{self.text.source} ({len(self.text.windows)} windows)")
 
 
-@dataclass
-class LoadedModel:
+@dataclass(frozen=True)
+class EagerModel:
+    """The model as PyTorch runs it: after load, unquantized; after quantize, quantized (``quantized=True``)."""
+
     model: CausalLM
-    checkpoint: Checkpoint
-    max_seq_len: int
-    reference: ReferenceQuality | None = None  # set by the reference stage when validation is on
-
-    @property
-    def family(self) -> str | None:
-        from models.families import family_of_config
-
-        found = family_of_config(self.checkpoint.hf_config)
-        return found.name if found else None
+    quantized: bool = False
 
     def summary(self) -> str:
-        if self.reference is not None:
-            return self.reference.summary()
         a = self.model.args
         params = sum(p.numel() for p in self.model.parameters())
-        return (f"{self.family} family, {params / 1e6:.2f}M parameters, {a.num_hidden_layers} layers, "
-                f"hidden {a.hidden_size}, vocab {a.vocab_size}{', tied embeddings' if a.tie_word_embeddings else ''}, "
-                f"{a.attention} attention")
+        return (f"{params / 1e6:.2f}M parameters, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
+                f"vocab {a.vocab_size}{', tied embeddings' if a.tie_word_embeddings else ''}, {a.attention} attention")
 
 
-@dataclass
-class QuantizedModel:
-    loaded: LoadedModel
-    quantization: AppliedQuantization
+@dataclass(frozen=True)
+class ProgramMethods:
+    """The LLM methods of the program: what each computes, its signature, and which share a lowered graph."""
 
-    @property
-    def model(self) -> CausalLM:
-        return self.loaded.model
-
-    def summary(self) -> str:
-        return self.quantization.describe()
-
-
-@dataclass
-class CapturedMethods:
-    quantized: QuantizedModel
     specs: dict[str, MethodSpec]
-    programs: dict[str, Any]  # method name -> torch.export.ExportedProgram
     signatures: dict[str, Signature]
-    reference_programs: dict[str, Any] | None = None  # untouched copies, for hosts that cannot run the delegate
     # Methods that compute exactly what another one does (forward and prefill): captured and lowered once,
     # emitted under both names. method name -> the captured method it shares.
-    aliases: dict[str, str] = field(default_factory=dict)
+    aliases: dict[str, str]
 
     def summary(self) -> str:
         return ", ".join(f"{n}{'(dynamic)' if s.dynamic else ''}{f' = {self.aliases[n]}' if n in self.aliases else ''}"
                          for n, s in self.specs.items())
 
 
-@dataclass
+@dataclass(frozen=True)
+class CapturedMethods:
+    model: CausalLM  # quantized eager model
+    methods: ProgramMethods
+    programs: dict[str, Any]  # method name -> torch.export.ExportedProgram (aliases excluded); lower consumes them
+    # Untouched copies for hosts whose runtime cannot execute the delegate (validation runs these instead).
+    undelegated: dict[str, Any] | None = None
+
+    def summary(self) -> str:
+        return self.methods.summary()
+
+
+@dataclass(frozen=True)
 class LoweredProgram:
-    captured: CapturedMethods
-    edge: Any  # executorch.exir.EdgeProgramManager over every method; emit drops it once used
+    model: CausalLM
+    methods: ProgramMethods
+    edge: Any  # executorch.exir.EdgeProgramManager over every captured method; emit consumes it
     constant_methods: dict[str, Any]
-    delegated_partitions: dict[str, int]
+    delegated_partitions: dict[str, int]  # per method, aliases included
+    undelegated: dict[str, Any] | None = None
 
     def summary(self) -> str:
         return "delegated partitions per method: " + ", ".join(f"{k}={v}" for k, v in self.delegated_partitions.items())
 
 
-@dataclass
-class EmittedProgram:
-    quantized: QuantizedModel
-    specs: dict[str, MethodSpec]
-    signatures: dict[str, Signature]
+@dataclass(frozen=True)
+class WrittenProgram:
+    """The ``.pte`` on disk, complete but under a provisional name until finalize accepts or rejects it."""
+
+    model: CausalLM
+    methods: ProgramMethods
     constant_methods: dict[str, Any]
     delegated_partitions: dict[str, int]
-    path: Path  # written completely, but under a provisional name until validated
+    path: Path
     final_path: Path
     size_bytes: int
     sha256: str
-    storage: dict[str, Any]  # bytes by kind: shared weights, other constants, graphs (pte_contents)
-    reference_programs: dict[str, Any] | None = None
-    aliases: dict[str, str] = field(default_factory=dict)  # method -> the method whose lowered graph it shares
+    storage: dict[str, int]  # bytes by kind: shared weights, other constants, graphs (exporters.program.contents)
+    undelegated: dict[str, Any] | None = None
 
     def summary(self) -> str:
         return f"{self.size_bytes / 1e6:.2f} MB"
 
 
-@dataclass
-class ValidatedProgram:
-    emitted: EmittedProgram
-    report: ValidationReport | None  # None when validation was switched off
-
-    def summary(self) -> str:
-        return self.report.describe() if self.report else "skipped (validate=false)"
-
-
-@dataclass
+@dataclass(frozen=True)
 class ExportResult:
     """What ``export()`` returns: where the program is and what its manifest says."""
 
@@ -137,4 +118,4 @@ class ExportResult:
 
     def summary(self) -> str:
         bench = self.manifest.bench
-        return bench.describe() if bench else f"{self.pte_path}"
+        return bench.describe() if bench else str(self.pte_path)

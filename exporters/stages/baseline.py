@@ -1,16 +1,18 @@
-"""Reference: score the unquantized model on the validation text, before quantization changes it.
+"""Baseline: score the unquantized model on the validation text, before quantization changes it.
 
 Cuts the validation text into the windows validation will drive the program over, and records the
-unquantized model's negative log-likelihood on them (the "fp32" perplexity of the summary line).
+unquantized model's negative log-likelihood on them: the perplexity quality loss is measured against.
+Runs only with validation on.
 """
 
 from __future__ import annotations
 
-from exporters.stages.artifacts import LoadedModel, ReferenceQuality
-from exporters.config import ValidationConfig
-from exporters.stages.pipeline import Stage
-from exporters.runtime.quality import full_sequence, make_windows, read_text, text_ids, window_logits
+from exporters.config import Source, ValidationConfig
 from exporters.quant.schemes import DTYPES
+from exporters.runtime.quality import full_sequence, make_windows, read_text, text_ids, window_logits
+from exporters.stages.artifacts import BaselineQuality, EagerModel
+from exporters.stages.pipeline import ExportContext, Stage
+from models.tiny import CORPUS
 
 
 def prompt_length(requested: int, max_seq_len: int, static_chunk: int | None) -> int:
@@ -22,25 +24,38 @@ def prompt_length(requested: int, max_seq_len: int, static_chunk: int | None) ->
     return max(static_chunk, tokens - tokens % static_chunk)
 
 
-class ReferenceStage(Stage):
-    name = "reference"
+def validation_text(cfg: ValidationConfig, source: Source) -> tuple[str, str]:
+    """The text to score and where it came from: ``validation.text_file``; else, for a tiny model, the text
+    it was trained on (scored on English it never saw, its perplexity would mean nothing); else the shipped
+    English paragraphs."""
+    if cfg.text_file is None and source == Source.tiny:
+        return CORPUS, "the tiny model's training text (models/tiny.py)"
+    return read_text(cfg.text_file)
 
-    def __init__(self, validation_cfg: ValidationConfig, prompt_tokens: int, enabled: bool) -> None:
+
+class BaselineStage(Stage):
+    name = "baseline"
+    after = ("load",)
+
+    def __init__(self, validation_cfg: ValidationConfig, prompt_tokens: int, source: Source) -> None:
         self.cfg = validation_cfg
         self.prompt_tokens = prompt_tokens
-        self.enabled = enabled
+        self.source = source
 
-    def run(self, loaded: LoadedModel) -> LoadedModel:
-        if not self.enabled:
-            return loaded
-        text, source = read_text(self.cfg.text_file)
+    def run(self, loaded: EagerModel, ctx: ExportContext) -> EagerModel:
+        assert ctx.checkpoint is not None
+        text, source = validation_text(self.cfg, self.source)
         model = loaded.model
-        ids = text_ids(loaded.checkpoint, model.args.vocab_size, text)
-        windows = make_windows(ids, loaded.checkpoint.bos_id, loaded.max_seq_len, self.prompt_tokens,
+        ids = text_ids(ctx.checkpoint, model.args.vocab_size, text)
+        windows = make_windows(ids, ctx.checkpoint.bos_id, model.args.max_context_len, self.prompt_tokens,
                                self.cfg.max_tokens, source)
         logits = window_logits(full_sequence(model), windows)
         model.reset_cache()
-        nll = windows.nll(logits)
-        dtype_name = {v: k for k, v in DTYPES.items()}.get(model.lm_head.weight.dtype, str(model.lm_head.weight.dtype))
-        loaded.reference = ReferenceQuality(text=windows, nll=nll, dtype=dtype_name)
+        dtype = model.lm_head.weight.dtype
+        dtype_name = next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
+        ctx.baseline = BaselineQuality(text=windows, nll=windows.nll(logits), dtype=dtype_name)
         return loaded
+
+    def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:
+        assert ctx.baseline is not None
+        return ctx.baseline.summary()

@@ -1,11 +1,12 @@
 """Bench: measure the written program as an app would run it, and add the numbers to ``manifest.json``.
 
-Runs after ``package``, so the export's own wall time and peak RSS (the manifest's ``resources``) do not
+Runs after ``finalize``, so the export's own wall time and peak RSS (the manifest's ``resources``) do not
 include it. On by default in sweeps (``-m``), off for a single export; ``bench=true/false`` forces it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict
 
@@ -15,7 +16,7 @@ from exporters.runtime.speed import measure_speed
 from exporters.config import BenchmarkConfig
 from exporters.runtime.driver import Driver
 from exporters.manifest import BenchResult
-from exporters.stages.pipeline import Stage
+from exporters.stages.pipeline import ExportContext, Stage
 from exporters.runtime.programs import LoadedProgram
 
 
@@ -27,15 +28,13 @@ def bench_lengths(settings: BenchmarkConfig, max_seq_len: int) -> tuple[int, int
 
 class BenchStage(Stage):
     name = "bench"
+    after = ("finalize",)
 
-    def __init__(self, settings: BenchmarkConfig, max_seq_len: int, enabled: bool) -> None:
+    def __init__(self, settings: BenchmarkConfig, max_seq_len: int) -> None:
         self.settings = settings
         self.max_seq_len = max_seq_len
-        self.enabled = enabled
 
-    def run(self, result: ExportResult) -> ExportResult:
-        if not self.enabled:
-            return result
+    def run(self, result: ExportResult, ctx: ExportContext) -> ExportResult:
         start = time.perf_counter()
         program = LoadedProgram(result.pte_path)
         driver = Driver.of(program)
@@ -43,10 +42,11 @@ class BenchStage(Stage):
         vocab_size = int(program.constant("get_vocab_size"))
         speed = measure_speed(driver, prompt_tokens, steps, self.settings.repeats, vocab_size)
         del program, driver
-        result.manifest.bench = BenchResult(
+        bench = BenchResult(
             **asdict(speed),
             rss_after_load_mb=rss_after_load_mb(result.pte_path, [speed.prompt_method, speed.step_method]),
             seconds=round(time.perf_counter() - start, 1),
         )
-        result.manifest.write(result.manifest_path)
-        return result
+        manifest = dataclasses.replace(result.manifest, bench=bench)
+        manifest.write(result.manifest_path)
+        return dataclasses.replace(result, manifest=manifest)

@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 
-from exporters.stages.artifacts import CapturedMethods, QuantizedModel
-from exporters.program.layouts import Layout
+from exporters.config import MethodKind
 from exporters.manifest import Signature, TensorSpec
+from exporters.program.layouts import Layout
 from exporters.program.methods import MethodSpec, method_specs
-from exporters.stages.pipeline import Stage
-from exporters.quant.schemes import share_activation_quantization
+from exporters.quant.activations import share_activation_quantization
+from exporters.stages.artifacts import CapturedMethods, EagerModel, ProgramMethods
+from exporters.stages.pipeline import ExportContext, Stage
 
 
 def _tensor_spec(value: Any, name: str, dim_name: str) -> TensorSpec:
@@ -54,19 +55,20 @@ def same_graph_aliases(specs: dict[str, MethodSpec]) -> dict[str, str]:
 
 class CaptureStage(Stage):
     name = "capture"
+    after = ("quantize",)
 
-    def __init__(self, methods: list[str], layout: Layout, max_seq_len: int, dynamic_shapes: bool,
-                 prefill_chunk: int, keep_reference: bool = False) -> None:
+    def __init__(self, methods: list[MethodKind], layout: Layout, max_seq_len: int, dynamic_shapes: bool,
+                 prefill_chunk: int, keep_undelegated: bool = False) -> None:
         self.methods = methods
         self.layout = layout
-        # Backends this host cannot run are validated on a second, untouched capture (lowering
+        # Backends this host's runtime cannot execute are validated on a second, untouched capture (lowering
         # rewrites the programs it is given).
-        self.keep_reference = keep_reference
+        self.keep_undelegated = keep_undelegated
         self.max_seq_len = max_seq_len
         self.dynamic_shapes = dynamic_shapes
         self.prefill_chunk = prefill_chunk
 
-    def run(self, quantized: QuantizedModel) -> CapturedMethods:
+    def run(self, quantized: EagerModel, ctx: ExportContext) -> CapturedMethods:
         specs = method_specs(self.methods, self.layout, self.max_seq_len, self.dynamic_shapes, self.prefill_chunk)
         aliases = same_graph_aliases(specs)
         model = quantized.model
@@ -81,10 +83,10 @@ class CaptureStage(Stage):
         for program in programs.values():
             share_activation_quantization(program)
         signatures = {name: signature(p) for name, p in programs.items()}
-        reference = capture_all() if self.keep_reference else None
+        undelegated = capture_all() if self.keep_undelegated else None
         for alias, source in aliases.items():
             signatures[alias] = signatures[source]
-            if reference is not None:
-                reference[alias] = reference[source]
-        return CapturedMethods(quantized=quantized, specs=specs, programs=programs, signatures=signatures,
-                               reference_programs=reference, aliases=aliases)
+            if undelegated is not None:
+                undelegated[alias] = undelegated[source]
+        return CapturedMethods(model=model, methods=ProgramMethods(specs, signatures, aliases), programs=programs,
+                               undelegated=undelegated)

@@ -7,10 +7,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from exporters.stages.artifacts import EmittedProgram, LoweredProgram
-from exporters.program.files import sha256_of, write_atomically
-from exporters.stages.pipeline import Stage
+from exporters.internals import reserialize
 from exporters.program.contents import storage_breakdown
+from exporters.program.files import sha256_of, write_atomically
+from exporters.stages.artifacts import LoweredProgram, WrittenProgram
+from exporters.stages.pipeline import ExportContext, Stage
 
 
 def backend_config():  # type: ignore[no-untyped-def]
@@ -35,8 +36,6 @@ def to_executorch(edge: Any, aliases: dict[str, str]) -> Any:
     wrote a plan equal to prefill's but for its name (delegate segments, constants and memory plan included;
     checked on xnnpack, portable and vulkan programs), and took a third of emit on SmolLM2 (docs/DESIGN.md, 2c).
     """
-    from executorch.exir._serialize._serialize import serialize_for_executorch
-
     config = backend_config()
     manager = edge.to_executorch(config)
     if not aliases:
@@ -52,9 +51,8 @@ def to_executorch(edge: Any, aliases: dict[str, str]) -> Any:
                 debug_map[alias] = debug_map[source]
     program.execution_plan = [plans[name] for name in sorted(plans)] + program.execution_plan[n_methods:]
     # The manager serialized the program when it was built (its constructor emits and serializes):
-    # serialize it again, now with the aliases. The serializer copies the plans and shares the data.
-    manager._pte_data, manager._tensor_data = serialize_for_executorch(
-        manager._emitter_output, config, manager._data_serializer, manager._named_data)
+    # serialize it again, now with the aliases.
+    reserialize(manager, config)
     return manager
 
 
@@ -65,33 +63,24 @@ def provisional_path(final: Path) -> Path:
 
 class EmitStage(Stage):
     name = "emit"
+    after = ("lower",)
 
     def __init__(self, final_path: Path) -> None:
         self.final_path = final_path
 
-    def run(self, lowered: LoweredProgram) -> EmittedProgram:
-        program = to_executorch(lowered.edge, lowered.captured.aliases)
-        # The edge programs are not needed past this point (to_executorch consumed them):
-        # dropping them here keeps them out of the peak memory of serialization.
-        lowered.edge = None
+    def run(self, lowered: LoweredProgram, ctx: ExportContext) -> WrittenProgram:
+        edge, aliases = lowered.edge, lowered.methods.aliases
+        kept = {f: getattr(lowered, f) for f in ("model", "methods", "constant_methods", "delegated_partitions",
+                                                  "undelegated")}
+        del lowered  # the only other reference to the edge programs: dropped with them after to_executorch
+        program = to_executorch(edge, aliases)
+        # to_executorch consumed the edge programs: freeing them here keeps them out of serialization's peak.
+        del edge
         path = provisional_path(self.final_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Streamed piece by piece: program.buffer would hold the whole file in memory once more.
         write_atomically(path, program.write_to_file)
         del program
-        captured = lowered.captured
         storage = storage_breakdown(path)
-        return EmittedProgram(
-            quantized=captured.quantized,
-            specs=captured.specs,
-            signatures=captured.signatures,
-            constant_methods=lowered.constant_methods,
-            delegated_partitions=lowered.delegated_partitions,
-            path=path,
-            final_path=self.final_path,
-            size_bytes=storage["total_bytes"],
-            sha256=sha256_of(path),
-            storage=storage,
-            reference_programs=captured.reference_programs,
-            aliases=captured.aliases,
-        )
+        return WrittenProgram(**kept, path=path, final_path=self.final_path, size_bytes=storage["total_bytes"],
+                              sha256=sha256_of(path), storage=storage)

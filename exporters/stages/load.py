@@ -4,24 +4,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exporters.stages.artifacts import LoadedModel
-from exporters.config import ModelConfig
-from exporters.stages.pipeline import Stage
+from exporters.config import Attention, ModelConfig
+from exporters.stages.artifacts import EagerModel
+from exporters.stages.pipeline import ExportContext, Stage
 from models.checkpoint import build_model
+from models.families import family_of_config
 from models.sources import SOURCES
 
 
 class LoadStage(Stage):
     name = "load"
 
-    def __init__(self, model_cfg: ModelConfig, max_seq_len: int, work_dir: Path, attention: str = "aten") -> None:
+    def __init__(self, model_cfg: ModelConfig, max_seq_len: int, work_dir: Path,
+                 attention: Attention = Attention.aten) -> None:
         self.cfg = model_cfg
         self.attention = attention
         self.max_seq_len = max_seq_len
         self.work_dir = work_dir
 
-    def run(self, artifact: None) -> LoadedModel:
+    def run(self, artifact: None, ctx: ExportContext) -> EagerModel:
         checkpoint = SOURCES[self.cfg.source](self.cfg, self.work_dir)
+        ctx.checkpoint = checkpoint
         model = build_model(checkpoint, self.max_seq_len, family=self.cfg.family, random_init=self.cfg.random_init,
                             seed=self.cfg.seed, attention=self.attention)
-        return LoadedModel(model=model, checkpoint=checkpoint, max_seq_len=self.max_seq_len)
+        return EagerModel(model)
+
+    def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:
+        assert ctx.checkpoint is not None
+        family = family_of_config(ctx.checkpoint.hf_config)
+        return f"{family.name if family else 'unknown'} family, {loaded.summary()}"

@@ -7,33 +7,16 @@ keys constants by the sha256 of their bytes).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from exporters.stages.artifacts import CapturedMethods, LoweredProgram
-from exporters.program.backends import partitioners
 from exporters.config import BackendConfig
-from exporters.stages.pipeline import Stage
+from exporters.program.backends import partitioners
+from exporters.program.constants import constant_methods
+from exporters.stages.artifacts import CapturedMethods, LoweredProgram
+from exporters.stages.pipeline import ExportContext, Stage
 
-
-def constant_methods(captured: CapturedMethods, max_seq_len: int, dynamic_shapes: bool) -> dict[str, Any]:
-    """The metadata methods ExecuTorch's LLM runner reads, plus our own for custom runners."""
-    args = captured.quantized.model.args
-    ckpt = captured.quantized.loaded.checkpoint
-    values: dict[str, Any] = {
-        "get_max_seq_len": max_seq_len,
-        "get_max_context_len": max_seq_len,
-        "get_vocab_size": args.vocab_size,
-        "get_n_layers": args.num_hidden_layers,
-        "use_kv_cache": True,
-        "enable_dynamic_shape": dynamic_shapes,
-    }
-    if ckpt.bos_id is not None:
-        values["get_bos_id"] = ckpt.bos_id
-    if ckpt.eos_ids:
-        values["get_eos_ids"] = list(ckpt.eos_ids)
-    for name, spec in captured.specs.items():
-        values[f"get_{name}_max_tokens"] = spec.max_tokens
-    return values
+log = logging.getLogger("exporters")
 
 
 def count_delegates(edge: Any, aliases: dict[str, str]) -> dict[str, int]:
@@ -45,25 +28,59 @@ def count_delegates(edge: Any, aliases: dict[str, str]) -> dict[str, int]:
     return {**counts, **{alias: counts[source] for alias, source in aliases.items()}}
 
 
+def with_progress(found: list[Any], methods: list[str], backend: str) -> list[Any]:
+    """The partitioners, each reporting on the console as it partitions a method (lowering takes minutes)."""
+    from executorch.exir.backend.partitioner import Partitioner, PartitionResult
+
+    class Reporting(Partitioner):
+        """Forwards to ``inner``; ExecuTorch calls ``partition`` once per method, in ``methods`` order."""
+
+        def __init__(self, inner: Partitioner) -> None:
+            super().__init__(getattr(inner, "spec", {}))
+            self.inner = inner
+            self.calls = 0
+
+        def ops_to_not_decompose(self, program: Any) -> Any:
+            return self.inner.ops_to_not_decompose(program)
+
+        def partition(self, program: Any) -> PartitionResult:
+            name = methods[self.calls] if self.calls < len(methods) else f"method {self.calls + 1}"
+            self.calls += 1
+            result = self.inner.partition(program)
+            log.info("  lower: %s partitioned (%d/%d): %d partition(s) for %s", name, self.calls, len(methods),
+                     len(result.partition_tags), backend)
+            if self.calls == len(methods):
+                log.info("  lower: the backend compiles the partitions of every method together ...")
+            return result
+
+    return [Reporting(p) for p in found]
+
+
 class LowerStage(Stage):
     name = "lower"
+    after = ("capture",)
 
     def __init__(self, backend_cfg: BackendConfig, max_seq_len: int) -> None:
         self.cfg = backend_cfg
         self.max_seq_len = max_seq_len
 
-    def run(self, captured: CapturedMethods) -> LoweredProgram:
+    def run(self, captured: CapturedMethods, ctx: ExportContext) -> LoweredProgram:
         from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-        constants = constant_methods(captured, self.max_seq_len, self.cfg.dynamic_shapes)
+        assert ctx.checkpoint is not None
+        model, methods, undelegated, programs = captured.model, captured.methods, captured.undelegated, captured.programs
+        del captured  # to_edge_transform_and_lower rewrites the programs: nothing may use them after it
+        constants = constant_methods(model.args, ctx.checkpoint, methods.specs, self.max_seq_len,
+                                     self.cfg.dynamic_shapes)
         edge = to_edge_transform_and_lower(
-            captured.programs,
-            partitioner=partitioners(self.cfg.partitioner, self.cfg.options),
+            programs,
+            partitioner=with_progress(partitioners(self.cfg.partitioner, self.cfg.options), list(programs),
+                                      self.cfg.name),
             constant_methods=constants,
             # torchao's quantized ops are not core ATen; the backend consumes them.
             compile_config=EdgeCompileConfig(_check_ir_validity=False),
         )
-        captured.programs = {}  # rewritten by the call above; do not reuse
+        del programs
         # Aliases (forward = prefill) are not lowered: emit writes their source's execution plan under their name.
-        return LoweredProgram(captured=captured, edge=edge, constant_methods=constants,
-                              delegated_partitions=count_delegates(edge, captured.aliases))
+        return LoweredProgram(model=model, methods=methods, edge=edge, constant_methods=constants,
+                              delegated_partitions=count_delegates(edge, methods.aliases), undelegated=undelegated)

@@ -1,7 +1,14 @@
-"""A list of stages run in order, each turning one typed artifact into the next.
+"""One export is one run of a list of stages; each turns the artifact it is handed into a new one.
 
-The session knows nothing about particular stages: it times them, logs progress, and hands each
-stage's output to the next (the shape argued for in ExecuTorch's export-recipe review).
+The pipeline knows nothing about particular stages (the shape of ExecuTorch's ``export/stages.py``): it checks
+that every stage's declared predecessors run before it, times each stage into the :class:`ExportContext`, logs
+progress, and hands each stage's artifact to the next. The context carries what is not an artifact: the
+config, the output folder, the timings, and the facts a stage leaves for later ones (the checkpoint, the
+baseline's quality, the applied quantization, the validation report).
+
+Ownership: a stage receives the only reference to its input, so a stage that consumes it (lower rewrites the
+captured programs, emit consumes the edge programs) frees it by dropping its own name for it, without editing
+the artifact. Artifacts are frozen; a stage returns a new one.
 """
 
 from __future__ import annotations
@@ -11,18 +18,56 @@ import gc
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from exporters.config import ExportConfig
+    from exporters.manifest import AppliedQuantization, ValidationReport
+    from exporters.stages.artifacts import BaselineQuality
+    from models.checkpoint import Checkpoint
 
 log = logging.getLogger("exporters")
 
+StageName = Literal["load", "baseline", "quantize", "capture", "lower", "emit", "validate", "finalize", "bench"]
+
+
+@dataclass
+class ExportContext:
+    """What one export knows besides the artifact in hand. Stages fill in the facts as they learn them."""
+
+    config: ExportConfig
+    resolved_config: dict[str, Any]  # the config as composed, for the manifest
+    output_dir: Path
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, filled in by the pipeline
+    checkpoint: Checkpoint | None = None  # load
+    baseline: BaselineQuality | None = None  # baseline (with validation only)
+    quantization: AppliedQuantization | None = None  # quantize
+    validation: ValidationReport | None = None  # validate (with validation only)
+
 
 class Stage(ABC):
-    """One step of an export. Built with only its own sub-config; ``run`` gets the previous artifact."""
+    """One step of an export. Built from its own part of the config; ``run`` gets the previous artifact."""
 
-    name: str
+    name: ClassVar[StageName]
+    # Stages that must have run earlier in the same pipeline (whichever others run between them).
+    after: ClassVar[tuple[StageName, ...]] = ()
 
     @abstractmethod
-    def run(self, artifact: Any) -> Any: ...
+    def run(self, artifact: Any, ctx: ExportContext) -> Any: ...
+
+    def describe(self, artifact: Any, ctx: ExportContext) -> str:
+        """What the stage's ``done`` line says: by default, the new artifact's own summary."""
+        return getattr(artifact, "summary", lambda: "")()
+
+
+class StageObserver(Protocol):
+    """Told when each stage starts and ends (``benchmarks.profile_memory`` measures peak RSS per stage)."""
+
+    def stage_started(self, name: str) -> None: ...
+
+    def stage_finished(self, name: str, seconds: float) -> None: ...
 
 
 def return_freed_memory() -> None:
@@ -30,8 +75,8 @@ def return_freed_memory() -> None:
 
     Each stage drops what the next one does not need (fp32 weights after quantize, graphs after lower), but
     glibc keeps freed heap pages mapped, so they still count in the process's RSS and stack up under the
-    next stage's peak. ``malloc_trim`` releases them: on the 134M preset the export's peak RSS went from
-    1767 to 1574 MB. A no-op where the C library is not glibc.
+    next stage's peak. ``malloc_trim`` releases them (docs/DESIGN.md 2c). A no-op where the C library is not
+    glibc.
     """
     gc.collect()
     try:
@@ -40,21 +85,39 @@ def return_freed_memory() -> None:
         pass
 
 
-def run_pipeline(stages: Sequence[Stage], artifact: Any = None, first: int = 1,
-                 total: int | None = None) -> tuple[Any, dict[str, float]]:
-    """Run ``stages`` in order; the last artifact and each stage's wall time in seconds.
+def check_order(stages: Sequence[Stage]) -> None:
+    """Every stage's declared predecessors come before it (a programming error otherwise, not a user's)."""
+    seen: set[str] = set()
+    for stage in stages:
+        missing = [name for name in stage.after if name not in seen]
+        if missing:
+            raise ValueError(f"stage {stage.name} must run after {', '.join(missing)}; "
+                             f"the pipeline is {', '.join(s.name for s in stages)}")
+        seen.add(stage.name)
 
-    ``first`` and ``total`` number the progress lines when one export runs its stages in more than one call.
-    """
-    total = total or first + len(stages) - 1
-    timings: dict[str, float] = {}
-    for index, stage in enumerate(stages, start=first):
-        log.info("[%d/%d] %s ...", index, total, stage.name)
+
+def run_pipeline(stages: Sequence[Stage], ctx: ExportContext, artifact: Any = None,
+                 stop_after: str | None = None, observer: StageObserver | None = None) -> Any:
+    """Run ``stages`` in order (up to and including ``stop_after``, if given); the last artifact."""
+    check_order(stages)
+    names = [s.name for s in stages]
+    if stop_after is not None and stop_after not in names:
+        raise ValueError(f"stop_after={stop_after!r} is not a stage of this export: {', '.join(names)}")
+    todo = list(stages[:names.index(stop_after) + 1] if stop_after else stages)
+    for index, stage in enumerate(todo, start=1):
+        log.info("[%d/%d] %s ...", index, len(todo), stage.name)
+        if observer:
+            observer.stage_started(stage.name)
         start = time.perf_counter()
-        artifact = stage.run(artifact)
+        handed = [artifact]
+        artifact = None  # the stage gets the only reference: what it drops is freed
+        artifact = stage.run(handed.pop(), ctx)
         return_freed_memory()
-        timings[stage.name] = round(time.perf_counter() - start, 3)
-        summary = getattr(artifact, "summary", lambda: "")()
-        log.info("[%d/%d] %s done in %.1f s%s", index, total, stage.name, timings[stage.name],
+        seconds = time.perf_counter() - start
+        ctx.timings[stage.name] = round(seconds, 3)
+        if observer:
+            observer.stage_finished(stage.name, seconds)
+        summary = stage.describe(artifact, ctx)
+        log.info("[%d/%d] %s done in %.1f s%s", index, len(todo), stage.name, seconds,
                  f": {summary}" if summary else "")
-    return artifact, timings
+    return artifact

@@ -1,35 +1,86 @@
 """Validate: run the written ``.pte`` over the validation text and compare it with the eager model.
 
-The program goes over the windows the ``reference`` stage made, the way generation drives it (prompt
-method, then one token per step through the step method), and the eager model quantized the same
-way over the same tokens; the measures are in :mod:`exporters.runtime.quality`. Both sides keep their own
-KV cache, so a runtime cache that does not carry from prefill to decode shows up as a large KL.
+The program goes over the windows the ``baseline`` stage made, the way generation drives it (prompt method,
+then one token per step through the step method), and so does the eager model quantized the same way; the
+measures are in :mod:`exporters.runtime.quality`. Both sides keep their own KV cache, so a runtime cache that
+does not carry from prefill to decode shows up as a large KL. Four steps, one function each: run both
+sides (:func:`predictions`), score them (:class:`Scores`), judge the scores against the tolerance
+(:func:`judge`), and write the report (:func:`report`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from exporters.stages.artifacts import EmittedProgram, ValidatedProgram
-from exporters.manifest import ValidationReport
 from exporters.config import QuantConfig
+from exporters.manifest import Checked, ValidationReport
+from exporters.program.methods import MethodSpec
 from exporters.runtime.driver import Driver, MethodRoles
-from exporters.stages.pipeline import Stage
-from exporters.runtime.quality import Agreement, TextWindows, full_sequence, negative_log_likelihood, perplexity, window_logits
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
+from exporters.runtime.quality import Agreement, TextWindows, full_sequence, negative_log_likelihood, perplexity
+from exporters.stages.artifacts import BaselineQuality, WrittenProgram
+from exporters.stages.pipeline import ExportContext, Stage
+from models.decoder import CausalLM
+
+log = logging.getLogger("exporters")
 
 
 @dataclass(frozen=True)
 class Tolerance:
+    """How far the program may be from the eager quantized model (``quant.max_kl`` .. ``quant.max_ppl_drift``)."""
+
     max_kl: float
     min_top1: float
-    max_ppl_increase: float
+    max_ppl_drift: float
 
     @staticmethod
     def of(quant: QuantConfig) -> "Tolerance":
-        return Tolerance(quant.max_kl, quant.min_top1, quant.max_ppl_increase)
+        return Tolerance(quant.max_kl, quant.min_top1, quant.max_ppl_drift)
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """Per window, the next-token logits [L - P, V] of the eager model and of the program; and ``forward``
+    against ``prefill`` on the first prompt (None when the program lacks either)."""
+
+    eager: list[torch.Tensor]
+    program: list[torch.Tensor]
+    forward_kl: float | None
+
+
+@dataclass(frozen=True)
+class Scores:
+    agreement: Agreement  # over every scored position
+    per_window: list[dict[str, float]]
+    perplexity: float  # of the program
+    eager_perplexity: float
+
+    @staticmethod
+    def of(predictions: Predictions, text: TextWindows) -> "Scores":
+        per_window = []
+        nll_eager = nll_program = 0.0
+        for i, (window, e, p) in enumerate(zip(text.windows, predictions.eager, predictions.program)):
+            a = Agreement.of(e, p)
+            targets = text.targets(window)
+            nll_eager += negative_log_likelihood(e, targets)
+            nll_program += negative_log_likelihood(p, targets)
+            per_window.append({"window": i, "tokens": window.shape[1], "kl_mean": float(a.kl.mean()),
+                               "kl_max": float(a.kl.max()), "top1_agreement": float(a.top1.double().mean()),
+                               "max_abs_error": a.max_abs_error})
+        n = text.scored_tokens
+        return Scores(Agreement.of(torch.cat(predictions.eager), torch.cat(predictions.program)), per_window,
+                      perplexity(nll_program, n), perplexity(nll_eager, n))
+
+    @property
+    def kl_mean(self) -> float:
+        return float(self.agreement.kl.mean())
+
+    @property
+    def top1(self) -> float:
+        return float(self.agreement.top1.double().mean())
 
 
 def program_predictions(driver: Driver, window: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
@@ -39,93 +90,103 @@ def program_predictions(driver: Driver, window: torch.Tensor, prompt_tokens: int
     return torch.cat(rows).float()
 
 
+def forward_against_prefill(program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
+                            specs: dict[str, MethodSpec], text: TextWindows) -> float | None:
+    """``forward`` (what the stock runner calls) on the first prompt, against ``prefill`` on the same tokens."""
+    by_kind = {spec.kind: name for name, spec in specs.items()}
+    if not {"prefill", "forward"} <= by_kind.keys():
+        return None
+    prompt = text.windows[0][:, :text.prompt_tokens]
+    by_method = [Driver(program, roles.with_prompt(by_kind[k], specs[by_kind[k]].shape)).prefill(prompt)
+                 for k in ("prefill", "forward")]
+    return float(Agreement.of(*by_method).kl.max())
+
+
+def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, specs: dict[str, MethodSpec],
+                text: TextWindows) -> Predictions:
+    roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
+    with torch.no_grad():
+        eager = []
+        eager_run = full_sequence(model)
+        for w in text.windows:
+            eager.append(text.predictions(eager_run(w)))
+        driver = Driver(program, roles)
+        ours = []
+        for i, w in enumerate(text.windows, start=1):
+            ours.append(program_predictions(driver, w, text.prompt_tokens))
+            if len(text.windows) > 1:
+                log.info("  validate: window %d/%d (%d tokens)", i, len(text.windows), w.shape[1])
+        forward_kl = forward_against_prefill(program, roles, specs, text)
+    model.reset_cache()
+    return Predictions(eager, ours, forward_kl)
+
+
+def judge(scores: Scores, forward_kl: float | None, t: Tolerance) -> list[str]:
+    """Each measure outside its tolerance, with its value and limit (empty: the program passes)."""
+    return [
+        *([f"KL {scores.kl_mean:.3g} > {t.max_kl:.3g}"] if scores.kl_mean > t.max_kl else []),
+        *([f"top-1 agreement {scores.top1:.1%} < {t.min_top1:.0%}"] if scores.top1 < t.min_top1 else []),
+        *([f"perplexity {scores.perplexity:.4g} > eager {scores.eager_perplexity:.4g} x (1 + {t.max_ppl_drift:.3g})"]
+          if scores.perplexity > scores.eager_perplexity * (1 + t.max_ppl_drift) else []),
+        *([f"forward differs from prefill: KL {forward_kl:.3g} > {t.max_kl:.3g}"]
+          if forward_kl is not None and forward_kl > t.max_kl else []),
+    ]
+
+
+def report(scores: Scores, failures: list[str], forward_kl: float | None, roles: MethodRoles, checked: Checked,
+           baseline: BaselineQuality, t: Tolerance) -> ValidationReport:
+    text, total = baseline.text, scores.agreement
+    return ValidationReport(
+        passed=not failures,
+        failures=failures,
+        checked=checked,
+        text=text.source,
+        methods={"prompt": roles.prompt, "step": roles.step,
+                 "forward": "checked against prefill" if forward_kl is not None else None},
+        windows=len(text.windows),
+        prompt_tokens=text.prompt_tokens,
+        scored_tokens=text.scored_tokens,
+        kl_mean=scores.kl_mean,
+        kl_max=float(total.kl.max()),
+        top1_agreement=scores.top1,
+        top5_overlap=float(total.topk_overlap.mean()),
+        max_abs_error=total.max_abs_error,
+        max_rel_error=total.max_rel_error,
+        perplexity=scores.perplexity,
+        eager_perplexity=scores.eager_perplexity,
+        baseline_perplexity=baseline.perplexity,
+        baseline_dtype=baseline.dtype,
+        forward_kl=forward_kl,
+        tolerance={"max_kl": t.max_kl, "min_top1": t.min_top1, "max_ppl_drift": t.max_ppl_drift},
+        per_window=scores.per_window,
+    )
+
+
 class ValidateStage(Stage):
     name = "validate"
+    after = ("baseline", "emit")
 
-    def __init__(self, tolerance: Tolerance, enabled: bool, runs_here: bool = True) -> None:
+    def __init__(self, tolerance: Tolerance, runs_here: bool = True) -> None:
         self.tolerance = tolerance
-        self.enabled = enabled
         self.runs_here = runs_here
 
-    def run(self, emitted: EmittedProgram) -> ValidatedProgram:
-        if not self.enabled:
-            return ValidatedProgram(emitted=emitted, report=None)
-        return ValidatedProgram(emitted=emitted, report=self.compare(emitted))
-
-    def compare(self, emitted: EmittedProgram) -> ValidationReport:
-        reference = emitted.quantized.loaded.reference
-        assert reference is not None, "the reference stage runs whenever validation does"
-        text: TextWindows = reference.text
-        roles = MethodRoles.choose({name: spec.shape for name, spec in emitted.specs.items()})
+    def run(self, written: WrittenProgram, ctx: ExportContext) -> WrittenProgram:
+        assert ctx.baseline is not None
+        specs = written.methods.specs
         if self.runs_here:
-            program: LoadedProgram | CapturedPrograms = LoadedProgram(emitted.path)
+            program: LoadedProgram | CapturedPrograms = LoadedProgram(written.path)
+            checked: Checked = "runtime"
         else:
-            assert emitted.reference_programs is not None, "capture keeps reference programs for such backends"
-            program = CapturedPrograms(emitted.reference_programs, emitted.quantized.model.kv_cache_buffers())
+            assert written.undelegated is not None, "capture keeps undelegated programs for such backends"
+            program = CapturedPrograms(written.undelegated, written.model.kv_cache_buffers())
+            checked = "undelegated programs"
+        found = predictions(written.model, program, specs, ctx.baseline.text)
+        scores = Scores.of(found, ctx.baseline.text)
+        failures = judge(scores, found.forward_kl, self.tolerance)
+        roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
+        ctx.validation = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, self.tolerance)
+        return written  # unchanged: the verdict is a fact for finalize, in the context
 
-        model = emitted.quantized.model
-        with torch.no_grad():
-            eager = window_logits(full_sequence(model), text)
-            driver = Driver(program, roles)
-            ours = [program_predictions(driver, w, text.prompt_tokens) for w in text.windows]
-            forward_kl = self._forward_against_prefill(program, roles, emitted, text)
-        model.reset_cache()
-
-        per_window = []
-        nll_eager = nll_program = 0.0
-        for i, (window, e, p) in enumerate(zip(text.windows, eager, ours)):
-            a = Agreement.of(e, p)
-            ne, np_ = negative_log_likelihood(e, text.targets(window)), negative_log_likelihood(p, text.targets(window))
-            nll_eager, nll_program = nll_eager + ne, nll_program + np_
-            per_window.append({"window": i, "tokens": window.shape[1], "kl_mean": float(a.kl.mean()),
-                               "kl_max": float(a.kl.max()), "top1_agreement": float(a.top1.double().mean()),
-                               "max_abs_error": a.max_abs_error})
-        total = Agreement.of(torch.cat(eager), torch.cat(ours))
-        n = text.scored_tokens
-        ppl_program, ppl_eager = perplexity(nll_program, n), perplexity(nll_eager, n)
-        t = self.tolerance
-        kl_mean, top1 = float(total.kl.mean()), float(total.top1.double().mean())
-        failures = [
-            *([f"KL {kl_mean:.3g} > {t.max_kl:.3g}"] if kl_mean > t.max_kl else []),
-            *([f"top-1 agreement {top1:.1%} < {t.min_top1:.0%}"] if top1 < t.min_top1 else []),
-            *([f"perplexity {ppl_program:.4g} > eager {ppl_eager:.4g} x (1 + {t.max_ppl_increase:.3g})"]
-              if ppl_program > ppl_eager * (1 + t.max_ppl_increase) else []),
-            *([f"forward differs from prefill: KL {forward_kl:.3g} > {t.max_kl:.3g}"]
-              if forward_kl is not None and forward_kl > t.max_kl else []),
-        ]
-        return ValidationReport(
-            passed=not failures,
-            failures=failures,
-            checked="runtime" if self.runs_here else "captured programs (delegate cannot run on this host)",
-            text=text.source,
-            methods={"prompt": roles.prompt, "step": roles.step,
-                     "forward": "checked against prefill" if forward_kl is not None else None},
-            windows=len(text.windows),
-            prompt_tokens=text.prompt_tokens,
-            scored_tokens=n,
-            kl_mean=kl_mean,
-            kl_max=float(total.kl.max()),
-            top1_agreement=top1,
-            top5_overlap=float(total.topk_overlap.mean()),
-            max_abs_error=total.max_abs_error,
-            max_rel_error=total.max_rel_error,
-            perplexity=ppl_program,
-            eager_perplexity=ppl_eager,
-            reference_perplexity=reference.perplexity,
-            reference_dtype=reference.dtype,
-            forward_kl=forward_kl,
-            tolerance={"max_kl": t.max_kl, "min_top1": t.min_top1, "max_ppl_increase": t.max_ppl_increase},
-            per_window=per_window,
-        )
-
-    @staticmethod
-    def _forward_against_prefill(program: LoadedProgram | CapturedPrograms, roles: MethodRoles, emitted: EmittedProgram,
-                                 text: TextWindows) -> float | None:
-        """``forward`` (what the stock runner calls) on the first prompt, against ``prefill`` on the same tokens."""
-        by_kind = {spec.kind: name for name, spec in emitted.specs.items()}
-        if not {"prefill", "forward"} <= by_kind.keys():
-            return None
-        prompt = text.windows[0][:, :text.prompt_tokens]
-        by_method = [Driver(program, roles.with_prompt(by_kind[k], emitted.specs[by_kind[k]].shape)).prefill(prompt)
-                     for k in ("prefill", "forward")]
-        return float(Agreement.of(*by_method).kl.max())
+    def describe(self, written: WrittenProgram, ctx: ExportContext) -> str:
+        assert ctx.validation is not None
+        return ctx.validation.describe()

@@ -95,15 +95,16 @@ def _configure_child_logging(label: str, log_file: str | None) -> None:
 
 def _child_main(request: dict[str, Any]) -> int:
     from exporters import console
-    from exporters.export import export
-    from exporters.config import ExportConfig
+    from exporters.config import ExportConfig, check_known_keys
     from exporters.errors import REPORTED_ERRORS
+    from exporters.export import export
 
     console.VERBOSE = bool(request["verbose"])
     _configure_child_logging(request["label"], request["log_file"])
     out = Path(request["output_dir"])
     try:
         with console.native_stderr_to(request["log_file"]):
+            check_known_keys(OmegaConf.create(request["config"]))  # before the merge, which would only crash on one
             result = export(OmegaConf.merge(OmegaConf.structured(ExportConfig), request["config"]), out)
     except REPORTED_ERRORS as e:
         log.error("export failed: %s", e)

@@ -14,15 +14,28 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal
 
 import yaml
 
+from exporters.errors import check_choice
 from exporters.manifest import Manifest
+
+if TYPE_CHECKING:
+    from exporters.config import SearchConfig
 
 
 RESULT_FILE = "result.json"
 SUMMARY_FILES = ("summary.csv", "summary.md", "pareto.png")
+
+
+def numeric_columns() -> list[str]:
+    """The columns an Optuna search can optimize (``search.objective``)."""
+    return [f.name for f in fields(JobRow) if "float" in str(f.type)]
+
+
+def check_search(search: SearchConfig) -> None:
+    check_choice("search.objective", search.objective, numeric_columns(), "Pick a numeric column of the sweep summary.")
 
 
 @dataclass
@@ -34,17 +47,17 @@ class JobRow:
     model: str
     quant: str
     backend: str
-    status: str  # "ok" or "failed"
+    status: Literal["ok", "failed"]
     reason: str = ""  # why it failed
     size_mb: float | None = None
-    export_s: float | None = None  # the export itself (load .. validate)
+    export_s: float | None = None  # the export itself (every stage before finalize)
     peak_rss_mb: float | None = None  # of the export; for a killed job, of its process until it died
     prefill_tok_s: float | None = None
     decode_tok_s: float | None = None
     rss_after_load_mb: float | None = None
     perplexity: float | None = None  # of the program on the validation text
-    fp32_perplexity: float | None = None  # of the unquantized model on the same tokens
-    ppl_increase: float | None = None  # perplexity / fp32_perplexity - 1
+    baseline_perplexity: float | None = None  # of the unquantized model, as loaded, on the same tokens
+    ppl_increase: float | None = None  # perplexity / baseline_perplexity - 1: the quality loss
     kl_mean: float | None = None  # validation: KL(eager quantized || program), nats per token
     top1_agreement: float | None = None  # validation: share of positions with the eager model's greedy token
     job_s: float | None = None  # the whole job: process start, export, validation, bench
@@ -64,8 +77,8 @@ class JobRow:
                           rss_after_load_mb=m.bench.rss_after_load_mb)
         if m.validation:
             v = m.validation
-            values.update(perplexity=v.perplexity, fp32_perplexity=v.reference_perplexity,
-                          ppl_increase=v.increase_over_reference, kl_mean=v.kl_mean, top1_agreement=v.top1_agreement)
+            values.update(perplexity=v.perplexity, baseline_perplexity=v.baseline_perplexity,
+                          ppl_increase=v.ppl_increase, kl_mean=v.kl_mean, top1_agreement=v.top1_agreement)
         return JobRow(**{**asdict(self), **values})
 
 
@@ -102,11 +115,18 @@ def unfinished_row(job_dir: Path) -> JobRow:
                          "running; its llm.log says how far it got")
 
 
+def row_from_json(data: dict[str, Any]) -> JobRow:
+    """A job's row from its ``result.json``; rows written by 0.1 named the baseline's perplexity fp32_perplexity."""
+    if "fp32_perplexity" in data:
+        data = {("baseline_perplexity" if k == "fp32_perplexity" else k): v for k, v in data.items()}
+    return JobRow(**data)
+
+
 def read_rows(sweep_dir: Path) -> list[JobRow]:
     rows = []
     for folder in job_folders(sweep_dir):
         result = folder / RESULT_FILE
-        rows.append(JobRow(**json.loads(result.read_text())) if result.is_file() else unfinished_row(folder))
+        rows.append(row_from_json(json.loads(result.read_text())) if result.is_file() else unfinished_row(folder))
     return sorted(rows, key=lambda r: r.job)
 
 
@@ -114,7 +134,7 @@ def read_rows(sweep_dir: Path) -> list[JobRow]:
 
 @dataclass(frozen=True)
 class Tradeoff:
-    """Quality loss (perplexity increase over fp32, lower is better) against one cost or benefit."""
+    """Quality loss (perplexity increase over the unquantized model, lower is better) against one cost or benefit."""
 
     name: str
     column: str
@@ -152,35 +172,57 @@ def _cell(value: float | None, fmt: Callable[[float], str]) -> str:
     return "" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt(value)
 
 
+@dataclass(frozen=True)
+class Column:
+    """A numeric column of ``summary.md``: its header, the row field, and how a value is written."""
+
+    header: str
+    field: str
+    fmt: str  # a str.format spec applied to the value
+
+
+COLUMNS = (
+    Column(".pte MB", "size_mb", "{:.1f}"), Column("export s", "export_s", "{:.0f}"),
+    Column("peak RSS MB", "peak_rss_mb", "{:.0f}"), Column("prefill tok/s", "prefill_tok_s", "{:.0f}"),
+    Column("decode tok/s", "decode_tok_s", "{:.0f}"), Column("RSS after load MB", "rss_after_load_mb", "{:.0f}"),
+    Column("perplexity", "perplexity", "{:.2f}"), Column("unquantized", "baseline_perplexity", "{:.2f}"),
+    Column("increase", "ppl_increase", "{:+.1%}"), Column("KL", "kl_mean", "{:.2g}"),
+    Column("top-1", "top1_agreement", "{:.0%}"),
+)
+
+
+def _table(headers: list[str], aligns: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table; ``aligns`` holds "---:" (numbers) or "---" (text) per column."""
+    return ["| " + " | ".join(headers) + " |", "|" + "|".join(aligns) + "|",
+            *("| " + " | ".join(cells) + " |" for cells in rows)]
+
+
 def write_markdown(rows: list[JobRow], path: Path, sweep_dir: Path) -> None:
     """Working configs smallest first, each marked where it is on a Pareto front; failed ones after."""
     fronts = {t.name: {r.job for r in pareto_front(rows, t)} for t in TRADEOFFS}
     label = labels(rows)
     ok = sorted((r for r in rows if r.ok), key=lambda r: (r.size_mb is None, r.size_mb or 0.0))
     failed = [r for r in rows if not r.ok]
+
+    def best(r: JobRow) -> str:
+        marks = ", ".join(name for name, jobs in fronts.items() if r.job in jobs)
+        return f"**{marks}**" if marks else ""
+
     lines = [
         f"# Sweep summary: {sweep_dir}",
         "",
         f"{len(ok)} of {len(rows)} jobs ok. Smallest first. **best** marks the Pareto front of quality loss "
-        "(perplexity increase over fp32) against size (`size`) and against decode speed (`speed`): no other "
-        "config is both better there and no worse in quality.",
+        "(perplexity increase over the unquantized model) against size (`size`) and against decode speed "
+        "(`speed`): no other config is both better there and no worse in quality.",
         "",
-        "| job | config | best | .pte MB | export s | peak RSS MB | prefill tok/s | decode tok/s | "
-        "RSS after load MB | perplexity | fp32 | increase | KL | top-1 |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *_table(["job", "config", "best", *(c.header for c in COLUMNS)], ["---:", "---", "---", *["---:"] * len(COLUMNS)],
+                [[str(r.job), label[r.job], best(r), *(_cell(getattr(r, c.field), c.fmt.format) for c in COLUMNS)]
+                 for r in ok]),
     ]
-    for r in ok:
-        best = ", ".join(name for name, jobs in fronts.items() if r.job in jobs)
-        lines.append(
-            f"| {r.job} | {label[r.job]} | {'**' + best + '**' if best else ''} | {_cell(r.size_mb, '{:.1f}'.format)} | "
-            f"{_cell(r.export_s, '{:.0f}'.format)} | {_cell(r.peak_rss_mb, '{:.0f}'.format)} | "
-            f"{_cell(r.prefill_tok_s, '{:.0f}'.format)} | {_cell(r.decode_tok_s, '{:.0f}'.format)} | "
-            f"{_cell(r.rss_after_load_mb, '{:.0f}'.format)} | {_cell(r.perplexity, '{:.2f}'.format)} | "
-            f"{_cell(r.fp32_perplexity, '{:.2f}'.format)} | {_cell(r.ppl_increase, '{:+.1%}'.format)} | "
-            f"{_cell(r.kl_mean, '{:.2g}'.format)} | {_cell(r.top1_agreement, '{:.0%}'.format)} |")
     if failed:
-        lines += ["", "## Failed", "", "| job | config | reason |", "|---:|---|---|"]
-        lines += [f"| {r.job} | {label[r.job]} | {r.reason.replace('|', '/').replace(chr(10), ' ')} |" for r in failed]
+        lines += ["", "## Failed", ""]
+        lines += _table(["job", "config", "reason"], ["---:", "---", "---"],
+                        [[str(r.job), label[r.job], r.reason.replace("|", "/").replace(chr(10), " ")] for r in failed])
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -204,7 +246,7 @@ def write_pareto_plot(rows: list[JobRow], path: Path) -> None:
             ax.annotate(label[r.job], (getattr(r, tradeoff.column), 100 * r.ppl_increase), fontsize=7,  # type: ignore[operator]
                         textcoords="offset points", xytext=(4, 4))
         ax.set_xlabel(tradeoff.axis + (" (higher is better)" if tradeoff.higher_is_better else ""))
-        ax.set_ylabel("perplexity increase over fp32 (%)")
+        ax.set_ylabel("perplexity increase over the unquantized model (%)")
         ax.grid(alpha=0.3)
         if not points:
             ax.text(0.5, 0.5, "no job has both measures", ha="center", va="center", transform=ax.transAxes)

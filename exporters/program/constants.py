@@ -1,0 +1,29 @@
+"""The constant methods of a program: what ExecuTorch's LLM runner reads (``get_max_seq_len``, ``get_eos_ids``,
+...), and our own for custom runners (``get_<method>_max_tokens``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from exporters.program.methods import MethodSpec
+from models.checkpoint import Checkpoint
+from models.decoder import DecoderArgs
+
+
+def constant_methods(args: DecoderArgs, checkpoint: Checkpoint, specs: dict[str, MethodSpec], max_seq_len: int,
+                     dynamic_shapes: bool) -> dict[str, Any]:
+    values: dict[str, Any] = {
+        "get_max_seq_len": max_seq_len,
+        "get_max_context_len": max_seq_len,
+        "get_vocab_size": args.vocab_size,
+        "get_n_layers": args.num_hidden_layers,
+        "use_kv_cache": True,
+        "enable_dynamic_shape": dynamic_shapes,
+    }
+    if checkpoint.bos_id is not None:
+        values["get_bos_id"] = checkpoint.bos_id
+    if checkpoint.eos_ids:
+        values["get_eos_ids"] = list(checkpoint.eos_ids)
+    for name, spec in specs.items():
+        values[f"get_{name}_max_tokens"] = spec.max_tokens
+    return values
