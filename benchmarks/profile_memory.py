@@ -8,8 +8,8 @@ ExecuTorch's emitter and serializer, our writing, hashing and storage breakdown)
 
 Runs the export's stages in this process (``exporters.export.run_stages``, validate=false) with an observer
 that resets the kernel's peak-RSS counter (VmHWM) when each stage starts and prints, when it finishes, the
-stage's peak and the RSS left after the freed heap went back to the OS. Around each emit step it prints RSS before, after and the step's own peak. This
-profile found that the manifest's storage breakdown, not ExecuTorch's serialization, made emit the peak of the
+stage's peak and the RSS left after the freed heap went back to the OS. Around each emit step it prints RSS
+before, after and the step's own peak. This profile found that the manifest's storage breakdown, not ExecuTorch's serialization, made emit the peak of the
 whole export (docs/DESIGN.md, 2c). The steps are timed by wrapping ExecuTorch's functions in this process
 only; the exporter is not changed.
 """
@@ -57,8 +57,8 @@ class MemoryObserver:
             start = time.perf_counter()
             result = inner(*args, **kwargs)
             self.step_peaks.append(peak_rss_mb())
-            print(f"    {name:36s} {time.perf_counter() - start:6.1f} s  RSS {before:6.0f} -> {current_rss_mb():6.0f} MB"
-                  f"  peak {self.step_peaks[-1]:6.0f} MB", flush=True)
+            print(f"    {name:36s} {time.perf_counter() - start:6.1f} s  RSS {before:6.0f} -> "
+                  f"{current_rss_mb():6.0f} MB  peak {self.step_peaks[-1]:6.0f} MB", flush=True)
             return result
 
         setattr(owner, name, wrapper)

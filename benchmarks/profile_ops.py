@@ -1,6 +1,7 @@
 """Where a program's decode time goes, operator by operator (ExecuTorch ETDump + Inspector).
 
-    python -m benchmarks.profile_ops ours=bench/smollm2/llm-exporters/model.pte export_llm=bench/smollm2/export_llm/model.pte
+    python -m benchmarks.profile_ops ours=bench/smollm2/llm-exporters/model.pte \\
+        export_llm=bench/smollm2/export_llm/model.pte
     python -m benchmarks.profile_ops --preset smollm2 [--quant 8da4w]   # export the preset first, then profile it
 
 It needs a runtime built with the event tracer, which the pip wheel of ExecuTorch 1.5.1 has and 1.4.1's
@@ -62,7 +63,9 @@ def profile(pte: Path, prompt_tokens: int, steps: int) -> DecodeProfile:
     names = set(program.method_names)
     prompt = program.load_method(next(m for m in PROMPT_METHODS if m in names))
     step = program.load_method(next(m for m in STEP_METHODS if m in names))
-    logits = prompt.execute([torch.randint(0, 1000, (1, prompt_tokens)), torch.tensor([0])])[0]
+    vocab = int(program.load_method("get_vocab_size").execute([])[0]) if "get_vocab_size" in names else 1000
+    prompt_ids = torch.randint(0, min(vocab, 1000), (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    logits = prompt.execute([prompt_ids, torch.tensor([0])])[0]
     start = time.perf_counter()
     for i in range(steps):
         token = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
@@ -71,6 +74,12 @@ def profile(pte: Path, prompt_tokens: int, steps: int) -> DecodeProfile:
     with tempfile.TemporaryDirectory() as tmp:
         etdump = Path(tmp) / "etdump.etdp"
         program.write_etdump_result_to_file(str(etdump), str(Path(tmp) / "debug.bin"))
+        if not etdump.is_file():
+            from importlib import metadata
+
+            raise SystemExit(f"this runtime (ExecuTorch {metadata.version('executorch')}, {sys.executable}) wrote no "
+                             f"ETDump: it was built without the event tracer. Profile in the {RUNTIME_RELEASE} runtime "
+                             "(run without --here, or give --runtime-python).")
         inspector = Inspector(etdump_path=str(etdump))
     # One "Execute" block per method, each event holding one sample per call; the step method's block
     # is the last one, and its last ``steps`` samples are the decode calls (forward also ran the prompt).
@@ -127,7 +136,8 @@ def tables(results: dict[str, DecodeProfile], top: int) -> str:
                  key=lambda op: -max(r.per_operator.get(op, 0.0) for r in results.values()))
     lines.append("\n" + header.replace("per decode step", "operator (ms per decode step)"))
     for op in ops[:top]:
-        lines.append(f"| {op} | " + " | ".join(f"{results[label].per_operator.get(op, 0.0):.3f}" for label in labels) + " |")
+        lines.append(f"| {op} | " + " | ".join(f"{results[label].per_operator.get(op, 0.0):.3f}" for label in labels)
+                     + " |")
     return "\n".join(lines)
 
 
@@ -169,8 +179,8 @@ def main() -> None:
     if not args.here:
         runtime = args.runtime_python or cached_runtime()
         if not Path(runtime).is_file():
-            raise SystemExit(f"no ExecuTorch {RUNTIME_RELEASE} runtime at {runtime}: profiling needs a runtime built with "
-                             f"the event tracer. `pytest tests/test_stock_runners.py` caches one there, or give "
+            raise SystemExit(f"no ExecuTorch {RUNTIME_RELEASE} runtime at {runtime}: profiling needs a runtime "
+                             f"built with the event tracer. `pytest tests/test_stock_runners.py` caches one there, or give "
                              f"--runtime-python <python of a venv with executorch=={RUNTIME_RELEASE}>.")
         programs = [*args.programs, *(export_programs(args) if args.preset else [])]
         cmd = [str(runtime), str(Path(__file__).resolve()), "--here", *programs, "--prompt-tokens",

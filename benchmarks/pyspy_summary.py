@@ -18,6 +18,7 @@ import collections
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def frame_label(frame: dict) -> str:
 
 def record(cmd: list[str], profile: Path, rate: int) -> None:
     """Run ``cmd`` under ``py-spy record`` into a speedscope ``profile``."""
-    pyspy = shutil.which("py-spy")
+    beside = Path(sys.executable).parent / "py-spy"  # installed in this venv, which need not be on PATH
+    pyspy = str(beside) if beside.is_file() else shutil.which("py-spy")
     if pyspy is None:
         raise SystemExit("py-spy is not installed (pip install py-spy): it records the profile --preset asks for.")
     proc = subprocess.run([pyspy, "record", "--rate", str(rate), "--format", "speedscope", "-o", str(profile), "--",
@@ -44,6 +46,8 @@ def record(cmd: list[str], profile: Path, rate: int) -> None:
 
 def summarize(profile: Path, top: int, within: str | None = None, inside: str | None = None) -> list[str]:
     """The summary's lines: the ``top`` most inclusive functions, or ``within``'s share under ``inside``."""
+    if not profile.is_file():
+        raise SystemExit(f"{profile}: no such file (a py-spy --format speedscope profile).")
     data = json.loads(profile.read_text())
     frames = data["shared"]["frames"]
     samples = [stack for p in data["profiles"] for stack in p["samples"]]

@@ -1,7 +1,8 @@
 """Wall time of the same sweep on each launcher: one after another, joblib processes, a local Ray cluster.
 
     python -m benchmarks.sweep_launchers --out /tmp/launchers model=hf model.checkpoint=<dir> quant=fp32,8da8w,8da4w
-    python -m benchmarks.sweep_launchers --out /tmp/launchers --preset smollm2 --layers 8 quant=fp32,8da8w,8da4w
+    python -m benchmarks.sweep_launchers --out /tmp/launchers --launchers serial,joblib \\
+        --preset smollm2 --layers 8 quant=fp32,8da4w
 
 Every argument that is not an option of this tool is a Hydra override passed to each sweep as it is;
 ``--preset NAME`` (benchmarks/presets.py) adds the overrides that export that model (its checkpoint folder is
@@ -28,18 +29,22 @@ LAUNCHERS = {"serial": [], "joblib": ["hydra/launcher=local_parallel"], "ray": [
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="a folder for the sweeps (keep its path short for Ray)")
-    ap.add_argument("--launchers", nargs="*", default=list(LAUNCHERS), choices=list(LAUNCHERS))
+    ap.add_argument("--launchers", default=",".join(LAUNCHERS),
+                    help=f"comma-separated, of {', '.join(LAUNCHERS)} (default: all)")
     add_preset_arguments(ap, default=None)
     args, overrides = ap.parse_known_args()
     unknown = [o for o in overrides if o.startswith("-")]
     if unknown:
         ap.error(f"unknown options {' '.join(unknown)} (Hydra overrides are key=value)")
+    launchers = args.launchers.split(",")
+    if not set(launchers) <= set(LAUNCHERS):
+        ap.error(f"--launchers {args.launchers}: each one of {', '.join(LAUNCHERS)}")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.preset:
         overrides = [*preset_overrides(preset_of(args), out / "checkpoint"), *overrides]
     results = {}
-    for name in args.launchers:
+    for name in launchers:
         sweep = out / name
         cmd = [sys.executable, "-m", "exporters.llm", "-m", *LAUNCHERS[name], *overrides, f"hydra.sweep.dir={sweep}"]
         print(f"{name}: {' '.join(cmd[3:])}", flush=True)

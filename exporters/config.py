@@ -180,8 +180,8 @@ class ExportSection:
     # stock runner runs with two KV caches (wrong text): only for apps that share memory arenas.
     layout: LayoutName = LayoutName.stock
     # A tied, unquantized embedding/lm_head matrix: "shared" stores it once (lm_head reads the embedding's
-    # copy; on XNNPACK it is then repacked at every call: SmolLM2-135M fp32 decode 32 instead of 43 tok/s,
-    # .pte 539 instead of 652 MB), "copied" lets the backend keep its own packed copy for lm_head.
+    # copy; on XNNPACK it is then repacked at every call), "copied" lets the backend keep its own packed copy
+    # for lm_head: faster decode, larger file (measured in docs/DESIGN.md).
     tied_embedding: TiedEmbeddingStorage = TiedEmbeddingStorage.shared
     # Token count of prefill on static-shape backends.
     prefill_chunk: int = 32

@@ -4,7 +4,7 @@ Checked with executorch 1.4.1 and torchao 0.18.0 (pyproject.toml pins both). Whe
 are the lines to re-read; each has a test that fails if the internal changes behaviour:
 
 - :func:`read_program_header`: ExecuTorch has no public reader of a ``.pte``'s flatbuffer alone (its public
-  ``deserialize_pte_binary`` copies every weight segment, +565 MB on the 134M preset).
+  ``deserialize_pte_binary`` copies every weight segment: docs/DESIGN.md 2c).
   Test: ``tests/test_export.py::test_storage_breakdown_agrees_with_a_full_deserialization``.
 - :func:`reserialize`: emit adds ``forward`` as ``prefill``'s execution plan renamed, then serializes the
   manager again; the manager keeps its serialized bytes in private fields.

@@ -404,7 +404,7 @@ class CausalLM(nn.Module):
         self.args = args
         self.model = DecoderBody(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        # True while lm_head and the embedding are one unquantized matrix (quantize_model updates it).
+        # True while lm_head and the embedding are one unquantized matrix (exporters.quant.tied decides it).
         self.tied_head = args.tie_word_embeddings
         if args.tie_word_embeddings:
             self.tie_weights()
@@ -492,7 +492,7 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def reset_cache(self) -> None:
-        """Zero every KV buffer, so a new sequence starts clean (eager reference runs)."""
+        """Zero every KV buffer, so a new sequence starts clean (eager runs: baseline, validation)."""
         for layer in self.model.layers:
             layer.self_attn.kv_cache.reset()
 

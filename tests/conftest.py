@@ -20,6 +20,16 @@ from exporters.config import register_configs
 register_configs()  # the schema and launcher resolvers, for tests that compose with Hydra directly
 
 
+# Fixtures that export a program or convert the real model: a test using one is slow (the fast tier skips it).
+SLOW_FIXTURES = {"exported", "real_exported", "default_export", "smollm2", "smollm2_truncated", "small_gguf"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default tiny model as a Hugging Face checkpoint directory (the same files model=tiny writes)."""

@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STOCK_RUNNER_SCRIPT = REPO_ROOT / "scripts" / "stock_runner.py"
+STOCK_RUNNER_SCRIPT = REPO_ROOT / "tests" / "stock_runner.py"
 
 # What each release installs beside (checked together here): torch first, from its CPU wheel.
 REQUIREMENTS = {

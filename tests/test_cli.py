@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -15,6 +17,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=900)
 
 
+@pytest.mark.slow
 def test_export_writes_program_manifest_and_log_into_the_run_folder(tmp_path: Path) -> None:
     proc = run_cli("backend=portable", "validation.max_tokens=24", f"hydra.run.dir={tmp_path}")
     out = proc.stdout + proc.stderr

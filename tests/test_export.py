@@ -170,6 +170,7 @@ def test_storage_breakdown_agrees_with_a_full_deserialization(exported, backend:
     assert (storage["named_data_bytes"] > 0) == (backend == "xnnpack")
 
 
+@pytest.mark.slow
 def test_an_alias_is_written_as_executorch_plans_and_emits_it(tmp_path: Path) -> None:
     """Emit adds forward as prefill's execution plan renamed, skipping to_executorch's passes for it; ExecuTorch,
     given forward as its own copy of prefill's lowered graph (how emit worked before), writes the same bytes."""
@@ -199,6 +200,7 @@ def test_decode_only_program_validates_token_by_token(exported) -> None:
     assert v.passed and v.methods == {"prompt": "decode", "step": "decode", "forward": None}
 
 
+@pytest.mark.slow
 def test_failed_validation_leaves_no_finished_looking_program(tmp_path: Path) -> None:
     from exporters.export import export
     from exporters.errors import ValidationFailed

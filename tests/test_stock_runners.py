@@ -19,6 +19,8 @@ from exporters.program.layouts import STOCK_RUNNERS
 from tests.helpers import eager_model_of
 from tests.runtimes import stock_runner
 
+pytestmark = pytest.mark.slow  # every test here exports, sweeps or builds
+
 RELEASES = [r.release for r in STOCK_RUNNERS]
 PROMPT = "The capital of France is"
 NEW_TOKENS = 12

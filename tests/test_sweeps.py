@@ -19,6 +19,8 @@ from typing import Iterator
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # every test here exports, sweeps or builds
+
 REPO = Path(__file__).resolve().parent.parent
 # Three configs, one of which cannot work (xnnpack has no 4w linear kernel); small validation and bench.
 GRID = ["quant=fp32,fp16,4w"]

@@ -13,7 +13,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO_ROOT
+
+pytestmark = pytest.mark.slow  # every test here exports, sweeps or builds
 
 
 def test_wheel_carries_its_configs_and_exports_from_elsewhere(tmp_path: Path) -> None:

@@ -4,8 +4,8 @@ Used for the manifest and to prove that extra methods add graph bytes but no wei
 
 Only the program's flatbuffer (graphs and tables, a few hundred KB) is read: the weights sit in segments
 after it, and the breakdown needs their sizes, which the flatbuffer lists. ExecuTorch's
-``deserialize_pte_binary`` copies every segment back into Python objects; on the 134M preset that cost
-565 MB, and was the peak of the whole export (docs/DESIGN.md 2c).
+``deserialize_pte_binary`` copies every segment back into Python objects, which was once the peak of the
+whole export (docs/DESIGN.md 2c).
 """
 
 from __future__ import annotations

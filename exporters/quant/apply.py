@@ -96,7 +96,7 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
     # Linears first: each one's fp32 weight is freed as it is quantized, so the embedding (the largest single
     # matrix, whose HQQ pass holds about four fp32 copies of it at once) is quantized beside int8 linears
-    # rather than the whole fp32 model (docs/DESIGN.md 2c: Llama-3.2-1B shape, this stage's peak 9.4 -> 6.8 GB).
+    # rather than the whole fp32 model (the stage's peak on a 1B model, docs/DESIGN.md 2c).
     if cfg.linear and linears:
         applied.linear = _apply(model, "linear", LINEAR_SCHEMES, cfg.linear, cfg.group_size, cfg.qparams, linears,
                                 lambda m: m.in_features, applied.notes)

@@ -4,7 +4,7 @@
 ``_choose_qparams_and_quantize_scale_only_hqq``: 20 least-squares refinements of every group's scale, each
 a chain of whole-matrix operations. On a large matrix each step of that chain makes a new fp32 copy of it in
 DRAM (a 128256 x 2048 embedding: 1 GB each, about four alive at once), so the stage is bound by memory
-traffic, not arithmetic: 221 s of a 494 s Llama-3.2-1B-shape export. This module runs the same arithmetic
+traffic, not arithmetic (docs/DESIGN.md 2c: the slowest stage at 1B before this). This module runs the same arithmetic
 one block of rows at a time, so each step's temporaries stay in cache and only the scales (1/group_size of
 the matrix) are whole. Iterations stay outermost and the early stop still looks at every group, so the
 result is torchao's, bit for bit (``tests/test_quant_backends.py`` checks it on real weights).

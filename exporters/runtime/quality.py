@@ -4,7 +4,7 @@ The validation text is cut into windows that fit the context. In each window the
 ``prompt_tokens`` go through the prompt method at once and every later token through the step
 method (teacher forcing: the text's own tokens are fed, not the model's), which is how generation
 drives a program. Each window predicts its tokens after the prompt; every measure below is over
-those predictions, so the program, the eager quantized model and the unquantized reference are
+those predictions, so the program, the eager quantized model and the unquantized baseline are
 scored on exactly the same positions.
 
 Why these measures: on real weights a quantized program's logits differ from its eager model by

@@ -13,14 +13,16 @@ the artifact. Artifacts are frozen; a stage returns a new one.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Protocol, Sequence
 
 if TYPE_CHECKING:
     from exporters.config import ExportConfig
@@ -29,6 +31,10 @@ if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
 
 log = logging.getLogger("exporters")
+
+# A stage still running after this many seconds says so, and again at every multiple: lowering a real model
+# spends minutes inside one ExecuTorch call that reports nothing.
+HEARTBEAT_S = 60.0
 
 StageName = Literal["load", "baseline", "quantize", "capture", "lower", "emit", "validate", "finalize", "bench"]
 
@@ -85,6 +91,25 @@ def return_freed_memory() -> None:
         pass
 
 
+@contextlib.contextmanager
+def heartbeat(stage: str, every: float = HEARTBEAT_S) -> Iterator[None]:
+    """Log ``<stage>: still running (N s)`` every ``every`` seconds until the block ends."""
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def beat() -> None:
+        while not done.wait(every):
+            log.info("  %s: still running (%.0f s)", stage, time.perf_counter() - start)
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{stage}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def check_order(stages: Sequence[Stage]) -> None:
     """Every stage's declared predecessors come before it (a programming error otherwise, not a user's)."""
     seen: set[str] = set()
@@ -111,7 +136,8 @@ def run_pipeline(stages: Sequence[Stage], ctx: ExportContext, artifact: Any = No
         start = time.perf_counter()
         handed = [artifact]
         artifact = None  # the stage gets the only reference: what it drops is freed
-        artifact = stage.run(handed.pop(), ctx)
+        with heartbeat(stage.name):
+            artifact = stage.run(handed.pop(), ctx)
         return_freed_memory()
         seconds = time.perf_counter() - start
         ctx.timings[stage.name] = round(seconds, 3)

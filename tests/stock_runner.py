@@ -2,7 +2,7 @@
 
 Standalone on purpose (it imports only ExecuTorch), so any venv with an ExecuTorch release can run it:
 
-    <venv>/bin/python scripts/stock_runner.py model.pte tokenizer.json "The capital of France is" 20
+    <venv>/bin/python tests/stock_runner.py model.pte tokenizer.json "The capital of France is" 20
 
 Prints one JSON line: the ExecuTorch release, the generated text, and the runner's statistics. The runner
 logs which methods it uses on stderr ("Using method: ...").

@@ -1,0 +1,252 @@
+"""The benchmark tools (``python -m benchmarks.<tool>``) and the sweep presets (``conf/experiment/``) still run.
+
+One smoke test per tool on the ``tiny`` preset, each through the tool's own command line as a user types it:
+seconds to a couple of minutes each, so they are marked ``slow``. They check that a tool runs end to end and
+writes what it promises, not its numbers (a tiny random model's speed and memory mean nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from benchmarks.presets import PRESETS, Preset
+from exporters.config import CONF_DIR, register_configs, to_typed
+from exporters.sweeps.summary import read_rows
+from tests.helpers import REPO_ROOT
+
+# Small exports: a short context, few tokens to validate and to time.
+SMALL = ["--max-seq-len", "64"]
+
+
+def run_tool(tool: str, *args: object, env: dict[str, str] | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.<tool> <args>`` from the top of the checkout."""
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{tool}", *map(str, args)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
+    if check:
+        assert proc.returncode == 0, f"benchmarks.{tool} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def run_sweep(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "exporters.llm", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+# ---- presets ----------------------------------------------------------------------------------------------
+
+def test_preset_shapes_are_the_published_ones() -> None:
+    """The presets define published benchmark results (README, docs): a shape changes only under a new name."""
+    assert PRESETS == {
+        "tiny": Preset(dim=64, hidden=256, layers=2, heads=4, kv_heads=4, vocab=512),
+        "134m": Preset(dim=768, hidden=2048, layers=12, heads=12, kv_heads=12, vocab=32000),
+        "smollm2": Preset(dim=576, hidden=1536, layers=30, heads=9, kv_heads=3, vocab=49152, rope_theta=100000.0,
+                          tied=True, real=True),
+        "271m": Preset(dim=1024, hidden=2816, layers=16, heads=16, kv_heads=16, vocab=32000),
+        "360m": Preset(dim=960, hidden=2560, layers=32, heads=15, kv_heads=5, vocab=49152, rope_theta=100000.0,
+                       tied=True),
+        "1b": Preset(dim=2048, hidden=8192, layers=16, heads=32, kv_heads=8, vocab=128256, rope_theta=500000.0,
+                     tied=True, llama3_rope_scaling=True),
+    }
+    # load_memory's default checkpoint: what the earlier script wrote for --size-mb 540 in bf16 (16 layers).
+    assert PRESETS["271m"].scaled_to(540e6, 2) == PRESETS["271m"]
+
+
+@pytest.mark.slow
+def test_presets_tool_writes_a_checkpoint_folder_and_its_overrides(tmp_path: Path) -> None:
+    assert "134m" in run_tool("presets").stdout
+    overrides = run_tool("presets", "--preset", "tiny", "--out", tmp_path).stdout.split()
+    assert overrides == ["model=llama", f"model.checkpoint={tmp_path / 'hf_config'}", "model.random_init=true"]
+    config = json.loads((tmp_path / "hf_config" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (64, 2, 512)
+
+
+# ---- benchmarks.export and benchmarks.cost_curve ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``benchmarks.export --preset tiny``: both exporters on the tiny shape, into ``<bench>/tiny``."""
+    out = tmp_path_factory.mktemp("bench") / "tiny"
+    run_tool("export", "--preset", "tiny", "--out", out, *SMALL, "--prefill-len", 8, "--decode-steps", 8,
+             "--repeats", 1)
+    return out
+
+
+@pytest.mark.slow
+def test_export_benchmarks_ours_against_export_llm(tiny_bench: Path) -> None:
+    report = json.loads((tiny_bench / "report.json").read_text())
+    assert report["preset"] == "tiny" and report["parameters"] == PRESETS["tiny"].parameters
+    assert set(report["results"]) == {"export_llm", "llm-exporters"}
+    for row in report["results"].values():
+        assert row["pte_mb"] > 0 and row["wall_s"] > 0 and row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
+    assert "emit" in report["results"]["llm-exporters"]["stages_s"]
+    assert set(report["ours_over_export_llm"]) == {"wall_s", "peak_rss_gb", "pte_mb", "rss_after_load_mb",
+                                                   "decode_tok_s", "prefill_tok_s"}
+    assert "| ratio ours/export_llm |" in (tiny_bench / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_cost_curve_tabulates_and_plots_bench_reports(tiny_bench: Path, tmp_path: Path) -> None:
+    plot = tmp_path / "cost.png"
+    out = run_tool("cost_curve", "--bench-dir", tiny_bench.parent, "--preset", "tiny", "--plot", plot).stdout
+    assert "| tiny | 0M | 8da4w |" in out and plot.stat().st_size > 0
+    missing = run_tool("cost_curve", "--bench-dir", tmp_path, "--preset", "1b", check=False)
+    assert missing.returncode != 0 and f"--preset 1b --out {tmp_path / '1b'}" in missing.stderr
+
+
+# ---- tools over one export or one program -----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_generate_measures_the_python_loop(tmp_path: Path) -> None:
+    out = run_tool("generate", "--preset", "tiny", *SMALL, "--out", tmp_path, "--quant", "fp32",
+                   "--prompt-len", 8, "--steps", 8, "--repeats", 1).stdout
+    assert "decode: bare loop" in out and "% of bare)" in out
+    assert (tmp_path / "model.pte").is_file()
+
+
+@pytest.mark.slow
+def test_eager_quality_scores_baseline_and_quantized_eager_models() -> None:
+    out = run_tool("eager_quality", "--preset", "tiny", *SMALL, "validation.max_tokens=32").stdout
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("unquantized (fp32)") and "32 tokens of" in lines[0]
+    assert [line.split()[2] for line in lines[1:]] == ["hqq", "affine"]
+    assert all("perplexity" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_load_memory_measures_a_sharded_checkpoint() -> None:
+    result = json.loads(run_tool("load_memory", "--preset", "tiny", "--shards", 2).stdout.strip().splitlines()[-1])
+    assert result["checkpoint_bytes"] == 2 * PRESETS["tiny"].parameters  # bf16
+    assert result["model_param_bytes"] == result["checkpoint_bytes"]
+    assert result["peak_rss_weights_resident"] >= result["rss_before_loading"] > 0
+
+
+@pytest.mark.slow
+def test_profile_memory_reports_each_stage_and_emit_step() -> None:
+    out = run_tool("profile_memory", "--preset", "tiny", *SMALL).stdout
+    stages = [line.split()[0] for line in out.splitlines() if "after returning freed heap" in line]
+    assert stages == ["load", "quantize", "capture", "lower", "emit", "finalize"]
+    for step in ("emit_program", "write_atomically", "storage_breakdown", "sha256_of"):
+        assert f"    {step} " in out
+    assert "not probed" not in out
+
+
+@pytest.mark.slow
+def test_profile_ops_says_what_runtime_it_needs(tmp_path: Path) -> None:
+    """Without the cached 1.5.1 runtime the tool says where it looked; in a runtime without the event tracer
+    (this project's 1.4.1) it exports, runs the program, and says the ETDump is missing."""
+    absent = run_tool("profile_ops", "ours=x.pte", env={"LLM_EXPORTERS_CACHE": str(tmp_path / "cache")}, check=False)
+    assert absent.returncode != 0 and f"no ExecuTorch 1.5.1 runtime at {tmp_path / 'cache'}" in absent.stderr
+    here = run_tool("profile_ops", "--preset", "tiny", *SMALL, "--out", tmp_path / "export", "--runtime-python",
+                    sys.executable, "--prompt-tokens", 8, "--steps", 4, check=False)
+    assert (tmp_path / "export" / "model.pte").is_file()
+    if here.returncode == 0:  # this interpreter's runtime has the event tracer
+        assert "| wall per step (Python) |" in here.stdout
+    else:
+        assert "wrote no ETDump: it was built without the event tracer" in here.stderr, here.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_profile_ops_in_the_cached_runtime(tmp_path: Path) -> None:
+    from benchmarks.profile_ops import cached_runtime
+
+    if not cached_runtime().is_file():
+        pytest.skip(f"no cached ExecuTorch 1.5.1 runtime at {cached_runtime()} (tests/test_stock_runners.py builds it)")
+    out = run_tool("profile_ops", "--preset", "tiny", *SMALL, "--out", tmp_path, "--prompt-tokens", 8,
+                   "--steps", 4).stdout
+    assert "| per decode step | ours |" in out and "| time in delegate calls |" in out
+    assert "| operator (ms per decode step) | ours |" in out
+
+
+def speedscope(stacks: list[list[str]]) -> dict:
+    names = sorted({name for stack in stacks for name in stack})
+    return {"shared": {"frames": [{"name": n, "file": f"/x/site-packages/{n}.py"} for n in names]},
+            "profiles": [{"samples": [[names.index(n) for n in stack] for stack in stacks]}]}
+
+
+@pytest.mark.slow
+def test_pyspy_summary_summarizes_a_profile(tmp_path: Path) -> None:
+    profile = tmp_path / "export.json"
+    profile.write_text(json.dumps(speedscope([["main", "LowerStage.run", "_quantize_affine"],
+                                              ["main", "LowerStage.run"], ["main", "EmitStage.run"],
+                                              ["main", "LowerStage.run", "_quantize_affine"]])))
+    out = run_tool("pyspy_summary", profile).stdout
+    assert out.splitlines()[:2] == ["4 samples", "100.0%  main (main.py)"]
+    within = run_tool("pyspy_summary", profile, "--within", "LowerStage.run", "--inside", "_quantize_affine").stdout
+    assert within.strip() == "LowerStage.run: 75.0% of all samples; 67% of them under _quantize_affine"
+
+
+@pytest.mark.slow
+def test_pyspy_summary_records_an_export_of_a_preset(tmp_path: Path) -> None:
+    if not ((Path(sys.executable).parent / "py-spy").is_file() or shutil.which("py-spy")):
+        pytest.skip("py-spy is not installed (pip install py-spy)")
+    out = run_tool("pyspy_summary", "--preset", "tiny", *SMALL, "--out", tmp_path, "--top", 5).stdout
+    assert (tmp_path / "export.json").is_file() and (tmp_path / "export" / "model.pte").is_file()
+    assert " samples" in out and "exporters/llm.py" in out
+
+
+# ---- sweeps -----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sweep_launchers_compares_launchers(tmp_path: Path) -> None:
+    out = run_tool("sweep_launchers", "--out", tmp_path, "--launchers", "serial,joblib", "--preset", "tiny",
+                   "quant=fp32", "export.max_seq_len=64", "validation.max_tokens=24").stdout
+    table = (tmp_path / "launchers.md").read_text()
+    assert "| serial |" in table and "| joblib |" in table and table.count("| 1/1 |") == 2, out
+    assert (tmp_path / "serial" / "summary.md").is_file() and (tmp_path / "joblib" / "summary.md").is_file()
+
+
+def compose_experiment(name: str, *overrides: str, hydra: bool = False):  # type: ignore[no-untyped-def]
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=[f"+experiment={name}", *overrides], return_hydra_config=hydra)
+
+
+@pytest.mark.parametrize("name", ["quant_quality", "size_table"])
+def test_sweep_presets_compose(name: str) -> None:
+    overrides = ["model.checkpoint=/some/checkpoint"] if name == "quant_quality" else []
+    cfg = to_typed(compose_experiment(name, *overrides))
+    assert cfg.backend.name == "xnnpack" and cfg.bench is False and cfg.validate
+    params = compose_experiment(name, *overrides, hydra=True).hydra.sweeper.params
+    assert params.quant.split(",") == ["fp32", "fp16", "bf16", "8da8w", "8da4w", "8da4w_emb4w"]
+
+
+def test_size_table_is_the_134m_preset() -> None:
+    cfg = compose_experiment("size_table")
+    shape = [f"model={cfg.model.name}", f"model.random_init={str(cfg.model.random_init).lower()}",
+             *(f"model.arch.{k}={v if not isinstance(v, bool) else str(v).lower()}"
+               for k, v in cfg.model.arch.items() if v is not None)]
+    assert sorted(shape) == sorted(PRESETS["134m"].arch_overrides())
+    ex = cfg.export
+    assert (ex.max_seq_len, list(ex.methods), ex.layout) == (256, ["prefill", "decode"], "split")
+
+
+@pytest.mark.slow
+def test_quant_quality_sweep_writes_its_summary(tmp_path: Path) -> None:
+    run_sweep(tmp_path, "+experiment=quant_quality", "model=tiny", "validation.max_tokens=24", "export.max_seq_len=64",
+              "quant=fp32,8da4w")
+    rows = read_rows(tmp_path)
+    assert [(r.quant, r.status) for r in rows] == [("fp32", "ok"), ("8da4w", "ok")]
+    assert all(r.perplexity and r.ppl_increase is not None and r.kl_mean is not None for r in rows)
+    assert all(r.decode_tok_s is None for r in rows)  # bench=false
+    assert "2 of 2 jobs ok" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_size_table_sweep_with_decode_alone(tmp_path: Path) -> None:
+    """The size preset on the tiny shape, with the decode-only comparison its comment shows."""
+    run_sweep(tmp_path, "+experiment=size_table", *PRESETS["tiny"].arch_overrides(), "validation.max_tokens=24",
+              "export.max_seq_len=64", "quant=8da4w", "export.methods=[prefill,decode],[decode]")
+    rows = read_rows(tmp_path)
+    assert [r.status for r in rows] == ["ok", "ok"] and all(r.size_mb for r in rows)
+    assert (tmp_path / "summary.md").is_file()
