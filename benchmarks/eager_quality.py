@@ -47,7 +47,7 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     common = [*model, f"quant={args.quant}", f"export.max_seq_len={args.max_seq_len}", "validate=true", "bench=false",
               *([f"validation.text_file={args.text_file}"] if args.text_file else [])]
     printed = False
-    for qparams in args.qparams:
+    for qparams in args.qparams.split(","):
         cfg = compose_config([*common, f"quant.qparams={qparams}", *args.overrides])
         baseline, ppl = eager_perplexities(cfg, work / qparams)
         if not printed:
@@ -64,7 +64,7 @@ def main() -> None:
     add_preset_arguments(ap, default="smollm2")
     ap.add_argument("--checkpoint", help="a Hugging Face folder or .gguf instead of --preset (model=hf)")
     ap.add_argument("--quant", default="8da4w", help="a conf/quant option (default 8da4w)")
-    ap.add_argument("--qparams", nargs="+", default=["hqq", "affine"], help="scale choices to compare (quant.qparams)")
+    ap.add_argument("--qparams", default="hqq,affine", help="comma-separated scale choices to compare (quant.qparams)")
     ap.add_argument("--max-seq-len", type=int, default=256)
     ap.add_argument("--text-file", help="validation text (default: the shipped English paragraphs)")
     ap.add_argument("overrides", nargs="*",

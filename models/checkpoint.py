@@ -3,7 +3,7 @@
 Only safetensors are read (no pickle). The model is built on the meta device and each tensor, in the
 checkpoint's own dtype, is assigned into it (``load_state_dict(assign=True)``). The tensors are
 copy-on-write views of the memory-mapped files: no second copy exists, pages are read when first used,
-and the file itself is never written. Peak memory is measured by ``scripts/measure_load_memory.py``.
+and the file itself is never written. Peak memory is measured by ``python -m benchmarks.load_memory``.
 Every file problem is a :class:`ModelError` naming the file (and tensor).
 """
 

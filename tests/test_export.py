@@ -139,6 +139,18 @@ def test_a_manifest_that_does_not_fit_is_refused_by_name(exported, tmp_path: Pat
         Manifest.read(tmp_path)
 
 
+def test_a_manifest_written_by_0_1_is_still_read(exported, tmp_path: Path) -> None:
+    """0.1 wrote validation's baseline as reference_*, its drift tolerance as max_ppl_increase, no version."""
+    result = export_pair(exported, "xnnpack", "fp32")
+    m = json.loads(result.manifest_path.read_text())
+    v = m["validation"]
+    v["reference_perplexity"], v["reference_dtype"] = v.pop("baseline_perplexity"), v.pop("baseline_dtype")
+    v["tolerance"]["max_ppl_increase"] = v["tolerance"].pop("max_ppl_drift")
+    del m["version"]
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    assert Manifest.read(tmp_path) == result.manifest
+
+
 def test_second_method_stores_no_second_copy_of_the_weights(exported) -> None:
     """XNNPACK keys weights by content across methods: adding prefill adds graph bytes, no weight bytes."""
     both = exported("backend=xnnpack", "quant=fp32", "export.methods=[prefill,decode]", "export.layout=split")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from exporters.sweeps.summary import TRADEOFFS, JobRow, labels, pareto_front, read_rows, write_result, write_summary
+from exporters.sweeps.summary import (TRADEOFFS, JobRow, labels, pareto_front, read_rows, row_from_json, write_result,
+                                      write_summary)
 
 SIZE, SPEED = TRADEOFFS
 
@@ -49,3 +50,9 @@ def test_summary_marks_the_front_and_lists_failed_jobs_with_their_reason(tmp_pat
     assert "| 3 | 8da4w | **size, speed** |" in md and "| 4 | worse |  |" in md
     assert "| 5 | 8da4w_emb4w | the job left no result" in md
     assert read_rows(tmp_path) == rows
+
+
+def test_a_row_written_by_0_1_names_the_baseline_as_it_is_named_now() -> None:
+    old = {**dataclasses.asdict(row(0, "8da4w", 110.0, 170.0, 0.25)), "perplexity": 27.1}
+    old["fp32_perplexity"] = old.pop("baseline_perplexity") or 21.7
+    assert row_from_json(old).baseline_perplexity == 21.7

@@ -1,6 +1,6 @@
 """Runtime speed of a written program, measured the way an app runs it.
 
-Used by the ``bench`` stage (every sweep job) and by ``scripts/bench_export.py``, so a number in a sweep
+Used by the ``bench`` stage (every sweep job) and by ``python -m benchmarks.export``, so a number in a sweep
 summary and one in the README come from the same code. Speeds are medians over repeats after one
 warm-up round; each round prefills a fresh prompt at position 0 (the cache is overwritten in place) and
 then decodes greedy tokens one at a time through the program's one-token method.

@@ -1,0 +1,78 @@
+"""The shape of the code: one pipeline whose stages declare their order, closed sets, moved modules, the tied
+embedding decided in one place. Fast: no export runs here."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from exporters.config import TiedEmbeddingStorage
+from exporters.export import build_stages, checked_config
+from exporters.quant.tied import TiedEmbedding, plan_tied_embedding
+from exporters.stages.pipeline import ExportContext, check_order, run_pipeline
+from tests.helpers import REPO_ROOT, compose_config
+
+
+def test_every_stage_declares_what_must_run_before_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    stages = build_stages(checked_config(compose_config("bench=true")), tmp_path)
+    assert [s.name for s in stages] == ["load", "baseline", "quantize", "capture", "lower", "emit", "validate",
+                                        "finalize", "bench"]
+    check_order(stages)
+    with pytest.raises(ValueError, match="stage lower must run after capture"):
+        check_order([s for s in stages if s.name != "capture"])
+    with pytest.raises(ValueError, match="stage validate must run after baseline"):
+        check_order([s for s in stages if s.name != "baseline"])
+
+
+def test_stages_that_would_do_nothing_are_not_in_the_pipeline(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    names = [s.name for s in build_stages(checked_config(compose_config("validate=false")), tmp_path)]
+    assert names == ["load", "quantize", "capture", "lower", "emit", "finalize"]
+
+
+def test_stopping_after_a_stage_it_does_not_have_is_refused_before_anything_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = checked_config(compose_config("validate=false"))
+    ctx = ExportContext(config=cfg, resolved_config={}, output_dir=tmp_path)
+    with pytest.raises(ValueError, match="stop_after='validate' is not a stage of this export"):
+        run_pipeline(build_stages(cfg, tmp_path), ctx, stop_after="validate")
+    assert not ctx.timings and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("old,new", [("exporters.quantization", "exporters.quant.schemes"),
+                                     ("exporters.pipeline", "exporters.stages.pipeline"),
+                                     ("exporters.bundle", "exporters.release.bundle")])
+def test_an_old_module_path_names_its_new_place(old: str, new: str) -> None:
+    with pytest.raises(ModuleNotFoundError, match=f"{old} moved .* {new}"):
+        importlib.import_module(old)
+
+
+def test_every_module_imports_on_its_own() -> None:
+    """No import cycle hides behind import order: each module imports first, in a fresh interpreter."""
+    modules = sorted(str(p.relative_to(REPO_ROOT).with_suffix("")).replace("/", ".").removesuffix(".__init__")
+                     for p in (REPO_ROOT / "exporters").rglob("*.py"))
+    script = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+    for module in modules:  # one interpreter per module: a cycle shows only when its module is imported first
+        proc = subprocess.run([sys.executable, "-c", script, module], capture_output=True, text=True, cwd=REPO_ROOT)
+        assert proc.returncode == 0, f"{module}: {proc.stderr[-800:]}"
+
+
+@pytest.mark.parametrize("overrides,storage,plan", [
+    ({}, "shared", TiedEmbedding.SHARED),
+    ({}, "copied", TiedEmbedding.COPIED),
+    ({"linear": "8da4w", "lm_head": "8da4w"}, "shared", TiedEmbedding.UNTIED),
+    ({"embedding": "8w", "embedding_group_size": 0, "lm_head": "8w", "lm_head_group_size": 0}, "shared",
+     TiedEmbedding.QUANTIZED_ONCE),
+    ({"embedding": "8w", "embedding_group_size": 32, "lm_head": "8w", "lm_head_group_size": 0}, "shared",
+     TiedEmbedding.UNTIED),
+    ({"lm_head_group_size": 64}, "shared", TiedEmbedding.SHARED),  # nothing quantized: group sizes do not matter
+])
+def test_the_tied_embedding_is_decided_in_one_place(tiny_checkpoint, overrides, storage, plan) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    from models.checkpoint import build_model, open_checkpoint
+
+    model = build_model(open_checkpoint(tiny_checkpoint), 64)
+    quant = dataclasses.replace(checked_config(compose_config()).quant, **overrides)
+    assert plan_tied_embedding(model, quant, TiedEmbeddingStorage(storage)) is plan
