@@ -14,13 +14,9 @@ from benchmarks.presets import Preset, preset_overrides
 
 def compose_config(overrides: Sequence[str]) -> DictConfig:
     """The config ``python -m exporters.llm <overrides>`` would run with (the real conf/ tree)."""
-    from hydra import compose, initialize_config_dir
+    from exporters.config import compose
 
-    from exporters.config import CONF_DIR, register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose(*overrides)
 
 
 def preset_config(preset: Preset, work_dir: Path, overrides: Sequence[str] = ()) -> DictConfig:

@@ -255,6 +255,18 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver(name, resolver, replace=True)
 
 
+def compose(*overrides: str, config_name: str = "config", return_hydra_config: bool = False) -> DictConfig:
+    """The config ``python -m exporters.llm <overrides>`` runs with: the real ``conf/`` tree, composed by Hydra
+    (for the library call ``exporters.export.export``, tests and benchmarks)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides),
+                             return_hydra_config=return_hydra_config)
+
+
 #: Keys renamed since 0.1 -> their new name: a config that still uses one is told where it went.
 RENAMED_KEYS = {"quant.max_ppl_increase": "quant.max_ppl_drift"}
 

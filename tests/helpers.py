@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from exporters.stages.artifacts import ExportResult
-from exporters.config import CONF_DIR, register_configs
+from exporters.config import CONF_DIR, compose
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Decoder layers of SmolLM2-135M kept in the real model the quant/backend tests export.
@@ -21,9 +20,7 @@ REAL_LAYERS = 2
 
 def compose_config(*overrides: str) -> DictConfig:
     """Compose the real conf/ tree exactly as the CLI does, without Hydra parsing pytest's argv."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose(*overrides)
 
 
 def assert_matches_transformers(ref, ours, tokens: torch.Tensor, prefill_len: int, atol: float = 1e-4) -> None:  # type: ignore[no-untyped-def]

@@ -113,7 +113,7 @@ def test_manifest_records_the_export(exported, backend: str, quant: str) -> None
     v = m["validation"]
     assert v["passed"] and not v["failures"] and v["methods"] == {"prompt": "prefill", "step": "decode_one_token",
                                                                    "forward": "checked against prefill"}
-    assert v["scored_tokens"] == 256 and v["text"].endswith("validation_text.txt")
+    assert v["scored_tokens"] == 256 and v["text"] == "the tiny model's training text (models/tiny.py)"
     assert v["top1_agreement"] >= v["tolerance"]["min_top1"] and v["kl_mean"] <= v["tolerance"]["max_kl"]
     if quant == "fp32":
         assert v["top1_agreement"] == 1.0 and v["perplexity"] == pytest.approx(v["baseline_perplexity"], rel=1e-5)

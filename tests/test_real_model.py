@@ -176,7 +176,7 @@ def test_a_gguf_file_exports_like_a_checkpoint_and_reports_quality(small_gguf: P
                           timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "quality: perplexity " in out and "(eager " in out and ", fp32 " in out
+    assert "quality: perplexity " in out and "(eager " in out and ", unquantized fp32 " in out
     m = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert m["model"]["converted_from"]["file"] == str(small_gguf.resolve())
     assert m["model"]["converted_from"]["quant_type"] == "Q4_1"
