@@ -6,10 +6,12 @@ exported once per session and shared by every test that reads it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 from exporters.export import export
 from exporters.stages.artifacts import ExportResult
@@ -18,6 +20,14 @@ from tests.helpers import REAL_LAYERS, compose_config
 from exporters.config import register_configs
 
 register_configs()  # the schema and launcher resolvers, for tests that compose with Hydra directly
+
+# Each pytest-xdist worker gets its share of the cores: two workers each running torch on every core spin
+# against each other (a 1 s parity test took 48 s). Child processes the tests start inherit the share.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 
 # Fixtures that export a program or convert the real model: a test using one is slow (the fast tier skips it).
