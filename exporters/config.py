@@ -67,14 +67,6 @@ class Attention(Choice):
     custom_ops = "custom_ops"
 
 
-class MethodKind(Choice):
-    """What a method computes (``exporters.program.methods``); its name in the program depends on the layout."""
-
-    prefill = "prefill"
-    decode = "decode"
-    forward = "forward"
-
-
 class LayoutName(Choice):
     """How methods are named (``exporters.program.layouts``)."""
 

@@ -17,9 +17,13 @@ class ValidationFailed(Exception):
 REPORTED_ERRORS = (UserError, ModelError, ValidationFailed)
 
 
-def check_choice(key: str, value: object, allowed: "Iterable[object]", fix: str) -> None:
+def listed(values: Iterable[object]) -> str:
+    """Config values as a message lists them: ``none, 8da4w, 8da8w``."""
+    return ", ".join("none" if v is None else str(v) for v in values)
+
+
+def check_choice(key: str, value: object, allowed: Iterable[object], fix: str) -> None:
     """Refuse ``key=value`` unless ``value`` is one of ``allowed`` (a registry's names), listing them and the fix."""
     allowed = list(allowed)
     if value not in allowed:
-        names = ", ".join("none" if a is None else str(a) for a in allowed)
-        raise UserError(f"{key}={value!r} is not known. Allowed: {names}. {fix}")
+        raise UserError(f"{key}={value!r} is not known. Allowed: {listed(allowed)}. {fix}")

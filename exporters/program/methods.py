@@ -89,7 +89,7 @@ def check_methods(ex: ExportSection, backend: BackendConfig) -> None:
     """The methods, their layout and their token bounds make a program something can run."""
     if not ex.methods:
         raise UserError("export.methods is empty: give at least one of " + ", ".join(sorted(METHOD_KINDS)) + ".")
-    for method in ex.methods:  # Hydra replaces a list override whole, without checking its items
+    for method in ex.methods:
         check_choice("export.methods entry", method, sorted(METHOD_KINDS), "Fix export.methods.")
     if ex.max_seq_len < 2:
         raise UserError(f"export.max_seq_len={ex.max_seq_len} is too small: use 2 or more.")

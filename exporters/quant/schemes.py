@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from exporters.errors import UserError, check_choice
+from exporters.errors import UserError, check_choice, listed
 
 if TYPE_CHECKING:
     from exporters.config import BackendConfig, QuantConfig
@@ -110,17 +110,13 @@ def check_quant(quant: QuantConfig, backend: BackendConfig) -> None:
         if getattr(quant, name) < 0:
             raise UserError(f"quant.{name}={getattr(quant, name)}: use 0 (per channel) or a positive group size.")
     b = backend
-
-    def names(values: Any) -> str:
-        return ", ".join("none" if v is None else str(v) for v in values)
-
     wanted = (("dtype", quant.dtype, b.supported_dtypes), ("linear", quant.linear, b.supported_linear),
               ("lm_head", quant.lm_head, b.supported_linear), ("embedding", quant.embedding, b.supported_embedding))
     for role, value, supported in wanted:
         if value not in supported:
             raise UserError(
                 f"quant={quant.name} asks for {role} {value or 'none'}, which backend={b.name} cannot run. "
-                f"backend={b.name} supports dtypes {names(b.supported_dtypes)}; linear/lm_head schemes "
-                f"{names(b.supported_linear)}; embedding schemes {names(b.supported_embedding)}. "
+                f"backend={b.name} supports dtypes {listed(b.supported_dtypes)}; linear/lm_head schemes "
+                f"{listed(b.supported_linear)}; embedding schemes {listed(b.supported_embedding)}. "
                 f"Pick another quant or backend, or override quant.{role}."
             )

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from exporters.config import MethodKind
 from exporters.manifest import Signature, TensorSpec
 from exporters.program.layouts import Layout
 from exporters.program.methods import MethodSpec, method_specs
@@ -57,7 +56,7 @@ class CaptureStage(Stage):
     name = "capture"
     after = ("quantize",)
 
-    def __init__(self, methods: list[MethodKind], layout: Layout, max_seq_len: int, dynamic_shapes: bool,
+    def __init__(self, methods: list[str], layout: Layout, max_seq_len: int, dynamic_shapes: bool,
                  prefill_chunk: int, keep_undelegated: bool = False) -> None:
         self.methods = methods
         self.layout = layout

@@ -20,7 +20,8 @@ from exporters.manifest import Checked, ValidationReport
 from exporters.program.methods import MethodSpec
 from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
-from exporters.runtime.quality import Agreement, TextWindows, full_sequence, negative_log_likelihood, perplexity
+from exporters.runtime.quality import (Agreement, TextWindows, full_sequence, negative_log_likelihood, perplexity,
+                                       window_logits)
 from exporters.stages.artifacts import BaselineQuality, WrittenProgram
 from exporters.stages.pipeline import ExportContext, Stage
 from models.decoder import CausalLM
@@ -102,14 +103,10 @@ def forward_against_prefill(program: LoadedProgram | CapturedPrograms, roles: Me
     return float(Agreement.of(*by_method).kl.max())
 
 
-def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, specs: dict[str, MethodSpec],
-                text: TextWindows) -> Predictions:
-    roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
+def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
+                specs: dict[str, MethodSpec], text: TextWindows) -> Predictions:
     with torch.no_grad():
-        eager = []
-        eager_run = full_sequence(model)
-        for w in text.windows:
-            eager.append(text.predictions(eager_run(w)))
+        eager = window_logits(full_sequence(model), text)
         driver = Driver(program, roles)
         ours = []
         for i, w in enumerate(text.windows, start=1):
@@ -180,10 +177,10 @@ class ValidateStage(Stage):
             assert written.undelegated is not None, "capture keeps undelegated programs for such backends"
             program = CapturedPrograms(written.undelegated, written.model.kv_cache_buffers())
             checked = "undelegated programs"
-        found = predictions(written.model, program, specs, ctx.baseline.text)
+        roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
+        found = predictions(written.model, program, roles, specs, ctx.baseline.text)
         scores = Scores.of(found, ctx.baseline.text)
         failures = judge(scores, found.forward_kl, self.tolerance)
-        roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
         ctx.validation = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, self.tolerance)
         return written  # unchanged: the verdict is a fact for finalize, in the context
 
