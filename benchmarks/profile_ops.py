@@ -4,13 +4,11 @@
         export_llm=bench/smollm2/export_llm/model.pte
     python -m benchmarks.profile_ops --preset smollm2 [--quant 8da4w]   # export the preset first, then profile it
 
-It needs a runtime built with the event tracer, which the pip wheel of ExecuTorch 1.5.1 has and 1.4.1's
-(this project's) does not: the profiling runs in the cached 1.5.1 runtime,
-``$LLM_EXPORTERS_CACHE/runtimes/executorch-1.5.1/bin/python`` (default cache ``~/.cache/llm-exporters``;
-``pytest tests/test_stock_runners.py`` builds it once), or ``--runtime-python``. That part of this file imports
-only torch and ExecuTorch, so the runtime's interpreter runs it directly:
+It needs a runtime built with the event tracer, which the pip wheel of ExecuTorch 1.5.1 (this project's) has
+and 1.4.1's does not. It profiles in this interpreter, or in another runtime's (``--runtime-python``): that part
+of this file imports only torch and ExecuTorch, so any runtime's interpreter runs it directly:
 
-    ~/.cache/llm-exporters/runtimes/executorch-1.5.1/bin/python benchmarks/profile_ops.py --here ours=model.pte
+    <venv>/bin/python benchmarks/profile_ops.py --here ours=model.pte
 
 Each program prefills a random prompt, then decodes ``--steps`` tokens one at a time through its one-token
 method (``decode_one_token``, ``decode``, else ``forward``). Two tables, programs side by side, mean per decode
@@ -34,8 +32,6 @@ from pathlib import Path
 
 import torch
 
-# The release whose pip runtime has the event tracer, and where tests/runtimes.py caches its virtual environment.
-RUNTIME_RELEASE = "1.5.1"
 STEP_METHODS = ("decode_one_token", "decode", "forward")
 PROMPT_METHODS = ("prefill", "forward")
 
@@ -78,8 +74,8 @@ def profile(pte: Path, prompt_tokens: int, steps: int) -> DecodeProfile:
             from importlib import metadata
 
             raise SystemExit(f"this runtime (ExecuTorch {metadata.version('executorch')}, {sys.executable}) wrote no "
-                             f"ETDump: it was built without the event tracer. Profile in the {RUNTIME_RELEASE} runtime "
-                             "(run without --here, or give --runtime-python).")
+                             "ETDump: it was built without the event tracer. Profile in a runtime that has it (ExecuTorch "
+                             "1.5.1's pip wheel: give --runtime-python).")
         inspector = Inspector(etdump_path=str(etdump))
     # One "Execute" block per method, each event holding one sample per call; the step method's block
     # is the last one, and its last ``steps`` samples are the decode calls (forward also ran the prompt).
@@ -120,12 +116,6 @@ ROWS = [
 ]
 
 
-def cached_runtime() -> Path:
-    """The interpreter of the cached ExecuTorch 1.5.1 runtime (tests/runtimes.py builds it)."""
-    cache = Path(os.environ.get("LLM_EXPORTERS_CACHE", Path.home() / ".cache" / "llm-exporters"))
-    return cache / "runtimes" / f"executorch-{RUNTIME_RELEASE}" / "bin" / "python"
-
-
 def tables(results: dict[str, DecodeProfile], top: int) -> str:
     labels = list(results)
     header = "| per decode step | " + " | ".join(labels) + " |\n|---|" + "---:|" * len(labels)
@@ -164,8 +154,7 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=256, help="context of the --preset export")
     parser.add_argument("--out", type=Path, default=None, help="folder for the --preset export (default: a temp dir)")
     parser.add_argument("--runtime-python", type=Path, default=None,
-                        help=f"interpreter of an ExecuTorch runtime with the event tracer (default: the cached "
-                             f"{RUNTIME_RELEASE} runtime)")
+                        help="interpreter of another ExecuTorch runtime with the event tracer (default: this one)")
     parser.add_argument("--here", action="store_true",
                         help="profile in this interpreter (its ExecuTorch runtime must have the event tracer)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -177,11 +166,10 @@ def main() -> None:
     if args.here and args.preset:
         parser.error("--here profiles given programs only: export with --preset from this project's environment")
     if not args.here:
-        runtime = args.runtime_python or cached_runtime()
-        if not Path(runtime).is_file():
-            raise SystemExit(f"no ExecuTorch {RUNTIME_RELEASE} runtime at {runtime}: profiling needs a runtime "
-                             f"built with the event tracer. `pytest tests/test_stock_runners.py` caches one there, or give "
-                             f"--runtime-python <python of a venv with executorch=={RUNTIME_RELEASE}>.")
+        runtime = args.runtime_python or Path(sys.executable)
+        if not runtime.is_file():
+            raise SystemExit(f"--runtime-python {runtime}: no such interpreter; give the python of a virtual "
+                             "environment whose ExecuTorch runtime has the event tracer (the pip wheel of 1.5.1 has).")
         programs = [*args.programs, *(export_programs(args) if args.preset else [])]
         cmd = [str(runtime), str(Path(__file__).resolve()), "--here", *programs, "--prompt-tokens",
                str(args.prompt_tokens), "--steps", str(args.steps), "--top", str(args.top)]

@@ -74,6 +74,13 @@ class LayoutName(Choice):
     split = "split"
 
 
+class WeightsPlacement(Choice):
+    """Where the weights are written (``exporters.program.weights``): inside the program, or in a ``.ptd`` beside it."""
+
+    program = "program"
+    external = "external"
+
+
 class TiedEmbeddingStorage(Choice):
     """A tied, unquantized embedding / lm_head matrix: stored once, or copied for lm_head (``exporters.quant.tied``)."""
 
@@ -159,6 +166,9 @@ class BackendConfig:
     supported_dtypes: List[DType] = field(default_factory=lambda: [DType.fp32])
     supported_linear: List[Optional[str]] = field(default_factory=lambda: [None])
     supported_embedding: List[Optional[str]] = field(default_factory=lambda: [None])
+    # Where this backend's weights can be written (export.weights): "external" needs a delegate that hands its
+    # weights to ExecuTorch's named data store (XNNPACK), or none (portable).
+    supported_weights: List[WeightsPlacement] = field(default_factory=lambda: [WeightsPlacement.program])
 
 
 @dataclass
@@ -175,6 +185,10 @@ class ExportSection:
     # copy; on XNNPACK it is then repacked at every call), "copied" lets the backend keep its own packed copy
     # for lm_head: faster decode, larger file (measured in docs/DESIGN.md).
     tied_embedding: TiedEmbeddingStorage = TiedEmbeddingStorage.shared
+    # Where the weights go: "program" writes one self-contained .pte; "external" writes the weights to a .ptd
+    # data file beside it (model.pte + model.ptd), which runtimes load together; the .pte is then the same
+    # bytes for any weights of these shapes (docs/runners.md).
+    weights: WeightsPlacement = WeightsPlacement.program
     # Token count of prefill on static-shape backends.
     prefill_chunk: int = 32
     output_name: str = "model.pte"

@@ -18,6 +18,7 @@ from exporters.errors import UserError
 from exporters.program.backends import check_backend
 from exporters.program.layouts import LAYOUTS
 from exporters.program.methods import check_methods
+from exporters.program.weights import check_weights
 from exporters.quant.schemes import check_quant
 from exporters.runtime.memory import reset_peak_rss
 from exporters.runtime.quality import check_validation
@@ -44,6 +45,7 @@ def check_config(cfg: ExportConfig) -> None:
     check_backend(cfg.backend, cfg.bench)
     check_quant(cfg.quant, cfg.backend)
     check_methods(cfg.export, cfg.backend)
+    check_weights(cfg.export, cfg.backend)
     check_validation(cfg.validation, enabled=cfg.validate)
     for name in ("prompt_tokens", "steps", "repeats"):
         if getattr(cfg.benchmark, name) < 1:
@@ -64,8 +66,8 @@ def build_stages(cfg: ExportConfig, output_dir: Path) -> list[Stage]:
         QuantizeStage(cfg.quant, ex.tied_embedding),
         CaptureStage(ex.methods, LAYOUTS[ex.layout], ex.max_seq_len, backend.dynamic_shapes, ex.prefill_chunk,
                      keep_undelegated=validating and not backend.runs_here),
-        LowerStage(backend, ex.max_seq_len),
-        EmitStage(output_dir / ex.output_name),
+        LowerStage(backend, ex.max_seq_len, ex.weights),
+        EmitStage(output_dir / ex.output_name, ex.weights),
         *([ValidateStage(Tolerance.of(cfg.quant), runs_here=backend.runs_here)] if validating else []),
         FinalizeStage(LAYOUTS[ex.layout]),
         *([BenchStage(cfg.benchmark, ex.max_seq_len)] if cfg.bench else []),

@@ -1,26 +1,43 @@
 """Every use of a private ExecuTorch or torchao internal, in one place, with the versions it was checked against.
 
-Checked with executorch 1.4.1 and torchao 0.18.0 (pyproject.toml pins both). When either pin moves, these
+Checked with executorch 1.5.1 (and 1.4.1 before it) and torchao 0.18.0 (pyproject.toml pins both). When either pin moves, these
 are the lines to re-read; each has a test that fails if the internal changes behaviour:
 
 - :func:`read_program_header`: ExecuTorch has no public reader of a ``.pte``'s flatbuffer alone (its public
   ``deserialize_pte_binary`` copies every weight segment: docs/DESIGN.md 2c).
   Test: ``tests/test_export.py::test_storage_breakdown_agrees_with_a_full_deserialization``.
+- :func:`read_data_file_header`: the same for a ``.ptd`` (FlatTensor): its public ``FlatTensorSerializer.deserialize``
+  copies every weight; the header and ``_deserialize_to_flat_tensor`` read the table of named tensors alone.
+  Test: ``tests/test_external_weights.py``.
 - :func:`reserialize`: emit adds ``forward`` as ``prefill``'s execution plan renamed, then serializes the
   manager again; the manager keeps its serialized bytes in private fields.
   Test: ``tests/test_export.py::test_an_alias_is_written_as_executorch_plans_and_emits_it``.
 - :func:`torchao_hqq_scale_only` / :func:`torchao_hqq_replaced`: torchao's HQQ scale-only solver, and the
   module-level name its intx weight tensors call it by, swapped for the row-blocked version in
   ``exporters.quant.hqq``. Test: ``tests/test_quant_backends.py::test_hqq_by_rows_is_torchaos_hqq_bit_for_bit``.
+- :func:`xnnpack_keys_by_name`: XNNPACK's serializer names each weight it hands to the named data store by the
+  sha256 of its bytes (``backends/xnnpack/operators/node_visitor.py``, ``get_serialized_buffer_index`` and
+  ``get_quant_params``), so a program's delegates name its weights' contents and another checkpoint of the same
+  shapes gives another ``.pte``. Within this block they are named by the tensor's fully qualified name instead
+  (XNNPACK's own ``utils.get_tensor_name``), so a program with its weights in a ``.ptd`` is the same bytes
+  whatever the weights. Test: ``tests/test_external_weights.py``.
+- :func:`set_backend_options` / :func:`backend_options`: ExecuTorch's C++ ``executorch::runtime::set_option``
+  (``runtime/backend/interface.h``), which no Python binding exposes, called through ``lib/libexecutorch.so``
+  of the wheel (the library the Python runtime links): how our tools turn on XNNPACK's weight cache. It relies
+  on the C++ layout of ``BackendOption`` (``runtime/backend/options.h``: a 64-byte key, then a
+  ``std::variant<bool, int, std::array<char, 256>>``, 324 bytes under libstdc++) and on the mangled names; the
+  option is read back after every write. Test: ``tests/test_runtime_options.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-CHECKED_WITH = {"executorch": "1.4.1", "torchao": "0.18.0"}
+CHECKED_WITH = {"executorch": "1.5.1", "torchao": "0.18.0"}
 
 
 def read_program_header(path: Path) -> Any:
@@ -32,6 +49,19 @@ def read_program_header(path: Path) -> Any:
         f.seek(0)
         # Without an extended header there are no segments: the flatbuffer is the whole file.
         return _flatbuffer_to_program(f.read(header.program_size if header is not None else -1))
+
+
+def read_data_file_header(path: Path) -> Any:
+    """The table of a ``.ptd`` (named tensors, segment sizes), without reading its segments."""
+    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorHeader, _deserialize_to_flat_tensor
+
+    with open(path, "rb") as f:
+        start = f.read(8 + FlatTensorHeader.EXPECTED_LENGTH)
+        header = FlatTensorHeader.from_bytes(start[8:])
+        if not header.is_valid():
+            raise ValueError(f"{path} is not an ExecuTorch data file (.ptd): no FlatTensor header")
+        f.seek(0)
+        return _deserialize_to_flat_tensor(f.read(header.flatbuffer_offset + header.flatbuffer_size))
 
 
 def reserialize(manager: Any, config: Any) -> None:
@@ -64,3 +94,162 @@ def torchao_hqq_replaced(replacement: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         intx._choose_qparams_and_quantize_scale_only_hqq = original
+
+
+# --- ExecuTorch runtime backend options (C++ API, through the wheel's shared library) -------------------------
+
+BackendOptionValue = bool | int | str
+_OPTION_KEY_BYTES, _OPTION_VALUE_BYTES = 64, 256  # kMaxOptionKeyLength, kMaxOptionValueLength (options.h)
+_VARIANT_INDEX = {bool: 0, int: 1, str: 2}  # std::variant<bool, int, std::array<char, 256>>
+_SET_OPTION = "_ZN10executorch7runtime10set_optionEPKcNS0_4SpanINS0_13BackendOptionEEE"
+_GET_OPTION = "_ZN10executorch7runtime10get_optionEPKcNS0_4SpanINS0_13BackendOptionEEE"
+
+
+class _BackendOption(ctypes.Structure):
+    """``executorch::runtime::BackendOption``: the key, the variant's storage, its index byte (libstdc++)."""
+
+    _fields_ = [("key", ctypes.c_char * _OPTION_KEY_BYTES), ("storage", ctypes.c_ubyte * _OPTION_VALUE_BYTES),
+                ("index", ctypes.c_ubyte), ("_pad", ctypes.c_ubyte * 3)]
+
+
+class _Span(ctypes.Structure):
+    """``executorch::runtime::Span<BackendOption>``: a pointer and a length, passed by value."""
+
+    _fields_ = [("data", ctypes.POINTER(_BackendOption)), ("length", ctypes.c_size_t)]
+
+
+assert ctypes.sizeof(_BackendOption) == 324 and ctypes.sizeof(_Span) == 16
+
+
+@functools.cache
+def _option_functions() -> tuple[Any, Any]:
+    import executorch.extension.pybindings.portable_lib  # noqa: F401  (loads the runtime and registers backends)
+    import executorch.version
+
+    library = Path(executorch.version.__file__).parent / "lib" / "libexecutorch.so"
+    try:
+        lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+        functions = getattr(lib, _SET_OPTION), getattr(lib, _GET_OPTION)
+    except (OSError, AttributeError) as err:
+        raise RuntimeError(f"this ExecuTorch ({library}) does not export executorch::runtime::set_option: backend "
+                           f"options need the shared runtime library of the pip wheel (checked with "
+                           f"{CHECKED_WITH['executorch']}). {err}") from err
+    for function in functions:
+        function.argtypes, function.restype = [ctypes.c_char_p, _Span], ctypes.c_uint32
+    return functions
+
+
+def _option(key: str, value: BackendOptionValue | None = None) -> _BackendOption:
+    option = _BackendOption()
+    option.key = key.encode()
+    if value is None:
+        return option
+    option.index = _VARIANT_INDEX[type(value)]
+    if isinstance(value, bool):
+        option.storage[0] = int(value)
+    elif isinstance(value, int):
+        ctypes.memmove(ctypes.addressof(option.storage), ctypes.byref(ctypes.c_int(value)), 4)
+    else:
+        encoded = value.encode()[: _OPTION_VALUE_BYTES - 1]
+        ctypes.memmove(ctypes.addressof(option.storage), encoded, len(encoded))
+    return option
+
+
+def _value(option: _BackendOption) -> BackendOptionValue:
+    raw = bytes(option.storage)
+    if option.index == _VARIANT_INDEX[bool]:
+        return bool(raw[0])
+    if option.index == _VARIANT_INDEX[int]:
+        return int(ctypes.c_int.from_buffer_copy(raw[:4]).value)
+    return raw.split(b"\0", 1)[0].decode()
+
+
+def backend_options(backend: str, *keys: str) -> dict[str, BackendOptionValue]:
+    """The runtime's current values of a backend's options (``executorch::runtime::get_option``)."""
+    _, get = _option_functions()
+    options = (_BackendOption * len(keys))(*[_option(k) for k in keys])
+    error = get(backend.encode(), _Span(options, len(keys)))
+    if error:
+        raise RuntimeError(f"get_option({backend}, {list(keys)}) failed with ExecuTorch error 0x{error:x}")
+    return {o.key.decode(): _value(o) for o in options}
+
+
+def set_backend_options(backend: str, **values: BackendOptionValue) -> None:
+    """Set a backend's runtime options for every method loaded afterwards in this process, and read them back."""
+    set_, _ = _option_functions()
+    options = (_BackendOption * len(values))(*[_option(k, v) for k, v in values.items()])
+    error = set_(backend.encode(), _Span(options, len(values)))
+    if error:
+        raise RuntimeError(f"set_option({backend}, {values}) failed with ExecuTorch error 0x{error:x} "
+                           "(0x20: no such backend in this runtime; 0x12: a value of the wrong type)")
+    now = backend_options(backend, *values)
+    if now != values:
+        raise RuntimeError(f"set_option({backend}, {values}) did not take: the runtime reads back {now}")
+
+
+# --- XNNPACK's names for the weights it stores in the named data store ----------------------------------------
+
+class _NamedDigest:
+    """What ``hashlib.sha256(data)`` returns inside XNNPACK's serializer while a weight is being named."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def hexdigest(self) -> str:
+        return self.name
+
+
+@contextlib.contextmanager
+def xnnpack_keys_by_name(namespace: str) -> Iterator[None]:
+    """Within this block, XNNPACK names a weight ``<namespace>/<fully qualified name>`` (its scales
+    ``scale_<namespace>/<name>``) instead of the sha256 of its bytes. Two methods using one parameter still
+    share one entry; a name given to two different contents fails loudly in the named data store."""
+    import hashlib
+    import threading
+
+    from executorch.backends.xnnpack.operators import node_visitor
+    from executorch.backends.xnnpack.utils.utils import get_tensor_name
+
+    visitor, current = node_visitor.NodeVisitor, threading.local()
+    original_buffer, original_scales = visitor.get_serialized_buffer_index, visitor.get_quant_params
+
+    class Digests:
+        """``hashlib`` for node_visitor: the current weight's name while one is set, the real sha256 otherwise."""
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(hashlib, attr)
+
+        @staticmethod
+        def sha256(data: bytes = b"") -> Any:
+            name = getattr(current, "name", None)
+            return _NamedDigest(name) if name is not None else hashlib.sha256(data)
+
+    def named(program: Any, node: Any, call: Callable[[], Any]) -> Any:
+        if not node_visitor.is_param_node(program, node):
+            return call()
+        current.name = f"{namespace}/{get_tensor_name(program, node)}"
+        try:
+            return call()
+        finally:
+            current.name = None
+
+    def buffer_index(self: Any, tensor: Any, xnn_graph: Any, vals_to_ids: Any, convert_to_nhwc: bool,
+                     swap_in_out_for_weights: bool, quant_params: Any, *args: Any, **kwargs: Any) -> Any:
+        weight = tensor if quant_params is None else quant_params.q_input  # the node XNNPACK reads the data of
+        return named(self.exported_program, weight, lambda: original_buffer(
+            self, tensor, xnn_graph, vals_to_ids, convert_to_nhwc, swap_in_out_for_weights, quant_params,
+            *args, **kwargs))
+
+    def quant_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        call = lambda: original_scales(self, params, *args, **kwargs)  # noqa: E731
+        if not params.per_channel or getattr(params, "q_input", None) is None:
+            return call()
+        return named(self.exported_program, params.q_input, call)
+
+    visitor.get_serialized_buffer_index, visitor.get_quant_params = buffer_index, quant_params
+    node_visitor.hashlib = Digests()
+    try:
+        yield
+    finally:
+        visitor.get_serialized_buffer_index, visitor.get_quant_params = original_buffer, original_scales
+        node_visitor.hashlib = hashlib

@@ -87,6 +87,24 @@ class ProgramFile:
 
 
 @dataclass
+class DataFile:
+    """The weights of a program exported with export.weights=external: a ``.ptd`` beside it, loaded with it."""
+
+    file: str
+    size_bytes: int
+    sha256: str
+    entries: int  # named tensors (a weight used by several methods is one entry)
+
+
+@dataclass
+class RuntimeNeeds:
+    """What an app's runtime must do to load the program as it was validated and measured here."""
+
+    load: str  # which files to load together, and how
+    packed_once: str  # what makes the methods share one packed copy of the weights, and the cost without it
+
+
+@dataclass
 class ModelEntry:
     checkpoint: str
     architecture: list[str]
@@ -202,13 +220,17 @@ class Speed:
 class BenchResult(Speed):
     """The written program measured in the runtime as an app runs it (``exporters.stages.bench``)."""
 
-    rss_after_load_mb: float  # a fresh process loading prompt_method and step_method
+    rss_after_load_mb: float  # a fresh process loading prompt_method and step_method (XNNPACK weight cache on)
     seconds: float  # the measurement itself
+    # The same with the pip runtime's default (XNNPACK's weight cache off: each method packs its own weights).
+    rss_after_load_without_weight_cache_mb: float | None = None
 
     def describe(self) -> str:
+        without = self.rss_after_load_without_weight_cache_mb
         return (f"prefill {self.prefill_tokens_per_s:.0f} tok/s ({self.prompt_tokens} tokens), decode "
                 f"{self.decode_tokens_per_s:.0f} tok/s ({self.steps} steps), RSS after load "
-                f"{self.rss_after_load_mb:.0f} MB")
+                f"{self.rss_after_load_mb:.0f} MB" + (f" ({without:.0f} MB without XNNPACK's weight cache)"
+                                                        if without is not None else ""))
 
 
 @dataclass
@@ -227,6 +249,8 @@ class Manifest:
     versions: dict[str, str]
     config: dict[str, Any]  # the resolved config the export ran with
     bench: BenchResult | None = None  # None unless the bench stage ran
+    data: DataFile | None = None  # the weights' file with export.weights=external; None: they are in the program
+    runtime: RuntimeNeeds | None = None  # what a runtime needs to load the program as measured
     version: int = MANIFEST_VERSION
 
     @property

@@ -19,6 +19,7 @@ STOCK_RUNNER_SCRIPT = REPO_ROOT / "tests" / "stock_runner.py"
 
 # What each release installs beside (checked together here): torch first, from its CPU wheel.
 REQUIREMENTS = {
+    "1.4.1": (["torch==2.13.0"], ["executorch==1.4.1", "torchao==0.18.0"]),
     "1.5.1": (["torch==2.13.0"], ["executorch==1.5.1", "torchao==0.18.0"]),
 }
 

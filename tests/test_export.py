@@ -7,6 +7,7 @@ our decoder); for quantized exports it is our eager model with the same torchao 
 from __future__ import annotations
 
 import json
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -120,7 +121,7 @@ def test_manifest_records_the_export(exported, backend: str, quant: str) -> None
     assert v["quality"].startswith(f"perplexity {v['perplexity']:.2f} (eager ")
     assert set(m["timings_s"]) == {"load", "baseline", "quantize", "capture", "lower", "emit", "validate"}
     assert m["config"]["backend"]["name"] == backend and m["config"]["quant"]["name"] == quant
-    assert m["versions"]["executorch"] == "1.4.1"
+    assert m["versions"]["executorch"] == metadata.version("executorch")
     if quant == "8da4w":
         assert m["quantization"]["linear"]["torchao_config"] == "Int8DynamicActivationIntxWeightConfig"
         assert m["quantization"]["lm_head"]["layers"] == {"lm_head": 32}

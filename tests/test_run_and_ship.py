@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib import metadata
 import shutil
 import subprocess
 import sys
@@ -158,7 +159,7 @@ def test_bundle_holds_everything_and_verifies(tmp_path: Path, default_export) ->
     assert m["files"]["model.pte"]["sha256"] == default_export.manifest.program.sha256
     assert set(m["methods"]) == {"prefill", "decode_one_token", "forward"} and m["constant_methods"]["get_max_seq_len"] == 128
     assert m["layout"]["name"] == "stock" and {o["result"] for o in m["layout"]["stock_runners"].values()} == {"correct"}
-    assert m["validation"]["passed"] and m["versions"]["executorch"] == "1.4.1"
+    assert m["validation"]["passed"] and m["versions"]["executorch"] == metadata.version("executorch")
     readme = (folder / "README.md").read_text()
     assert 'load_method("prefill")' in readme and 'load_method("decode_one_token")' in readme
     assert "share_memory_arenas=*/true" in readme and "| 1.5.1 | correct |" in readme

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exporters.internals import read_program_header
+from exporters.internals import read_data_file_header, read_program_header
 
 
 def storage_breakdown(path: Path) -> dict[str, int]:
@@ -34,3 +34,8 @@ def storage_breakdown(path: Path) -> dict[str, int]:
         "constant_buffer_bytes": constants,
         "graph_and_other_bytes": total - named_bytes - constants,
     }
+
+
+def data_file_entries(path: Path) -> int:
+    """Named tensors in a ``.ptd`` (a weight several methods use is one entry)."""
+    return len(read_data_file_header(path).named_data)

@@ -16,11 +16,13 @@ from pathlib import Path
 _RSS_AFTER_LOAD = """
 import sys
 from exporters.runtime.memory import current_rss_mb
-from exporters.runtime.programs import LoadedProgram, register_runtime_kernels
+from exporters.runtime.programs import LoadedProgram, register_runtime_kernels, use_xnnpack_weight_cache
 register_runtime_kernels()
+weight_cache = sys.argv[1] == "1"
+use_xnnpack_weight_cache(weight_cache)
 before = current_rss_mb()
-program = LoadedProgram(sys.argv[1])
-program.load(*sys.argv[2:])
+program = LoadedProgram(sys.argv[2], weight_cache=weight_cache)
+program.load(*sys.argv[3:])
 print(current_rss_mb() - before)
 """
 
@@ -63,9 +65,10 @@ def wait_with_peak_rss(child: subprocess.Popen) -> float:
     return usage.ru_maxrss / 1024  # Linux: KiB
 
 
-def rss_after_load_mb(pte: Path, methods: list[str]) -> float:
-    """RSS a fresh process gains by loading the program and ``methods`` (the pip runtime's XNNPACK packs
-    each loaded method's weights separately, so this grows with the methods an app loads)."""
-    out = subprocess.run([sys.executable, "-c", _RSS_AFTER_LOAD, str(pte), *methods], capture_output=True,
-                         text=True, check=True)
+def rss_after_load_mb(pte: Path, methods: list[str], weight_cache: bool = True) -> float:
+    """RSS a fresh process gains by loading the program (and its data file) and ``methods``. Without XNNPACK's
+    weight cache (the pip runtime's default) each loaded method packs its own copy of the weights, so this
+    grows with the methods an app loads; with it, they share one."""
+    out = subprocess.run([sys.executable, "-c", _RSS_AFTER_LOAD, "1" if weight_cache else "0", str(pte), *methods],
+                         capture_output=True, text=True, check=True)
     return round(float(out.stdout.strip().splitlines()[-1]), 1)

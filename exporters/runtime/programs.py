@@ -1,4 +1,9 @@
-"""Load and run a ``.pte`` in the ExecuTorch runtime (Python bindings)."""
+"""Load and run a ``.pte`` (with its ``.ptd`` data file, if it has one) in the ExecuTorch runtime (Python bindings).
+
+XNNPACK's weight cache is on while our tools load methods, as in ExecuTorch's Android and Apple builds: the
+methods of a program then share one packed copy of each weight (the pip runtime's default packs one per loaded
+method). ``weight_cache=False`` measures the default.
+"""
 
 from __future__ import annotations
 
@@ -17,15 +22,35 @@ def register_runtime_kernels() -> None:
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (llama::custom_sdpa, update_cache)
 
 
-class LoadedProgram:
-    """A ``.pte`` loaded once; methods are loaded on first use and share the program's mutable buffers."""
+XNNPACK_BACKEND = "XnnpackBackend"
 
-    def __init__(self, path: str | Path) -> None:
+
+def use_xnnpack_weight_cache(enabled: bool) -> None:
+    """XNNPACK's weight cache for the methods loaded from now on in this process (a runtime option of the
+    backend, read when a method is loaded; XNNPACK matches packed weights by their name in the named data store)."""
+    from exporters.internals import backend_options, set_backend_options
+
+    if backend_options(XNNPACK_BACKEND, "weight_cache_enabled")["weight_cache_enabled"] != enabled:
+        set_backend_options(XNNPACK_BACKEND, weight_cache_enabled=enabled)
+
+
+class LoadedProgram:
+    """A ``.pte`` loaded once; methods are loaded on first use and share the program's mutable buffers.
+
+    ``data_path``: the program's data file; by default the one its manifest lists (checked: present, same
+    sha256), else ``<stem>.ptd`` if the program references external weights. ``weight_cache``: load the
+    methods with XNNPACK's weight cache (methods share packed weights)."""
+
+    def __init__(self, path: str | Path, data_path: str | Path | None = None, weight_cache: bool = True) -> None:
         from executorch.runtime import Runtime
+
+        from exporters.program.weights import data_file_beside
 
         register_runtime_kernels()
         self.path = Path(path)
-        self._program = Runtime.get().load_program(str(self.path))
+        self.data_path = Path(data_path) if data_path is not None else data_file_beside(self.path)
+        self.weight_cache = weight_cache
+        self._program = Runtime.get().load_program(str(self.path), data_path=self.data_path)
         self._methods: dict[str, Any] = {}
 
     @property
@@ -36,6 +61,7 @@ class LoadedProgram:
         """Load methods now rather than on their first call."""
         for method in methods:
             if method not in self._methods:
+                use_xnnpack_weight_cache(self.weight_cache)
                 self._methods[method] = self._program.load_method(method)
 
     def run(self, method: str, *inputs: torch.Tensor) -> list[Any]:

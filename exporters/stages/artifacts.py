@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exporters.manifest import Manifest, Signature
+from exporters.manifest import DataFile, Manifest, Signature
 from exporters.program.methods import MethodSpec
 from exporters.runtime.quality import TextWindows, perplexity
 from models.decoder import CausalLM
@@ -103,9 +103,17 @@ class WrittenProgram:
     sha256: str
     storage: dict[str, int]  # bytes by kind: shared weights, other constants, graphs (exporters.program.contents)
     undelegated: dict[str, Any] | None = None
+    data: DataFile | None = None  # export.weights=external: the .ptd beside ``path`` (same stem), its final name
+    # is the final program's stem
+
+    @property
+    def data_path(self) -> Path | None:
+        return self.path.with_name(self.data.file) if self.data else None
 
     def summary(self) -> str:
-        return f"{self.size_bytes / 1e6:.2f} MB"
+        if self.data is None:
+            return f"{self.size_bytes / 1e6:.2f} MB"
+        return f"{self.size_bytes / 1e6:.2f} MB program + {self.data.size_bytes / 1e6:.2f} MB data file"
 
 
 @dataclass(frozen=True)

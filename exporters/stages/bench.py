@@ -42,9 +42,11 @@ class BenchStage(Stage):
         vocab_size = int(program.constant("get_vocab_size"))
         speed = measure_speed(driver, prompt_tokens, steps, self.settings.repeats, vocab_size)
         del program, driver
+        loaded = [speed.prompt_method, speed.step_method]
         bench = BenchResult(
             **asdict(speed),
-            rss_after_load_mb=rss_after_load_mb(result.pte_path, [speed.prompt_method, speed.step_method]),
+            rss_after_load_mb=rss_after_load_mb(result.pte_path, loaded),
+            rss_after_load_without_weight_cache_mb=rss_after_load_mb(result.pte_path, loaded, weight_cache=False),
             seconds=round(time.perf_counter() - start, 1),
         )
         manifest = dataclasses.replace(result.manifest, bench=bench)

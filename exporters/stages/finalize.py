@@ -3,6 +3,7 @@ and write ``manifest.json``."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from importlib import metadata
@@ -12,6 +13,7 @@ from typing import Any
 from exporters.errors import ValidationFailed
 from exporters.manifest import MANIFEST_FILE, Manifest, MethodEntry, ModelEntry, ProgramFile, Resources
 from exporters.program.layouts import Layout, layout_manifest
+from exporters.program.weights import data_path_for, runtime_needs
 from exporters.runtime.driver import MethodRoles
 from exporters.runtime.memory import peak_rss_mb
 from exporters.stages.artifacts import ExportResult, WrittenProgram
@@ -50,6 +52,13 @@ class FinalizeStage(Stage):
         roles = MethodRoles.choose({n: spec.shape for n, spec in specs.items()})
         ok = report is None or report.passed
         pte = written.final_path if ok else rejected_path(written.final_path)
+        data = None
+        if written.data is not None:  # the data file first: a finished-looking program always has its weights
+            assert written.data_path is not None
+            os.replace(written.data_path, data_path_for(pte))
+            data = dataclasses.replace(written.data, file=data_path_for(pte).name)
+        else:  # a data file left by an earlier export of this name belonged to the program just replaced
+            data_path_for(pte).unlink(missing_ok=True)
         os.replace(written.path, pte)
         out_dir = pte.parent
         copied = []
@@ -89,6 +98,8 @@ class FinalizeStage(Stage):
             resources=Resources(wall_s=round(sum(timings.values()), 1), peak_rss_mb=round(peak_rss_mb())),
             versions=package_versions(),
             config=ctx.resolved_config,
+            data=data,
+            runtime=runtime_needs(ctx.config.backend.name, pte.name, data.file if data else None),
         )
         manifest_path = out_dir / MANIFEST_FILE
         manifest.write(manifest_path)

@@ -2,16 +2,19 @@
 
 ``to_edge_transform_and_lower`` with a dict of programs runs ExecuTorch's multi-method ``to_backend``:
 the backend preprocesses all methods together and stores each weight once (XNNPACK's NamedDataStore
-keys constants by the sha256 of their bytes).
+keys constants by the sha256 of their bytes; with export.weights=external, by tensor name: exporters.program.weights).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
-from exporters.config import BackendConfig
+from exporters.config import BackendConfig, WeightsPlacement
+from exporters.internals import xnnpack_keys_by_name
 from exporters.program.backends import partitioners
+from exporters.program.weights import DATA_TAG, structure_namespace, tag_delegated_weights
 from exporters.program.constants import constant_methods
 from exporters.stages.artifacts import CapturedMethods, LoweredProgram
 from exporters.stages.pipeline import ExportContext, Stage
@@ -60,9 +63,11 @@ class LowerStage(Stage):
     name = "lower"
     after = ("capture",)
 
-    def __init__(self, backend_cfg: BackendConfig, max_seq_len: int) -> None:
+    def __init__(self, backend_cfg: BackendConfig, max_seq_len: int,
+                 weights: WeightsPlacement = WeightsPlacement.program) -> None:
         self.cfg = backend_cfg
         self.max_seq_len = max_seq_len
+        self.weights = weights
 
     def run(self, captured: CapturedMethods, ctx: ExportContext) -> LoweredProgram:
         from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
@@ -72,14 +77,20 @@ class LowerStage(Stage):
         del captured  # to_edge_transform_and_lower rewrites the programs: nothing may use them after it
         constants = constant_methods(model.args, ctx.checkpoint, methods.specs, self.max_seq_len,
                                      self.cfg.dynamic_shapes)
-        edge = to_edge_transform_and_lower(
-            programs,
-            partitioner=with_progress(partitioners(self.cfg.partitioner, self.cfg.options), list(programs),
-                                      self.cfg.name),
-            constant_methods=constants,
-            # torchao's quantized ops are not core ATen; the backend consumes them.
-            compile_config=EdgeCompileConfig(_check_ir_validity=False),
-        )
+        external = self.weights == WeightsPlacement.external
+        # External weights: every constant is marked for the data file before partitioning, and XNNPACK names
+        # its weights by tensor rather than by content, so the program is the same bytes whatever the weights.
+        naming = xnnpack_keys_by_name(structure_namespace(programs)) if external else contextlib.nullcontext()
+        with naming:
+            edge = to_edge_transform_and_lower(
+                programs,
+                transform_passes=[tag_delegated_weights(DATA_TAG)] if external else None,
+                partitioner=with_progress(partitioners(self.cfg.partitioner, self.cfg.options), list(programs),
+                                          self.cfg.name),
+                constant_methods=constants,
+                # torchao's quantized ops are not core ATen; the backend consumes them.
+                compile_config=EdgeCompileConfig(_check_ir_validity=False),
+            )
         del programs
         # Aliases (forward = prefill) are not lowered: emit writes their source's execution plan under their name.
         return LoweredProgram(model=model, methods=methods, edge=edge, constant_methods=constants,

@@ -171,7 +171,7 @@ class ValidateStage(Stage):
         assert ctx.baseline is not None
         specs = written.methods.specs
         if self.runs_here:
-            program: LoadedProgram | CapturedPrograms = LoadedProgram(written.path)
+            program: LoadedProgram | CapturedPrograms = LoadedProgram(written.path, data_path=written.data_path)
             checked: Checked = "runtime"
         else:
             assert written.undelegated is not None, "capture keeps undelegated programs for such backends"
