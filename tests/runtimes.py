@@ -47,10 +47,11 @@ def runtime_python(release: str) -> Path:
     return python
 
 
-def stock_runner(release: str, pte: Path, prompt: str, max_new_tokens: int) -> dict:
-    """Run ``release``'s stock TextLLMRunner greedily on ``pte``: its text, statistics and log."""
+def stock_runner(release: str, pte: Path, prompt: str, max_new_tokens: int, data: Path | None = None) -> dict:
+    """Run ``release``'s stock TextLLMRunner greedily on ``pte`` (with its data file): its text, statistics, log."""
     proc = subprocess.run([str(runtime_python(release)), str(STOCK_RUNNER_SCRIPT), str(pte),
-                           str(pte.parent / "tokenizer.json"), prompt, str(max_new_tokens)],
+                           str(pte.parent / "tokenizer.json"), prompt, str(max_new_tokens),
+                           *(["--data", str(data)] if data else [])],
                           capture_output=True, text=True, timeout=600, cwd=pte.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -2,7 +2,7 @@
 
 Standalone on purpose (it imports only ExecuTorch), so any venv with an ExecuTorch release can run it:
 
-    <venv>/bin/python tests/stock_runner.py model.pte tokenizer.json "The capital of France is" 20
+    <venv>/bin/python tests/stock_runner.py model.pte tokenizer.json "The capital of France is" 20 [--data model.ptd]
 
 Prints one JSON line: the ExecuTorch release, the generated text, and the runner's statistics. The runner
 logs which methods it uses on stderr ("Using method: ...").
@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("tokenizer")
     parser.add_argument("prompt")
     parser.add_argument("max_new_tokens", type=int)
+    parser.add_argument("--data", default=None, help="the program's .ptd (export.weights=external)")
     args = parser.parse_args()
 
     # Kernels the programs may call that the runtime does not register by itself.
@@ -33,7 +34,7 @@ def main() -> None:
 
     pieces: list[str] = []
     stats: list[str] = []
-    runner = TextLLMRunner(args.pte, args.tokenizer)
+    runner = TextLLMRunner(args.pte, args.tokenizer, args.data) if args.data else TextLLMRunner(args.pte, args.tokenizer)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, echo=False, num_bos=1)
     runner.generate(args.prompt, config, token_callback=pieces.append, stats_callback=lambda s: stats.append(str(s)))
     print(json.dumps({"executorch": metadata.version("executorch"), "text": "".join(pieces), "stats": stats}))

@@ -135,6 +135,7 @@ def test_bad_values_are_refused_before_any_work(override: str, named: str) -> No
     ("quant.dtype=fp64", "fp32, fp16, bf16"),
     ("export.layout=ours", "stock, split"),
     ("export.tied_embedding=once", "shared, copied"),
+    ("export.weights=outside", "program, external"),
     ("backend.attention=flash", "aten, custom_ops"),
     ("model.source=hub", "hf, tiny"),
 ])

@@ -40,8 +40,8 @@ def greedy_ids(logits_of, prompt_ids: list[int], n: int) -> list[int]:  # type: 
     return new
 
 
-def assert_runner_writes(release: str, pte, expected_ids: list[int]) -> None:  # type: ignore[no-untyped-def]
-    result = stock_runner(release, pte, PROMPT, NEW_TOKENS)
+def assert_runner_writes(release: str, pte, expected_ids: list[int], data=None) -> None:  # type: ignore[no-untyped-def]
+    result = stock_runner(release, pte, PROMPT, NEW_TOKENS, data=data)
     n = printed_tokens(result)
     assert n == NEW_TOKENS and stat(result, "num_prompt_tokens") == len(runner_prompt_ids(pte)), result
     expected = Tokenizer.from_file(str(pte.parent / "tokenizer.json")).decode(expected_ids[:n])
@@ -89,6 +89,20 @@ def test_stock_layout_8da4w_writes_the_eager_quantized_text(real_exported, promp
     with torch.no_grad():
         expected = greedy_ids(lambda t, pos: model(t, torch.tensor([pos])), prompt_ids, NEW_TOKENS)
     assert_runner_writes(release, result.pte_path, expected)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_stock_runner_loads_the_program_with_its_data_file(real_exported, prompt_ids, release: str) -> None:
+    """export.weights=external: each release's runner, given model.pte and model.ptd, writes the same text as
+    the eager quantized model; the program holds no weights."""
+    result = real_exported("quant=8da4w", "export.weights=external")
+    data = result.pte_path.with_suffix(".ptd")
+    assert result.manifest.data is not None and result.manifest.data.file == data.name and data.is_file()
+    assert result.manifest.program.size_bytes < data.stat().st_size / 20
+    model = eager_model_of(result)
+    with torch.no_grad():
+        expected = greedy_ids(lambda t, pos: model(t, torch.tensor([pos])), prompt_ids, NEW_TOKENS)
+    assert_runner_writes(release, result.pte_path, expected, data=data)
 
 
 @pytest.mark.parametrize("release", RELEASES)

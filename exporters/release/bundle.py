@@ -16,6 +16,7 @@ from pathlib import Path
 from exporters.errors import UserError
 from exporters.program.files import sha256_of
 from exporters.manifest import MANIFEST_FILE, Manifest, ValidationReport
+from exporters.program.weights import data_file_for
 from models.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 
 BUNDLED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", CHAT_TEMPLATE_FILE, "generation_config.json")
@@ -29,32 +30,57 @@ def _how_to_run(m: Manifest, tokenizer: str) -> str:
     runners = "\n".join(f"| {release} | {o.result} | {o.why} |" for release, o in layout.stock_runners.items())
     tested = m.versions.get("executorch")
     pte = m.program.file
+    data = m.data.file if m.data else None
+    data_arg = f', data_path="{data}"' if data else ""
+    module_files = f'"{pte}", "{data}"' if data else f'"{pte}"'
+    runner_data = f', "{data}"' if data else ""
     return f"""Layout `{layout.name}` (for {layout.audience}). Call {layout.call_order}.
 {layout.kv_cache[0].upper() + layout.kv_cache[1:]}.
 
 ```python
 from executorch.runtime import Runtime   # shares memory arenas between the methods of a program
-program = Runtime.get().load_program("{pte}")
+program = Runtime.get().load_program("{pte}"{data_arg})
 prompt = program.load_method("{prompt}")   # tokens int64[1, T], input_pos int64[1] -> logits[1, vocab]
 step = program.load_method("{step}")       # tokens int64[1, 1], input_pos int64[1] -> logits[1, vocab]
 logits = prompt.execute([prompt_ids, torch.tensor([0])])[0]
 logits = step.execute([next_id.view(1, 1), torch.tensor([len(prompt_ids[0])])])[0]
 ```
 
-In C++: `executorch::extension::Module module("{pte}", Module::LoadMode::MmapUseMlockIgnoreErrors,
+In C++: `executorch::extension::Module module({module_files}, Module::LoadMode::MmapUseMlockIgnoreErrors,
 nullptr, nullptr, nullptr, /*share_memory_arenas=*/true);` then `module.execute("{prompt}", ...)` and
 `module.execute("{step}", ...)`. Without `share_memory_arenas` each method has its own KV cache and the
 text is wrong, with no error.
 
-ExecuTorch's stock runner (`executorch.extension.llm.runner.TextLLMRunner("{pte}", "{tokenizer}")`,
-or the C++ `llm::create_text_llm_runner`) chooses methods by name:
+ExecuTorch's stock runner (`executorch.extension.llm.runner.TextLLMRunner("{pte}", "{tokenizer}"{runner_data})`,
+or the C++ `llm::create_text_llm_runner`{", `llama_main --data_paths=" + data + "`" if data else ""}) chooses
+methods by name:
 
 | ExecuTorch release | result | how |
 |---|---|---|
 {runners}
 
 Validated in the ExecuTorch {tested} Python runtime; the runner outcomes follow each release's method choice
-and are tested with that release's runner by llm-exporters' test suite."""
+and are tested with that release's runner by llm-exporters' test suite.
+
+{_runtime_needs(m)}"""
+
+
+def _runtime_needs(m: Manifest) -> str:
+    """Which files load together, and what makes the methods share their packed weights (with the numbers)."""
+    if m.runtime is None:  # manifests written before 0.3
+        return ""
+    lines = [f"**Files.** Load {m.runtime.load}"]
+    if m.data is not None:
+        lines.append(f"The program is {m.program.size_bytes / 1e6:.2f} MB and `{m.data.file}` "
+                     f"{m.data.size_bytes / 1e6:.2f} MB ({m.data.entries} named tensors). Another export of the "
+                     "same model and settings writes the same program bytes with other weights: an app can update "
+                     f"`{m.data.file}` alone.")
+    lines.append(f"**Weights in memory.** {m.runtime.packed_once}")
+    if m.bench is not None and m.bench.rss_after_load_without_weight_cache_mb is not None:
+        lines.append(f"Measured here (RSS a process gains by loading `{m.bench.prompt_method}` and "
+                     f"`{m.bench.step_method}`): {m.bench.rss_after_load_mb:.0f} MB with the weight cache, "
+                     f"{m.bench.rss_after_load_without_weight_cache_mb:.0f} MB without.")
+    return "\n\n".join(lines)
 
 
 def _validation_text(v: ValidationReport | None) -> str:
@@ -112,6 +138,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     pte = run_dir / m.program.file
     if not m.ok:
         raise UserError(f"{run_dir}: the export's status is {m.status!r}; only validated exports are packaged.")
+    data = data_file_for(pte, (m.data.file, m.data.sha256)) if m.data else None  # present and the one exported
     cfg = m.config
     name = f"{cfg['model']['name']}-{cfg['quant']['name']}-{cfg['backend']['name']}-{m.program.sha256[:12]}"
     out = out or run_dir / "release"
@@ -119,7 +146,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     if bundle.exists():
         shutil.rmtree(bundle)
     bundle.mkdir(parents=True)
-    for file in (pte.name, *BUNDLED):
+    for file in (pte.name, *([data.name] if data else []), *BUNDLED):
         if (run_dir / file).is_file():
             shutil.copy2(run_dir / file, bundle / file)
     (bundle / "README.md").write_text(_readme(name, m))
@@ -133,6 +160,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
         "quant": full["quantization"], "backend": cfg["backend"]["name"],
         "methods": full["methods"], "layout": full["layout"], "constant_methods": m.constant_methods,
         "validation": {k: v for k, v in (full["validation"] or {}).items() if k != "per_window"},
+        "data": full["data"], "runtime": full["runtime"], "bench": full["bench"],
         "versions": m.versions, "config": cfg, "files": files,
     }
     (bundle / MANIFEST_FILE).write_text(json.dumps(bundle_manifest, indent=2) + "\n")
