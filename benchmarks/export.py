@@ -5,10 +5,12 @@
     python -m benchmarks.export --preset 1b --quant 8da4w_emb4w --out bench/1b   # Llama-3.2-1B shape, random weights
     python -m benchmarks.export --preset tiny             # quick check of the tool itself (a minute)
 
-For each exporter: wall time and peak RSS of the export process (os.wait4 on the child), .pte size, RSS
-of a fresh process after loading the program's methods, then decode and prefill tokens/s of the written
-programs in the ExecuTorch runtime (median of repeats), measured after both exports, both programs
-loaded in one process and timed round by round in alternating order, so both run under the same
+For each exporter: wall time and peak RSS of the export process (os.wait4 on the child), .pte size (and
+.ptd with ``--ours-overrides export.weights=external``), RSS of a fresh process after loading the program's
+methods with XNNPACK's weight cache on (as our tools and ExecuTorch's phone builds load) and off (the pip
+runtime's default), then decode and prefill tokens/s of the written programs in the ExecuTorch runtime
+(median of repeats; ours also without the weight cache), measured after both exports, all programs
+loaded in one process and timed round by round in alternating order, so all run under the same
 conditions. Numbers are reported as ratios against export_llm measured in the same run, because
 absolute times on a shared 2-core machine drift. The presets are benchmarks/presets.py's. Our exporter runs with
 validate=false (export_llm does not validate; --validate adds it). Writes report.json and report.md next
@@ -38,6 +40,7 @@ from exporters.runtime.programs import LoadedProgram
 from exporters.runtime.speed import measure_speeds
 
 REPO = Path(__file__).resolve().parent.parent
+NO_CACHE = "llm-exporters (no weight cache)"
 
 
 # export_llm's spelling of our quant options.
@@ -108,11 +111,12 @@ def export_llm_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path)
     ]
 
 
-def tokens_per_second(ptes: dict[str, Path], prefill_len: int, decode_steps: int, repeats: int,
+def tokens_per_second(ptes: dict[str, tuple[Path, bool]], prefill_len: int, decode_steps: int, repeats: int,
                       vocab: int) -> dict[str, dict[str, float]]:
-    """Median steady-state prefill and decode throughput of each program, driven as exporters.generate
-    drives it (ours: prefill then decode_one_token; export_llm's: forward for both), rounds interleaved."""
-    drivers = {name: Driver.of(LoadedProgram(pte)) for name, pte in ptes.items()}
+    """Median steady-state prefill and decode throughput of each program (label -> .pte, weight cache), driven
+    as exporters.generate drives it (ours: prefill then decode_one_token; export_llm's: forward for both),
+    rounds interleaved."""
+    drivers = {name: Driver.of(LoadedProgram(pte, weight_cache=cache)) for name, (pte, cache) in ptes.items()}
     speeds = measure_speeds(drivers, prefill_len, decode_steps, repeats, vocab)
     return {name: {"decode_tok_s": s.decode_tokens_per_s, "prefill_tok_s": s.prefill_tokens_per_s}
             for name, s in speeds.items()}
@@ -148,19 +152,30 @@ def main() -> None:
         row: dict = run_measured(build(p, args, out, hf_dir), out / "export.log")
         pte = out / "model.pte"
         row["pte_mb"] = round(pte.stat().st_size / 1e6, 1)
+        if pte.with_suffix(".ptd").is_file():
+            row["ptd_mb"] = round(pte.with_suffix(".ptd").stat().st_size / 1e6, 1)
         row["rss_after_load_mb"] = rss_after_load_mb(pte, loads[0])
-        row.update({f"rss_after_load_mb[{'+'.join(m)}]": rss_after_load_mb(pte, m) for m in loads[1:]})
+        row["rss_after_load_no_cache_mb"] = rss_after_load_mb(pte, loads[0], weight_cache=False)
+        for methods in loads[1:]:
+            row[f"rss_after_load_mb[{'+'.join(methods)}]"] = rss_after_load_mb(pte, methods)
+            row[f"rss_after_load_no_cache_mb[{'+'.join(methods)}]"] = rss_after_load_mb(pte, methods, weight_cache=False)
         if name == "llm-exporters":
             row["stages_s"] = Manifest.read(out).timings_s
         results[name] = row
         print(f"  {row}", flush=True)
     print("measuring runtime speed ...", flush=True)
-    speeds = tokens_per_second({name: root / name / "model.pte" for name in results}, args.prefill_len,
-                               args.decode_steps, args.repeats, p.vocab)
+    programs = {name: (root / name / "model.pte", True) for name in results}
+    if "llm-exporters" in results:
+        programs[NO_CACHE] = (root / "llm-exporters" / "model.pte", False)
+    speeds = tokens_per_second(programs, args.prefill_len, args.decode_steps, args.repeats, p.vocab)
     for name, speed in speeds.items():
-        results[name].update(speed)
+        if name == NO_CACHE:
+            results["llm-exporters"].update({f"{k}_no_cache": v for k, v in speed.items()})
+        else:
+            results[name].update(speed)
         print(f"  {name}: {speed}", flush=True)
-    keys = ("wall_s", "peak_rss_gb", "pte_mb", "rss_after_load_mb", "decode_tok_s", "prefill_tok_s")
+    keys = ("wall_s", "peak_rss_gb", "pte_mb", "rss_after_load_mb", "rss_after_load_no_cache_mb", "decode_tok_s",
+            "prefill_tok_s")
     ratios = ({k: round(results["llm-exporters"][k] / results["export_llm"][k], 2) for k in keys}
               if len(results) == 2 else {})
     params = p.parameters
@@ -172,14 +187,19 @@ def main() -> None:
     lines = [f"{label} ({params / 1e6:.1f}M parameters), xnnpack {args.quant} g{args.group_size}, "
              f"max_seq_len {args.max_seq_len}; ours: prefill + decode_one_token + forward"
              f"{'' if args.validate else ' (validate=false)'}", "",
-             "| exporter | wall s | peak RSS GB | .pte MB | RSS after load MB | decode tok/s | "
-             f"prefill tok/s ({args.prefill_len}) |",
-             "|---|---|---|---|---|---|---|"]
+             "| exporter | wall s | peak RSS GB | .pte MB | RSS after load MB (weight cache on) | (off) | "
+             f"decode tok/s | prefill tok/s ({args.prefill_len}) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['wall_s']} | {r['peak_rss_gb']} | {r['pte_mb']} | {r['rss_after_load_mb']} | "
-                     f"{r['decode_tok_s']} | {r['prefill_tok_s']} |")
+        size = f"{r['pte_mb']}" + (f" + {r['ptd_mb']} .ptd" if "ptd_mb" in r else "")
+        lines.append(f"| {name} | {r['wall_s']} | {r['peak_rss_gb']} | {size} | {r['rss_after_load_mb']} | "
+                     f"{r['rss_after_load_no_cache_mb']} | {r['decode_tok_s']} | {r['prefill_tok_s']} |")
     if ratios:
         lines.append("| ratio ours/export_llm | " + " | ".join(str(ratios[k]) for k in keys) + " |")
+    if "decode_tok_s_no_cache" in results.get("llm-exporters", {}):
+        ours = results["llm-exporters"]
+        lines.append(f"\nours without XNNPACK's weight cache: decode {ours['decode_tok_s_no_cache']} tok/s, prefill "
+                     f"{ours['prefill_tok_s_no_cache']} tok/s (with it: {ours['decode_tok_s']}, {ours['prefill_tok_s']})")
     (root / "report.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines) + f"\n\nreport: {root / 'report.json'}, {root / 'report.md'}")
 

@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except REPORTED_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"\n\n[loaded {generator.pte.name} in {generator.load_seconds:.2f} s; "
+    data = generator.program.data_path
+    loaded = generator.pte.name + (f" + {data.name}" if data else "")
+    print(f"\n\n[loaded {loaded} in {generator.load_seconds:.2f} s; "
           f"prompt {len(result.prompt_ids)} tokens at {result.prompt_tokens_per_s:.1f} tok/s; "
           f"generated {len(result.new_ids)} tokens at {result.generation_tokens_per_s:.1f} tok/s; "
           f"stopped: {result.stop_reason}]", file=sys.stderr)

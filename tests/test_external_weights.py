@@ -120,3 +120,13 @@ def test_bundles_carry_and_verify_both_files(exported, tmp_path: Path) -> None: 
         fh.seek(-1, 2)
         fh.write(bytes([last[0] ^ 1]))
     assert [p for p in verify_bundle(folder) if p.startswith("changed: model.ptd")]
+
+
+def test_sweep_rows_count_what_an_app_ships(exported) -> None:  # type: ignore[no-untyped-def]
+    from exporters.sweeps.summary import JobRow
+
+    m = exported(EXTERNAL).manifest
+    row = JobRow(job=0, overrides=EXTERNAL, model="tiny", quant="fp32", backend="xnnpack", status="ok")
+    row = row.with_manifest(m, "model.pte")
+    assert row.size_mb == pytest.approx((m.program.size_bytes + m.data.size_bytes) / 1e6)
+    assert row.data_mb == pytest.approx(m.data.size_bytes / 1e6)

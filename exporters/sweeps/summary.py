@@ -49,7 +49,8 @@ class JobRow:
     backend: str
     status: Literal["ok", "failed"]
     reason: str = ""  # why it failed
-    size_mb: float | None = None
+    size_mb: float | None = None  # what an app ships: the program, and its data file with export.weights=external
+    data_mb: float | None = None  # the data file alone (export.weights=external)
     export_s: float | None = None  # the export itself (every stage before finalize)
     peak_rss_mb: float | None = None  # of the export; for a killed job, of its process until it died
     prefill_tok_s: float | None = None
@@ -70,7 +71,9 @@ class JobRow:
     def with_manifest(self, manifest: Manifest, program: str) -> "JobRow":
         """This row with the measures a job's ``manifest.json`` holds."""
         m = manifest
-        values: dict[str, Any] = {"size_mb": m.program.size_bytes / 1e6, "program": program,
+        data_bytes = m.data.size_bytes if m.data else 0
+        values: dict[str, Any] = {"size_mb": (m.program.size_bytes + data_bytes) / 1e6, "program": program,
+                                  "data_mb": data_bytes / 1e6 if m.data else None,
                                   "export_s": m.resources.wall_s, "peak_rss_mb": m.resources.peak_rss_mb}
         if m.bench:
             values.update(prefill_tok_s=m.bench.prefill_tokens_per_s, decode_tok_s=m.bench.decode_tokens_per_s,
@@ -142,7 +145,7 @@ class Tradeoff:
     higher_is_better: bool
 
 
-TRADEOFFS = (Tradeoff("size", "size_mb", ".pte size (MB)", higher_is_better=False),
+TRADEOFFS = (Tradeoff("size", "size_mb", "size (MB: .pte, with its .ptd if any)", higher_is_better=False),
              Tradeoff("speed", "decode_tok_s", "decode speed (tokens/s)", higher_is_better=True))
 
 
@@ -182,7 +185,7 @@ class Column:
 
 
 COLUMNS = (
-    Column(".pte MB", "size_mb", "{:.1f}"), Column("export s", "export_s", "{:.0f}"),
+    Column("size MB", "size_mb", "{:.1f}"), Column("export s", "export_s", "{:.0f}"),
     Column("peak RSS MB", "peak_rss_mb", "{:.0f}"), Column("prefill tok/s", "prefill_tok_s", "{:.0f}"),
     Column("decode tok/s", "decode_tok_s", "{:.0f}"), Column("RSS after load MB", "rss_after_load_mb", "{:.0f}"),
     Column("perplexity", "perplexity", "{:.2f}"), Column("unquantized", "baseline_perplexity", "{:.2f}"),
