@@ -76,7 +76,7 @@ def test_a_program_without_its_data_file_is_refused_naming_both(exported, tmp_pa
 
 
 def test_a_data_file_from_another_export_is_refused(exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    ours, other = exported(EXTERNAL), exported(*SEEDED, "model.seed=1")
+    ours, other = exported(EXTERNAL), exported(*SEEDED, "quant=fp32", "model.seed=1")
     run = tmp_path / "run"
     shutil.copytree(ours.pte_path.parent, run, ignore=shutil.ignore_patterns("checkpoint", "release"))
     shutil.copy(other.pte_path.with_suffix(".ptd"), run / "model.ptd")
@@ -86,8 +86,9 @@ def test_a_data_file_from_another_export_is_refused(exported, tmp_path: Path) ->
         data_file_beside(run / "model.pte")
 
 
-def test_the_program_is_the_same_bytes_for_other_weights_and_the_data_file_swaps(exported) -> None:  # type: ignore[no-untyped-def]
-    one, two = exported(*SEEDED, "model.seed=1"), exported(*SEEDED, "model.seed=2")
+@pytest.mark.parametrize("quant", ["fp32", "8da4w_emb4w"])
+def test_the_program_is_the_same_bytes_for_other_weights_and_the_data_file_swaps(exported, quant: str) -> None:  # type: ignore[no-untyped-def]
+    one, two = (exported(*SEEDED, f"quant={quant}", f"model.seed={seed}") for seed in (1, 2))
     assert one.pte_path.read_bytes() == two.pte_path.read_bytes()
     assert one.manifest.data.sha256 != two.manifest.data.sha256
     # Program one with data file two computes what program two computes: the weights are the data file's.
@@ -130,3 +131,20 @@ def test_sweep_rows_count_what_an_app_ships(exported) -> None:  # type: ignore[n
     row = row.with_manifest(m, "model.pte")
     assert row.size_mb == pytest.approx((m.program.size_bytes + m.data.size_bytes) / 1e6)
     assert row.data_mb == pytest.approx(m.data.size_bytes / 1e6)
+
+
+def test_the_bench_measures_the_pair_with_and_without_the_weight_cache(exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    from exporters.config import BenchmarkConfig
+    from exporters.stages.bench import BenchStage
+
+    result = exported(EXTERNAL)
+    run = tmp_path / "run"
+    shutil.copytree(result.pte_path.parent, run, ignore=shutil.ignore_patterns("checkpoint", "release"))
+    moved = dataclasses.replace(result, pte_path=run / "model.pte", manifest_path=run / MANIFEST_FILE)
+    benched = BenchStage(BenchmarkConfig(prompt_tokens=8, steps=4, repeats=1), 128).run(moved, None)  # type: ignore[arg-type]
+    bench = benched.manifest.bench
+    assert bench is not None and bench.decode_tokens_per_s > 0
+    assert bench.rss_after_load_mb > 0 and bench.rss_after_load_without_weight_cache_mb > 0
+    assert "without XNNPACK's weight cache" in bench.describe()
