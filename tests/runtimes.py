@@ -19,7 +19,8 @@ STOCK_RUNNER_SCRIPT = REPO_ROOT / "tests" / "stock_runner.py"
 
 # What each release installs beside (checked together here): torch first, from its CPU wheel.
 REQUIREMENTS = {
-    "1.4.1": (["torch==2.13.0"], ["executorch==1.4.1", "torchao==0.18.0"]),
+    # 1.4.1's llm runner package imports transformers.
+    "1.4.1": (["torch==2.13.0"], ["executorch==1.4.1", "torchao==0.18.0", "transformers==5.23.0"]),
     "1.5.1": (["torch==2.13.0"], ["executorch==1.5.1", "torchao==0.18.0"]),
 }
 
@@ -39,11 +40,12 @@ def runtime_python(release: str) -> Path:
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / f".executorch-{release}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two test workers build it once
-        if not done.exists():
+        recipe = json.dumps(REQUIREMENTS[release])  # a changed recipe builds the environment again
+        if not done.exists() or done.read_text() != recipe:
             subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
             for group in REQUIREMENTS[release]:
                 subprocess.run([str(python), "-m", "pip", "install", "-q", *group], check=True)
-            done.write_text(release)
+            done.write_text(recipe)
     return python
 
 

@@ -110,7 +110,7 @@ def test_a_kv_cache_that_does_not_carry_from_prefill_to_decode_is_rejected(
 
     unshared = ExecutorchBackendConfig(emit_mutable_buffer_names=True, run_reinplace_pass=True,
                                        do_quant_fusion_and_const_prop=True)
-    monkeypatch.setattr(emit, "backend_config", lambda: unshared)
+    monkeypatch.setattr(emit, "backend_config", lambda data_tag=None: unshared)
     v = export_broken(smollm2_truncated, tmp_path, "export.methods=[prefill,decode]", "export.layout=split")
     assert any(f.startswith("KL") for f in v.failures)
     assert v.kl_mean > 100 * v.tolerance["max_kl"]
