@@ -35,7 +35,7 @@ from benchmarks.exporting import exporter_command
 from benchmarks.presets import Preset, add_preset_arguments, checkpoint_dir, exporter_overrides, preset_of
 from exporters.manifest import Manifest
 from exporters.runtime.driver import Driver
-from exporters.runtime.memory import rss_after_load_mb, wait_with_peak_rss
+from exporters.runtime.memory import memory_after_load_mb, rss_after_load_mb, wait_with_peak_rss
 from exporters.runtime.programs import LoadedProgram
 from exporters.runtime.speed import measure_speeds
 
@@ -154,7 +154,7 @@ def main() -> None:
         row["pte_mb"] = round(pte.stat().st_size / 1e6, 1)
         if pte.with_suffix(".ptd").is_file():
             row["ptd_mb"] = round(pte.with_suffix(".ptd").stat().st_size / 1e6, 1)
-        row["rss_after_load_mb"] = rss_after_load_mb(pte, loads[0])
+        row["rss_after_load_mb"], row["pss_after_load_mb"] = memory_after_load_mb(pte, loads[0])
         row["rss_after_load_no_cache_mb"] = rss_after_load_mb(pte, loads[0], weight_cache=False)
         for methods in loads[1:]:
             row[f"rss_after_load_mb[{'+'.join(methods)}]"] = rss_after_load_mb(pte, methods)

@@ -224,13 +224,16 @@ class BenchResult(Speed):
     seconds: float  # the measurement itself
     # The same with the pip runtime's default (XNNPACK's weight cache off: each method packs its own weights).
     rss_after_load_without_weight_cache_mb: float | None = None
+    # PSS with the weight cache: a data file's pages, mapped once per method that reads them, counted once.
+    pss_after_load_mb: float | None = None
 
     def describe(self) -> str:
-        without = self.rss_after_load_without_weight_cache_mb
+        without, pss = self.rss_after_load_without_weight_cache_mb, self.pss_after_load_mb
+        notes = [f"PSS {pss:.0f} MB"] if pss is not None else []
+        notes += [f"{without:.0f} MB without XNNPACK's weight cache"] if without is not None else []
         return (f"prefill {self.prefill_tokens_per_s:.0f} tok/s ({self.prompt_tokens} tokens), decode "
                 f"{self.decode_tokens_per_s:.0f} tok/s ({self.steps} steps), RSS after load "
-                f"{self.rss_after_load_mb:.0f} MB" + (f" ({without:.0f} MB without XNNPACK's weight cache)"
-                                                        if without is not None else ""))
+                f"{self.rss_after_load_mb:.0f} MB" + (f" ({'; '.join(notes)})" if notes else ""))
 
 
 @dataclass

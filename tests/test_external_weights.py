@@ -147,4 +147,5 @@ def test_the_bench_measures_the_pair_with_and_without_the_weight_cache(exported,
     bench = benched.manifest.bench
     assert bench is not None and bench.decode_tokens_per_s > 0
     assert bench.rss_after_load_mb > 0 and bench.rss_after_load_without_weight_cache_mb > 0
-    assert "without XNNPACK's weight cache" in bench.describe()
+    assert bench.pss_after_load_mb is not None and 0 < bench.pss_after_load_mb <= bench.rss_after_load_mb + 1
+    assert "without XNNPACK's weight cache" in bench.describe() and "PSS" in bench.describe()

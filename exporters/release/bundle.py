@@ -77,9 +77,12 @@ def _runtime_needs(m: Manifest) -> str:
                      f"`{m.data.file}` alone.")
     lines.append(f"**Weights in memory.** {m.runtime.packed_once}")
     if m.bench is not None and m.bench.rss_after_load_without_weight_cache_mb is not None:
+        pss = m.bench.pss_after_load_mb
         lines.append(f"Measured here (RSS a process gains by loading `{m.bench.prompt_method}` and "
                      f"`{m.bench.step_method}`): {m.bench.rss_after_load_mb:.0f} MB with the weight cache, "
-                     f"{m.bench.rss_after_load_without_weight_cache_mb:.0f} MB without.")
+                     f"{m.bench.rss_after_load_without_weight_cache_mb:.0f} MB without"
+                     + (f"; PSS with the cache {pss:.0f} MB (the runtime maps a data file's tensors once per "
+                        "method, which RSS counts per mapping)." if pss is not None and m.data else "."))
     return "\n\n".join(lines)
 
 

@@ -11,19 +11,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Run in a fresh interpreter: RSS a process gains by loading the program and some of its methods
+# Run in a fresh interpreter: RSS and PSS a process gains by loading the program and some of its methods
 # (imports not counted). A fresh process, because one that has already run the program reuses freed memory.
-_RSS_AFTER_LOAD = """
+_MEMORY_AFTER_LOAD = """
 import sys
-from exporters.runtime.memory import current_rss_mb
+from exporters.runtime.memory import current_pss_mb, current_rss_mb
 from exporters.runtime.programs import LoadedProgram, register_runtime_kernels, use_xnnpack_weight_cache
 register_runtime_kernels()
 weight_cache = sys.argv[1] == "1"
 use_xnnpack_weight_cache(weight_cache)
-before = current_rss_mb()
+rss, pss = current_rss_mb(), current_pss_mb()
 program = LoadedProgram(sys.argv[2], weight_cache=weight_cache)
 program.load(*sys.argv[3:])
-print(current_rss_mb() - before)
+print(current_rss_mb() - rss, current_pss_mb() - pss)
 """
 
 
@@ -35,6 +35,13 @@ def _status_mb(key: str) -> float:
 
 def current_rss_mb() -> float:
     return _status_mb("VmRSS")
+
+
+def current_pss_mb() -> float:
+    """Proportional set size: a file page mapped twice (a data file's tensor loaded by two methods, each through
+    its own mapping) counts once, where RSS counts it per mapping."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024
 
 
 def reset_peak_rss() -> bool:
@@ -65,10 +72,18 @@ def wait_with_peak_rss(child: subprocess.Popen) -> float:
     return usage.ru_maxrss / 1024  # Linux: KiB
 
 
+def memory_after_load_mb(pte: Path, methods: list[str], weight_cache: bool = True) -> tuple[float, float]:
+    """RSS and PSS a fresh process gains by loading the program (and its data file) and ``methods``.
+
+    Without XNNPACK's weight cache (the pip runtime's default) each loaded method packs its own copy of the
+    weights, so both grow with the methods an app loads; with it, they share one. The runtime maps a data
+    file's tensors once per method that uses them: RSS counts those pages per mapping, PSS once."""
+    out = subprocess.run([sys.executable, "-c", _MEMORY_AFTER_LOAD, "1" if weight_cache else "0", str(pte),
+                          *methods], capture_output=True, text=True, check=True)
+    rss, pss = out.stdout.strip().splitlines()[-1].split()
+    return round(float(rss), 1), round(float(pss), 1)
+
+
 def rss_after_load_mb(pte: Path, methods: list[str], weight_cache: bool = True) -> float:
-    """RSS a fresh process gains by loading the program (and its data file) and ``methods``. Without XNNPACK's
-    weight cache (the pip runtime's default) each loaded method packs its own copy of the weights, so this
-    grows with the methods an app loads; with it, they share one."""
-    out = subprocess.run([sys.executable, "-c", _RSS_AFTER_LOAD, "1" if weight_cache else "0", str(pte), *methods],
-                         capture_output=True, text=True, check=True)
-    return round(float(out.stdout.strip().splitlines()[-1]), 1)
+    """RSS a fresh process gains by loading the program and ``methods`` (:func:`memory_after_load_mb`)."""
+    return memory_after_load_mb(pte, methods, weight_cache)[0]

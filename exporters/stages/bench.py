@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict
 
 from exporters.stages.artifacts import ExportResult
-from exporters.runtime.memory import rss_after_load_mb
+from exporters.runtime.memory import memory_after_load_mb, rss_after_load_mb
 from exporters.runtime.speed import measure_speed
 from exporters.config import BenchmarkConfig
 from exporters.runtime.driver import Driver
@@ -43,10 +43,12 @@ class BenchStage(Stage):
         speed = measure_speed(driver, prompt_tokens, steps, self.settings.repeats, vocab_size)
         del program, driver
         loaded = [speed.prompt_method, speed.step_method]
+        rss, pss = memory_after_load_mb(result.pte_path, loaded)
         bench = BenchResult(
             **asdict(speed),
-            rss_after_load_mb=rss_after_load_mb(result.pte_path, loaded),
+            rss_after_load_mb=rss,
             rss_after_load_without_weight_cache_mb=rss_after_load_mb(result.pte_path, loaded, weight_cache=False),
+            pss_after_load_mb=pss,
             seconds=round(time.perf_counter() - start, 1),
         )
         manifest = dataclasses.replace(result.manifest, bench=bench)
