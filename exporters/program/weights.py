@@ -94,15 +94,13 @@ def references_external_data(pte: Path) -> bool:
     the program's flatbuffer only). Our programs with external weights always have one: the token embedding's
     table, which no delegate takes. Delegates' own references cannot be told from outside their blobs (an
     XNNPACK bf16 program, for one, holds its weights with no named data)."""
+    from executorch.exir.schema import TensorDataLocation
+
     from exporters.internals import read_program_header
 
     program = read_program_header(pte)
-    for plan in program.execution_plan:
-        for value in plan.values:
-            info = getattr(getattr(value.val, "extra_tensor_info", None), "location", None)
-            if info is not None and int(info) == 1:  # TensorDataLocation.EXTERNAL
-                return True
-    return False
+    return any(getattr(getattr(value.val, "extra_tensor_info", None), "location", None) == TensorDataLocation.EXTERNAL
+               for plan in program.execution_plan for value in plan.values)
 
 
 def data_file_for(pte: Path, expected: tuple[str, str] | None = None) -> Path | None:

@@ -27,21 +27,20 @@ print(current_rss_mb() - rss, current_pss_mb() - pss)
 """
 
 
-def _status_mb(key: str) -> float:
-    """A memory field of ``/proc/self/status`` (Linux) in MB."""
-    with open("/proc/self/status") as f:
+def _proc_mb(key: str, file: str = "status") -> float:
+    """A memory field (kB) of ``/proc/self/<file>`` (Linux) in MB."""
+    with open(f"/proc/self/{file}") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
 
 
 def current_rss_mb() -> float:
-    return _status_mb("VmRSS")
+    return _proc_mb("VmRSS")
 
 
 def current_pss_mb() -> float:
     """Proportional set size: a file page mapped twice (a data file's tensor loaded by two methods, each through
     its own mapping) counts once, where RSS counts it per mapping."""
-    with open("/proc/self/smaps_rollup") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024
+    return _proc_mb("Pss", "smaps_rollup")
 
 
 def reset_peak_rss() -> bool:
@@ -58,7 +57,7 @@ def reset_peak_rss() -> bool:
 def peak_rss_mb() -> float:
     """Peak RSS since :func:`reset_peak_rss` (VmHWM), or of the whole process where /proc is missing."""
     try:
-        return _status_mb("VmHWM")
+        return _proc_mb("VmHWM")
     except OSError:
         import resource
 

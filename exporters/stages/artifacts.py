@@ -103,8 +103,7 @@ class WrittenProgram:
     sha256: str
     storage: dict[str, int]  # bytes by kind: shared weights, other constants, graphs (exporters.program.contents)
     undelegated: dict[str, Any] | None = None
-    data: DataFile | None = None  # export.weights=external: the .ptd beside ``path`` (same stem), its final name
-    # is the final program's stem
+    data: DataFile | None = None  # export.weights=external: the .ptd beside ``path``, with the same stem
 
     @property
     def data_path(self) -> Path | None:

@@ -52,13 +52,13 @@ class FinalizeStage(Stage):
         roles = MethodRoles.choose({n: spec.shape for n, spec in specs.items()})
         ok = report is None or report.passed
         pte = written.final_path if ok else rejected_path(written.final_path)
-        data = None
+        data, data_path = None, data_path_for(pte)
         if written.data is not None:  # the data file first: a finished-looking program always has its weights
             assert written.data_path is not None
-            os.replace(written.data_path, data_path_for(pte))
-            data = dataclasses.replace(written.data, file=data_path_for(pte).name)
+            os.replace(written.data_path, data_path)
+            data = dataclasses.replace(written.data, file=data_path.name)
         else:  # a data file left by an earlier export of this name belonged to the program just replaced
-            data_path_for(pte).unlink(missing_ok=True)
+            data_path.unlink(missing_ok=True)
         os.replace(written.path, pte)
         out_dir = pte.parent
         copied = []
