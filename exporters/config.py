@@ -329,6 +329,14 @@ def check_known_keys(cfg: DictConfig) -> None:
     )
 
 
+def quant_option(name: str) -> QuantConfig:
+    """``conf/quant/<name>.yaml`` alone, typed: another option's calibrated tolerances, without composing a config."""
+    path = CONF_DIR / "quant" / f"{name}.yaml"
+    typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), OmegaConf.load(path)))
+    assert isinstance(typed, QuantConfig)
+    return typed
+
+
 def to_typed(cfg: DictConfig) -> ExportConfig:
     """The composed config as a plain ``ExportConfig`` instance, after refusing keys the schema does not know."""
     check_known_keys(cfg)

@@ -78,7 +78,6 @@ def log_export_summary(result: Any) -> None:
     )
     for release, o in m.layout.stock_runners.items():
         if o.result != "correct":
-            log.warning("ExecuTorch %s's stock runner would give %s with this program: %s. export.layout=stock "
-                        "(with forward in export.methods) makes a program every stock runner runs correctly.",
-                        release, o.result, o.why)
+            log.warning("ExecuTorch %s's stock runner would give %s with this program: %s. %s.",
+                        release, o.result, o.why, o.fix)
 

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from exporters.config import ExportConfig, to_typed
 from exporters.errors import UserError
-from exporters.program.backends import check_backend
+from exporters.program.backends import check_backend, runtime_precision
 from exporters.program.layouts import LAYOUTS
 from exporters.program.methods import check_methods
 from exporters.program.weights import check_weights
@@ -32,7 +32,7 @@ from exporters.stages.load import LoadStage
 from exporters.stages.lower import LowerStage
 from exporters.stages.pipeline import ExportContext, Stage, StageObserver, run_pipeline
 from exporters.stages.quantize import QuantizeStage
-from exporters.stages.validate import Tolerance, ValidateStage
+from exporters.stages.validate import ValidateStage
 from exporters.sweeps.summary import check_search
 from models.families import check_family
 
@@ -68,7 +68,8 @@ def build_stages(cfg: ExportConfig, output_dir: Path) -> list[Stage]:
                      keep_undelegated=validating and not backend.runs_here),
         LowerStage(backend, ex.max_seq_len, ex.weights),
         EmitStage(output_dir / ex.output_name, ex.weights),
-        *([ValidateStage(Tolerance.of(cfg.quant), runs_here=backend.runs_here)] if validating else []),
+        *([ValidateStage(cfg.quant, runs_here=backend.runs_here, runs_in=runtime_precision(backend))]
+          if validating else []),
         FinalizeStage(LAYOUTS[ex.layout]),
         *([BenchStage(cfg.benchmark, ex.max_seq_len)] if cfg.bench else []),
     ]

@@ -62,6 +62,7 @@ class RunnerEntry:
     prompt_method: str | None
     token_method: str | None
     why: str
+    fix: str = ""  # what makes a program this runner runs correctly (empty when it does)
 
 
 @dataclass
@@ -138,6 +139,9 @@ class ValidationReport:
     baseline_dtype: str  # the dtype it was scored in: the checkpoint's (fp32, or bf16 for a bf16 checkpoint)
     forward_kl: float | None  # KL(prefill || forward) on the first prompt, when both exist
     tolerance: dict[str, float] = field(default_factory=dict)
+    # The dtype the delegate computed in when its device chose one coarser than the program's (OpenVINO's CPU
+    # plugin on a CPU with bf16 units): the tolerance is then the looser of the quant option's and that dtype's.
+    runs_in: str | None = None
     per_window: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -157,6 +161,8 @@ class ValidationReport:
     def describe(self) -> str:
         verdict = "passed" if self.passed else "FAILED (" + "; ".join(self.failures) + ")"
         where = "" if self.checked == "runtime" else " [undelegated programs: the delegate cannot run on this host]"
+        if self.runs_in:
+            where += f" [the delegate computed in {self.runs_in}, its device's choice here: tolerance of quant={self.runs_in}]"
         t = self.tolerance
         return (f"{verdict}{where}: {self.scored_tokens} tokens of {self.text} through "
                 f"{self.methods['prompt']}+{self.methods['step']}, KL {self.kl_mean:.2g} (limit {t['max_kl']:.2g}), "

@@ -1,17 +1,22 @@
 """Backend registry: the partitioners each ``conf/backend/*.yaml`` option selects.
 
 A backend is one YAML file plus one factory here; the factory receives only ``backend.options``.
-Partitioners are built lazily so importing this module pulls in no backend's dependencies.
+Partitioners are built lazily so importing this module pulls in no backend's dependencies. A backend that
+needs packages beyond the base install names them in :data:`EXTRAS` (checked before an export starts, and
+when a program that uses the delegate fails to load); one whose device picks its own compute precision says
+how to read it in :data:`RUNTIME_PRECISION` (validation then allows that precision's deviation).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from exporters.errors import UserError, check_choice
+from exporters.errors import UserError, check_choice, listed
 
 if TYPE_CHECKING:
-    from exporters.config import BackendConfig
+    from exporters.config import BackendConfig, DType
 
 PartitionerFactory = Callable[[dict[str, Any]], list[Any]]
 
@@ -70,6 +75,103 @@ def vulkan_partitioner(options: dict[str, Any]) -> list[Any]:
     return [VulkanPartitioner({"require_dynamic_shapes": False, **options})]
 
 
+@register_partitioner("openvino")
+def openvino_partitioner(options: dict[str, Any]) -> list[Any]:
+    """OpenVINO: each partition is converted by OpenVINO's PyTorch frontend and compiled for ``device``.
+
+    The compiled blob does not keep compile-time properties (INFERENCE_PRECISION_HINT): the runtime imports
+    it with the device's defaults, bf16 on CPUs with AMX/AVX512-BF16.
+    """
+    from executorch.backends.openvino.partitioner import OpenvinoPartitioner
+    from executorch.exir.backend.compile_spec_schema import CompileSpec
+
+    return [OpenvinoPartitioner(compile_spec=[CompileSpec("device", str(options.get("device", "CPU")).encode())])]
+
+
+@register_partitioner("openvino")
+def openvino_partitioner(options: dict[str, Any]) -> list[Any]:
+    """OpenVINO: each partition is converted by OpenVINO's PyTorch frontend and compiled for ``device``."""
+    from executorch.backends.openvino.partitioner import OpenvinoPartitioner
+    from executorch.exir.backend.compile_spec_schema import CompileSpec
+
+    return [OpenvinoPartitioner(compile_spec=[CompileSpec("device", str(options.get("device", "CPU")).encode())])]
+
+
+@dataclass(frozen=True)
+class BackendExtra:
+    """Packages a backend needs beyond the base install: its ``pyproject.toml`` extra and the versions that work."""
+
+    extra: str
+    versions: dict[str, str]  # distribution -> the version prefix that works with the pinned ExecuTorch
+    delegate_id: str  # the backend id its programs carry (how a program's needs are found at load)
+    why: str
+
+    def missing(self) -> list[str]:
+        """Each required distribution that is absent or of a version that does not work, with what was found."""
+        found = []
+        for dist, prefix in self.versions.items():
+            try:
+                version = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                found.append(f"{dist} (not installed)")
+                continue
+            if not version.startswith(prefix):
+                found.append(f"{dist} {version} (needs {prefix}x)")
+        return found
+
+    def check(self, backend: str) -> None:
+        missing = self.missing()
+        if missing:
+            raise UserError(
+                f"backend={backend} needs {listed(missing)}: {self.why}. Install the extra: "
+                f"pip install -e \".[{self.extra}]\" (from the checkout). Nothing was exported.")
+
+
+EXTRAS: dict[str, BackendExtra] = {
+    "openvino": BackendExtra(
+        "openvino", {"openvino": "2025.", "nncf": "3."}, "OpenvinoBackend",
+        "ExecuTorch 1.5.1's OpenVINO runtime is built against the 2025 C API (openvino 2026 crashes when a "
+        "method runs), and its partitioner's package imports nncf"),
+}
+
+
+def _openvino_precision(options: dict[str, Any]) -> str:
+    import openvino as ov
+
+    hint = ov.Core().get_property(str(options.get("device", "CPU")), "INFERENCE_PRECISION_HINT")
+    return {ov.Type.f32: "fp32", ov.Type.f16: "fp16", ov.Type.bf16: "bf16"}[hint]
+
+
+# Backends whose device chooses the precision it computes in when a program is loaded (whatever the program's
+# dtype), and how to read that choice on this host. OpenVINO's CPU plugin computes in bf16 on CPUs with AMX or
+# AVX512-BF16 (fp32 elsewhere, f16 on its GPUs); a compiled blob does not keep the compile-time
+# INFERENCE_PRECISION_HINT (ExecuTorch's runtime imports it with the device's defaults).
+RUNTIME_PRECISION: dict[str, Callable[[dict[str, Any]], str]] = {"openvino": _openvino_precision}
+
+
+def runtime_precision(backend: BackendConfig) -> DType | None:
+    """The dtype the delegate computes in on this host when the device picks it, else None (the program's)."""
+    from exporters.config import DType
+
+    read = RUNTIME_PRECISION.get(backend.partitioner)
+    return DType(read(dict(backend.options))) if read and backend.runs_here else None
+
+
+def check_loadable(path: Any, error: Exception) -> None:
+    """After a method of ``path`` failed to load: if a delegate it uses lacks its packages, say which and how to
+    install them (the runtime itself reports only an error code)."""
+    from exporters.program.contents import delegate_ids
+
+    used = delegate_ids(path)
+    for name, extra in EXTRAS.items():
+        missing = extra.missing() if extra.delegate_id in used else []
+        if missing:
+            raise UserError(
+                f"{path} runs on {extra.delegate_id}, which needs {listed(missing)} in this environment: "
+                f"{extra.why}. Install the extra: pip install -e \".[{extra.extra}]\" (from the checkout); "
+                f"ExecuTorch said: {error}") from error
+
+
 def partitioners(name: str, options: dict[str, Any]) -> list[Any]:
     return PARTITIONERS[name](dict(options))
 
@@ -77,6 +179,8 @@ def partitioners(name: str, options: dict[str, Any]) -> list[Any]:
 def check_backend(backend: BackendConfig, bench: bool | None) -> None:
     """The option file names a known partitioner, and a bench is asked for only where the delegate runs."""
     check_choice("backend.partitioner", backend.partitioner, sorted(PARTITIONERS), "Fix the backend option file.")
+    if backend.partitioner in EXTRAS:
+        EXTRAS[backend.partitioner].check(backend.name)
     if bench and not backend.runs_here:
         raise UserError(
             f"bench=true: backend={backend.name}'s delegate cannot run on this host, so its speed cannot be measured "

@@ -39,3 +39,8 @@ def storage_breakdown(path: Path) -> dict[str, int]:
 def data_file_entries(path: Path) -> int:
     """Named tensors in a ``.ptd`` (a weight several methods use is one entry)."""
     return len(read_data_file_header(path).named_data)
+
+
+def delegate_ids(path: Path) -> set[str]:
+    """The backends a program's methods delegate to (``XnnpackBackend``, ``OpenvinoBackend``, ...)."""
+    return {delegate.id for plan in read_program_header(path).execution_plan for delegate in plan.delegates}

@@ -37,7 +37,8 @@ class StockRunner:
                                  f"it needs a method named {' or '.join(self.prompt_methods)} and stops with an error")
         if not dynamic:  # enable_dynamic_shape=false: it feeds the prompt one token at a time
             return RunnerOutcome(self.release, prompt, prompt, "fails",
-                                 f"it feeds {prompt} one token at a time, and {prompt} takes a fixed chunk")
+                                 f"it feeds {prompt} one token at a time, and {prompt} takes a fixed chunk",
+                                 fix=FIXED_SHAPES_FIX)
         step = self.decode_method if self.decode_method in methods else prompt
         if step != prompt and not self.shares_kv_cache:
             return RunnerOutcome(self.release, prompt, step, "wrong text",
@@ -48,6 +49,11 @@ class StockRunner:
                              f"it runs the prompt through {prompt} and the new tokens through {step}")
 
 
+FIXED_SHAPES_FIX = ("The stock runners need a prompt method of any length, which this backend does not export: run the "
+                    "program with exporters.generate, or an app that feeds prompts in chunks of export.prefill_chunk "
+                    "tokens and shares memory arenas between methods")
+
+
 @dataclass(frozen=True)
 class RunnerOutcome:
     release: str
@@ -55,6 +61,7 @@ class RunnerOutcome:
     step_method: str | None
     result: str  # "correct", "wrong text" or "fails"
     why: str
+    fix: str = "export.layout=stock (with forward in export.methods) makes a program every stock runner runs correctly"
 
     @property
     def correct(self) -> bool:
@@ -148,6 +155,7 @@ def layout_manifest(layout: Layout, methods: dict[str, str], prompt: str, step: 
                   "share_memory_arenas=true; Python: executorch.runtime)") if prompt != step else
                  "one method holds the KV cache",
         stock_runners={o.release: RunnerEntry(result=o.result, prompt_method=o.prompt_method,
-                                                token_method=o.step_method, why=o.why)
+                                                token_method=o.step_method, why=o.why,
+                                                fix="" if o.correct else o.fix)
                        for o in layout.runner_outcomes(by_kind, dynamic)},
     )

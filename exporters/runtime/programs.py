@@ -62,7 +62,13 @@ class LoadedProgram:
         for method in methods:
             if method not in self._methods:
                 use_xnnpack_weight_cache(self.weight_cache)
-                self._methods[method] = self._program.load_method(method)
+                try:
+                    self._methods[method] = self._program.load_method(method)
+                except RuntimeError as error:
+                    from exporters.program.backends import check_loadable
+
+                    check_loadable(self.path, error)
+                    raise
 
     def run(self, method: str, *inputs: torch.Tensor) -> list[Any]:
         self.load(method)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exporters.config import QuantConfig
+from exporters.config import DType, QuantConfig, quant_option
 from exporters.manifest import Checked, ValidationReport
 from exporters.program.methods import MethodSpec
 from exporters.runtime.driver import Driver, MethodRoles
@@ -38,8 +38,18 @@ class Tolerance:
     max_ppl_drift: float
 
     @staticmethod
-    def of(quant: QuantConfig) -> "Tolerance":
-        return Tolerance(quant.max_kl, quant.min_top1, quant.max_ppl_drift)
+    def of(quant: QuantConfig, runs_in: DType | None = None) -> "Tolerance":
+        """``quant``'s tolerance; where the delegate computes in a coarser dtype than the program's (``runs_in``,
+        its device's choice), the looser of it and the tolerance calibrated for that dtype (``conf/quant/<dtype>``)."""
+        own = Tolerance(quant.max_kl, quant.min_top1, quant.max_ppl_drift)
+        if runs_in is None or MANTISSA_BITS[runs_in] >= MANTISSA_BITS[quant.dtype]:
+            return own
+        floor = quant_option(str(runs_in))
+        return Tolerance(max(own.max_kl, floor.max_kl), min(own.min_top1, floor.min_top1),
+                         max(own.max_ppl_drift, floor.max_ppl_drift))
+
+
+MANTISSA_BITS: dict[DType, int] = {DType.fp32: 23, DType.fp16: 10, DType.bf16: 7}
 
 
 @dataclass(frozen=True)
@@ -131,7 +141,7 @@ def judge(scores: Scores, forward_kl: float | None, t: Tolerance) -> list[str]:
 
 
 def report(scores: Scores, failures: list[str], forward_kl: float | None, roles: MethodRoles, checked: Checked,
-           baseline: BaselineQuality, t: Tolerance) -> ValidationReport:
+           baseline: BaselineQuality, t: Tolerance, runs_in: DType | None = None) -> ValidationReport:
     text, total = baseline.text, scores.agreement
     return ValidationReport(
         passed=not failures,
@@ -155,6 +165,7 @@ def report(scores: Scores, failures: list[str], forward_kl: float | None, roles:
         baseline_dtype=baseline.dtype,
         forward_kl=forward_kl,
         tolerance={"max_kl": t.max_kl, "min_top1": t.min_top1, "max_ppl_drift": t.max_ppl_drift},
+        runs_in=str(runs_in) if runs_in is not None else None,
         per_window=scores.per_window,
     )
 
@@ -163,8 +174,10 @@ class ValidateStage(Stage):
     name = "validate"
     after = ("baseline", "emit")
 
-    def __init__(self, tolerance: Tolerance, runs_here: bool = True) -> None:
-        self.tolerance = tolerance
+    def __init__(self, quant: QuantConfig, runs_here: bool = True, runs_in: DType | None = None) -> None:
+        """``runs_in``: the dtype the delegate computes in on this host when its device picks it (else None)."""
+        self.runs_in = runs_in if runs_in is not None and MANTISSA_BITS[runs_in] < MANTISSA_BITS[quant.dtype] else None
+        self.tolerance = Tolerance.of(quant, self.runs_in)
         self.runs_here = runs_here
 
     def run(self, written: WrittenProgram, ctx: ExportContext) -> WrittenProgram:
@@ -181,7 +194,8 @@ class ValidateStage(Stage):
         found = predictions(written.model, program, roles, specs, ctx.baseline.text)
         scores = Scores.of(found, ctx.baseline.text)
         failures = judge(scores, found.forward_kl, self.tolerance)
-        ctx.validation = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, self.tolerance)
+        ctx.validation = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, self.tolerance,
+                                self.runs_in)
         return written  # unchanged: the verdict is a fact for finalize, in the context
 
     def describe(self, written: WrittenProgram, ctx: ExportContext) -> str:
