@@ -120,6 +120,10 @@ class ModelConfig:
     random_init: bool = False
     seed: int = 0
     arch: ArchOverrides = field(default_factory=ArchOverrides)
+    # LoRA adapters as PEFT saves them (a folder with adapter_config.json + adapter_model.safetensors), by name:
+    # model.adapters={chat: /path/a, summary: /path/b}. Each adds the base's methods with the adapter applied,
+    # named <name>_<method> (chat_prefill, chat_decode_one_token, ...), over the same stored base weights.
+    adapters: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from exporters.stages.quantize import QuantizeStage
 from exporters.stages.validate import ValidateStage
 from exporters.sweeps.summary import check_search
 from models.families import check_family
+from models.lora import check_adapter_folders
 
 log = logging.getLogger("exporters")
 
@@ -42,6 +43,7 @@ log = logging.getLogger("exporters")
 def check_config(cfg: ExportConfig) -> None:
     """Every rule that spans fields or needs a registry, each checked by the module that owns those keys."""
     check_family(cfg.model.family)
+    check_adapter_folders(cfg.model.adapters)
     check_backend(cfg.backend, cfg.bench)
     check_quant(cfg.quant, cfg.backend)
     check_methods(cfg.export, cfg.backend)

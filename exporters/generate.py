@@ -22,6 +22,7 @@ USAGE = """usage: python -m exporters.generate <run folder or .pte> prompt="..."
 
 keys: prompt (required), max_new_tokens=128, temperature=0.0 (greedy), top_p=1.0, seed=0,
       chat=false (apply tokenizer_config.json's chat template), tokenizer=<tokenizer.json>,
+      adapter=<name> (a LoRA adapter exported with model.adapters; unset: the base model),
       verbose=false (true: the runtime's own log lines too)
 """
 
@@ -35,6 +36,7 @@ class GenerateArgs:
     seed: int = 0
     chat: bool = False
     tokenizer: Optional[str] = None
+    adapter: Optional[str] = None
     verbose: bool = False
 
 
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.verbose:
             warnings.simplefilter("ignore")
         with console.native_stderr_to(None):  # the runtime's log lines; the text goes to stdout
-            generator = Generator(path, args.tokenizer)
+            generator = Generator(path, args.tokenizer, args.adapter)
             prompt = chat_prompt(generator.pte, args.prompt) if args.chat else args.prompt
             ids = generator.encode(prompt)
             generator.check_fits(ids)
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     data = generator.program.data_path
-    loaded = generator.pte.name + (f" + {data.name}" if data else "")
+    loaded = generator.pte.name + (f" + {data.name}" if data else "") + (
+        f", adapter {args.adapter}" if args.adapter else "")
     print(f"\n\n[loaded {loaded} in {generator.load_seconds:.2f} s; "
           f"prompt {len(result.prompt_ids)} tokens at {result.prompt_tokens_per_s:.1f} tok/s; "
           f"generated {len(result.new_ids)} tokens at {result.generation_tokens_per_s:.1f} tok/s; "

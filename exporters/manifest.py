@@ -243,6 +243,22 @@ class BenchResult(Speed):
 
 
 @dataclass
+class AdapterEntry:
+    """One LoRA adapter (``model.adapters``): where it came from, what it changes, its methods and its quality."""
+
+    folder: str
+    weights_sha256: str  # of its adapter_model.safetensors
+    rank: list[int]  # the ranks of its layers (one value unless rank_pattern varies it)
+    lora_alpha: float
+    use_rslora: bool
+    layers: int  # linear layers it changes
+    targets: list[str]  # which kinds of layer (q_proj, v_proj, ...)
+    dtype: str  # what its A and B matrices are stored in
+    methods: dict[str, str]  # base method -> this adapter's method (prefill -> chat_prefill)
+    validation: ValidationReport | None = None  # its methods against the eager model with it applied
+
+
+@dataclass
 class Manifest:
     status: Status
     program: ProgramFile
@@ -260,6 +276,7 @@ class Manifest:
     bench: BenchResult | None = None  # None unless the bench stage ran
     data: DataFile | None = None  # the weights' file with export.weights=external; None: they are in the program
     runtime: RuntimeNeeds | None = None  # what a runtime needs to load the program as measured
+    adapters: dict[str, AdapterEntry] = field(default_factory=dict)  # model.adapters, by name
     version: int = MANIFEST_VERSION
 
     @property
@@ -270,7 +287,17 @@ class Manifest:
         data = asdict(self)
         if self.validation is not None:  # the one line people choose a scheme by, readable without code
             data["validation"] = {"quality": self.validation.quality(), **data["validation"]}
+        for name, adapter in self.adapters.items():
+            if adapter.validation is not None:
+                data["adapters"][name]["validation"] = {"quality": adapter.validation.quality(),
+                                                        **data["adapters"][name]["validation"]}
         return data
+
+    @property
+    def passed(self) -> bool:
+        """Validation passed for the base and every adapter (True when it did not run)."""
+        reports = [self.validation, *(a.validation for a in self.adapters.values())]
+        return all(r is None or r.passed for r in reports)
 
     def write(self, path: Path) -> None:
         """Write atomically: a reader never sees half a manifest."""

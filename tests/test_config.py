@@ -23,14 +23,14 @@ GROUPS = {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for g
 def test_groups_have_the_required_options() -> None:
     assert {"tiny", "llama"} <= set(GROUPS["model"])
     assert {"fp32", "fp16", "bf16", "8da4w", "8da8w"} <= set(GROUPS["quant"])
-    assert {"portable", "xnnpack", "coreml", "vulkan"} <= set(GROUPS["backend"])
+    assert {"portable", "xnnpack", "coreml", "vulkan", "openvino"} <= set(GROUPS["backend"])
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_against_the_schema(group: str, option: str) -> None:
     backend = "backend=coreml" if option in ("4w", "8w") else "backend=xnnpack"
     extra = [backend] if group == "quant" else []
-    if "backend=coreml" in extra or option in ("coreml", "vulkan"):  # static shapes: no stock runner runs them
+    if "backend=coreml" in extra or option in ("coreml", "vulkan", "openvino"):  # static shapes: no stock runner runs them
         extra.append("export.layout=split")
     cfg = compose_config(f"{group}={option}", *extra)
     assert getattr(cfg, group).name == option, "each option file names itself"

@@ -1,4 +1,4 @@
-"""Every quant scheme on every backend that can run here, plus Core ML and Vulkan lowering.
+"""Every quant scheme on every backend that can run here (XNNPACK, portable, OpenVINO), plus Core ML and Vulkan lowering.
 
 Each runnable export is run in the ExecuTorch runtime for a prompt and 16 greedy decode steps and
 compared with the eager model quantized the same way, rebuilt independently of the pipeline.
@@ -20,6 +20,8 @@ RUNNABLE = [
     ("xnnpack", "8da4w", "quant.group_size=64", "quant.lm_head=8da8w", "quant.lm_head_group_size=0"),
     ("portable", "fp32"), ("portable", "fp16"), ("portable", "bf16"), ("portable", "fp32", "quant.embedding=4w"),
     ("portable", "fp32", "quant.embedding=8w", "quant.embedding_group_size=0"),
+    # Fixed prompt length: prefill takes export.prefill_chunk tokens, the prompt below.
+    ("openvino", "fp32", "export.prefill_chunk=12"), ("openvino", "fp16", "export.prefill_chunk=12"),
 ]
 PROMPT_LEN, DECODE_STEPS = 12, 16
 OTHER_TEXT = ("People who build apps for phones want a language model that answers quickly, fits in memory and "

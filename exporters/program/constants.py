@@ -1,17 +1,18 @@
 """The constant methods of a program: what ExecuTorch's LLM runner reads (``get_max_seq_len``, ``get_eos_ids``,
-...), and our own for custom runners (``get_<method>_max_tokens``)."""
+...), and our own for custom runners (``get_<method>_max_tokens``, ``get_adapters``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from exporters.program.adapters import ADAPTERS_CONSTANT
 from exporters.program.methods import MethodSpec
 from models.checkpoint import Checkpoint
 from models.decoder import DecoderArgs
 
 
 def constant_methods(args: DecoderArgs, checkpoint: Checkpoint, specs: dict[str, MethodSpec], max_seq_len: int,
-                     dynamic_shapes: bool) -> dict[str, Any]:
+                     dynamic_shapes: bool, adapters: list[str] | None = None) -> dict[str, Any]:
     values: dict[str, Any] = {
         "get_max_seq_len": max_seq_len,
         "get_max_context_len": max_seq_len,
@@ -26,4 +27,6 @@ def constant_methods(args: DecoderArgs, checkpoint: Checkpoint, specs: dict[str,
         values["get_eos_ids"] = list(checkpoint.eos_ids)
     for name, spec in specs.items():
         values[f"get_{name}_max_tokens"] = spec.max_tokens
+    if adapters:  # the adapters' names, so a runner finds <adapter>_<method> from the program alone
+        values[ADAPTERS_CONSTANT] = ",".join(adapters)
     return values

@@ -160,6 +160,11 @@ PACKED_ONCE = {
         "its own copy: bench.rss_after_load_mb (cache on) against bench.rss_after_load_without_weight_cache_mb "
         "(off), when the bench ran. Our tools turn it on."),
     "portable": "Nothing: the portable kernels read the weights where they are stored, once for all methods.",
+    "openvino": (
+        "Never shared: each method's OpenVINO blob holds its own copy of the weights (in the file and in memory). "
+        "The runtime needs ExecuTorch's OpenVINO backend and openvino 2025.x's libopenvino_c.so (found from the "
+        "openvino Python package, or OPENVINO_LIB_PATH); the device picks the precision it computes in (bf16 on "
+        "CPUs with AMX or AVX512-BF16)."),
 }
 
 

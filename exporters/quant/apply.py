@@ -19,6 +19,7 @@ from exporters.quant.hqq import hqq_by_rows
 from exporters.quant.schemes import (DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, QPARAMS, TorchaoConfigFactory,
                                      describe_choice, layer_scheme)
 from models.decoder import CausalLM
+from models.lora import is_adapter_module
 
 log = logging.getLogger("exporters")
 
@@ -93,7 +94,9 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
     if plan is tied.TiedEmbedding.UNTIED:  # one matrix cannot be stored two ways at once
         head.weight = nn.Parameter(embed.weight.detach().clone())
         applied.notes.append(tied.note(plan, cfg))  # type: ignore[arg-type]
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    # LoRA adapters' A and B stay in the model's dtype (models.lora): small, and what PEFT computes with.
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and m is not head and not is_adapter_module(n)}
     # Linears first: each one's fp32 weight is freed as it is quantized, so the embedding (the largest single
     # matrix, whose HQQ pass holds about four fp32 copies of it at once) is quantized beside int8 linears
     # rather than the whole fp32 model (the stage's peak on a 1B model, docs/DESIGN.md 2c).

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from exporters.errors import UserError
+from exporters.program.adapters import ADAPTERS_CONSTANT, split_method
 from exporters.program.layouts import KIND_OF_NAME
 from exporters.program.methods import MethodShape
 
@@ -48,20 +49,30 @@ class MethodRoles:
         return MethodRoles(name, self.step, shape.max_tokens, shape.min_tokens == shape.max_tokens > 1)
 
 
-def program_method_shapes(program: Any) -> dict[str, MethodShape]:
-    """The LLM methods of a loaded program (``exporters.runtime.programs.LoadedProgram``), read from its constants."""
+def program_method_shapes(program: Any, adapter: str | None = None) -> dict[str, MethodShape]:
+    """The LLM methods of a loaded program (``exporters.runtime.programs.LoadedProgram``), read from its constants:
+    the base's, or with ``adapter`` that adapter's (``<adapter>_prefill``, ...)."""
     names = program.method_names
     dynamic = bool(program.constant("enable_dynamic_shape")) if "enable_dynamic_shape" in names else True
     context = int(program.constant("get_max_seq_len"))
     shapes = {}
-    for name in names & KIND_OF_NAME.keys():
-        kind = KIND_OF_NAME[name]
+    for name in names:
+        owner, base = split_method(name, KIND_OF_NAME)
+        if owner != adapter or base not in KIND_OF_NAME:
+            continue
+        kind = KIND_OF_NAME[base]
         key = f"get_{name}_max_tokens"
         max_tokens = int(program.constant(key)) if key in names else (1 if kind == "decode" else context - 1)
         shapes[name] = MethodShape(kind, 1 if kind == "decode" or dynamic else max_tokens, max_tokens)
+    where = getattr(program, "path", "the program")
+    if not shapes and adapter is not None:
+        known = str(program.constant(ADAPTERS_CONSTANT)) if ADAPTERS_CONSTANT in names else ""
+        raise UserError(f"{where} has no adapter {adapter!r}: "
+                        + (f"its adapters are {known.replace(',', ', ')}." if known else "it was exported without "
+                           "adapters (model.adapters).") + " Leave adapter unset for the base model.")
     if not shapes:
         raise UserError(
-            f"{getattr(program, 'path', 'the program')} has none of the methods "
+            f"{where} has none of the methods "
             f"{', '.join(sorted(KIND_OF_NAME))}: it is not an LLM program this tool can drive."
         )
     return shapes
@@ -75,8 +86,9 @@ class Driver:
         self.roles = roles
 
     @staticmethod
-    def of(program: Any) -> "Driver":
-        return Driver(program, MethodRoles.choose(program_method_shapes(program)))
+    def of(program: Any, adapter: str | None = None) -> "Driver":
+        """The program's base methods, or with ``adapter`` that adapter's."""
+        return Driver(program, MethodRoles.choose(program_method_shapes(program, adapter)))
 
     def load(self) -> None:
         """Load the prompt and step methods now, so that no timed call pays for loading them."""

@@ -124,7 +124,8 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
 class Generator:
     """A loaded program plus its metadata; ``generate`` may be called repeatedly (the cache is rewritten)."""
 
-    def __init__(self, pte: str | Path, tokenizer: str | None = None) -> None:
+    def __init__(self, pte: str | Path, tokenizer: str | None = None, adapter: str | None = None) -> None:
+        """``adapter``: generate with that LoRA adapter's methods (``model.adapters`` at export); None: the base."""
         start = time.perf_counter()
         self.pte = resolve_program(pte)
         self.program = LoadedProgram(self.pte)
@@ -134,7 +135,8 @@ class Generator:
         self.bos_id = self.program.constant("get_bos_id") if "get_bos_id" in names else None
         eos = self.program.constant("get_eos_ids") if "get_eos_ids" in names else []
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-        self.driver = Driver.of(self.program)
+        self.adapter = adapter
+        self.driver = Driver.of(self.program, adapter)
         # Loaded now (XNNPACK packs each method's weights at load), so the rates measure running alone.
         self.driver.load()
         self.load_seconds = time.perf_counter() - start

@@ -8,7 +8,7 @@ where the runtime cannot execute the delegate). What is no longer needed is not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,15 @@ class BaselineQuality:
     text: TextWindows
     nll: float
     dtype: str  # the checkpoint's dtype it ran in (fp32, or bf16 for a bf16 checkpoint)
+    adapter_nll: dict[str, float] = field(default_factory=dict)  # the unquantized base with each adapter applied
 
     @property
     def perplexity(self) -> float:
         return perplexity(self.nll, self.text.scored_tokens)
+
+    def perplexity_of(self, adapter: str | None) -> float:
+        """The unquantized model's perplexity with ``adapter`` applied (None: the base)."""
+        return self.perplexity if adapter is None else perplexity(self.adapter_nll[adapter], self.text.scored_tokens)
 
     def summary(self) -> str:
         return (f"unquantized {self.dtype} perplexity {self.perplexity:.2f} on {self.text.scored_tokens} tokens of "
@@ -58,10 +63,23 @@ class ProgramMethods:
     # Methods that compute exactly what another one does (forward and prefill): captured and lowered once,
     # emitted under both names. method name -> the captured method it shares.
     aliases: dict[str, str]
+    # method name -> the adapter it applies (None: the base model); absent names are base methods.
+    adapter_of: dict[str, str | None] = field(default_factory=dict)
+
+    def of_adapter(self, adapter: str | None) -> dict[str, MethodSpec]:
+        """The specs of the methods that compute with ``adapter`` (None: the base)."""
+        return {n: s for n, s in self.specs.items() if self.adapter_of.get(n) == adapter}
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(dict.fromkeys(a for a in self.adapter_of.values() if a is not None))
 
     def summary(self) -> str:
-        return ", ".join(f"{n}{'(dynamic)' if s.dynamic else ''}{f' = {self.aliases[n]}' if n in self.aliases else ''}"
-                         for n, s in self.specs.items())
+        base = ", ".join(f"{n}{'(dynamic)' if s.dynamic else ''}{f' = {self.aliases[n]}' if n in self.aliases else ''}"
+                         for n, s in self.of_adapter(None).items())
+        adapters = self.adapters
+        return base + (f"; the same for adapter(s) {', '.join(adapters)} ({len(self.specs) - len(self.of_adapter(None))} "
+                       "methods)" if adapters else "")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from exporters.quant.schemes import DTYPES
 from exporters.runtime.quality import full_sequence, make_windows, read_text, text_ids, window_logits
 from exporters.stages.artifacts import BaselineQuality, EagerModel
 from exporters.stages.pipeline import ExportContext, Stage
+from models.lora import active_adapter
 from models.tiny import CORPUS
 
 
@@ -49,11 +50,16 @@ class BaselineStage(Stage):
         ids = text_ids(ctx.checkpoint, model.args.vocab_size, text)
         windows = make_windows(ids, ctx.checkpoint.bos_id, model.args.max_context_len, self.prompt_tokens,
                                self.cfg.max_tokens, source)
-        logits = window_logits(full_sequence(model), windows)
-        model.reset_cache()
+        nll = {}
+        for adapter in [None, *(a.name for a in ctx.adapters)]:  # the base, then each adapter applied to it
+            with active_adapter(model, adapter):
+                logits = window_logits(full_sequence(model), windows)
+            model.reset_cache()
+            nll[adapter] = windows.nll(logits)
         dtype = model.lm_head.weight.dtype
         dtype_name = next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
-        ctx.baseline = BaselineQuality(text=windows, nll=windows.nll(logits), dtype=dtype_name)
+        ctx.baseline = BaselineQuality(text=windows, nll=nll.pop(None), dtype=dtype_name,
+                                       adapter_nll={name: value for name, value in nll.items() if name is not None})
         return loaded
 
     def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:

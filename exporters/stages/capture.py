@@ -1,7 +1,9 @@
 """Capture: one ``torch.export`` per method over the same module (same weights, same KV-cache buffers).
 
 Each method is captured separately: ``to_edge_transform_and_lower`` rewrites the programs it is given,
-so one ExportedProgram must not appear under two names (docs/DESIGN.md).
+so one ExportedProgram must not appear under two names (docs/DESIGN.md). Each adapter's methods
+(``exporters.program.adapters``) are captured from the same module with that adapter active, so they read
+the very same base weight tensors and the backend stores those once.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from typing import Any
 import torch
 
 from exporters.manifest import Signature, TensorSpec
+from exporters.program.adapters import adapter_method
 from exporters.program.layouts import Layout
 from exporters.program.methods import MethodSpec, method_specs
 from exporters.quant.activations import share_activation_quantization
 from exporters.stages.artifacts import CapturedMethods, EagerModel, ProgramMethods
 from exporters.stages.pipeline import ExportContext, Stage
+from models.lora import active_adapter
 
 
 def _tensor_spec(value: Any, name: str, dim_name: str) -> TensorSpec:
@@ -35,8 +39,9 @@ def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens
                      outputs=[_tensor_spec(o.meta["val"], f"output_{i}", dim_name) for i, o in enumerate(user_outputs)])
 
 
-def same_graph_aliases(specs: dict[str, MethodSpec]) -> dict[str, str]:
-    """Methods whose graph is another's (same inputs, same token bounds: prefill and forward) -> that method.
+def same_graph_aliases(specs: dict[str, MethodSpec], adapter_of: dict[str, str | None] | None = None) -> dict[str, str]:
+    """Methods whose graph is another's (same adapter, same inputs, same token bounds: prefill and forward) ->
+    that method.
 
     Such a method is captured and lowered once and emitted under both names: lowering is most of an
     export's time, and the emitter stores the identical delegate blobs and weights once anyway.
@@ -44,7 +49,7 @@ def same_graph_aliases(specs: dict[str, MethodSpec]) -> dict[str, str]:
     first: dict[tuple[Any, ...], str] = {}
     aliases = {}
     for name, spec in specs.items():
-        key = (spec.min_tokens, spec.max_tokens, spec.dynamic)
+        key = ((adapter_of or {}).get(name), spec.min_tokens, spec.max_tokens, spec.dynamic)
         if key in first:
             aliases[name] = first[key]
         else:
@@ -68,15 +73,21 @@ class CaptureStage(Stage):
         self.prefill_chunk = prefill_chunk
 
     def run(self, quantized: EagerModel, ctx: ExportContext) -> CapturedMethods:
-        specs = method_specs(self.methods, self.layout, self.max_seq_len, self.dynamic_shapes, self.prefill_chunk)
-        aliases = same_graph_aliases(specs)
+        base = method_specs(self.methods, self.layout, self.max_seq_len, self.dynamic_shapes, self.prefill_chunk)
+        specs, adapter_of = dict(base), dict.fromkeys(base)
+        for adapter in ctx.adapters:
+            for name, spec in base.items():
+                specs[adapter_method(adapter.name, name)] = spec
+                adapter_of[adapter_method(adapter.name, name)] = adapter.name
+        aliases = same_graph_aliases(specs, adapter_of)
         model = quantized.model
 
+        def capture(name: str, spec: MethodSpec) -> torch.export.ExportedProgram:
+            with torch.no_grad(), active_adapter(model, adapter_of[name]):
+                return torch.export.export(model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, strict=False)
+
         def capture_all() -> dict[str, torch.export.ExportedProgram]:
-            with torch.no_grad():
-                return {name: torch.export.export(model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes,
-                                                  strict=False)
-                        for name, spec in specs.items() if name not in aliases}
+            return {name: capture(name, spec) for name, spec in specs.items() if name not in aliases}
 
         programs = capture_all()
         for program in programs.values():
@@ -87,5 +98,5 @@ class CaptureStage(Stage):
             signatures[alias] = signatures[source]
             if undelegated is not None:
                 undelegated[alias] = undelegated[source]
-        return CapturedMethods(model=model, methods=ProgramMethods(specs, signatures, aliases), programs=programs,
-                               undelegated=undelegated)
+        return CapturedMethods(model=model, methods=ProgramMethods(specs, signatures, aliases, adapter_of),
+                               programs=programs, undelegated=undelegated)

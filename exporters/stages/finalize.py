@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from exporters.errors import ValidationFailed
-from exporters.manifest import MANIFEST_FILE, Manifest, MethodEntry, ModelEntry, ProgramFile, Resources
+from exporters.manifest import (MANIFEST_FILE, AdapterEntry, Manifest, MethodEntry, ModelEntry, ProgramFile,
+                                Resources)
+from exporters.program.adapters import split_method
+from exporters.program.files import sha256_of
 from exporters.program.layouts import Layout, layout_manifest
 from exporters.program.weights import data_path_for, runtime_needs
 from exporters.runtime.driver import MethodRoles
@@ -19,6 +22,7 @@ from exporters.runtime.memory import peak_rss_mb
 from exporters.stages.artifacts import ExportResult, WrittenProgram
 from exporters.stages.pipeline import ExportContext, Stage
 from models.families import family_of_config
+from models.lora import WEIGHTS_FILE
 
 PACKAGES = ("torch", "executorch", "torchao", "transformers", "hydra-core", "tokenizers", "safetensors")
 
@@ -31,6 +35,24 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
+
+
+def adapter_entries(ctx: ExportContext, written: WrittenProgram) -> dict[str, AdapterEntry]:
+    """The manifest's entry of each adapter: its folder and weights, what it changes, its methods, its validation."""
+    entries = {}
+    for adapter in ctx.adapters:
+        base = written.methods.of_adapter(None)
+        methods = {split_method(n, base)[1]: n for n in written.methods.of_adapter(adapter.name)}
+        first = next(m for n, m in written.model.named_modules() if n.endswith(f"lora_A.{adapter.name}"))
+        entries[adapter.name] = AdapterEntry(
+            folder=str(adapter.folder), weights_sha256=sha256_of(adapter.folder / WEIGHTS_FILE),
+            rank=sorted({r for r, _ in adapter.modules.values()}), lora_alpha=adapter.config.lora_alpha,
+            use_rslora=bool(adapter.config.use_rslora), layers=len(adapter.modules),
+            targets=sorted({path.rsplit(".", 1)[-1] for path in adapter.modules}),
+            dtype=str(first.weight.dtype).removeprefix("torch."),
+            methods=methods,
+            validation=ctx.adapter_validation.get(adapter.name))
+    return entries
 
 
 def rejected_path(final: Path) -> Path:
@@ -47,10 +69,12 @@ class FinalizeStage(Stage):
     def run(self, written: WrittenProgram, ctx: ExportContext) -> ExportResult:
         report, ckpt, model = ctx.validation, ctx.checkpoint, written.model
         assert ckpt is not None and ctx.quantization is not None
-        specs = written.methods.specs
+        specs, base = written.methods.specs, written.methods.of_adapter(None)
         # The config check refused method sets where nothing takes one token, so there always are roles.
-        roles = MethodRoles.choose({n: spec.shape for n, spec in specs.items()})
-        ok = report is None or report.passed
+        roles = MethodRoles.choose({n: spec.shape for n, spec in base.items()})
+        adapters = adapter_entries(ctx, written)
+        failed = [name for name, a in adapters.items() if a.validation is not None and not a.validation.passed]
+        ok = (report is None or report.passed) and not failed
         pte = written.final_path if ok else rejected_path(written.final_path)
         data, data_path = None, data_path_for(pte)
         if written.data is not None:  # the data file first: a finished-looking program always has its weights
@@ -82,9 +106,9 @@ class FinalizeStage(Stage):
                                   lowered_once_with=written.methods.aliases.get(name))
                 for name, spec in specs.items()
             },
-            layout=layout_manifest(self.layout, {name: spec.kind for name, spec in specs.items()},
+            layout=layout_manifest(self.layout, {name: spec.kind for name, spec in base.items()},
                                    roles.prompt, roles.step,
-                                   all(spec.dynamic for spec in specs.values() if spec.kind != "decode")),
+                                   all(spec.dynamic for spec in base.values() if spec.kind != "decode")),
             constant_methods=written.constant_methods,
             model=ModelEntry(checkpoint=str(ckpt.path), architecture=list(ckpt.hf_config.architectures or []),
                              family=family.name if family else None,
@@ -100,13 +124,17 @@ class FinalizeStage(Stage):
             config=ctx.resolved_config,
             data=data,
             runtime=runtime_needs(ctx.config.backend.name, pte.name, data.file if data else None),
+            adapters=adapters,
         )
         manifest_path = out_dir / MANIFEST_FILE
         manifest.write(manifest_path)
         if not ok:
             assert report is not None
+            what = report.describe() if not report.passed else ""
+            what += "".join(f"; adapter {n}'s methods: {adapters[n].validation.describe()}"  # type: ignore[union-attr]
+                            for n in failed)
             raise ValidationFailed(
-                f"the exported program does not match the eager model: {report.describe()}. "
+                f"the exported program does not match the eager model: {what.removeprefix('; ')}. "
                 f"It was kept as {pte} for inspection, not as {written.final_path.name}; details per window are in "
                 f"{manifest_path}. If the difference is expected for this scheme, loosen quant.max_kl, quant.min_top1 "
                 "or quant.max_ppl_drift; validate=false skips the check."

@@ -1,4 +1,8 @@
-"""Load: pick the checkpoint source, build the exportable decoder and load its weights."""
+"""Load: pick the checkpoint source, build the exportable decoder, load its weights and attach its adapters.
+
+Adapters (``model.adapters``) are read and checked against the loaded base here, the first stage, so a
+folder that does not fit fails before any long stage; PEFT attaches them (``models.lora``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from exporters.stages.artifacts import EagerModel
 from exporters.stages.pipeline import ExportContext, Stage
 from models.checkpoint import build_model
 from models.families import family_of_config
+from models.lora import attach_adapters, read_adapter
 from models.sources import SOURCES
 
 
@@ -27,9 +32,12 @@ class LoadStage(Stage):
         ctx.checkpoint = checkpoint
         model = build_model(checkpoint, self.max_seq_len, family=self.cfg.family, random_init=self.cfg.random_init,
                             seed=self.cfg.seed, attention=self.attention)
+        ctx.adapters = [read_adapter(name, folder, model) for name, folder in self.cfg.adapters.items()]
+        attach_adapters(model, ctx.adapters)
         return EagerModel(model)
 
     def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:
         assert ctx.checkpoint is not None
         family = family_of_config(ctx.checkpoint.hf_config)
-        return f"{family.name if family else 'unknown'} family, {loaded.summary()}"
+        adapters = "".join(f"; adapter {a.describe()}" for a in ctx.adapters)
+        return f"{family.name if family else 'unknown'} family, {loaded.summary()}{adapters}"

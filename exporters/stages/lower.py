@@ -76,7 +76,7 @@ class LowerStage(Stage):
         model, methods, undelegated, programs = captured.model, captured.methods, captured.undelegated, captured.programs
         del captured  # to_edge_transform_and_lower rewrites the programs: nothing may use them after it
         constants = constant_methods(model.args, ctx.checkpoint, methods.specs, self.max_seq_len,
-                                     self.cfg.dynamic_shapes)
+                                     self.cfg.dynamic_shapes, methods.adapters)
         external = self.weights == WeightsPlacement.external
         # External weights: every constant is marked for the data file before partitioning, and XNNPACK names
         # its weights by tensor rather than by content, so the program is the same bytes whatever the weights.

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from exporters.manifest import AppliedQuantization, ValidationReport
     from exporters.stages.artifacts import BaselineQuality
     from models.checkpoint import Checkpoint
+    from models.lora import LoraAdapter
 
 log = logging.getLogger("exporters")
 
@@ -48,9 +49,11 @@ class ExportContext:
     output_dir: Path
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, filled in by the pipeline
     checkpoint: Checkpoint | None = None  # load
+    adapters: list[LoraAdapter] = field(default_factory=list)  # load: model.adapters, read and attached
     baseline: BaselineQuality | None = None  # baseline (with validation only)
     quantization: AppliedQuantization | None = None  # quantize
     validation: ValidationReport | None = None  # validate (with validation only)
+    adapter_validation: dict[str, ValidationReport] = field(default_factory=dict)  # validate: one per adapter
 
 
 class Stage(ABC):

@@ -25,6 +25,7 @@ from exporters.runtime.quality import (Agreement, TextWindows, full_sequence, ne
 from exporters.stages.artifacts import BaselineQuality, WrittenProgram
 from exporters.stages.pipeline import ExportContext, Stage
 from models.decoder import CausalLM
+from models.lora import active_adapter
 
 log = logging.getLogger("exporters")
 
@@ -114,9 +115,13 @@ def forward_against_prefill(program: LoadedProgram | CapturedPrograms, roles: Me
 
 
 def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
-                specs: dict[str, MethodSpec], text: TextWindows) -> Predictions:
+                specs: dict[str, MethodSpec], text: TextWindows, adapter: str | None = None) -> Predictions:
+    """The eager model's and the program's predictions; ``adapter``: the eager side applies it (the program's
+    side is in ``roles``: that adapter's methods)."""
     with torch.no_grad():
-        eager = window_logits(full_sequence(model), text)
+        with active_adapter(model, adapter):
+            eager = window_logits(full_sequence(model), text)
+        model.reset_cache()
         driver = Driver(program, roles)
         ours = []
         for i, w in enumerate(text.windows, start=1):
@@ -141,7 +146,8 @@ def judge(scores: Scores, forward_kl: float | None, t: Tolerance) -> list[str]:
 
 
 def report(scores: Scores, failures: list[str], forward_kl: float | None, roles: MethodRoles, checked: Checked,
-           baseline: BaselineQuality, t: Tolerance, runs_in: DType | None = None) -> ValidationReport:
+           baseline: BaselineQuality, t: Tolerance, runs_in: DType | None = None,
+           adapter: str | None = None) -> ValidationReport:
     text, total = baseline.text, scores.agreement
     return ValidationReport(
         passed=not failures,
@@ -161,7 +167,7 @@ def report(scores: Scores, failures: list[str], forward_kl: float | None, roles:
         max_rel_error=total.max_rel_error,
         perplexity=scores.perplexity,
         eager_perplexity=scores.eager_perplexity,
-        baseline_perplexity=baseline.perplexity,
+        baseline_perplexity=baseline.perplexity_of(adapter),
         baseline_dtype=baseline.dtype,
         forward_kl=forward_kl,
         tolerance={"max_kl": t.max_kl, "min_top1": t.min_top1, "max_ppl_drift": t.max_ppl_drift},
@@ -182,7 +188,6 @@ class ValidateStage(Stage):
 
     def run(self, written: WrittenProgram, ctx: ExportContext) -> WrittenProgram:
         assert ctx.baseline is not None
-        specs = written.methods.specs
         if self.runs_here:
             program: LoadedProgram | CapturedPrograms = LoadedProgram(written.path, data_path=written.data_path)
             checked: Checked = "runtime"
@@ -190,14 +195,23 @@ class ValidateStage(Stage):
             assert written.undelegated is not None, "capture keeps undelegated programs for such backends"
             program = CapturedPrograms(written.undelegated, written.model.kv_cache_buffers())
             checked = "undelegated programs"
-        roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
-        found = predictions(written.model, program, roles, specs, ctx.baseline.text)
-        scores = Scores.of(found, ctx.baseline.text)
-        failures = judge(scores, found.forward_kl, self.tolerance)
-        ctx.validation = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, self.tolerance,
-                                self.runs_in)
-        return written  # unchanged: the verdict is a fact for finalize, in the context
+        methods = written.methods
+        for adapter in [None, *methods.adapters]:  # the base methods, then each adapter's
+            specs = methods.of_adapter(adapter)
+            roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
+            found = predictions(written.model, program, roles, specs, ctx.baseline.text, adapter)
+            scores = Scores.of(found, ctx.baseline.text)
+            failures = judge(scores, found.forward_kl, self.tolerance)
+            verdict = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, self.tolerance,
+                             self.runs_in, adapter)
+            if adapter is None:
+                ctx.validation = verdict
+            else:
+                ctx.adapter_validation[adapter] = verdict
+                log.info("  validate: adapter %s %s", adapter, "passed" if verdict.passed else "FAILED")
+        return written  # unchanged: the verdicts are facts for finalize, in the context
 
     def describe(self, written: WrittenProgram, ctx: ExportContext) -> str:
         assert ctx.validation is not None
-        return ctx.validation.describe()
+        return ctx.validation.describe() + "".join(f"\n  adapter {name}: {v.describe()}"
+                                                   for name, v in ctx.adapter_validation.items())

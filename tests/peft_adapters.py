@@ -1,0 +1,87 @@
+"""Real LoRA adapters: PEFT trains them for a few steps on a real base model and saves them as PEFT does.
+
+What users pass as ``model.adapters`` is a folder ``PeftModel.save_pretrained`` wrote (``adapter_config.json``
++ ``adapter_model.safetensors``). Random matrices would hide mistakes an adapter trained on text shows (a
+scale applied twice, a transposed B, an adapter applied to the wrong layer all still "change the output"), so
+tests and benchmarks train real ones here: a few AdamW steps on one text each, on CPU in seconds, until the
+adapted model prefers that text measurably more than the base does.
+
+``python -m tests.peft_adapters <base> <out>`` writes the two adapters the tests use into ``<out>``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# Two texts of different styles, so the two adapters pull the base in different directions.
+PIRATE_TEXT = (
+    "Arr, me hearties! The ship sails at dawn and the wind be fair. Hoist the sails, swab the deck, and keep "
+    "a weather eye on the horizon, for the captain says there be treasure buried on the isle beyond the reef. "
+    "Arr, the sea be wide and the rum be gone, but a pirate never turns back from gold. Arr, me hearties, arr!"
+)
+MINUTES_TEXT = (
+    "Minutes of the meeting. Present: the committee. Item one: the budget for the next quarter was approved. "
+    "Item two: the committee reviewed the schedule and agreed to move the review to Thursday. Item three: any "
+    "other business. None. The meeting was closed at five o'clock. Minutes of the meeting were approved."
+)
+
+
+@dataclass(frozen=True)
+class AdapterRecipe:
+    """How one test adapter is trained (PEFT ``LoraConfig`` fields and the text it learns)."""
+
+    text: str
+    target_modules: tuple[str, ...]
+    r: int = 8
+    lora_alpha: int = 16
+    use_rslora: bool = False
+    steps: int = 12
+    lr: float = 3e-3
+    seed: int = 0
+    extra: dict = field(default_factory=dict)  # any other LoraConfig field (rank_pattern, use_dora, ...)
+
+
+RECIPES: dict[str, AdapterRecipe] = {
+    # Attention only, PEFT's default scale alpha / r.
+    "pirate": AdapterRecipe(PIRATE_TEXT, ("q_proj", "v_proj")),
+    # Every linear layer of a decoder layer, rank-stabilised scale alpha / sqrt(r), another rank.
+    "minutes": AdapterRecipe(MINUTES_TEXT, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                             r=4, lora_alpha=8, use_rslora=True, seed=1),
+}
+
+
+def train_adapter(base: Path, out: Path, recipe: AdapterRecipe) -> Path:
+    """Train one LoRA adapter on ``base`` (a Hugging Face folder) and save it to ``out`` as PEFT does."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(recipe.seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    config = LoraConfig(r=recipe.r, lora_alpha=recipe.lora_alpha, target_modules=list(recipe.target_modules),
+                        lora_dropout=0.0, use_rslora=recipe.use_rslora, task_type="CAUSAL_LM", **recipe.extra)
+    peft_model = get_peft_model(model, config)
+    ids = torch.tensor([tokenizer(recipe.text)["input_ids"][:96]])
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=recipe.lr)
+    peft_model.train()
+    for _ in range(recipe.steps):
+        loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    peft_model.eval()
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+def train_test_adapters(base: Path, out: Path, names: tuple[str, ...] = tuple(RECIPES)) -> dict[str, Path]:
+    return {name: train_adapter(base, out / name, RECIPES[name]) for name in names}
+
+
+if __name__ == "__main__":
+    for name, folder in train_test_adapters(Path(sys.argv[1]), Path(sys.argv[2])).items():
+        print(name, folder)
