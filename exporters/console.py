@@ -67,12 +67,19 @@ def log_export_summary(result: Any) -> None:
         f"{validation.quality()} on {validation.scored_tokens} tokens of {validation.text}")
     runners = "; ".join(f"{release} {o.result.upper() if o.result != 'correct' else o.result}"
                         for release, o in m.layout.stock_runners.items())
+    adapters = "".join(
+        f"\n  adapter {name}: {', '.join(a.methods.values())}; " + (
+            "not validated" if a.validation is None else
+            f"{'passed' if a.validation.passed else 'FAILED'} (KL {a.validation.kl_mean:.2g}, top-1 agreement "
+            f"{a.validation.top1_agreement:.0%}), {a.validation.quality()}")
+        for name, a in m.adapters.items())
     log.info(
         "exported %s\n  size: %.2f MB  sha256: %s\n  methods: %s (layout %s)\n  constants: %s\n"
-        "  ExecuTorch stock runners: %s\n  validation: %s\n  quality: %s\n  export: %.0f s, peak RSS %.0f MB%s\n"
+        "  ExecuTorch stock runners: %s\n  validation: %s\n  quality: %s%s\n  export: %.0f s, peak RSS %.0f MB%s\n"
         "  manifest: %s",
         result.pte_path, m.program.size_bytes / 1e6, m.program.sha256[:16],
-        ", ".join(m.methods), m.layout.name, ", ".join(m.constant_methods), runners, verdict, quality,
+        ", ".join(n for n in m.methods if not any(n in a.methods.values() for a in m.adapters.values())),
+        m.layout.name, ", ".join(m.constant_methods), runners, verdict, quality, adapters,
         m.resources.wall_s, m.resources.peak_rss_mb,
         "" if m.bench is None else "\n  runtime: " + m.bench.describe(), result.manifest_path,
     )

@@ -22,6 +22,7 @@ from exporters.config import CONF_DIR, register_configs
 from exporters.errors import REPORTED_ERRORS
 from exporters.sweeps.job import run_sweep_job
 from exporters.sweeps.search import objective
+from models.lora import check_adapter_overrides
 
 log = logging.getLogger("exporters")
 
@@ -42,6 +43,7 @@ def run(cfg: DictConfig) -> float | None:
         return objective(row, cfg.search)
     logging.captureWarnings(True)  # warnings become records: llm.log gets them, the console filter drops them
     try:
+        check_adapter_overrides(list(hydra_cfg.overrides.task))
         with console.native_stderr_to(console.log_file()):
             result = export(cfg, output_dir)
     except REPORTED_ERRORS as e:

@@ -81,7 +81,7 @@ def check_adapter_names(names: list[str], reserved: set[str]) -> None:
             raise AdapterError(
                 f"model.adapters: the adapter name {name!r} cannot name methods: use letters and digits, starting "
                 f"with a letter{', and not ' + ', '.join(sorted(reserved)) if name in reserved else ''} "
-                "(e.g. model.adapters={chat: /path/to/adapter}). Nothing was exported.")
+                "(e.g. +model.adapters={chat: /path/to/adapter}). Nothing was exported.")
 
 
 def _read_config(name: str, folder: Path) -> Any:
@@ -127,6 +127,20 @@ def _read_weights(name: str, folder: Path) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError, ValueError) as error:
         raise _fail(name, folder, f"{WEIGHTS_FILE} cannot be read ({error})",
                     "The file is damaged or incomplete: copy or save it again.") from error
+
+
+def check_adapter_overrides(overrides: list[str]) -> None:
+    """Two adapters of one name on the command line (``+model.adapters={a: x, a: y}``): Hydra keeps the last one
+    without a word, so the command-line text itself is read."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+~") != "model.adapters":
+            continue
+        names = re.findall(r"(?:^|[{,])\s*['\"]?([^\s:'\",{}]+)['\"]?\s*:", value)
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise AdapterError(f"model.adapters names {', '.join(repeated)} more than once ({override}): each adapter "
+                               "needs its own name, which becomes its methods' prefix. Rename one. Nothing was exported.")
 
 
 def check_adapter_folders(adapters: dict[str, str]) -> None:

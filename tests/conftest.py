@@ -31,7 +31,8 @@ if _WORKERS > 1:
 
 
 # Fixtures that export a program or convert the real model: a test using one is slow (the fast tier skips it).
-SLOW_FIXTURES = {"exported", "real_exported", "default_export", "smollm2", "smollm2_truncated", "small_gguf"}
+SLOW_FIXTURES = {"exported", "real_exported", "default_export", "smollm2", "smollm2_truncated", "small_gguf",
+                 "lora_adapters"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -78,6 +79,14 @@ def smollm2_truncated(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -
     from models.smollm2 import truncated_copy
 
     return truncated_copy(smollm2, tmp_path_factory.mktemp("smollm2_truncated") / "ckpt", REAL_LAYERS)
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(smollm2_truncated: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two real LoRA adapters PEFT trained on the truncated SmolLM2 (tests/peft_adapters.py), as PEFT saved them."""
+    from tests.peft_adapters import train_test_adapters
+
+    return train_test_adapters(smollm2_truncated, tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="session")

@@ -86,6 +86,32 @@ def _runtime_needs(m: Manifest) -> str:
     return "\n\n".join(lines)
 
 
+def _adapters_text(m: Manifest) -> str:
+    """How an app switches LoRA adapters: each one's methods, and its quality."""
+    if not m.adapters:
+        return ""
+    rows = "\n".join(f"| `{name}` | " + ", ".join(f"`{n}`" for n in a.methods.values()) + f" | r={'/'.join(map(str, a.rank))}, "
+                     f"alpha {a.lora_alpha}{', rsLoRA' if a.use_rslora else ''}, {a.layers} layers ({', '.join(a.targets)}) | "
+                     + (a.validation.quality() if a.validation else "not validated") + " |"
+                     for name, a in m.adapters.items())
+    first = next(iter(m.adapters))
+    return f"""## LoRA adapters
+
+The program holds the base model's methods and, for each adapter, the same methods with the adapter applied,
+named `<adapter>_<method>`; the base weights are stored once. The constant method `get_adapters` lists them
+(`"{','.join(m.adapters)}"`). To switch adapters, call the other adapter's methods: they share the KV cache
+with every method, so start the new conversation at position 0 (a conversation continued under another
+adapter would attend to keys its adapter did not compute).
+
+| adapter | methods | what it changes | quality |
+|---|---|---|---|
+{rows}
+
+`python -m exporters.generate <this folder> prompt="..." adapter={first}` runs one from Python.
+
+"""
+
+
 def _validation_text(v: ValidationReport | None) -> str:
     if v is None:
         return "Not validated (exported with validate=false)."
@@ -124,7 +150,7 @@ context {cfg['export']['max_seq_len']} tokens.
 |---|---|
 {constants}
 
-## Validation
+{_adapters_text(m)}## Validation
 
 {_validation_text(m.validation)}
 

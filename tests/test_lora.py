@@ -1,0 +1,198 @@
+"""LoRA adapters (``model.adapters``): real PEFT adapters become methods of one program over one stored base.
+
+The adapters are trained by PEFT on the truncated real SmolLM2 (``tests/peft_adapters.py``). Our decoder with an
+adapter attached must compute what PEFT's ``PeftModel`` computes (and its merged weights); the program's adapter
+methods must match that eager model in the runtime and generate its text; a program whose adapter methods ignore
+the adapter must fail validation; every kind of bad adapter folder is refused before any long stage.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from exporters.errors import REPORTED_ERRORS, ValidationFailed
+from exporters.export import export
+from exporters.runtime.generator import Generator, SamplingConfig
+from exporters.runtime.programs import LoadedProgram
+from exporters.stages import capture
+from models.decoder import CausalLM
+from models.lora import active_adapter, attach_adapters, read_adapter
+from models.tokenizer import load_tokenizer
+from tests.helpers import compose_config
+from tests.peft_adapters import RECIPES, AdapterRecipe, train_adapter
+
+OTHER_TEXT = ("People who build apps for phones want a language model that answers quickly, fits in memory and "
+              "still writes sensible sentences.")
+PROMPT = "The ship sails at"
+
+
+def adapters_override(folders: dict[str, Path], *names: str) -> str:
+    return "+model.adapters={" + ", ".join(f"{n}: {folders[n]}" for n in names) + "}"
+
+
+def our_model(checkpoint: Path, folders: dict[str, Path], quant: str | None = None) -> CausalLM:
+    """Our decoder with the adapters attached, built apart from the pipeline (quantized like ``quant``)."""
+    from exporters.config import QuantConfig, quant_option
+    from exporters.quant.apply import quantize_model
+    from models.checkpoint import build_model, open_checkpoint
+
+    model = build_model(open_checkpoint(checkpoint), 256)
+    attach_adapters(model, [read_adapter(name, folder, model) for name, folder in folders.items()])
+    if quant is not None:
+        quantize_model(model, quant_option(quant) if isinstance(quant, str) else QuantConfig(**quant))
+    return model
+
+
+def logits_of(model: CausalLM, tokens: torch.Tensor, adapter: str | None) -> torch.Tensor:
+    with torch.no_grad(), active_adapter(model, adapter):
+        out = model(tokens, torch.tensor([0]), full_logits=True)[0].float()
+    model.reset_cache()
+    return out
+
+
+def text_tokens(checkpoint: Path) -> torch.Tensor:
+    return torch.tensor([load_tokenizer(checkpoint / "tokenizer.json").encode(OTHER_TEXT)[:24]])
+
+
+def test_our_decoder_with_an_adapter_computes_what_peft_computes(smollm2_truncated: Path, lora_adapters) -> None:  # type: ignore[no-untyped-def]
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ours = our_model(smollm2_truncated, lora_adapters)
+    tokens = text_tokens(smollm2_truncated)
+    base = logits_of(ours, tokens, None)
+    for name, folder in lora_adapters.items():
+        hf = AutoModelForCausalLM.from_pretrained(str(smollm2_truncated), dtype=torch.float32)
+        peft_model = PeftModel.from_pretrained(hf, str(folder)).eval()
+        with torch.no_grad():
+            reference = peft_model(tokens).logits[0]
+            merged = peft_model.merge_and_unload()(tokens).logits[0]
+        adapted = logits_of(ours, tokens, name)
+        assert torch.allclose(adapted, reference, atol=1e-4), (adapted - reference).abs().max()
+        assert torch.allclose(adapted, merged, atol=1e-3), (adapted - merged).abs().max()
+        # The adapter matters: its greedy choices differ from the base's somewhere in the text.
+        assert (adapted - base).abs().max() > 0.1 and (adapted.argmax(-1) != base.argmax(-1)).any()
+    pirate, minutes = (logits_of(ours, tokens, n) for n in ("pirate", "minutes"))
+    assert (pirate - minutes).abs().max() > 0.1, "the two adapters pull the base different ways"
+
+
+def test_one_program_holds_the_base_and_each_adapter_with_the_base_stored_once(real_exported, lora_adapters) -> None:  # type: ignore[no-untyped-def]
+    both = real_exported("quant=8da4w", adapters_override(lora_adapters, "pirate", "minutes"))
+    alone = real_exported("quant=8da4w")
+    m = both.manifest
+    assert m.ok and m.passed and m.validation is not None and m.validation.checked == "runtime"
+    for name in ("pirate", "minutes"):
+        entry = m.adapters[name]
+        assert entry.methods == {b: f"{name}_{b}" for b in ("prefill", "decode_one_token", "forward")}
+        assert set(entry.methods.values()) <= set(m.methods)
+        assert entry.validation is not None and entry.validation.passed and entry.validation.checked == "runtime"
+        assert entry.validation.methods["prompt"] == f"{name}_prefill" and entry.dtype == "float32"
+        # Validated against the eager model with this adapter: its unquantized perplexity is not the base's.
+        assert entry.validation.baseline_perplexity != m.validation.baseline_perplexity
+    assert m.adapters["minutes"].use_rslora and m.adapters["minutes"].layers == 14
+    assert LoadedProgram(both.pte_path).constant("get_adapters") == "pirate,minutes"
+    # The base weights are stored once: the two adapters add their own fp32 matrices and graphs, nothing more.
+    adapter_bytes = sum(t.numel() * 4 for f in lora_adapters.values()
+                        for t in load_file(str(f / "adapter_model.safetensors")).values())
+    extra_weights = (both.manifest.program.storage["named_data_bytes"] + both.manifest.program.storage["constant_buffer_bytes"]
+                     - alone.manifest.program.storage["named_data_bytes"] - alone.manifest.program.storage["constant_buffer_bytes"])
+    assert 0.9 * adapter_bytes <= extra_weights <= 1.1 * adapter_bytes
+    assert both.manifest.program.size_bytes < 1.2 * alone.manifest.program.size_bytes
+
+
+def test_each_adapters_methods_generate_the_eager_adapters_tokens(real_exported, lora_adapters, smollm2_truncated) -> None:  # type: ignore[no-untyped-def]
+    result = real_exported("quant=8da4w", adapters_override(lora_adapters, "pirate", "minutes"))
+    eager = our_model(smollm2_truncated, lora_adapters, result.manifest.config["quant"])
+    texts = {}
+    for adapter in (None, "pirate", "minutes"):
+        ours = Generator(result.pte_path, adapter=adapter).generate(PROMPT, SamplingConfig(max_new_tokens=6))
+        ids = list(ours.prompt_ids)
+        for _ in range(6):
+            ids.append(int(logits_of(eager, torch.tensor([ids]), adapter)[-1].argmax()))
+        assert ours.new_ids == ids[len(ours.prompt_ids):], adapter
+        texts[adapter] = ours.text
+    assert len(set(texts.values())) == 3, texts
+
+
+def test_adapter_methods_that_ignore_the_adapter_fail_validation(smollm2_truncated, lora_adapters, tmp_path: Path,
+                                                                 monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Negative control: capture the adapter's methods from the base (as a broken exporter would)."""
+    monkeypatch.setattr(capture, "active_adapter", lambda model, name: active_adapter(model, None))
+    cfg = compose_config("model=llama", f"model.checkpoint={smollm2_truncated}", "export.methods=[prefill,decode]",
+                         "export.layout=split", adapters_override(lora_adapters, "pirate"))
+    with pytest.raises(ValidationFailed, match=r"adapter pirate's methods: FAILED \(KL"):
+        export(cfg, tmp_path)
+    assert not (tmp_path / "model.pte").exists() and (tmp_path / "model.rejected.pte").is_file()
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["status"] == "failed validation" and manifest["validation"]["passed"]
+    assert not manifest["adapters"]["pirate"]["validation"]["passed"]
+
+
+@pytest.fixture(scope="module")
+def bad_folders(lora_adapters, tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path,
+                family_checkpoint, smollm2_truncated: Path) -> dict[str, Path]:  # type: ignore[no-untyped-def]
+    """Adapter folders that must be refused, each made the way a user could end up with it."""
+    from peft import IA3Config, LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("bad_adapters")
+    folders = {}
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_truncated), dtype=torch.float32)
+    get_peft_model(hf, IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
+                                 task_type="CAUSAL_LM")).save_pretrained(str(root / "ia3"))
+    folders["ia3"] = root / "ia3"
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_truncated), dtype=torch.float32)
+    get_peft_model(hf, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True,
+                                  task_type="CAUSAL_LM")).save_pretrained(str(root / "dora"))
+    folders["dora"] = root / "dora"
+    folders["missing"] = Path(shutil.copytree(lora_adapters["pirate"], root / "missing"))
+    (folders["missing"] / "adapter_model.safetensors").unlink()
+    folders["corrupt"] = Path(shutil.copytree(lora_adapters["pirate"], root / "corrupt"))
+    weights = folders["corrupt"] / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    recipe = AdapterRecipe(RECIPES["pirate"].text, ("q_proj", "v_proj"), steps=1)
+    folders["other_size"] = train_adapter(tiny_checkpoint, root / "other_size", recipe)  # a llama of hidden 64
+    fused = AdapterRecipe(RECIPES["pirate"].text, ("qkv_proj",), steps=1)
+    folders["other_family"] = train_adapter(family_checkpoint("phi3"), root / "other_family", fused)
+    return folders
+
+
+@pytest.mark.parametrize("case,message", [
+    ("ia3", r"model.adapters.bad=.*ia3: it is a IA3 adapter, not LoRA. Only LoRA adapters"),
+    ("dora", r"use_dora=True \(DoRA \(a learned magnitude per output\)\) is not supported.*merge_and_unload"),
+    ("missing", r"no adapter_model.safetensors. Save the adapter with safe_serialization=True"),
+    ("corrupt", r"adapter_model.safetensors cannot be read .*damaged or incomplete"),
+    ("other_size", r"its model.layers.0.self_attn.q_proj matrices are A \[8, 64\], B \[64, 8\]; this base's layer is "
+                   r"576 x 576.*trained for another base model of the same family"),
+    ("other_family", r"it targets 2 module\(s\) the base does not have, e.g. model.layers.0.self_attn.qkv_proj"),
+])
+def test_a_bad_adapter_is_refused_before_the_long_stages(bad_folders, smollm2_truncated: Path, tmp_path: Path,
+                                                         case: str, message: str) -> None:
+    cfg = compose_config("model=llama", f"model.checkpoint={smollm2_truncated}",
+                         f"+model.adapters={{bad: {bad_folders[case]}}}")
+    with pytest.raises(REPORTED_ERRORS, match=message):
+        export(cfg, tmp_path)
+    assert not list(tmp_path.glob("*.pte")) and not (tmp_path / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("+model.adapters={my-chat: /tmp}", r"the adapter name 'my-chat' cannot name methods"),
+    ("+model.adapters={chat: /no/such/folder}", r"model.adapters.chat=/no/such/folder: no such folder"),
+])
+def test_adapter_names_and_folders_are_checked_with_the_config(override: str, message: str, tmp_path: Path) -> None:
+    with pytest.raises(REPORTED_ERRORS, match=message):
+        export(compose_config(override), tmp_path)
+
+
+def test_two_adapters_of_one_name_on_the_command_line_are_refused() -> None:
+    from models.lora import AdapterError, check_adapter_overrides
+
+    with pytest.raises(AdapterError, match=r"model.adapters names chat more than once"):
+        check_adapter_overrides(["model=llama", "+model.adapters={chat: /a, summary: /b, chat: /c}"])
+    check_adapter_overrides(["+model.adapters={chat: /a, summary: /b}"])
