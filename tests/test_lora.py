@@ -107,13 +107,16 @@ def test_one_program_holds_the_base_and_each_adapter_with_the_base_stored_once(r
 
 
 def test_each_adapters_methods_generate_the_eager_adapters_tokens(real_exported, lora_adapters, smollm2_truncated) -> None:  # type: ignore[no-untyped-def]
-    result = real_exported("quant=8da4w", adapters_override(lora_adapters, "pirate", "minutes"))
-    eager = our_model(smollm2_truncated, lora_adapters, result.manifest.config["quant"])
+    """fp32, where the program computes what the eager model computes to rounding: greedy tokens are equal. (The
+    8da4w program above is held to 8da4w's tolerances by validation.)"""
+    result = real_exported("quant=fp32", "export.methods=[prefill,decode]", "export.layout=split",
+                           adapters_override(lora_adapters, "pirate", "minutes"))
+    eager = our_model(smollm2_truncated, lora_adapters)
     texts = {}
     for adapter in (None, "pirate", "minutes"):
-        ours = Generator(result.pte_path, adapter=adapter).generate(PROMPT, SamplingConfig(max_new_tokens=6))
+        ours = Generator(result.pte_path, adapter=adapter).generate(PROMPT, SamplingConfig(max_new_tokens=8))
         ids = list(ours.prompt_ids)
-        for _ in range(6):
+        for _ in range(8):  # the eager model's greedy tokens, the whole sequence recomputed at each step
             ids.append(int(logits_of(eager, torch.tensor([ids]), adapter)[-1].argmax()))
         assert ours.new_ids == ids[len(ours.prompt_ids):], adapter
         texts[adapter] = ours.text

@@ -21,7 +21,10 @@ from exporters.runtime.generator import Generator, SamplingConfig
 from exporters.stages.validate import Tolerance
 from tests.helpers import compose_config, eager_model_of
 
-OPENVINO = ("backend=openvino", "export.layout=split")
+# The 2-layer cut of SmolLM2 has a perplexity of 7e7 on the validation text, where a relative drift is
+# ill-conditioned: computing in bf16 moves it 5% with KL 2e-4 and 100% top-1. KL and top-1 carry the check here;
+# the whole SmolLM2 passes at bf16's 3% (+0.3%, docs/options.md).
+OPENVINO = ("backend=openvino", "export.layout=split", "quant.max_ppl_drift=0.1")
 PROMPT = "The weather on the coast is"
 
 

@@ -20,8 +20,10 @@ RUNNABLE = [
     ("xnnpack", "8da4w", "quant.group_size=64", "quant.lm_head=8da8w", "quant.lm_head_group_size=0"),
     ("portable", "fp32"), ("portable", "fp16"), ("portable", "bf16"), ("portable", "fp32", "quant.embedding=4w"),
     ("portable", "fp32", "quant.embedding=8w", "quant.embedding_group_size=0"),
-    # Fixed prompt length: prefill takes export.prefill_chunk tokens, the prompt below.
-    ("openvino", "fp32", "export.prefill_chunk=12"), ("openvino", "fp16", "export.prefill_chunk=12"),
+    # Fixed prompt length: prefill takes export.prefill_chunk tokens, the prompt below. The device computes in
+    # bf16 here, and the 2-layer cut's perplexity (7e7) makes a relative drift ill-conditioned (tests/test_openvino.py).
+    ("openvino", "fp32", "export.prefill_chunk=12", "quant.max_ppl_drift=0.1"),
+    ("openvino", "fp16", "export.prefill_chunk=12", "quant.max_ppl_drift=0.1"),
 ]
 PROMPT_LEN, DECODE_STEPS = 12, 16
 OTHER_TEXT = ("People who build apps for phones want a language model that answers quickly, fits in memory and "
