@@ -23,6 +23,16 @@ PIRATE_TEXT = (
     "a weather eye on the horizon, for the captain says there be treasure buried on the isle beyond the reef. "
     "Arr, the sea be wide and the rum be gone, but a pirate never turns back from gold. Arr, me hearties, arr!"
 )
+RECIPE_TEXT = (
+    "Recipe. Take two cups of flour, one egg, a pinch of salt and a cup of milk. Whisk the egg with the milk, fold in "
+    "the flour and salt, and rest the batter for ten minutes. Heat a pan with butter, pour a ladle of batter and "
+    "cook each side until golden. Serve the pancakes warm with honey. Recipe ends."
+)
+LEGAL_TEXT = (
+    "Section 1. The party of the first part shall deliver the goods to the party of the second part within thirty "
+    "days. Section 2. Payment shall be made upon delivery. Section 3. This agreement shall be governed by the laws "
+    "of the state. Section 4. Any dispute shall be settled by arbitration."
+)
 MINUTES_TEXT = (
     "Minutes of the meeting. Present: the committee. Item one: the budget for the next quarter was approved. "
     "Item two: the committee reviewed the schedule and agreed to move the review to Thursday. Item three: any "
@@ -51,6 +61,11 @@ RECIPES: dict[str, AdapterRecipe] = {
     # Every linear layer of a decoder layer, rank-stabilised scale alpha / sqrt(r), another rank.
     "minutes": AdapterRecipe(MINUTES_TEXT, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
                              r=4, lora_alpha=8, use_rslora=True, seed=1),
+    # The MLP only, a larger rank.
+    "recipe": AdapterRecipe(RECIPE_TEXT, ("gate_proj", "up_proj", "down_proj"), r=16, lora_alpha=32, seed=2),
+    # Attention with per-layer ranks and alphas (rank_pattern / alpha_pattern).
+    "legal": AdapterRecipe(LEGAL_TEXT, ("q_proj", "k_proj", "v_proj", "o_proj"), r=8, lora_alpha=16, seed=3,
+                           extra={"rank_pattern": {"o_proj": 4}, "alpha_pattern": {"v_proj": 32}}),
 }
 
 
