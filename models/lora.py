@@ -170,14 +170,16 @@ def read_adapter(name: str, folder: str | Path, model: CausalLM) -> LoraAdapter:
         found.setdefault(match["module"], {})[match["part"]] = tensor
     if not found:
         raise _fail(name, folder, f"{WEIGHTS_FILE} holds no LoRA weights", "Save the adapter again.")
+    if "lm_head" in found:
+        raise _fail(name, folder, "it adapts lm_head", "Adapters on the output projection are not supported (it may be "
+                    "the embedding matrix itself, stored once): merge this adapter into the checkpoint instead.")
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
     missing = sorted(path for path in found if path not in linears)
     if missing:
-        family = model.args.family if hasattr(model.args, "family") else "this"
-        example = sorted({p.rsplit(".", 1)[-1] for p in linears})
+        kinds = sorted({p.rsplit(".", 1)[-1] for p in linears})
         raise _fail(name, folder, f"it targets {len(missing)} module(s) the base does not have, e.g. {missing[0]}",
-                    f"It was trained for another architecture; this {family} base's decoder layers have the linear "
-                    f"layers {', '.join(example)}. Train the adapter on this base.")
+                    f"It was trained for another architecture; this base's decoder layers have the linear layers "
+                    f"{', '.join(kinds)}. Train the adapter on this base.")
     modules: dict[str, tuple[int, float]] = {}
     for path, parts in sorted(found.items()):
         if set(parts) != {"A", "B"}:
@@ -191,8 +193,9 @@ def read_adapter(name: str, folder: str | Path, model: CausalLM) -> LoraAdapter:
                         f"{layer.out_features} x {layer.in_features}, which needs A [r, {layer.in_features}] and "
                         f"B [{layer.out_features}, r]", "The adapter was trained for another base model of the "
                         "same family (another size): train it on this base.")
-        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), path), config.lora_alpha)
-        declared = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), path), config.r)
+        alphas, ranks = config.alpha_pattern or {}, config.rank_pattern or {}
+        alpha = alphas.get(get_pattern_key(alphas.keys(), path), config.lora_alpha)
+        declared = ranks.get(get_pattern_key(ranks.keys(), path), config.r)
         if declared != r:
             raise _fail(name, folder, f"{CONFIG_FILE} gives {path} rank {declared}, its weights have rank {r}",
                         "The config and the weights are from different adapters: save the adapter again.")
