@@ -141,6 +141,9 @@ class QuantConfig:
     # Scheme of the token embedding (a key of exporters.quant.schemes.EMBEDDING_SCHEMES), or null.
     embedding: Optional[str] = None
     embedding_group_size: int = 32
+    # Scheme of LoRA adapters' A and B matrices (model.adapters), a key of LINEAR_SCHEMES, or null: kept in
+    # the model's dtype (fp32 beside an 8da4w base). 8da8w stores them in 8 bits, one scale per row.
+    adapters: Optional[str] = None
     # How integer scales are chosen: "hqq" as ExecuTorch's export_llm does, or "affine" (min/max).
     qparams: QParams = QParams.hqq
     # Validation tolerances of the program against the eager model quantized the same way (not against the

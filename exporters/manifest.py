@@ -188,13 +188,14 @@ class AppliedQuantization:
     linear: AppliedScheme | None = None
     lm_head: AppliedScheme | None = None
     embedding: AppliedScheme | None = None
+    adapters: AppliedScheme | None = None  # LoRA adapters' A and B (quant.adapters), when quantized
     untied_embeddings: bool = False
     notes: list[str] = field(default_factory=list)
     tied_embedding: str = "not tied"  # exporters.quant.tied.TiedEmbedding
 
     def describe(self) -> str:
         parts = [self.dtype]
-        for role in ("linear", "lm_head", "embedding"):
+        for role in ("linear", "lm_head", "embedding", "adapters"):
             applied = getattr(self, role)
             if applied:
                 parts.append(f"{role} {applied.scheme} ({len(applied.layers)} layers)")
@@ -253,7 +254,7 @@ class AdapterEntry:
     use_rslora: bool
     layers: int  # linear layers it changes
     targets: list[str]  # which kinds of layer (q_proj, v_proj, ...)
-    dtype: str  # what its A and B matrices are stored in
+    dtype: str  # what its A and B matrices are stored as: the model's dtype, or quant.adapters' scheme (8da8w)
     methods: dict[str, str]  # base method -> this adapter's method (prefill -> chat_prefill)
     validation: ValidationReport | None = None  # its methods against the eager model with it applied
 

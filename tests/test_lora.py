@@ -137,6 +137,23 @@ def test_adapter_methods_that_ignore_the_adapter_fail_validation(smollm2_truncat
     assert not manifest["adapters"]["pirate"]["validation"]["passed"]
 
 
+def test_adapters_can_be_stored_in_8_bits(exported, tiny_checkpoint: Path, tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
+    """quant.adapters=8da8w beside an 8da4w base: smaller adapters, still validated (the tiny model: the storage
+    and the scheme are what is tested here)."""
+    folder = train_adapter(tiny_checkpoint, tmp_path_factory.mktemp("tiny_adapter") / "pirate",
+                           AdapterRecipe(RECIPES["pirate"].text, ("q_proj", "v_proj", "down_proj"), steps=4))
+    adapters = f"+model.adapters={{pirate: {folder}}}"
+    full, eight = exported("quant=8da4w", adapters), exported("quant=8da4w", "quant.adapters=8da8w", adapters)
+    for result in (full, eight):
+        assert result.manifest.passed and result.manifest.adapters["pirate"].validation.checked == "runtime"
+    applied = eight.manifest.quantization.adapters
+    assert applied is not None and applied.scheme == "8da8w" and len(applied.layers) == 2 * 6
+    assert set(applied.layers.values()) == {0}, "one scale per row"
+    assert full.manifest.quantization.adapters is None
+    assert (full.manifest.adapters["pirate"].dtype, eight.manifest.adapters["pirate"].dtype) == ("float32", "8da8w")
+    assert eight.manifest.program.size_bytes < full.manifest.program.size_bytes
+
+
 @pytest.fixture(scope="module")
 def bad_folders(lora_adapters, tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path,
                 family_checkpoint, smollm2_truncated: Path) -> dict[str, Path]:  # type: ignore[no-untyped-def]

@@ -103,6 +103,10 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
     if cfg.linear and linears:
         applied.linear = _apply(model, "linear", LINEAR_SCHEMES, cfg.linear, cfg.group_size, cfg.qparams, linears,
                                 lambda m: m.in_features, applied.notes)
+    adapters = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and is_adapter_module(n)}
+    if cfg.adapters and adapters:  # one scale per row: an adapter's rank (lora_B's width) is too small for groups
+        applied.adapters = _apply(model, "adapters", LINEAR_SCHEMES, cfg.adapters, 0, cfg.qparams, adapters,
+                                  lambda m: m.in_features, applied.notes)
     if cfg.embedding:
         applied.embedding = _apply(model, "embedding", EMBEDDING_SCHEMES, cfg.embedding, cfg.embedding_group_size,
                                    cfg.qparams, {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)},

@@ -104,14 +104,16 @@ def describe_choice(scheme: str, group: int) -> str:
 def check_quant(quant: QuantConfig, backend: BackendConfig) -> None:
     """The schemes are known, the group sizes make sense, and ``backend``'s kernels run every part of it."""
     for role, value, table in (("linear", quant.linear, LINEAR_SCHEMES), ("lm_head", quant.lm_head, LINEAR_SCHEMES),
-                               ("embedding", quant.embedding, EMBEDDING_SCHEMES)):
+                               ("embedding", quant.embedding, EMBEDDING_SCHEMES),
+                               ("adapters", quant.adapters, LINEAR_SCHEMES)):
         check_choice(f"quant.{role}", value, [None, *sorted(table)], f"Set quant.{role} to one of those.")
     for name in ("group_size", "lm_head_group_size", "embedding_group_size"):
         if getattr(quant, name) < 0:
             raise UserError(f"quant.{name}={getattr(quant, name)}: use 0 (per channel) or a positive group size.")
     b = backend
     wanted = (("dtype", quant.dtype, b.supported_dtypes), ("linear", quant.linear, b.supported_linear),
-              ("lm_head", quant.lm_head, b.supported_linear), ("embedding", quant.embedding, b.supported_embedding))
+              ("lm_head", quant.lm_head, b.supported_linear), ("embedding", quant.embedding, b.supported_embedding),
+              ("adapters", quant.adapters, b.supported_linear))
     for role, value, supported in wanted:
         if value not in supported:
             raise UserError(

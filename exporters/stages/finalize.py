@@ -49,7 +49,8 @@ def adapter_entries(ctx: ExportContext, written: WrittenProgram) -> dict[str, Ad
             rank=sorted({r for r, _ in adapter.modules.values()}), lora_alpha=adapter.config.lora_alpha,
             use_rslora=bool(adapter.config.use_rslora), layers=len(adapter.modules),
             targets=sorted({path.rsplit(".", 1)[-1] for path in adapter.modules}),
-            dtype=str(first.weight.dtype).removeprefix("torch."),
+            dtype=(ctx.quantization.adapters.scheme if ctx.quantization and ctx.quantization.adapters
+                   else str(first.weight.dtype).removeprefix("torch.")),
             methods=methods,
             validation=ctx.adapter_validation.get(adapter.name))
     return entries
