@@ -4,7 +4,9 @@ What users pass as ``model.adapters`` is a folder ``PeftModel.save_pretrained`` 
 + ``adapter_model.safetensors``). Random matrices would hide mistakes an adapter trained on text shows (a
 scale applied twice, a transposed B, an adapter applied to the wrong layer all still "change the output"), so
 tests and benchmarks train real ones here: a few AdamW steps on one text each, on CPU in seconds, until the
-adapted model prefers that text measurably more than the base does.
+adapted model prefers that text measurably more than the base does, while general text stays close to the
+base (SmolLM2-135M on the validation text: perplexity 23.8 base; pirate 26.6, minutes 24.0, with their own
+texts at 4.1 and 2.8 against 37 and more).
 
 ``python -m tests.peft_adapters <base> <out>`` writes the two adapters the tests use into ``<out>``.
 """
@@ -50,7 +52,7 @@ class AdapterRecipe:
     lora_alpha: int = 16
     use_rslora: bool = False
     steps: int = 12
-    lr: float = 3e-3
+    lr: float = 1e-3
     seed: int = 0
     extra: dict = field(default_factory=dict)  # any other LoraConfig field (rank_pattern, use_dora, ...)
 
@@ -60,11 +62,11 @@ RECIPES: dict[str, AdapterRecipe] = {
     "pirate": AdapterRecipe(PIRATE_TEXT, ("q_proj", "v_proj")),
     # Every linear layer of a decoder layer, rank-stabilised scale alpha / sqrt(r), another rank.
     "minutes": AdapterRecipe(MINUTES_TEXT, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-                             r=4, lora_alpha=8, use_rslora=True, seed=1),
+                             r=4, lora_alpha=8, use_rslora=True, seed=1, lr=4e-4),
     # The MLP only, a larger rank.
-    "recipe": AdapterRecipe(RECIPE_TEXT, ("gate_proj", "up_proj", "down_proj"), r=16, lora_alpha=32, seed=2),
+    "recipe": AdapterRecipe(RECIPE_TEXT, ("gate_proj", "up_proj", "down_proj"), r=16, lora_alpha=32, seed=2, lr=3e-4),
     # Attention with per-layer ranks and alphas (rank_pattern / alpha_pattern).
-    "legal": AdapterRecipe(LEGAL_TEXT, ("q_proj", "k_proj", "v_proj", "o_proj"), r=8, lora_alpha=16, seed=3,
+    "legal": AdapterRecipe(LEGAL_TEXT, ("q_proj", "k_proj", "v_proj", "o_proj"), r=8, lora_alpha=16, seed=3, lr=3e-4,
                            extra={"rank_pattern": {"o_proj": 4}, "alpha_pattern": {"v_proj": 32}}),
 }
 
