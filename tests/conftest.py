@@ -86,7 +86,7 @@ def lora_adapters(smollm2_truncated: Path, tmp_path_factory: pytest.TempPathFact
     """Two real LoRA adapters PEFT trained on the truncated SmolLM2 (tests/peft_adapters.py), as PEFT saved them."""
     from tests.peft_adapters import train_test_adapters
 
-    return train_test_adapters(smollm2_truncated, tmp_path_factory.mktemp("adapters"))
+    return train_test_adapters(smollm2_truncated, tmp_path_factory.mktemp("adapters"), lr_scale=3.0)
 
 
 @pytest.fixture(scope="session")
