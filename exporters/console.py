@@ -78,7 +78,7 @@ def log_export_summary(result: Any) -> None:
         "  ExecuTorch stock runners: %s\n  validation: %s\n  quality: %s%s\n  export: %.0f s, peak RSS %.0f MB%s\n"
         "  manifest: %s",
         result.pte_path, m.program.size_bytes / 1e6, m.program.sha256[:16],
-        ", ".join(n for n in m.methods if not any(n in a.methods.values() for a in m.adapters.values())),
+        ", ".join(m.layout.methods),  # the base's; each adapter's are on its own line
         m.layout.name, ", ".join(m.constant_methods), runners, verdict, quality, adapters,
         m.resources.wall_s, m.resources.peak_rss_mb,
         "" if m.bench is None else "\n  runtime: " + m.bench.describe(), result.manifest_path,

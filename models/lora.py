@@ -61,27 +61,35 @@ class LoraAdapter:
     folder: Path
     config: Any  # peft.LoraConfig
     state_dict: dict[str, torch.Tensor]  # PEFT's saved keys
-    modules: dict[str, tuple[int, float]]  # targeted module path -> (rank, scale)
+    modules: dict[str, int]  # targeted module path -> its rank
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(set(self.modules.values()))
+
+    @property
+    def targets(self) -> list[str]:
+        """The kinds of layer it changes (q_proj, v_proj, ...)."""
+        return sorted({path.rsplit(".", 1)[-1] for path in self.modules})
 
     def describe(self) -> str:
-        ranks = sorted({r for r, _ in self.modules.values()})
-        kinds = sorted({path.rsplit(".", 1)[-1] for path in self.modules})
-        return (f"{self.name}: LoRA r={'/'.join(map(str, ranks))}, alpha {self.config.lora_alpha}"
-                f"{' (rsLoRA)' if self.config.use_rslora else ''} on {len(self.modules)} layers ({', '.join(kinds)})")
+        return (f"{self.name}: LoRA r={'/'.join(map(str, self.ranks))}, alpha {self.config.lora_alpha}"
+                f"{' (rsLoRA)' if self.config.use_rslora else ''} on {len(self.modules)} layers "
+                f"({', '.join(self.targets)})")
 
 
 def _fail(name: str, folder: Path, problem: str, fix: str) -> AdapterError:
     return AdapterError(f"model.adapters.{name}={folder}: {problem}. {fix} Nothing was exported.")
 
 
-def check_adapter_names(names: list[str], reserved: set[str]) -> None:
-    """Adapter names become method-name prefixes (``<adapter>_prefill``): letters and digits, not a method's name."""
+def check_adapter_names(names: list[str]) -> None:
+    """Adapter names become method-name prefixes (``<adapter>_prefill``): letters and digits, so the first ``_``
+    of a method's name ends the adapter's."""
     for name in names:
-        if not ADAPTER_NAME.match(name) or name in reserved:
+        if not ADAPTER_NAME.match(name):
             raise AdapterError(
                 f"model.adapters: the adapter name {name!r} cannot name methods: use letters and digits, starting "
-                f"with a letter{', and not ' + ', '.join(sorted(reserved)) if name in reserved else ''} "
-                "(e.g. +model.adapters={chat: /path/to/adapter}). Nothing was exported.")
+                "with a letter (e.g. +model.adapters={chat: /path/to/adapter}). Nothing was exported.")
 
 
 def _read_config(name: str, folder: Path) -> Any:
@@ -145,7 +153,7 @@ def check_adapter_overrides(overrides: list[str]) -> None:
 
 def check_adapter_folders(adapters: dict[str, str]) -> None:
     """What can be checked without the model (names, files, the config's type and fields): before any work."""
-    check_adapter_names(list(adapters), reserved=set())
+    check_adapter_names(list(adapters))
     for name, folder in adapters.items():
         path = Path(folder).expanduser()
         _read_config(name, path)
@@ -180,7 +188,7 @@ def read_adapter(name: str, folder: str | Path, model: CausalLM) -> LoraAdapter:
         raise _fail(name, folder, f"it targets {len(missing)} module(s) the base does not have, e.g. {missing[0]}",
                     f"It was trained for another architecture; this base's decoder layers have the linear layers "
                     f"{', '.join(kinds)}. Train the adapter on this base.")
-    modules: dict[str, tuple[int, float]] = {}
+    modules: dict[str, int] = {}
     for path, parts in sorted(found.items()):
         if set(parts) != {"A", "B"}:
             raise _fail(name, folder, f"{path} has lora_{''.join(parts)} but not both A and B", "Save the adapter again.")
@@ -193,13 +201,12 @@ def read_adapter(name: str, folder: str | Path, model: CausalLM) -> LoraAdapter:
                         f"{layer.out_features} x {layer.in_features}, which needs A [r, {layer.in_features}] and "
                         f"B [{layer.out_features}, r]", "The adapter was trained for another base model of the "
                         "same family (another size): train it on this base.")
-        alphas, ranks = config.alpha_pattern or {}, config.rank_pattern or {}
-        alpha = alphas.get(get_pattern_key(alphas.keys(), path), config.lora_alpha)
+        ranks = config.rank_pattern or {}
         declared = ranks.get(get_pattern_key(ranks.keys(), path), config.r)
         if declared != r:
             raise _fail(name, folder, f"{CONFIG_FILE} gives {path} rank {declared}, its weights have rank {r}",
                         "The config and the weights are from different adapters: save the adapter again.")
-        modules[path] = (r, alpha / (r ** 0.5 if config.use_rslora else r))
+        modules[path] = r
     return LoraAdapter(name, folder, config, weights, modules)
 
 
@@ -245,14 +252,6 @@ def active_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
         yield
     finally:
         _select(model, None)
-
-
-def adapter_names(model: nn.Module) -> list[str]:
-    """The adapters attached to ``model``, in the order they were attached."""
-    names: list[str] = []
-    for layer in lora_layers(model):
-        names += [n for n in layer.lora_A if n not in names]
-    return names
 
 
 def is_adapter_module(fqn: str) -> bool:

@@ -10,12 +10,10 @@ the program alone; the manifest lists each adapter's methods too.
 
 from __future__ import annotations
 
-from typing import Collection, TypeVar
+from typing import Collection
 
 ADAPTERS_CONSTANT = "get_adapters"
 SEPARATOR = "_"
-
-T = TypeVar("T")
 
 
 def adapter_method(adapter: str, method: str) -> str:
@@ -30,7 +28,3 @@ def split_method(name: str, base_methods: Collection[str]) -> tuple[str | None, 
     adapter, sep, method = name.partition(SEPARATOR)
     return (adapter, method) if sep and method in base_methods else (None, name)
 
-
-def methods_of(methods: dict[str, T], adapter: str | None, base_methods: Collection[str]) -> dict[str, T]:
-    """The entries of ``methods`` (keyed by program method name) that belong to ``adapter`` (None: the base)."""
-    return {name: value for name, value in methods.items() if split_method(name, base_methods)[0] == adapter}

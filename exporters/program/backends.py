@@ -88,15 +88,6 @@ def openvino_partitioner(options: dict[str, Any]) -> list[Any]:
     return [OpenvinoPartitioner(compile_spec=[CompileSpec("device", str(options.get("device", "CPU")).encode())])]
 
 
-@register_partitioner("openvino")
-def openvino_partitioner(options: dict[str, Any]) -> list[Any]:
-    """OpenVINO: each partition is converted by OpenVINO's PyTorch frontend and compiled for ``device``."""
-    from executorch.backends.openvino.partitioner import OpenvinoPartitioner
-    from executorch.exir.backend.compile_spec_schema import CompileSpec
-
-    return [OpenvinoPartitioner(compile_spec=[CompileSpec("device", str(options.get("device", "CPU")).encode())])]
-
-
 @dataclass(frozen=True)
 class BackendExtra:
     """Packages a backend needs beyond the base install: its ``pyproject.toml`` extra and the versions that work."""
@@ -119,12 +110,15 @@ class BackendExtra:
                 found.append(f"{dist} {version} (needs {prefix}x)")
         return found
 
+    @property
+    def install(self) -> str:
+        return f"Install the extra: pip install -e \".[{self.extra}]\" (from the checkout)"
+
     def check(self, backend: str) -> None:
         missing = self.missing()
         if missing:
-            raise UserError(
-                f"backend={backend} needs {listed(missing)}: {self.why}. Install the extra: "
-                f"pip install -e \".[{self.extra}]\" (from the checkout). Nothing was exported.")
+            raise UserError(f"backend={backend} needs {listed(missing)}: {self.why}. {self.install}. "
+                            "Nothing was exported.")
 
 
 EXTRAS: dict[str, BackendExtra] = {
@@ -168,8 +162,7 @@ def check_loadable(path: Any, error: Exception) -> None:
         if missing:
             raise UserError(
                 f"{path} runs on {extra.delegate_id}, which needs {listed(missing)} in this environment: "
-                f"{extra.why}. Install the extra: pip install -e \".[{extra.extra}]\" (from the checkout); "
-                f"ExecuTorch said: {error}") from error
+                f"{extra.why}. {extra.install}; ExecuTorch said: {error}") from error
 
 
 def partitioners(name: str, options: dict[str, Any]) -> list[Any]:

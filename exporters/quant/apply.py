@@ -94,16 +94,16 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
     if plan is tied.TiedEmbedding.UNTIED:  # one matrix cannot be stored two ways at once
         head.weight = nn.Parameter(embed.weight.detach().clone())
         applied.notes.append(tied.note(plan, cfg))  # type: ignore[arg-type]
-    # LoRA adapters' A and B stay in the model's dtype (models.lora): small, and what PEFT computes with.
-    linears = {n: m for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and m is not head and not is_adapter_module(n)}
+    every_linear = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    # LoRA adapters' A and B (models.lora) stay in the model's dtype unless quant.adapters names a scheme.
+    adapters = {n: m for n, m in every_linear.items() if is_adapter_module(n)}
+    linears = {n: m for n, m in every_linear.items() if n not in adapters}
     # Linears first: each one's fp32 weight is freed as it is quantized, so the embedding (the largest single
     # matrix, whose HQQ pass holds about four fp32 copies of it at once) is quantized beside int8 linears
     # rather than the whole fp32 model (the stage's peak on a 1B model, docs/DESIGN.md 2c).
     if cfg.linear and linears:
         applied.linear = _apply(model, "linear", LINEAR_SCHEMES, cfg.linear, cfg.group_size, cfg.qparams, linears,
                                 lambda m: m.in_features, applied.notes)
-    adapters = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and is_adapter_module(n)}
     if cfg.adapters and adapters:  # one scale per row: an adapter's rank (lora_B's width) is too small for groups
         applied.adapters = _apply(model, "adapters", LINEAR_SCHEMES, cfg.adapters, 0, cfg.qparams, adapters,
                                   lambda m: m.in_features, applied.notes)

@@ -135,7 +135,6 @@ class Generator:
         self.bos_id = self.program.constant("get_bos_id") if "get_bos_id" in names else None
         eos = self.program.constant("get_eos_ids") if "get_eos_ids" in names else []
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-        self.adapter = adapter
         self.driver = Driver.of(self.program, adapter)
         # Loaded now (XNNPACK packs each method's weights at load), so the rates measure running alone.
         self.driver.load()

@@ -13,7 +13,7 @@ from typing import Any
 from exporters.errors import ValidationFailed
 from exporters.manifest import (MANIFEST_FILE, AdapterEntry, Manifest, MethodEntry, ModelEntry, ProgramFile,
                                 Resources)
-from exporters.program.adapters import split_method
+from exporters.program.adapters import adapter_method
 from exporters.program.files import sha256_of
 from exporters.program.layouts import Layout, layout_manifest
 from exporters.program.weights import data_path_for, runtime_needs
@@ -40,18 +40,16 @@ def package_versions() -> dict[str, str]:
 def adapter_entries(ctx: ExportContext, written: WrittenProgram) -> dict[str, AdapterEntry]:
     """The manifest's entry of each adapter: its folder and weights, what it changes, its methods, its validation."""
     entries = {}
+    base = written.methods.of_adapter(None)
     for adapter in ctx.adapters:
-        base = written.methods.of_adapter(None)
-        methods = {split_method(n, base)[1]: n for n in written.methods.of_adapter(adapter.name)}
         first = next(m for n, m in written.model.named_modules() if n.endswith(f"lora_A.{adapter.name}"))
         entries[adapter.name] = AdapterEntry(
             folder=str(adapter.folder), weights_sha256=sha256_of(adapter.folder / WEIGHTS_FILE),
-            rank=sorted({r for r, _ in adapter.modules.values()}), lora_alpha=adapter.config.lora_alpha,
-            use_rslora=bool(adapter.config.use_rslora), layers=len(adapter.modules),
-            targets=sorted({path.rsplit(".", 1)[-1] for path in adapter.modules}),
+            rank=adapter.ranks, lora_alpha=adapter.config.lora_alpha,
+            use_rslora=bool(adapter.config.use_rslora), layers=len(adapter.modules), targets=adapter.targets,
             dtype=(ctx.quantization.adapters.scheme if ctx.quantization and ctx.quantization.adapters
                    else str(first.weight.dtype).removeprefix("torch.")),
-            methods=methods,
+            methods={name: adapter_method(adapter.name, name) for name in base},
             validation=ctx.adapter_validation.get(adapter.name))
     return entries
 

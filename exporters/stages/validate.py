@@ -43,7 +43,7 @@ class Tolerance:
         """``quant``'s tolerance; where the delegate computes in a coarser dtype than the program's (``runs_in``,
         its device's choice), the looser of it and the tolerance calibrated for that dtype (``conf/quant/<dtype>``)."""
         own = Tolerance(quant.max_kl, quant.min_top1, quant.max_ppl_drift)
-        if runs_in is None or MANTISSA_BITS[runs_in] >= MANTISSA_BITS[quant.dtype]:
+        if not coarser(runs_in, quant.dtype):
             return own
         floor = quant_option(str(runs_in))
         return Tolerance(max(own.max_kl, floor.max_kl), min(own.min_top1, floor.min_top1),
@@ -51,6 +51,11 @@ class Tolerance:
 
 
 MANTISSA_BITS: dict[DType, int] = {DType.fp32: 23, DType.fp16: 10, DType.bf16: 7}
+
+
+def coarser(runs_in: DType | None, dtype: DType) -> bool:
+    """Whether the device computes in fewer mantissa bits than the program's ``dtype``."""
+    return runs_in is not None and MANTISSA_BITS[runs_in] < MANTISSA_BITS[dtype]
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,6 @@ def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, role
     with torch.no_grad():
         with active_adapter(model, adapter):
             eager = window_logits(full_sequence(model), text)
-        model.reset_cache()
         driver = Driver(program, roles)
         ours = []
         for i, w in enumerate(text.windows, start=1):
@@ -182,7 +186,7 @@ class ValidateStage(Stage):
 
     def __init__(self, quant: QuantConfig, runs_here: bool = True, runs_in: DType | None = None) -> None:
         """``runs_in``: the dtype the delegate computes in on this host when its device picks it (else None)."""
-        self.runs_in = runs_in if runs_in is not None and MANTISSA_BITS[runs_in] < MANTISSA_BITS[quant.dtype] else None
+        self.runs_in = runs_in if coarser(runs_in, quant.dtype) else None
         self.tolerance = Tolerance.of(quant, self.runs_in)
         self.runs_here = runs_here
 
