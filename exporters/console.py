@@ -72,12 +72,14 @@ def log_export_summary(result: Any) -> None:
             "not validated" if a.validation is None else
             f"{'passed' if a.validation.passed else 'FAILED'} (KL {a.validation.kl_mean:.2g}, top-1 agreement "
             f"{a.validation.top1_agreement:.0%}), {a.validation.quality()}")
+        + ("" if a.data is None else f"; its weights in {a.data.file} ({a.data.size_bytes / 1e6:.2f} MB)")
         for name, a in m.adapters.items())
+    data = "" if m.data is None else f" + {m.data.file} {m.data.size_bytes / 1e6:.2f} MB (the weights)"
     log.info(
-        "exported %s\n  size: %.2f MB  sha256: %s\n  methods: %s (layout %s)\n  constants: %s\n"
+        "exported %s\n  size: %.2f MB%s  sha256: %s\n  methods: %s (layout %s)\n  constants: %s\n"
         "  ExecuTorch stock runners: %s\n  validation: %s\n  quality: %s%s\n  export: %.0f s, peak RSS %.0f MB%s\n"
         "  manifest: %s",
-        result.pte_path, m.program.size_bytes / 1e6, m.program.sha256[:16],
+        result.pte_path, m.program.size_bytes / 1e6, data, m.program.sha256[:16],
         ", ".join(m.layout.methods),  # the base's; each adapter's are on its own line
         m.layout.name, ", ".join(m.constant_methods), runners, verdict, quality, adapters,
         m.resources.wall_s, m.resources.peak_rss_mb,

@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except REPORTED_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    data = generator.program.data_path
-    loaded = generator.pte.name + (f" + {data.name}" if data else "") + (
+    loaded = " + ".join([generator.pte.name, *(p.name for p in generator.program.data_paths)]) + (
         f", adapter {args.adapter}" if args.adapter else "")
     print(f"\n\n[loaded {loaded} in {generator.load_seconds:.2f} s; "
           f"prompt {len(result.prompt_ids)} tokens at {result.prompt_tokens_per_s:.1f} tok/s; "

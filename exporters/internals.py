@@ -27,6 +27,10 @@ are the lines to re-read; each has a test that fails if the internal changes beh
   on the C++ layout of ``BackendOption`` (``runtime/backend/options.h``: a 64-byte key, then a
   ``std::variant<bool, int, std::array<char, 256>>``, 324 bytes under libstdc++) and on the mangled names; the
   option is read back after every write. Test: ``tests/test_runtime_options.py``.
+- :func:`merge_data_files`: ExecuTorch 1.5.1's Python runtime loads a program with one data file (C++'s
+  ``Module`` takes several), so a program whose adapters have their own ``.ptd`` is loaded here through one
+  file holding the base's and the adapters' named tensors, written with ExecuTorch's own ``FlatTensorSerializer``
+  (its ``serialize`` takes the private ``Cord``). Test: ``tests/test_lora.py`` (adapters in their own data files).
 """
 
 from __future__ import annotations
@@ -62,6 +66,24 @@ def read_data_file_header(path: Path) -> Any:
             raise ValueError(f"{path} is not an ExecuTorch data file (.ptd): no FlatTensor header")
         f.seek(0)
         return _deserialize_to_flat_tensor(f.read(header.flatbuffer_offset + header.flatbuffer_size))
+
+
+def merge_data_files(paths: list[Path], out: Path) -> None:
+    """One ``.ptd`` with every named tensor of ``paths`` (their names are disjoint: each weight has one owner)."""
+    from executorch.exir._serialize._cord import Cord
+    from executorch.exir._serialize.data_serializer import DataEntry, DataPayload
+    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
+
+    serializer, buffers, named = FlatTensorSerializer(), [], {}
+    for path in paths:
+        payload = serializer.deserialize(Cord(path.read_bytes()))
+        for key, entry in payload.named_data.items():
+            assert key not in named, f"{key} is in two data files"
+            # Deserializing forgets alignment; the serializer aligns every segment to 128 bytes anyway.
+            named[key] = DataEntry(len(buffers) + entry.buffer_index, entry.alignment, entry.tensor_layout)
+        buffers.extend(payload.buffers)
+    with open(out, "wb") as fh:
+        serializer.serialize(DataPayload(buffers=buffers, named_data=named)).write_to_file(fh)
 
 
 def reserialize(manager: Any, config: Any) -> None:

@@ -257,6 +257,9 @@ class AdapterEntry:
     dtype: str  # what its A and B matrices are stored as: the model's dtype, or quant.adapters' scheme (8da8w)
     methods: dict[str, str]  # base method -> this adapter's method (prefill -> chat_prefill)
     validation: ValidationReport | None = None  # its methods against the eager model with it applied
+    # export.weights=external: its A and B matrices in their own .ptd (<stem>.<adapter>.ptd), loaded with the base's
+    # to run its methods; another adapter of the same name, ranks and targets exported the same way can replace it.
+    data: DataFile | None = None
 
 
 @dataclass
@@ -337,7 +340,24 @@ def upgrade(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def bundle_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of a release bundle (``exporters.package``: its own format, with a ``bundle`` key) at ``path``
+    (a file or a folder), None if it is a run's manifest or there is none."""
+    path = path / MANIFEST_FILE if path.is_dir() else path
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_bytes())
+    except json.JSONDecodeError:
+        return None  # Manifest.read says what is wrong with it
+    return raw if isinstance(raw, dict) and "bundle" in raw else None
+
+
 def program_in(run_dir: Path) -> Path:
-    """The program of a run folder: the file its manifest names (``export.output_name``), else model.pte."""
+    """The program of a run folder (the file its manifest names: ``export.output_name``) or of a release bundle
+    (the ``.pte`` its files list), else model.pte."""
+    bundle = bundle_manifest(run_dir)
+    if bundle is not None:
+        return run_dir / next((f for f in bundle.get("files", {}) if f.endswith(".pte")), "model.pte")
     name = Manifest.read(run_dir).program.file if (run_dir / MANIFEST_FILE).is_file() else "model.pte"
     return run_dir / name

@@ -257,3 +257,13 @@ def active_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
 def is_adapter_module(fqn: str) -> bool:
     """Whether a module path is inside an adapter (PEFT's lora_A / lora_B), which quantization leaves alone."""
     return ".lora_A." in fqn or ".lora_B." in fqn or fqn.endswith((".lora_A", ".lora_B"))
+
+
+# PEFT's module path of an adapter's weights: <layer>.lora_A.<adapter>.weight (quantized: ...weight.original0).
+ADAPTER_PARAMETER = re.compile(r"\.lora_[AB]\.(?P<adapter>[A-Za-z][A-Za-z0-9]*)\.")
+
+
+def adapter_of_parameter(fqn: str) -> str | None:
+    """The adapter a parameter belongs to (its name in ``model.adapters``), None for the base's own."""
+    found = ADAPTER_PARAMETER.search(fqn)
+    return found.group("adapter") if found else None

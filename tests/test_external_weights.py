@@ -17,7 +17,7 @@ import torch
 from exporters.errors import UserError
 from exporters.export import check_config, checked_config
 from exporters.manifest import MANIFEST_FILE
-from exporters.program.weights import DataFileError, data_file_beside
+from exporters.program.weights import DataFileError, data_files_beside
 from exporters.release.bundle import make_bundle, verify_bundle
 from exporters.runtime.driver import Driver
 from exporters.runtime.generator import Generator, SamplingConfig
@@ -31,7 +31,7 @@ SEEDED = ("model.random_init=true", "validate=false", EXTERNAL)
 
 def logits(pte: Path, data: Path | None = None) -> torch.Tensor:
     """Prompt logits of a program (with the given data file), through its prompt method."""
-    program = LoadedProgram(pte, data_path=data)
+    program = LoadedProgram(pte, data_paths=[data] if data else None)
     driver = Driver.of(program)
     first = driver.prefill(torch.arange(1, 9).view(1, -1), 0)
     return torch.cat([first, driver.decode_one_token(int(first.argmax()), 8)]).clone()
@@ -83,7 +83,7 @@ def test_a_data_file_from_another_export_is_refused(exported, tmp_path: Path) ->
     with pytest.raises(DataFileError, match=r"model.ptd is not the data file exported with model.pte: its sha256"):
         Generator(run)
     with pytest.raises(DataFileError, match="another export"):
-        data_file_beside(run / "model.pte")
+        data_files_beside(run / "model.pte")
 
 
 @pytest.mark.parametrize("quant", ["fp32", "8da4w_emb4w"])

@@ -16,8 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from exporters.errors import REPORTED_ERRORS, ValidationFailed
+from exporters.errors import REPORTED_ERRORS, UserError, ValidationFailed
 from exporters.export import export
+from exporters.internals import read_data_file_header
+from exporters.program.weights import DataFileError
+from exporters.release.bundle import make_bundle
+from exporters.runtime.driver import Driver
 from exporters.runtime.generator import Generator, SamplingConfig
 from exporters.runtime.programs import LoadedProgram
 from exporters.stages import capture
@@ -154,6 +158,63 @@ def test_adapters_can_be_stored_in_8_bits(exported, tiny_checkpoint: Path, tmp_p
     assert full.manifest.quantization.adapters is None
     assert (full.manifest.adapters["pirate"].dtype, eight.manifest.adapters["pirate"].dtype) == ("float32", "8da8w")
     assert eight.manifest.program.size_bytes < full.manifest.program.size_bytes
+
+
+def test_with_external_weights_each_adapter_has_its_own_data_file_that_can_be_swapped(  # type: ignore[no-untyped-def]
+        exported, tiny_checkpoint: Path, tmp_path_factory, tmp_path: Path) -> None:
+    """export.weights=external: the base's weights in model.ptd, each adapter's A and B in model.<adapter>.ptd.
+    The adapter retrained (same name, ranks, targets) and exported again gives the same program bytes and a new
+    adapter file, which beside the first program makes its adapter methods compute the new adapter."""
+    folders = tmp_path_factory.mktemp("tiny_adapters")
+    train = lambda name, text, seed: train_adapter(  # noqa: E731
+        tiny_checkpoint, folders / name, AdapterRecipe(text, ("q_proj", "v_proj"), steps=4, seed=seed))
+    pirate, retrained, minutes = train("pirate", RECIPES["pirate"].text, 0), train("v2", OTHER_TEXT, 5), train(
+        "minutes", RECIPES["minutes"].text, 1)
+    one_method = ("quant=8da4w", "export.weights=external", "export.methods=[decode]", "export.layout=split")
+    first = exported(*one_method, f"+model.adapters={{pirate: {pirate}, minutes: {minutes}}}")
+    second = exported(*one_method, f"+model.adapters={{pirate: {retrained}, minutes: {minutes}}}")
+    run, m = first.pte_path.parent, first.manifest
+    assert m.passed and m.data is not None and m.data.file == "model.ptd"
+    for name in ("pirate", "minutes"):
+        entry = m.adapters[name]
+        assert entry.data is not None and entry.data.file == f"model.{name}.ptd" and entry.validation.checked == "runtime"
+        keys = [e.key for e in read_data_file_header(run / entry.data.file).named_data]
+        assert len(keys) == entry.data.entries == 2 * entry.layers and all(f".lora_" in k and f".{name}." in k for k in keys)
+    assert not [e.key for e in read_data_file_header(run / "model.ptd").named_data if ".lora_" in e.key]
+    assert "--data_paths=model.ptd,model.pirate.ptd" in m.runtime.load
+
+    # The retrained adapter: the same program and base weights, another pirate file.
+    assert second.manifest.program.sha256 == m.program.sha256 and second.manifest.data.sha256 == m.data.sha256
+    assert second.manifest.adapters["minutes"].data.sha256 == m.adapters["minutes"].data.sha256
+    assert second.manifest.adapters["pirate"].data.sha256 != m.adapters["pirate"].data.sha256
+    tokens = text_tokens(tiny_checkpoint)[:, :8]
+
+    def pirate_logits(data_files: list[Path]) -> torch.Tensor:
+        driver = Driver.of(LoadedProgram(first.pte_path, data_paths=data_files), "pirate")
+        return torch.stack([driver.decode_one_token(int(t), i).clone() for i, t in enumerate(tokens[0])])
+
+    original = pirate_logits([run / "model.ptd", run / "model.pirate.ptd"])
+    swapped = pirate_logits([run / "model.ptd", second.pte_path.parent / "model.pirate.ptd"])
+    new = Driver.of(LoadedProgram(second.pte_path), "pirate")
+    assert torch.equal(swapped, torch.stack([new.decode_one_token(int(t), i).clone() for i, t in enumerate(tokens[0])]))
+    assert not torch.allclose(swapped, original, atol=1e-3)
+    # XNNPACK's weight cache finds packed weights by name: while the retrained adapter's program is loaded, one
+    # with the first adapter under the same names is refused (it would run with the retrained one's weights).
+    with pytest.raises(UserError, match="names its weights as .*model.pirate.ptd does"):
+        pirate_logits([run / "model.ptd", run / "model.pirate.ptd"])
+    del new
+
+    # An app ships the adapters it uses: without model.minutes.ptd the base and pirate still load and run.
+    shipped = tmp_path / "shipped"
+    shutil.copytree(run, shipped, ignore=shutil.ignore_patterns("checkpoint", "model.minutes.ptd"))
+    assert [p.name for p in Generator(shipped, adapter="pirate").program.data_paths] == ["model.ptd", "model.pirate.ptd"]
+    with pytest.raises(DataFileError, match=r"model.minutes.ptd, which is missing"):
+        Generator(shipped, adapter="minutes")
+    # A release bundle carries every adapter's file and says how to switch and update them.
+    bundle, _ = make_bundle(run, tmp_path / "release")
+    assert {"model.ptd", "model.pirate.ptd", "model.minutes.ptd"} <= {p.name for p in bundle.iterdir()}
+    assert "`pirate`: `model.pirate.ptd`" in (bundle / "README.md").read_text()
+    assert torch.equal(pirate_logits([bundle / "model.ptd", bundle / "model.pirate.ptd"]), original)
 
 
 @pytest.fixture(scope="module")

@@ -164,6 +164,9 @@ def test_bundle_holds_everything_and_verifies(tmp_path: Path, default_export) ->
     assert 'load_method("prefill")' in readme and 'load_method("decode_one_token")' in readme
     assert "share_memory_arenas=*/true" in readme and "| 1.5.1 | correct |" in readme
     assert verify_bundle(folder) == [] and verify_bundle(archive) == []
+    greedy = SamplingConfig(max_new_tokens=NEW_TOKENS)  # the bundle runs as the run folder does
+    assert Generator(folder).generate(PROMPT, greedy).new_ids == Generator(default_export.pte_path).generate(
+        PROMPT, greedy).new_ids
     _, archive2 = make_bundle(default_export.pte_path.parent, tmp_path / "b")
     assert archive.read_bytes() == archive2.read_bytes(), "packaging is deterministic"
 

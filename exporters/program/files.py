@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -26,6 +27,13 @@ def write_atomically(path: Path, data: bytes | Callable[[BinaryIO], None]) -> No
 
 
 def sha256_of(path: Path) -> str:
+    """The file's sha256, computed once per version of the file (a data file is checked at every load)."""
+    stat = Path(path).stat()
+    return _sha256_of(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Sequence
 
 from exporters.errors import UserError, listed
 from exporters.program.files import sha256_of
@@ -31,10 +31,11 @@ if TYPE_CHECKING:
     from exporters.config import BackendConfig, ExportSection
 
 DATA_SUFFIX = ".ptd"
-# The named data store's tag for the data file. Only ExecuTorch's file writing sees it (the program refers to
-# weights by name, runtimes are given the data file's path), so one fixed tag keeps the program the same bytes
+# The named data store's tag for the base's data file. Only ExecuTorch's file writing sees tags (the program refers
+# to weights by name, runtimes are given the data files' paths), so fixed tags keep the program the same bytes
 # whatever the output name.
 DATA_TAG = "weights"
+ADAPTER_TAG_PREFIX = "adapter-"
 
 
 class DataFileError(UserError):
@@ -51,9 +52,15 @@ def check_weights(export: "ExportSection", backend: "BackendConfig") -> None:
             "a .ptd. Nothing was exported.")
 
 
-def data_path_for(pte: Path) -> Path:
-    """The data file written beside ``pte``: ``model.pte`` -> ``model.ptd`` (provisional and rejected names too)."""
-    return pte.with_suffix(DATA_SUFFIX)
+def data_tag(adapter: str | None) -> str:
+    """The data file a weight goes to: the base's, or one per LoRA adapter (swapped without the base)."""
+    return DATA_TAG if adapter is None else ADAPTER_TAG_PREFIX + adapter
+
+
+def data_path_for(pte: Path, adapter: str | None = None) -> Path:
+    """The data file written beside ``pte``: ``model.pte`` -> ``model.ptd`` for the base, ``model.<adapter>.ptd``
+    for an adapter's A and B matrices (provisional and rejected names too)."""
+    return pte.with_suffix(DATA_SUFFIX) if adapter is None else pte.with_name(f"{pte.stem}.{adapter}{DATA_SUFFIX}")
 
 
 def structure_namespace(programs: dict[str, Any]) -> str:
@@ -70,23 +77,37 @@ def structure_namespace(programs: dict[str, Any]) -> str:
     return "w" + hashlib.sha256(json.dumps(sorted(entries)).encode()).hexdigest()[:12]
 
 
-def tag_delegated_weights(tag: str) -> Callable[[Any], Any]:
-    """A transform pass (run after ``to_edge``, before partitioning) marking every constant for the data file
-    ``tag``: the backend then stores what it takes of them there."""
-    from executorch.exir.pass_base import PassResult
+def tag_weights_by_data_file() -> Any:
+    """A pass (run after ``to_edge``, before partitioning) marking every constant with its data file's tag: an
+    adapter's A and B matrices for that adapter's file, everything else for the base's. The backend then stores
+    what it takes of them there (XNNPACK reads ``meta["custom"]["delegate_constant_tag"]``), and emit puts the
+    non-delegated ones by the same tag (:func:`external_constant_tag`).
 
-    def tag_placeholders(graph_module: Any) -> Any:
-        for node in graph_module.graph.nodes:
-            if node.op == "placeholder":
-                node.meta.setdefault("custom", {})["delegate_constant_tag"] = tag
-        return PassResult(graph_module, True)
+    It reads the exported program's signature (a parameter's module path names its adapter: PEFT's
+    ``<layer>.lora_A.<adapter>.weight``), which survives torchao's split of a quantized weight into new
+    placeholders in ``to_edge``."""
+    from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
 
-    return tag_placeholders
+    from models.lora import adapter_of_parameter
+
+    class TagWeightsByDataFile(ExportedProgramPassBase):
+        def call(self, exported_program: Any) -> ExportedProgramPassResult:
+            signature = exported_program.graph_signature
+            paths = {**signature.inputs_to_parameters, **signature.inputs_to_buffers,
+                     **signature.inputs_to_lifted_tensor_constants}
+            for node in exported_program.graph.nodes:
+                if node.op == "placeholder" and node.name in paths:
+                    tag = data_tag(adapter_of_parameter(paths[node.name]))
+                    node.meta.setdefault("custom", {})["delegate_constant_tag"] = tag
+            return ExportedProgramPassResult(exported_program, True)
+
+    return TagWeightsByDataFile()
 
 
-def external_constants(tag: str) -> Callable[[Any], str]:
-    """``ExecutorchBackendConfig.external_constants``: the weights of non-delegated ops go to the data file too."""
-    return lambda node: tag
+def external_constant_tag(node: Any) -> str:
+    """``ExecutorchBackendConfig.external_constants``: the weights of non-delegated ops go to the data file their
+    placeholder was tagged for (the base's if untagged)."""
+    return node.meta.get("custom", {}).get("delegate_constant_tag", DATA_TAG)
 
 
 def references_external_data(pte: Path) -> bool:
@@ -137,17 +158,47 @@ def data_file_for(pte: Path, expected: tuple[str, str] | None = None) -> Path | 
     return data
 
 
-def data_file_beside(pte: Path) -> Path | None:
-    """:func:`data_file_for` with what the manifest beside ``pte`` (if it describes this program) says of it."""
-    from exporters.manifest import MANIFEST_FILE, Manifest
+def listed_data_files(pte: Path) -> dict[str | None, tuple[str, str]] | None:
+    """The data files the manifest beside ``pte`` lists for it, (file, sha256) by owner (None: the base; else the
+    adapter's name); None when no manifest there describes this program. Reads a run's manifest and a release
+    bundle's (``exporters.package``), which carries the same ``data`` and ``adapters`` entries."""
+    from exporters.manifest import MANIFEST_FILE, Manifest, bundle_manifest
+
+    path = pte.parent / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    raw = bundle_manifest(path)
+    if raw is not None:
+        if pte.name not in raw.get("files", {}) or raw.get("data") is None:
+            return None
+        data, adapters = raw["data"], {n: a.get("data") for n, a in (raw.get("adapters") or {}).items()}
+        owners = {None: data, **adapters}
+        return {owner: (f["file"], f["sha256"]) for owner, f in owners.items() if f is not None}
+    manifest = Manifest.read(path)
+    if manifest.program.file != pte.name or manifest.data is None:
+        return None
+    owners = {None: manifest.data, **{n: a.data for n, a in manifest.adapters.items()}}
+    return {owner: (f.file, f.sha256) for owner, f in owners.items() if f is not None}
+
+
+def data_files_beside(pte: Path, adapters: Sequence[str] | None = None) -> list[Path]:
+    """The data files to load with ``pte``, checked: the base's (:func:`data_file_for`) and each adapter's (all,
+    or those of ``adapters``), as the manifest beside it lists them (present, same sha256); without a manifest,
+    ``<stem>.ptd`` if the program needs one and the ``<stem>.<adapter>.ptd`` beside it."""
+    from models.lora import ADAPTER_NAME
 
     pte = Path(pte)
-    manifest_path = pte.parent / MANIFEST_FILE
-    if manifest_path.is_file():
-        manifest = Manifest.read(manifest_path)
-        if manifest.program.file == pte.name and manifest.data is not None:
-            return data_file_for(pte, (manifest.data.file, manifest.data.sha256))
-    return data_file_for(pte)
+    wanted = lambda owner: owner is None or adapters is None or owner in adapters  # noqa: E731
+    listed_files = listed_data_files(pte)
+    if listed_files is not None:
+        return [data_file_for(pte, expected) for owner, expected in listed_files.items()  # type: ignore[misc]
+                if wanted(owner)]
+    base = data_file_for(pte)
+    if base is None:
+        return []
+    beside = {p.name.removeprefix(f"{pte.stem}.").removesuffix(DATA_SUFFIX): p
+              for p in sorted(pte.parent.glob(f"{pte.stem}.*{DATA_SUFFIX}"))}
+    return [base, *(path for name, path in beside.items() if ADAPTER_NAME.match(name) and wanted(name))]
 
 
 #: What a runtime needs so that the methods of a program share one copy of the weights in memory, by backend.
@@ -168,15 +219,25 @@ PACKED_ONCE = {
 }
 
 
-def runtime_needs(backend: str, program: str, data: str | None) -> "RuntimeNeeds":
+def runtime_needs(backend: str, program: str, data: str | None,
+                  adapter_data: dict[str, str] | None = None) -> "RuntimeNeeds":
     from exporters.manifest import RuntimeNeeds
 
     if data is None:
         load = f"{program} alone: it holds its weights."
-    else:
+    elif not adapter_data:
         load = (f"{program} together with {data}, which holds its weights (given alone, ExecuTorch 1.5.1 fails "
                 f"in load_method). C++: Module(\"{program}\", \"{data}\"); llama_main --model_path={program} "
                 f"--data_paths={data}; Python: Runtime.get().load_program(\"{program}\", data_path=\"{data}\"), "
                 f"TextLLMRunner(\"{program}\", tokenizer, data_path=\"{data}\").")
+    else:
+        name, file = next(iter(adapter_data.items()))
+        load = (f"{program} together with {data} (the base's weights) and, for an adapter's methods, that adapter's "
+                f"data file ({', '.join(f'{n}: {f}' for n, f in adapter_data.items())}); the base's methods need "
+                f"{data} alone. C++: Module(\"{program}\", {{\"{data}\", \"{file}\"}}) for the base and {name}; "
+                f"llama_main --model_path={program} --data_paths={data},{file} (comma-separated). ExecuTorch 1.5.1's "
+                "Python runtime takes one data file: exporters.runtime.programs.LoadedProgram merges them into one "
+                "temporary file. Swap an adapter by replacing its data file with one exported under the same name, "
+                "ranks and targets (the program is then the same bytes).")
     packed = PACKED_ONCE.get(backend, f"The {backend} delegate's own loader decides (not measured here).")
     return RuntimeNeeds(load=load, packed_once=packed)

@@ -95,6 +95,13 @@ def _adapters_text(m: Manifest) -> str:
                      + (a.validation.quality() if a.validation else "not validated") + " |"
                      for name, a in m.adapters.items())
     first = next(iter(m.adapters))
+    files = [(name, a.data) for name, a in m.adapters.items() if a.data is not None]
+    data = "" if not files else (
+        "Each adapter's A and B matrices are in its own data file (" + ", ".join(
+            f"`{name}`: `{f.file}` {f.size_bytes / 1e6:.2f} MB" for name, f in files) + "), loaded beside the "
+        f"base's `{m.data.file if m.data else ''}` to run its methods. An app ships only the adapters it uses (the "
+        "base's methods need none of these files), and updates an adapter by replacing its file with one exported "
+        "under the same name, ranks and targets: that export's program is the same bytes as this one.\n\n")
     return f"""## LoRA adapters
 
 The program holds the base model's methods and, for each adapter, the same methods with the adapter applied,
@@ -107,7 +114,7 @@ adapter would attend to keys its adapter did not compute).
 |---|---|---|---|
 {rows}
 
-`python -m exporters.generate <this folder> prompt="..." adapter={first}` runs one from Python.
+{data}`python -m exporters.generate <this folder> prompt="..." adapter={first}` runs one from Python.
 
 """
 
@@ -167,7 +174,9 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     pte = run_dir / m.program.file
     if not m.ok:
         raise UserError(f"{run_dir}: the export's status is {m.status!r}; only validated exports are packaged.")
-    data = data_file_for(pte, (m.data.file, m.data.sha256)) if m.data else None  # present and the one exported
+    # Present and the ones exported: the base's data file and each adapter's.
+    data = [data_file_for(pte, (f.file, f.sha256))
+            for f in [m.data, *(a.data for a in m.adapters.values())] if f is not None]
     cfg = m.config
     name = f"{cfg['model']['name']}-{cfg['quant']['name']}-{cfg['backend']['name']}-{m.program.sha256[:12]}"
     out = out or run_dir / "release"
@@ -175,7 +184,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     if bundle.exists():
         shutil.rmtree(bundle)
     bundle.mkdir(parents=True)
-    for file in (pte.name, *([data.name] if data else []), *BUNDLED):
+    for file in (pte.name, *(p.name for p in data), *BUNDLED):  # type: ignore[union-attr]
         if (run_dir / file).is_file():
             shutil.copy2(run_dir / file, bundle / file)
     (bundle / "README.md").write_text(_readme(name, m))
@@ -189,7 +198,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
         "quant": full["quantization"], "backend": cfg["backend"]["name"],
         "methods": full["methods"], "layout": full["layout"], "constant_methods": m.constant_methods,
         "validation": {k: v for k, v in (full["validation"] or {}).items() if k != "per_window"},
-        "data": full["data"], "runtime": full["runtime"], "bench": full["bench"],
+        "data": full["data"], "adapters": full["adapters"], "runtime": full["runtime"], "bench": full["bench"],
         "versions": m.versions, "config": cfg, "files": files,
     }
     (bundle / MANIFEST_FILE).write_text(json.dumps(bundle_manifest, indent=2) + "\n")

@@ -18,6 +18,7 @@ import torch
 from exporters.runtime.driver import Driver
 from exporters.errors import UserError
 from exporters.manifest import program_in
+from exporters.program.weights import data_files_beside
 from exporters.runtime.programs import LoadedProgram
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE, TextTokenizer, find_tokenizer, load_tokenizer
@@ -128,7 +129,8 @@ class Generator:
         """``adapter``: generate with that LoRA adapter's methods (``model.adapters`` at export); None: the base."""
         start = time.perf_counter()
         self.pte = resolve_program(pte)
-        self.program = LoadedProgram(self.pte)
+        # The base's data file and this adapter's only (export.weights=external), as an app loads them.
+        self.program = LoadedProgram(self.pte, data_files_beside(self.pte, [adapter] if adapter else []))
         self.tokenizer = tokenizer_for(self.pte, tokenizer)
         names = self.program.method_names
         self.max_seq_len = int(self.program.constant("get_max_seq_len"))

@@ -8,8 +8,10 @@ method). ``weight_cache=False`` measures the default.
 from __future__ import annotations
 
 import contextlib
+import tempfile
+import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -34,24 +36,83 @@ def use_xnnpack_weight_cache(enabled: bool) -> None:
         set_backend_options(XNNPACK_BACKEND, weight_cache_enabled=enabled)
 
 
+class PackedWeightNames:
+    """Which data file each weight name of the loaded programs comes from, process-wide.
+
+    XNNPACK's weight cache (shared by every program of the process) finds packed weights by their name in the named
+    data store. Programs with external weights name them by tensor (exporters.program.weights), so two programs of
+    one structure loaded at once with different data files (another checkpoint, a retrained adapter) would share
+    the first one's packed weights, silently. ``claim`` refuses that instead."""
+
+    def __init__(self) -> None:
+        # name -> (the data file's sha256, its path, the programs using it)
+        self._owners: dict[str, tuple[str, Path, set[int]]] = {}
+
+    def claim(self, claimant: object, data_paths: list[Path]) -> None:
+        from exporters.errors import UserError
+        from exporters.internals import read_data_file_header
+        from exporters.program.files import sha256_of
+
+        names = {}
+        for path in data_paths:
+            sha = sha256_of(path)
+            for entry in read_data_file_header(path).named_data:
+                owner = self._owners.get(entry.key)
+                if owner is not None and owner[0] != sha:
+                    raise UserError(
+                        f"{path} names its weights as {owner[1]} does, which a program loaded in this process "
+                        "still uses, and holds other values: XNNPACK's weight cache (shared by the process, on in "
+                        "our tools) finds packed weights by name and would run this program with the other's. "
+                        "Release the other program first, or load this one with weight_cache=False.")
+                names[entry.key] = (sha, path)
+        for name, (sha, path) in names.items():
+            self._owners.setdefault(name, (sha, path, set()))[2].add(id(claimant))
+        weakref.finalize(claimant, self._release, id(claimant))
+
+    def _release(self, claimant_id: int) -> None:
+        for name in list(self._owners):
+            users = self._owners[name][2]
+            users.discard(claimant_id)
+            if not users:
+                del self._owners[name]
+
+
+PACKED_WEIGHT_NAMES = PackedWeightNames()
+
+
 class LoadedProgram:
     """A ``.pte`` loaded once; methods are loaded on first use and share the program's mutable buffers.
 
-    ``data_path``: the program's data file; by default the one its manifest lists (checked: present, same
-    sha256), else ``<stem>.ptd`` if the program references external weights. ``weight_cache``: load the
-    methods with XNNPACK's weight cache (methods share packed weights)."""
+    ``data_paths``: the program's data files (the base's weights, then each adapter's); by default the ones its
+    manifest lists (checked: present, same sha256), else ``<stem>.ptd`` if the program references external weights
+    and the ``<stem>.<adapter>.ptd`` beside it. ExecuTorch 1.5.1's Python runtime takes one data file: several are
+    merged into a temporary one (:func:`exporters.internals.merge_data_files`), kept while this object lives.
+    ``weight_cache``: load the methods with XNNPACK's weight cache (methods share packed weights)."""
 
-    def __init__(self, path: str | Path, data_path: str | Path | None = None, weight_cache: bool = True) -> None:
+    def __init__(self, path: str | Path, data_paths: Sequence[str | Path] | None = None,
+                 weight_cache: bool = True) -> None:
         from executorch.runtime import Runtime
 
-        from exporters.program.weights import data_file_beside
+        from exporters.program.weights import data_files_beside
 
         register_runtime_kernels()
         self.path = Path(path)
-        self.data_path = Path(data_path) if data_path is not None else data_file_beside(self.path)
+        self.data_paths = [Path(p) for p in data_paths] if data_paths is not None else data_files_beside(self.path)
         self.weight_cache = weight_cache
-        self._program = Runtime.get().load_program(str(self.path), data_path=self.data_path)
+        if weight_cache:
+            PACKED_WEIGHT_NAMES.claim(self, self.data_paths)
+        self._program = Runtime.get().load_program(str(self.path), data_path=self._one_data_file())
         self._methods: dict[str, Any] = {}
+
+    def _one_data_file(self) -> Path | None:
+        if len(self.data_paths) < 2:
+            return self.data_paths[0] if self.data_paths else None
+        from exporters.internals import merge_data_files
+
+        self._merged = tempfile.TemporaryDirectory(prefix="merged_data_")
+        merged = Path(self._merged.name) / f"{self.path.stem}.ptd"
+        merge_data_files(self.data_paths, merged)
+        return merged
 
     @property
     def method_names(self) -> set[str]:

@@ -122,15 +122,21 @@ class WrittenProgram:
     storage: dict[str, int]  # bytes by kind: shared weights, other constants, graphs (exporters.program.contents)
     undelegated: dict[str, Any] | None = None
     data: DataFile | None = None  # export.weights=external: the .ptd beside ``path``, with the same stem
+    adapter_data: dict[str, DataFile] = field(default_factory=dict)  # and each adapter's (<stem>.<adapter>.ptd)
 
     @property
-    def data_path(self) -> Path | None:
-        return self.path.with_name(self.data.file) if self.data else None
+    def data_paths(self) -> list[Path]:
+        """The data files to load with the program: the base's, then each adapter's."""
+        files = ([self.data] if self.data else []) + list(self.adapter_data.values())
+        return [self.path.with_name(f.file) for f in files]
 
     def summary(self) -> str:
         if self.data is None:
             return f"{self.size_bytes / 1e6:.2f} MB"
-        return f"{self.size_bytes / 1e6:.2f} MB program + {self.data.size_bytes / 1e6:.2f} MB data file"
+        adapters = sum(f.size_bytes for f in self.adapter_data.values())
+        return (f"{self.size_bytes / 1e6:.2f} MB program + {self.data.size_bytes / 1e6:.2f} MB data file"
+                + (f" + {adapters / 1e6:.2f} MB in {len(self.adapter_data)} adapter data file(s)"
+                   if self.adapter_data else ""))
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,14 @@ from exporters.internals import reserialize
 from exporters.manifest import DataFile
 from exporters.program.contents import data_file_entries, storage_breakdown
 from exporters.program.files import sha256_of, write_atomically
-from exporters.program.weights import DATA_TAG, data_path_for, external_constants
+from exporters.program.weights import data_path_for, data_tag, external_constant_tag
 from exporters.stages.artifacts import LoweredProgram, WrittenProgram
 from exporters.stages.pipeline import ExportContext, Stage
 
 
-def backend_config(data_tag: str | None = None):  # type: ignore[no-untyped-def]
+def backend_config(external: bool = False):  # type: ignore[no-untyped-def]
     """Shared mutable buffers: decode continues the cache prefill wrote (docs/DESIGN.md: 0.31 error without).
-    With ``data_tag``, the constants of non-delegated ops go to that data file (lowering tagged the delegates')."""
+    ``external``: the constants of non-delegated ops go to the data files lowering tagged them for."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
 
@@ -32,11 +32,11 @@ def backend_config(data_tag: str | None = None):  # type: ignore[no-untyped-def]
         # The KV-cache update (index_copy -> index_put) is rewritten in place instead of copying the cache.
         run_reinplace_pass=True,
         do_quant_fusion_and_const_prop=True,
-        external_constants=external_constants(data_tag) if data_tag else False,
+        external_constants=external_constant_tag if external else False,
     )
 
 
-def to_executorch(edge: Any, aliases: dict[str, str], data_tag: str | None = None) -> Any:
+def to_executorch(edge: Any, aliases: dict[str, str], external: bool = False) -> Any:
     """``edge.to_executorch``, then each alias (forward = prefill) added as its source's execution plan renamed.
 
     ``to_executorch`` runs its passes and memory planning once per method, and for an alias they would cost
@@ -44,7 +44,7 @@ def to_executorch(edge: Any, aliases: dict[str, str], data_tag: str | None = Non
     wrote a plan equal to prefill's but for its name (delegate segments, constants and memory plan included;
     checked on xnnpack, portable and vulkan programs), and took a third of emit on SmolLM2 (docs/DESIGN.md, 2c).
     """
-    config = backend_config(data_tag)
+    config = backend_config(external)
     manager = edge.to_executorch(config)
     if not aliases:
         return manager
@@ -69,18 +69,22 @@ def provisional_path(final: Path) -> Path:
     return final.with_name(final.stem + ".unvalidated" + final.suffix)
 
 
-def write_data_file(manager: Any, path: Path) -> DataFile:
-    """The manager's one data file (the weights) written as ``path``, atomically: ExecuTorch writes it into a
-    private folder beside ``path`` under its tag's name, and it is renamed into place once complete."""
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as folder:
+def write_data_files(manager: Any, pte: Path, adapters: list[str]) -> dict[str | None, DataFile]:
+    """The manager's data files written beside ``pte`` (the base's weights, then one file per adapter: key None
+    and the adapter's name), atomically: ExecuTorch writes them into a private folder under their tags' names, and
+    each is renamed into place once all are complete."""
+    paths = {owner: data_path_for(pte, owner) for owner in [None, *adapters]}
+    with tempfile.TemporaryDirectory(dir=pte.parent, prefix=f".{pte.name}.") as folder:
         manager.write_tensor_data_to_file(folder)
-        written = sorted(Path(folder).iterdir())
-        assert len(written) == 1, f"expected one data file, ExecuTorch wrote {[p.name for p in written]}"
-        with open(written[0], "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(written[0], path)
-    return DataFile(file=path.name, size_bytes=path.stat().st_size, sha256=sha256_of(path),
-                    entries=data_file_entries(path))
+        written = {path.stem: path for path in Path(folder).iterdir()}
+        expected = {data_tag(owner): owner for owner in paths}
+        assert set(written) == set(expected), f"expected data files {sorted(expected)}, ExecuTorch wrote {sorted(written)}"
+        for tag, path in written.items():
+            with open(path, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(path, paths[expected[tag]])
+    return {owner: DataFile(file=path.name, size_bytes=path.stat().st_size, sha256=sha256_of(path),
+                            entries=data_file_entries(path)) for owner, path in paths.items()}
 
 
 class EmitStage(Stage):
@@ -97,15 +101,16 @@ class EmitStage(Stage):
                                                   "undelegated")}
         del lowered  # the only other reference to the edge programs: dropped with them after to_executorch
         external = self.weights == WeightsPlacement.external
-        program = to_executorch(edge, aliases, data_tag=DATA_TAG if external else None)
+        program = to_executorch(edge, aliases, external=external)
         # to_executorch consumed the edge programs: freeing them here keeps them out of serialization's peak.
         del edge
         path = provisional_path(self.final_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Streamed piece by piece: program.buffer would hold the whole file in memory once more.
         write_atomically(path, program.write_to_file)
-        data = write_data_file(program, data_path_for(path)) if external else None
+        data = write_data_files(program, path, kept["methods"].adapters) if external else {}
         del program
         storage = storage_breakdown(path)
         return WrittenProgram(**kept, path=path, final_path=self.final_path, size_bytes=storage["total_bytes"],
-                              sha256=sha256_of(path), storage=storage, data=data)
+                              sha256=sha256_of(path), storage=storage, data=data.pop(None, None),
+                              adapter_data=data)

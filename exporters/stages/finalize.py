@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from exporters.errors import ValidationFailed
-from exporters.manifest import (MANIFEST_FILE, AdapterEntry, Manifest, MethodEntry, ModelEntry, ProgramFile,
+from exporters.manifest import (MANIFEST_FILE, AdapterEntry, DataFile, Manifest, MethodEntry, ModelEntry, ProgramFile,
                                 Resources)
 from exporters.program.adapters import adapter_method
 from exporters.program.files import sha256_of
@@ -54,6 +54,17 @@ def adapter_entries(ctx: ExportContext, written: WrittenProgram) -> dict[str, Ad
     return entries
 
 
+def move_data_file(written: WrittenProgram, data: DataFile | None, adapter: str | None, pte: Path) -> DataFile | None:
+    """The data file of the base (or of ``adapter``) renamed beside ``pte``, with its new name; without one, a file
+    of that name left by an earlier export (it belonged to the program being replaced) is removed."""
+    path = data_path_for(pte, adapter)
+    if data is None:
+        path.unlink(missing_ok=True)
+        return None
+    os.replace(written.path.with_name(data.file), path)
+    return dataclasses.replace(data, file=path.name)
+
+
 def rejected_path(final: Path) -> Path:
     return final.with_name(final.stem + ".rejected" + final.suffix)
 
@@ -75,13 +86,10 @@ class FinalizeStage(Stage):
         failed = [name for name, a in adapters.items() if a.validation is not None and not a.validation.passed]
         ok = (report is None or report.passed) and not failed
         pte = written.final_path if ok else rejected_path(written.final_path)
-        data, data_path = None, data_path_for(pte)
-        if written.data is not None:  # the data file first: a finished-looking program always has its weights
-            assert written.data_path is not None
-            os.replace(written.data_path, data_path)
-            data = dataclasses.replace(written.data, file=data_path.name)
-        else:  # a data file left by an earlier export of this name belonged to the program just replaced
-            data_path.unlink(missing_ok=True)
+        # The data files first: a finished-looking program always has its weights.
+        data = move_data_file(written, written.data, None, pte)
+        for name, entry in adapters.items():
+            entry.data = move_data_file(written, written.adapter_data.get(name), name, pte)
         os.replace(written.path, pte)
         out_dir = pte.parent
         copied = []
@@ -122,7 +130,8 @@ class FinalizeStage(Stage):
             versions=package_versions(),
             config=ctx.resolved_config,
             data=data,
-            runtime=runtime_needs(ctx.config.backend.name, pte.name, data.file if data else None),
+            runtime=runtime_needs(ctx.config.backend.name, pte.name, data.file if data else None,
+                                  {n: a.data.file for n, a in adapters.items() if a.data is not None}),
             adapters=adapters,
         )
         manifest_path = out_dir / MANIFEST_FILE

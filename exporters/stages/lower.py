@@ -14,7 +14,7 @@ from typing import Any
 from exporters.config import BackendConfig, WeightsPlacement
 from exporters.internals import xnnpack_keys_by_name
 from exporters.program.backends import partitioners
-from exporters.program.weights import DATA_TAG, structure_namespace, tag_delegated_weights
+from exporters.program.weights import structure_namespace, tag_weights_by_data_file
 from exporters.program.constants import constant_methods
 from exporters.stages.artifacts import CapturedMethods, LoweredProgram
 from exporters.stages.pipeline import ExportContext, Stage
@@ -78,13 +78,14 @@ class LowerStage(Stage):
         constants = constant_methods(model.args, ctx.checkpoint, methods.specs, self.max_seq_len,
                                      self.cfg.dynamic_shapes, methods.adapters)
         external = self.weights == WeightsPlacement.external
-        # External weights: every constant is marked for the data file before partitioning, and XNNPACK names
-        # its weights by tensor rather than by content, so the program is the same bytes whatever the weights.
+        # External weights: every constant is marked for its data file (the base's, or its adapter's) before
+        # partitioning, and XNNPACK names its weights by tensor rather than by content, so the program is the same
+        # bytes whatever the weights.
         naming = xnnpack_keys_by_name(structure_namespace(programs)) if external else contextlib.nullcontext()
         with naming:
             edge = to_edge_transform_and_lower(
                 programs,
-                transform_passes=[tag_delegated_weights(DATA_TAG)] if external else None,
+                transform_passes=[tag_weights_by_data_file()] if external else None,
                 partitioner=with_progress(partitioners(self.cfg.partitioner, self.cfg.options), list(programs),
                                           self.cfg.name),
                 constant_methods=constants,

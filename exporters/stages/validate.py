@@ -193,7 +193,7 @@ class ValidateStage(Stage):
     def run(self, written: WrittenProgram, ctx: ExportContext) -> WrittenProgram:
         assert ctx.baseline is not None
         if self.runs_here:
-            program: LoadedProgram | CapturedPrograms = LoadedProgram(written.path, data_path=written.data_path)
+            program: LoadedProgram | CapturedPrograms = LoadedProgram(written.path, data_paths=written.data_paths)
             checked: Checked = "runtime"
         else:
             assert written.undelegated is not None, "capture keeps undelegated programs for such backends"
