@@ -47,7 +47,7 @@ def check_config(cfg: ExportConfig) -> None:
     check_backend(cfg.backend, cfg.bench)
     check_quant(cfg.quant, cfg.backend)
     check_methods(cfg.export, cfg.backend)
-    check_weights(cfg.export, cfg.backend)
+    check_weights(cfg.export, cfg.backend, list(cfg.model.adapters))
     check_validation(cfg.validation, enabled=cfg.validate)
     for name in ("prompt_tokens", "steps", "repeats"):
         if getattr(cfg.benchmark, name) < 1:

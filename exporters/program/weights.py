@@ -42,14 +42,21 @@ class DataFileError(UserError):
     """A program's data file is missing, renamed, or from another export."""
 
 
-def check_weights(export: "ExportSection", backend: "BackendConfig") -> None:
-    """``export.weights`` is one the backend can write, refused before any work otherwise."""
+def check_weights(export: "ExportSection", backend: "BackendConfig", adapters: Sequence[str] = ()) -> None:
+    """``export.weights`` is one the backend can write (with these adapters), refused before any work otherwise."""
     if export.weights not in backend.supported_weights:
         raise UserError(
             f"export.weights={export.weights}: backend={backend.name} keeps its weights inside its own compiled "
             f"blobs, which ExecuTorch cannot move to a data file; it supports export.weights="
             f"{listed(backend.supported_weights)}. Use export.weights=program, or backend=xnnpack / portable for "
             "a .ptd. Nothing was exported.")
+    if adapters and export.weights == "external" and backend.name == "portable":
+        raise UserError(
+            f"export.weights=external with model.adapters ({', '.join(adapters)}) on backend=portable: ExecuTorch "
+            "1.5.1 folds each method's transposed weights into new constants named per method "
+            "(_prop_tensor_constant<N>), and an adapter's methods number theirs differently from the base's, so "
+            "two different tensors get one name in the data file. Use backend=xnnpack (each adapter in its own "
+            ".ptd), or export.weights=program. Nothing was exported.")
 
 
 def data_tag(adapter: str | None) -> str:
