@@ -215,6 +215,11 @@ def test_with_external_weights_each_adapter_has_its_own_data_file_that_can_be_sw
     assert {"model.ptd", "model.pirate.ptd", "model.minutes.ptd"} <= {p.name for p in bundle.iterdir()}
     assert "`pirate`: `model.pirate.ptd`" in (bundle / "README.md").read_text()
     assert torch.equal(pirate_logits([bundle / "model.ptd", bundle / "model.pirate.ptd"]), original)
+    # The portable backend cannot keep adapters apart (ExecuTorch names its folded weights per method).
+    with pytest.raises(UserError, match=r"model.adapters \(pirate\) on backend=portable: ExecuTorch 1.5.1 folds"):
+        export(compose_config("backend=portable", "export.weights=external", f"+model.adapters={{pirate: {pirate}}}"),
+               tmp_path / "portable")
+    assert not list((tmp_path / "portable").glob("*.pt*"))
 
 
 @pytest.fixture(scope="module")
