@@ -221,6 +221,12 @@ class _NamedDigest:
         return self.name
 
 
+def is_xnnpack_weight_name(key: str) -> bool:
+    """Whether a data file's key is a weight XNNPACK named in :func:`xnnpack_keys_by_name` (a tensor's module path
+    never holds a slash)."""
+    return "/" in key
+
+
 @contextlib.contextmanager
 def xnnpack_keys_by_name(namespace: str) -> Iterator[None]:
     """Within this block, XNNPACK names a weight ``<namespace>/<fully qualified name>`` (its scales

@@ -50,13 +50,15 @@ class PackedWeightNames:
 
     def claim(self, claimant: object, data_paths: list[Path]) -> None:
         from exporters.errors import UserError
-        from exporters.internals import read_data_file_header
+        from exporters.internals import is_xnnpack_weight_name, read_data_file_header
         from exporters.program.files import sha256_of
 
         names = {}
         for path in data_paths:
             sha = sha256_of(path)
             for entry in read_data_file_header(path).named_data:
+                if not is_xnnpack_weight_name(entry.key):  # the others are read where they are stored, not cached
+                    continue
                 owner = self._owners.get(entry.key)
                 if owner is not None and owner[0] != sha:
                     raise UserError(
