@@ -141,38 +141,47 @@ def test_adapter_methods_that_ignore_the_adapter_fail_validation(smollm2_truncat
     assert not manifest["adapters"]["pirate"]["validation"]["passed"]
 
 
-def test_adapters_can_be_stored_in_8_bits(exported, tiny_checkpoint: Path, tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
-    """quant.adapters=8da8w beside an 8da4w base: smaller adapters, still validated (the tiny model: the storage
-    and the scheme are what is tested here)."""
-    folder = train_adapter(tiny_checkpoint, tmp_path_factory.mktemp("tiny_adapter") / "pirate",
-                           AdapterRecipe(RECIPES["pirate"].text, ("q_proj", "v_proj", "down_proj"), steps=4))
-    adapters = f"+model.adapters={{pirate: {folder}}}"
-    one_method = ("export.methods=[decode]", "export.layout=split")  # one graph per adapter: the storage is the point
-    full = exported("quant=8da4w", adapters, *one_method)
-    eight = exported("quant=8da4w", "quant.adapters=8da8w", adapters, *one_method)
+@pytest.fixture(scope="module")
+def tiny_adapters(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Adapters of the tiny model (seconds to train): pirate on attention and MLP, minutes on attention, and
+    pirate retrained on other text (the same name, ranks and targets)."""
+    folders = tmp_path_factory.mktemp("tiny_adapters")
+    recipes = {"pirate": AdapterRecipe(RECIPES["pirate"].text, ("q_proj", "v_proj", "down_proj"), steps=4),
+               "minutes": AdapterRecipe(RECIPES["minutes"].text, ("q_proj", "v_proj"), steps=4, seed=1),
+               "retrained": AdapterRecipe(OTHER_TEXT, ("q_proj", "v_proj", "down_proj"), steps=4, seed=5)}
+    return {name: train_adapter(tiny_checkpoint, folders / name, recipe) for name, recipe in recipes.items()}
+
+
+def tiny_exported(exported, tiny_adapters: dict[str, Path], *overrides: str, pirate: str = "pirate"):  # type: ignore[no-untyped-def]
+    """8da4w, each adapter in its own data file, one graph per adapter (the storage is the point: the tiny model)."""
+    return exported("quant=8da4w", "export.weights=external", "export.methods=[decode]", "export.layout=split",
+                    f"+model.adapters={{pirate: {tiny_adapters[pirate]}, minutes: {tiny_adapters['minutes']}}}",
+                    *overrides)
+
+
+def test_adapters_can_be_stored_in_8_bits(exported, tiny_adapters) -> None:  # type: ignore[no-untyped-def]
+    """quant.adapters=8da8w beside an 8da4w base: smaller adapters, still validated."""
+    full, eight = tiny_exported(exported, tiny_adapters), tiny_exported(exported, tiny_adapters, "quant.adapters=8da8w")
     for result in (full, eight):
-        assert result.manifest.passed and result.manifest.adapters["pirate"].validation.checked == "runtime"
+        assert result.manifest.passed and all(a.validation.checked == "runtime" for a in result.manifest.adapters.values())
     applied = eight.manifest.quantization.adapters
-    assert applied is not None and applied.scheme == "8da8w" and len(applied.layers) == 2 * 6
+    assert applied is not None and applied.scheme == "8da8w" and len(applied.layers) == 2 * (6 + 4)
     assert set(applied.layers.values()) == {0}, "one scale per row"
     assert full.manifest.quantization.adapters is None
-    assert (full.manifest.adapters["pirate"].dtype, eight.manifest.adapters["pirate"].dtype) == ("float32", "8da8w")
-    assert eight.manifest.program.size_bytes < full.manifest.program.size_bytes
+    for name in ("pirate", "minutes"):
+        fp32, int8 = full.manifest.adapters[name], eight.manifest.adapters[name]
+        assert (fp32.dtype, int8.dtype) == ("float32", "8da8w")
+        assert int8.data.size_bytes < 0.5 * fp32.data.size_bytes, name  # type: ignore[union-attr]
+    assert eight.manifest.program.sha256 != full.manifest.program.sha256
 
 
 def test_with_external_weights_each_adapter_has_its_own_data_file_that_can_be_swapped(  # type: ignore[no-untyped-def]
-        exported, tiny_checkpoint: Path, tmp_path_factory, tmp_path: Path) -> None:
+        exported, tiny_adapters, tiny_checkpoint: Path, tmp_path: Path) -> None:
     """export.weights=external: the base's weights in model.ptd, each adapter's A and B in model.<adapter>.ptd.
     The adapter retrained (same name, ranks, targets) and exported again gives the same program bytes and a new
     adapter file, which beside the first program makes its adapter methods compute the new adapter."""
-    folders = tmp_path_factory.mktemp("tiny_adapters")
-    train = lambda name, text, seed: train_adapter(  # noqa: E731
-        tiny_checkpoint, folders / name, AdapterRecipe(text, ("q_proj", "v_proj"), steps=4, seed=seed))
-    pirate, retrained, minutes = train("pirate", RECIPES["pirate"].text, 0), train("v2", OTHER_TEXT, 5), train(
-        "minutes", RECIPES["minutes"].text, 1)
-    one_method = ("quant=8da4w", "export.weights=external", "export.methods=[decode]", "export.layout=split")
-    first = exported(*one_method, f"+model.adapters={{pirate: {pirate}, minutes: {minutes}}}")
-    second = exported(*one_method, f"+model.adapters={{pirate: {retrained}, minutes: {minutes}}}")
+    first = tiny_exported(exported, tiny_adapters)
+    second = tiny_exported(exported, tiny_adapters, pirate="retrained")
     run, m = first.pte_path.parent, first.manifest
     assert m.passed and m.data is not None and m.data.file == "model.ptd"
     for name in ("pirate", "minutes"):
@@ -217,7 +226,8 @@ def test_with_external_weights_each_adapter_has_its_own_data_file_that_can_be_sw
     assert torch.equal(pirate_logits([bundle / "model.ptd", bundle / "model.pirate.ptd"]), original)
     # The portable backend cannot keep adapters apart (ExecuTorch names its folded weights per method).
     with pytest.raises(UserError, match=r"model.adapters \(pirate\) on backend=portable: ExecuTorch 1.5.1 folds"):
-        export(compose_config("backend=portable", "export.weights=external", f"+model.adapters={{pirate: {pirate}}}"),
+        export(compose_config("backend=portable", "export.weights=external",
+                              f"+model.adapters={{pirate: {tiny_adapters['pirate']}}}"),
                tmp_path / "portable")
     assert not list((tmp_path / "portable").glob("*.pt*"))
 
