@@ -45,6 +45,7 @@ NO_CACHE = "llm-exporters (no weight cache)"
 
 # export_llm's spelling of our quant options.
 EXPORT_LLM_QUANT = {
+    "fp32": [],
     "8da4w": ["quantization.qmode=8da4w"],
     "8da8w": ["quantization.qmode=8da8w"],
     "8da4w_emb4w": ["quantization.qmode=8da4w", "quantization.embedding_quantize='4,32'"],
@@ -62,13 +63,16 @@ def run_measured(cmd: list[str], log: Path) -> dict[str, float]:
     return {"wall_s": round(wall, 1), "peak_rss_gb": round(peak_mb / 1024, 2)}
 
 
+def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a Hugging Face q/k projection (or of a LoRA B feeding one) in Meta's rotary layout: each head's
+    rows interleaved (x0, y0, x1, y1, ...) where Hugging Face puts its halves one after the other."""
+    rows, cols = w.shape
+    return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
 def meta_checkpoint(hf_dir: Path, p: Preset, out: Path) -> Path:
     """SmolLM2's weights in Meta's names and rotary layout, for export_llm (q/k rows un-permuted)."""
     from safetensors.torch import load_file
-
-    def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
-        rows, cols = w.shape
-        return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
     hf = load_file(str(hf_dir / "model.safetensors"))
     sd = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
@@ -94,7 +98,16 @@ def ours_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path) -> li
                              f"validate={str(args.validate).lower()}", *args.ours_overrides], out)
 
 
+EXPORT_LLM = [sys.executable, "-m", "executorch.extension.llm.export.export_llm"]
+
+
 def export_llm_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path) -> list[str]:
+    return [*EXPORT_LLM, *export_llm_overrides(p, args, out, hf_dir)]
+
+
+def export_llm_overrides(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path) -> list[str]:
+    """export_llm's settings for ``p`` (params.json and, for real weights, the Meta checkpoint written into
+    ``out``), writing ``out/model.pte``."""
     params = out / "params.json"
     params.write_text(json.dumps({
         "dim": p.dim, "n_layers": p.layers, "n_heads": p.heads, "n_kv_heads": p.kv_heads, "vocab_size": p.vocab,
@@ -102,7 +115,7 @@ def export_llm_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path)
     }))
     checkpoint = [f"base.checkpoint={meta_checkpoint(hf_dir, p, out)}"] if p.real else []
     return [
-        sys.executable, "-m", "executorch.extension.llm.export.export_llm", f"base.params={params}", *checkpoint,
+        f"base.params={params}", *checkpoint,
         "model.use_kv_cache=True", "model.use_sdpa_with_kv_cache=True", "model.enable_dynamic_shape=True",
         "backend.xnnpack.enabled=True", *EXPORT_LLM_QUANT[args.quant],
         f"quantization.group_size={args.group_size}", f"export.max_seq_length={args.max_seq_len}",
