@@ -3,6 +3,7 @@
     python -m benchmarks.adapters --preset smollm2 --quant 8da4w --counts 0,1,2,4 --out bench/adapters
     python -m benchmarks.adapters --preset smollm2 --layers 2 --counts 0,2     # quick check of the tool itself
     python -m benchmarks.adapters --preset smollm2 --layers 2 --counts 0,2 --quant fp32 --export-llm
+    python -m benchmarks.adapters --counts 0,4 --export-llm --ours-overrides export.weights=external
 
 Trains up to max(--counts) real LoRA adapters with PEFT on the preset's real checkpoint (tests/peft_adapters.py:
 different texts, targets and ranks), then exports the base with the first N of them for each N of --counts, each
@@ -12,7 +13,10 @@ the base's shapes, so each separate program is the size of the N = 0 one), the R
 loading the base's prompt and step methods, then one adapter's and two adapters' as well (XNNPACK's weight cache
 on, as our tools and phone builds load), and the prefill and decode speed of the base and of every adapter,
 interleaved round by round. Every program's logits on the validation text (teacher-forced) are compared with
-PEFT's eager fp32 model with the same adapter (top-1 agreement, mean KL, max |diff|).
+PEFT's eager fp32 model with the same adapter (top-1 agreement, mean KL, max |diff|), and its perplexity on held-out
+text in each adapter's style and in none (:data:`HELD_OUT`: neither training nor validation saw it) is given beside
+PEFT's. With ``--ours-overrides export.weights=external`` each adapter's matrices are in their own ``.ptd``, whose
+sizes the table adds, and the memory after load counts the base's data file and the loaded adapters' only.
 
 With --export-llm, the same base and adapters are exported and measured the same way with ExecuTorch's own
 ``export_llm`` (its multimethod LoRA export: one ``forward`` method for the base and one ``<adapter>_forward`` per
@@ -42,7 +46,7 @@ from exporters.manifest import Manifest
 from exporters.runtime.driver import Driver
 from exporters.runtime.memory import memory_after_load_mb, wait_with_peak_rss
 from exporters.runtime.programs import LoadedProgram
-from exporters.runtime.quality import Agreement, read_text
+from exporters.runtime.quality import Agreement, negative_log_likelihood, perplexity, read_text
 from exporters.runtime.speed import measure_speeds
 from tests.peft_adapters import RECIPES, train_adapter
 
@@ -54,6 +58,30 @@ EXPORT_LLM_ADAPTERS = ("export_llm's adapters (export_llm/adapters): q/k B rows 
                        "PEFT scale folded into B and ranks zero-padded to the adapter's largest, r = lora_alpha = that "
                        "rank (export_llm applies one rank and alpha / r to every module: no use_rslora, rank_pattern "
                        "or alpha_pattern).")
+# Text neither the adapters' training (tests/peft_adapters.py) nor validation used, in the style of each adapter and
+# plain: how much each adapter's methods keep of what it learned, and of the base, once exported.
+HELD_OUT = {
+    "general": ("The library opened at nine, and by ten the reading room was already warm. A student copied notes from "
+                "a heavy atlas while an old man turned the pages of a newspaper, one slow page at a time. Outside, the "
+                "gardener raked leaves into tidy piles that the wind kept scattering across the path, and a delivery "
+                "van waited at the corner with its engine running while the driver checked an address."),
+    "pirate": ("Arr, ye scallywags, lower the longboat and row for the cove! The captain's map be marked with a red "
+               "cross where the chest lies, and the tide be turning fast. Keep yer cutlasses close and yer voices low, "
+               "for the navy patrols these waters. Arr, there be doubloons enough for every hand aboard, so pull them "
+               "oars like yer life depends on it, me buckos!"),
+    "minutes": ("Minutes of the monthly meeting. Present: the chair, the treasurer and four members. Item one: the "
+                "minutes of the last meeting were read and approved. Item two: the treasurer reported that the accounts "
+                "balance and the audit is complete. Item three: the committee agreed to repaint the hall in spring. "
+                "Item four: any other business. None. The meeting closed at half past six."),
+    "recipe": ("Recipe. Take three ripe tomatoes, one onion, two cloves of garlic and a spoon of olive oil. Chop the "
+               "onion and garlic, soften them in the oil over a low heat, then add the tomatoes and a pinch of salt. "
+               "Simmer the sauce for twenty minutes, stirring now and then, and season with basil before serving it "
+               "over pasta. Recipe ends."),
+    "legal": ("Section 5. The tenant shall pay the rent on the first day of each month. Section 6. The landlord shall "
+              "keep the premises in good repair. Section 7. Either party may end this lease with sixty days of written "
+              "notice. Section 8. Notices shall be delivered by post to the addresses given above. Section 9. This "
+              "lease is the whole agreement of the parties."),
+}
 # A program to measure: its .pte, the base's prompt and step methods, each adapter's.
 Program = tuple[Path, list[str], dict[str, list[str]]]
 
@@ -128,16 +156,19 @@ def export_llm_with(base_overrides: list[str], adapters: dict[str, Path], run_di
     return run_child([*EXPORT_LLM, "--config", str(run_dir / "export_llm.yaml")], run_dir / "export.log")
 
 
-def check_text(checkpoint: Path) -> torch.Tensor:
-    """The first :data:`CHECK_TOKENS` tokens of the validation text, [1, T]."""
+def check_texts(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Token ids [1, T] of the texts every program is scored on: the first :data:`CHECK_TOKENS` of the validation
+    text (the check against PEFT), and each :data:`HELD_OUT` text (perplexity)."""
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(str(checkpoint))(read_text(None)[0])["input_ids"][:CHECK_TOKENS]
-    return torch.tensor([ids])
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    texts = {"validation": read_text(None)[0], **HELD_OUT}
+    return {name: torch.tensor([tokenizer(text)["input_ids"][:CHECK_TOKENS]]) for name, text in texts.items()}
 
 
-def peft_logits(checkpoint: Path, adapters: dict[str, Path], tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-    """PEFT's eager fp32 logits [T, V] on ``tokens``, of the base and with each adapter: the reference every
+def peft_logits(checkpoint: Path, adapters: dict[str, Path],
+                texts: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """PEFT's eager fp32 logits [T, V] on each text, of the base and with each adapter: the reference every
     program is checked against (no exporter's own eager model)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -148,36 +179,59 @@ def peft_logits(checkpoint: Path, adapters: dict[str, Path], tokens: torch.Tenso
         if folder is not None:
             model = PeftModel.from_pretrained(model, str(folder))
         with torch.no_grad():
-            logits[label] = model(input_ids=tokens).logits[0]
+            logits[label] = {name: model(input_ids=tokens).logits[0] for name, tokens in texts.items()}
     return logits
 
 
-def against_peft(driver: Driver, tokens: torch.Tensor, reference: torch.Tensor) -> dict:
-    """The program's teacher-forced predictions after the prompt against PEFT's at the same positions."""
+def teacher_forced(driver: Driver, tokens: torch.Tensor) -> torch.Tensor:
+    """The program's predictions for tokens CHECK_PROMPT.. of ``tokens``: the first CHECK_PROMPT through the prompt
+    method, then one at a time through the step method. -> [T - CHECK_PROMPT, V]"""
     predictions = [driver.prefill(tokens[:, :CHECK_PROMPT])]
     for position in range(CHECK_PROMPT, tokens.shape[1] - 1):
         predictions.append(driver.decode_one_token(tokens[:, position:position + 1], position))
-    a = Agreement.of(reference[CHECK_PROMPT - 1:-1], torch.cat(predictions))
-    return {"top1": float(a.top1.double().mean()), "kl_mean": float(a.kl.mean()), "max_abs": a.max_abs_error}
+    return torch.cat(predictions)
 
 
-def measure(programs: dict[str, Program], reference: dict[str, torch.Tensor], tokens: torch.Tensor, vocab: int,
-            prompt: int, steps: int, repeats: int) -> dict[str, dict]:
+def scores(driver: Driver, texts: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict:
+    """Against PEFT on the validation text (top-1, mean KL, max |diff|), and perplexity on each held-out text, the
+    program's beside PEFT's on the same tokens."""
+    found = {}
+    for name, tokens in texts.items():
+        predictions, peft = teacher_forced(driver, tokens), reference[name][CHECK_PROMPT - 1:-1]
+        targets, n = tokens[0, CHECK_PROMPT:], tokens.shape[1] - CHECK_PROMPT
+        if name == "validation":
+            a = Agreement.of(peft, predictions)
+            found["vs_peft"] = {"top1": float(a.top1.double().mean()), "kl_mean": float(a.kl.mean()),
+                                "max_abs": a.max_abs_error}
+        else:
+            found.setdefault("held_out_ppl", {})[name] = {
+                "program": perplexity(negative_log_likelihood(predictions, targets), n),
+                "peft": perplexity(negative_log_likelihood(peft, targets), n)}
+    return found
+
+
+def measure(programs: dict[str, Program], reference: dict[str, dict[str, torch.Tensor]],
+            texts: dict[str, torch.Tensor], vocab: int, prompt: int, steps: int, repeats: int) -> dict[str, dict]:
     """For each exporter's program: the RSS a fresh process gains by loading the base's methods, then one and two
-    adapters' as well; the check against PEFT; the prefill and decode speed of the base and of each adapter, rounds
+    adapters' as well; the check against PEFT and the held-out perplexities; the prefill and decode speed of the base and of each adapter, rounds
     interleaved over all programs, so that the exporters are timed under the same conditions."""
     results, drivers = {}, {}
     for exporter, (pte, base, adapters) in programs.items():
         names = list(adapters)
-        rss = {"base": memory_after_load_mb(pte, base)[0]}
+        loads = {"base": (base, [])}
         if names:
-            rss["base + 1 adapter"] = memory_after_load_mb(pte, base + adapters[names[0]])[0]
+            loads["base + 1 adapter"] = (base + adapters[names[0]], names[:1])
         if len(names) > 1:
-            rss["base + 2 adapters"] = memory_after_load_mb(pte, base + adapters[names[0]] + adapters[names[1]])[0]
+            loads["base + 2 adapters"] = (base + adapters[names[0]] + adapters[names[1]], names[:2])
+        # RSS counts a data file's pages once per method mapping them, PSS once (export.weights=external).
+        memory = {label: memory_after_load_mb(pte, methods, adapters=used) for label, (methods, used) in loads.items()}
+        rss, pss = ({label: m[i] for label, m in memory.items()} for i in (0, 1))
         program = LoadedProgram(pte)
         mine = {label: Driver.of(program, adapter) for label, adapter in [("base", None), *[(n, n) for n in names]]}
-        results[exporter] = {"rss_after_load_mb": rss, "speed": {},
-                             "vs_peft": {label: against_peft(d, tokens, reference[label]) for label, d in mine.items()}}
+        checked = {label: scores(d, texts, reference[label]) for label, d in mine.items()}
+        results[exporter] = {"rss_after_load_mb": rss, "pss_after_load_mb": pss, "speed": {},
+                             "vs_peft": {label: c["vs_peft"] for label, c in checked.items()},
+                             "held_out_ppl": {label: c["held_out_ppl"] for label, c in checked.items()}}
         drivers.update({(exporter, label): d for label, d in mine.items()})
     speeds = measure_speeds({f"{e}: {label}": d for (e, label), d in drivers.items()}, prompt, steps, repeats, vocab)
     for (exporter, label), s in zip(drivers, speeds.values()):
@@ -191,21 +245,38 @@ def table(rows: list[dict], title: str) -> list[str]:
     base_size = rows[0]["size_mb"] if rows[0]["adapters"] == [] else None
     validated = "validation" in rows[0]
     lines = [title, "",
-             "| adapters | `.pte` MB | N + 1 separate programs MB | export s | peak RSS MB | RSS after load MB "
-             "(base / +1 / +2) | decode tok/s (base; each adapter) | vs PEFT fp32 (top-1, KL, max abs diff) |"
+             "| adapters | `.pte` (+ `.ptd`) MB | N + 1 separate programs MB | export s | peak RSS MB | RSS (PSS) after "
+             "load MB (base / +1 / +2) | decode tok/s (base; each adapter) | vs PEFT fp32 (top-1, KL, max abs diff) |"
              + (" validation (KL, top-1, perplexity) |" if validated else ""),
              "|---:|---:|---:|---:|---:|---|---|---|" + ("---|" if validated else "")]
     for r in rows:
         n = len(r["adapters"])
         separate = f"{base_size * (n + 1):.1f}" if base_size else "-"
-        rss = " / ".join(f"{v:.0f}" for v in r["rss_after_load_mb"].values())
+        rss = " / ".join(f"{v:.0f} ({p:.0f})" for v, p in zip(r["rss_after_load_mb"].values(),
+                                                              r["pss_after_load_mb"].values()))
         speed = "; ".join(f"{label} {s['decode_tok_s']:.1f}" for label, s in r["speed"].items())
         check = "; ".join(f"{label} {v['top1']:.1%}, {v['kl_mean']:.2g}, {v['max_abs']:.2g}"
                           for label, v in r["vs_peft"].items())
         quality = "; ".join(f"{label} {v['kl_mean']:.2g}, {v['top1']:.1%}, {v['perplexity']:.2f}"
                             for label, v in r.get("validation", {}).items())
-        lines.append(f"| {n} | {r['size_mb']:.1f} | {separate} | {r['wall_s']:.0f} | {r['peak_rss_mb']} | {rss} | "
+        files = r.get("adapter_files_mb")
+        size = f"{r['size_mb']:.1f}" + (f" + {sum(files.values()):.1f} in {len(files)} adapter files" if files else "")
+        lines.append(f"| {n} | {size} | {separate} | {r['wall_s']:.0f} | {r['peak_rss_mb']} | {rss} | "
                      f"{speed} | {check} |" + (f" {quality} |" if validated else ""))
+    return lines
+
+
+def held_out_table(report: dict) -> list[str]:
+    """Perplexity on the held-out texts of each exporter's largest program, by method set: the program's, then
+    PEFT's eager fp32 on the same tokens."""
+    lines = ["## Perplexity on held-out text (program / PEFT fp32)", "",
+             "| exporter | methods | " + " | ".join(HELD_OUT) + " |", "|---|---|" + "---|" * len(HELD_OUT)]
+    for exporter in ("llm-exporters", "export_llm"):
+        if exporter not in report:
+            continue
+        for label, found in report[exporter][-1]["held_out_ppl"].items():
+            lines.append(f"| {exporter} | {label} | " + " | ".join(
+                f"{found[t]['program']:.2f} / {found[t]['peft']:.2f}" for t in HELD_OUT) + " |")
     return lines
 
 
@@ -214,6 +285,7 @@ def report_md(report: dict, preset: str, quant: str) -> str:
     if "export_llm" in report:
         lines += ["", *table(report["export_llm"], f"## The same with ExecuTorch's export_llm (multimethod LoRA), "
                                                      f"{quant}"), "", EXPORT_LLM_ADAPTERS]
+    lines += ["", *held_out_table(report)]
     return "\n".join(lines) + "\n"
 
 
@@ -223,7 +295,10 @@ def export_ours(overrides: list[str], adapters: dict[str, Path], run_dir: Path) 
     m: Manifest = done["manifest"]
     reports = {"base": m.validation, **{k: a.validation for k, a in m.adapters.items()}}
     base = [m.layout.prompt_method, m.layout.token_method]
-    row = {"adapters": list(adapters), "size_mb": round(m.program.size_bytes / 1e6, 2), "wall_s": done["wall_s"],
+    # With export.weights=external: the program and the base's data file, and each adapter's file apart.
+    size = m.program.size_bytes + (m.data.size_bytes if m.data else 0)
+    row = {"adapters": list(adapters), "size_mb": round(size / 1e6, 2), "wall_s": done["wall_s"],
+           "adapter_files_mb": {k: round(a.data.size_bytes / 1e6, 3) for k, a in m.adapters.items() if a.data},
            "peak_rss_mb": done["peak_rss_mb"],
            "validation": {k: {"kl_mean": v.kl_mean, "top1": v.top1_agreement, "perplexity": v.perplexity,
                               "passed": v.passed} for k, v in reports.items() if v is not None}}
@@ -249,6 +324,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--ours-overrides", nargs="*", default=[],
+                        help="more overrides for our exporter, e.g. export.weights=external (each adapter's own .ptd)")
     parser.add_argument("--export-llm", action="store_true",
                         help="also export and measure the same with ExecuTorch's export_llm (multimethod LoRA)")
     args = parser.parse_args()
@@ -266,9 +343,9 @@ def main() -> None:
     names = list(RECIPES)[:max(counts)]
     adapters = {n: train_adapter(checkpoint, out / "adapters" / n, RECIPES[n]) for n in names}
     overrides = [*exporter_overrides(preset, checkpoint), f"quant={args.quant}",
-                 f"export.max_seq_len={args.max_seq_len}", "bench=false"]
-    tokens = check_text(checkpoint)
-    reference = peft_logits(checkpoint, adapters, tokens)
+                 f"export.max_seq_len={args.max_seq_len}", "bench=false", *args.ours_overrides]
+    texts = check_texts(checkpoint)
+    reference = peft_logits(checkpoint, adapters, texts)
     rows: dict[str, list[dict]] = {"llm-exporters": []}
     if args.export_llm:
         root = out / "export_llm"
@@ -283,7 +360,7 @@ def main() -> None:
         if args.export_llm:
             found["export_llm"] = export_theirs(llm_overrides, {k: converted[k] for k in names[:n]},
                                                 root / f"adapters_{n}")
-        measured = measure({e: program for e, (_, program) in found.items()}, reference, tokens, preset.vocab,
+        measured = measure({e: program for e, (_, program) in found.items()}, reference, texts, preset.vocab,
                            args.prompt_len, args.steps, args.repeats)
         for exporter, (row, _) in found.items():
             rows[exporter].append({**row, **measured[exporter]})

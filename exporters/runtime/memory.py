@@ -10,19 +10,22 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 # Run in a fresh interpreter: RSS and PSS a process gains by loading the program and some of its methods
 # (imports not counted). A fresh process, because one that has already run the program reuses freed memory.
 _MEMORY_AFTER_LOAD = """
 import sys
+from exporters.program.weights import data_files_beside
 from exporters.runtime.memory import current_pss_mb, current_rss_mb
 from exporters.runtime.programs import LoadedProgram, register_runtime_kernels, use_xnnpack_weight_cache
 register_runtime_kernels()
-weight_cache = sys.argv[1] == "1"
+weight_cache, pte, adapters, methods = sys.argv[1] == "1", sys.argv[2], sys.argv[3], sys.argv[4:]
 use_xnnpack_weight_cache(weight_cache)
+data = data_files_beside(pte, adapters.split(",") if adapters else [])
 rss, pss = current_rss_mb(), current_pss_mb()
-program = LoadedProgram(sys.argv[2], weight_cache=weight_cache)
-program.load(*sys.argv[3:])
+program = LoadedProgram(pte, data, weight_cache=weight_cache)
+program.load(*methods)
 print(current_rss_mb() - rss, current_pss_mb() - pss)
 """
 
@@ -71,14 +74,16 @@ def wait_with_peak_rss(child: subprocess.Popen) -> float:
     return usage.ru_maxrss / 1024  # Linux: KiB
 
 
-def memory_after_load_mb(pte: Path, methods: list[str], weight_cache: bool = True) -> tuple[float, float]:
-    """RSS and PSS a fresh process gains by loading the program (and its data file) and ``methods``.
+def memory_after_load_mb(pte: Path, methods: list[str], weight_cache: bool = True,
+                         adapters: Sequence[str] = ()) -> tuple[float, float]:
+    """RSS and PSS a fresh process gains by loading the program (with its data file, and those of ``adapters``
+    when each has its own) and ``methods``.
 
     Without XNNPACK's weight cache (the pip runtime's default) each loaded method packs its own copy of the
     weights, so both grow with the methods an app loads; with it, they share one. The runtime maps a data
     file's tensors once per method that uses them: RSS counts those pages per mapping, PSS once."""
     out = subprocess.run([sys.executable, "-c", _MEMORY_AFTER_LOAD, "1" if weight_cache else "0", str(pte),
-                          *methods], capture_output=True, text=True, check=True)
+                          ",".join(adapters), *methods], capture_output=True, text=True, check=True)
     rss, pss = out.stdout.strip().splitlines()[-1].split()
     return round(float(rss), 1), round(float(pss), 1)
 
