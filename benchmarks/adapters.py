@@ -32,25 +32,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.export import EXPORT_LLM, EXPORT_LLM_QUANT, export_llm_overrides, unpermute
-from benchmarks.exporting import compose_config, exporter_command
+from benchmarks.exporting import compose_config, exporter_command, run_measured
 from benchmarks.presets import Preset, add_preset_arguments, checkpoint_dir, exporter_overrides, preset_of
 from exporters.manifest import Manifest
 from exporters.runtime.driver import Driver
-from exporters.runtime.memory import memory_after_load_mb, wait_with_peak_rss
+from exporters.runtime.memory import memory_after_load_mb
 from exporters.runtime.programs import LoadedProgram
 from exporters.runtime.quality import Agreement, negative_log_likelihood, perplexity, read_text
 from exporters.runtime.speed import measure_speeds
 from tests.peft_adapters import RECIPES, train_adapter
 
-REPO = Path(__file__).resolve().parent.parent
 # The check against PEFT: this many tokens of the validation text, the first CHECK_PROMPT through the prompt
 # method, every later one through the step method.
 CHECK_TOKENS, CHECK_PROMPT = 96, 32
@@ -86,23 +83,15 @@ HELD_OUT = {
 Program = tuple[Path, list[str], dict[str, list[str]]]
 
 
-def run_child(cmd: list[str], log: Path) -> dict:
-    """Run an export in a child process; its wall time and peak RSS."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with open(log, "w") as fh:
-        child = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
-        peak = wait_with_peak_rss(child)
-    wall = time.perf_counter() - start
-    if child.returncode != 0:
-        raise SystemExit(f"export failed: see {log}")
-    return {"wall_s": round(wall, 1), "peak_rss_mb": round(peak)}
+def measured_export(cmd: list[str], log: Path) -> dict:
+    wall, peak_mb = run_measured(cmd, log)
+    return {"wall_s": round(wall, 1), "peak_rss_mb": round(peak_mb)}
 
 
 def export_with(overrides: list[str], adapters: dict[str, Path], run_dir: Path) -> dict:
     """One export in a child process with these adapters; its wall time, peak RSS and manifest."""
     extra = ["+model.adapters={" + ", ".join(f"{n}: {p}" for n, p in adapters.items()) + "}"] if adapters else []
-    done = run_child(exporter_command([*overrides, *extra], run_dir), run_dir / "export.log")
+    done = measured_export(exporter_command([*overrides, *extra], run_dir), run_dir / "export.log")
     return {**done, "manifest": Manifest.read(run_dir)}
 
 
@@ -153,7 +142,7 @@ def export_llm_with(base_overrides: list[str], adapters: dict[str, Path], run_di
             "adapter_config": str(folder / "adapter_config.json")}} for name, folder in adapters.items())]}
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(config, run_dir / "export_llm.yaml")
-    return run_child([*EXPORT_LLM, "--config", str(run_dir / "export_llm.yaml")], run_dir / "export.log")
+    return measured_export([*EXPORT_LLM, "--config", str(run_dir / "export_llm.yaml")], run_dir / "export.log")
 
 
 def check_texts(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -22,24 +22,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from benchmarks.exporting import exporter_command
+from benchmarks.exporting import exporter_command, run_measured
 from benchmarks.presets import Preset, add_preset_arguments, checkpoint_dir, exporter_overrides, preset_of
 from exporters.manifest import Manifest
 from exporters.runtime.driver import Driver
-from exporters.runtime.memory import memory_after_load_mb, rss_after_load_mb, wait_with_peak_rss
+from exporters.runtime.memory import memory_after_load_mb, rss_after_load_mb
 from exporters.runtime.programs import LoadedProgram
 from exporters.runtime.speed import measure_speeds
 
-REPO = Path(__file__).resolve().parent.parent
 NO_CACHE = "llm-exporters (no weight cache)"
 
 
@@ -50,17 +47,6 @@ EXPORT_LLM_QUANT = {
     "8da8w": ["quantization.qmode=8da8w"],
     "8da4w_emb4w": ["quantization.qmode=8da4w", "quantization.embedding_quantize='4,32'"],
 }
-
-
-def run_measured(cmd: list[str], log: Path) -> dict[str, float]:
-    start = time.perf_counter()
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
-        peak_mb = wait_with_peak_rss(proc)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"command failed ({log}):\n  {' '.join(cmd)}\n" + log.read_text()[-3000:])
-    return {"wall_s": round(wall, 1), "peak_rss_gb": round(peak_mb / 1024, 2)}
 
 
 def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -162,7 +148,8 @@ def main() -> None:
         out = root / name
         out.mkdir(parents=True, exist_ok=True)
         print(f"exporting with {name} ...", flush=True)
-        row: dict = run_measured(build(p, args, out, hf_dir), out / "export.log")
+        wall, peak_mb = run_measured(build(p, args, out, hf_dir), out / "export.log")
+        row: dict = {"wall_s": round(wall, 1), "peak_rss_gb": round(peak_mb / 1024, 2)}
         pte = out / "model.pte"
         row["pte_mb"] = round(pte.stat().st_size / 1e6, 1)
         if pte.with_suffix(".ptd").is_file():

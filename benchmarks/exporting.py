@@ -3,13 +3,17 @@ the command line of an export in a child process."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
 from omegaconf import DictConfig
 
 from benchmarks.presets import Preset, preset_overrides
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def compose_config(overrides: Sequence[str]) -> DictConfig:
@@ -34,3 +38,19 @@ def export_preset(preset: Preset, out: Path, overrides: Sequence[str] = ()):  # 
 def exporter_command(overrides: Sequence[str], run_dir: Path) -> list[str]:
     """``python -m exporters.llm <overrides>`` writing into ``run_dir``, with this interpreter."""
     return [sys.executable, "-m", "exporters.llm", *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def run_measured(cmd: list[str], log: Path) -> tuple[float, float]:
+    """Run ``cmd`` (an export) in a child process from the repository, its output into ``log``: its wall time (s)
+    and peak RSS (MB, os.wait4). A failure stops the benchmark with the log's end."""
+    from exporters.runtime.memory import wait_with_peak_rss
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
+        peak_mb = wait_with_peak_rss(proc)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"command failed ({log}):\n  {' '.join(cmd)}\n" + log.read_text()[-3000:])
+    return wall, peak_mb

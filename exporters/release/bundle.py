@@ -16,7 +16,7 @@ from pathlib import Path
 from exporters.errors import UserError
 from exporters.program.files import sha256_of
 from exporters.manifest import MANIFEST_FILE, Manifest, ValidationReport
-from exporters.program.weights import data_file_for
+from exporters.program.weights import data_files_beside
 from models.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 
 BUNDLED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", CHAT_TEMPLATE_FILE, "generation_config.json")
@@ -174,9 +174,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     pte = run_dir / m.program.file
     if not m.ok:
         raise UserError(f"{run_dir}: the export's status is {m.status!r}; only validated exports are packaged.")
-    # Present and the ones exported: the base's data file and each adapter's.
-    data = [data_file_for(pte, (f.file, f.sha256))
-            for f in [m.data, *(a.data for a in m.adapters.values())] if f is not None]
+    data = data_files_beside(pte)  # the base's and each adapter's, present and the ones exported
     cfg = m.config
     name = f"{cfg['model']['name']}-{cfg['quant']['name']}-{cfg['backend']['name']}-{m.program.sha256[:12]}"
     out = out or run_dir / "release"
@@ -184,7 +182,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     if bundle.exists():
         shutil.rmtree(bundle)
     bundle.mkdir(parents=True)
-    for file in (pte.name, *(p.name for p in data), *BUNDLED):  # type: ignore[union-attr]
+    for file in (pte.name, *(p.name for p in data), *BUNDLED):
         if (run_dir / file).is_file():
             shutil.copy2(run_dir / file, bundle / file)
     (bundle / "README.md").write_text(_readme(name, m))
