@@ -1,15 +1,15 @@
 """Perplexity of the eager model, unquantized and quantized, on the validation text: no export, seconds.
 
-    python -m benchmarks.eager_quality                                  # SmolLM2-135M, 8da4w g32: hqq against affine
+    python -m benchmarks.eager_quality                                  # SmolLM2-135M, 8da4w g32: hqq, affine and gptq
     python -m benchmarks.eager_quality --quant 8da8w quant.group_size=0 # any conf/quant option, plus Hydra overrides
-    python -m benchmarks.eager_quality --checkpoint <dir|.gguf> --qparams hqq
+    python -m benchmarks.eager_quality --checkpoint <dir|.gguf> --algorithm gptq
     python -m benchmarks.eager_quality --preset tiny                    # quick check of the tool itself
 
 A quick way to compare quantization choices before paying for an export; the exported program tracks
 the eager model it came from (validation checks that), so these numbers predict the program's. It runs the
 export's own stages up to ``quantize`` (``exporters.export.run_stages``): the unquantized perplexity is the
 ``baseline`` stage's, and the quantized eager model is scored on the same windows with the same functions
-(``exporters.runtime.quality``), once per ``--qparams`` choice.
+(``exporters.runtime.quality``), once per ``--algorithm`` choice.
 """
 
 from __future__ import annotations
@@ -41,21 +41,21 @@ def eager_perplexities(cfg: Any, work_dir: Path) -> tuple[Any, float]:
 
 
 def compare(args: argparse.Namespace, work: Path) -> None:
-    """Print the unquantized perplexity, then the quantized eager model's for each ``--qparams`` choice."""
+    """Print the unquantized perplexity, then the quantized eager model's for each ``--algorithm`` choice."""
     model: Sequence[str] = (["model=hf", f"model.checkpoint={args.checkpoint}"] if args.checkpoint
                             else preset_overrides(preset_of(args), work))
     common = [*model, f"quant={args.quant}", f"export.max_seq_len={args.max_seq_len}", "validate=true", "bench=false",
               *([f"validation.text_file={args.text_file}"] if args.text_file else [])]
     printed = False
-    for qparams in args.qparams.split(","):
-        cfg = compose_config([*common, f"quant.qparams={qparams}", *args.overrides])
-        baseline, ppl = eager_perplexities(cfg, work / qparams)
+    for algorithm in args.algorithm.split(","):
+        cfg = compose_config([*common, f"quant.algorithm={algorithm}", *args.overrides])
+        baseline, ppl = eager_perplexities(cfg, work / algorithm)
         if not printed:
             print(f"{'unquantized (' + baseline.dtype + ')':28s} perplexity {baseline.perplexity:.2f} "
                   f"({baseline.text.scored_tokens} tokens of {baseline.text.source})", flush=True)
             printed = True
         q = cfg.quant
-        print(f"{f'{q.name} g{q.group_size} {qparams}':28s} perplexity {ppl:.2f} "
+        print(f"{f'{q.name} g{q.group_size} {algorithm}':28s} perplexity {ppl:.2f} "
               f"({ppl / baseline.perplexity - 1:+.1%})", flush=True)
 
 
@@ -64,7 +64,8 @@ def main() -> None:
     add_preset_arguments(ap, default="smollm2")
     ap.add_argument("--checkpoint", help="a Hugging Face folder or .gguf instead of --preset (model=hf)")
     ap.add_argument("--quant", default="8da4w", help="a conf/quant option (default 8da4w)")
-    ap.add_argument("--qparams", default="hqq,affine", help="comma-separated scale choices to compare (quant.qparams)")
+    ap.add_argument("--algorithm", default="hqq,affine,gptq",
+                    help="comma-separated quant.algorithm choices to compare")
     ap.add_argument("--max-seq-len", type=int, default=256)
     ap.add_argument("--text-file", help="validation text (default: the shipped English paragraphs)")
     ap.add_argument("overrides", nargs="*",

@@ -53,11 +53,13 @@ class DType(Choice):
     bf16 = "bf16"
 
 
-class QParams(Choice):
-    """How integer scales are chosen: half-quadratic (scale only, as ExecuTorch's export_llm) or min/max."""
+class Algorithm(Choice):
+    """How integer codes and scales are chosen (``exporters.quant``): from the weights alone (half-quadratic scale
+    only, as ExecuTorch's export_llm; or min/max), or calibrated on a text (GPTQ's error compensation)."""
 
     hqq = "hqq"
     affine = "affine"
+    gptq = "gptq"
 
 
 class Attention(Choice):
@@ -127,6 +129,16 @@ class ModelConfig:
 
 
 @dataclass
+class CalibrationConfig:
+    # The text calibrated algorithms (quant.algorithm=gptq) learn the model's activations from: plain UTF-8
+    # text like what the model will see; null = the English text shipped in exporters/data/calibration_text.txt,
+    # written apart from the validation text so quality is never measured on text calibration saw.
+    text_file: Optional[str] = None
+    # Tokens of the text used at most (more is slower to calibrate, rarely better past a few thousand).
+    max_tokens: int = 4096
+
+
+@dataclass
 class QuantConfig:
     name: str = MISSING
     # Dtype of weights and activations left in floating point.
@@ -144,8 +156,13 @@ class QuantConfig:
     # Scheme of LoRA adapters' A and B matrices (model.adapters), a key of LINEAR_SCHEMES, or null: kept in
     # the model's dtype (fp32 beside an 8da4w base). 8da8w stores them in 8 bits, one scale per row.
     adapters: Optional[str] = None
-    # How integer scales are chosen: "hqq" as ExecuTorch's export_llm does, or "affine" (min/max).
-    qparams: QParams = QParams.hqq
+    # How the linear layers' (and lm_head's) integer codes and scales are chosen: "hqq" as ExecuTorch's export_llm
+    # does, "affine" (min/max), or "gptq": calibrated on quant.calibration's text (each column's rounding error
+    # compensated by the columns not yet rounded), in the same format and size (docs/quality.md).
+    algorithm: Algorithm = Algorithm.hqq
+    # The token embedding is a lookup (it has no inputs to calibrate with): "hqq" or "affine".
+    embedding_algorithm: Algorithm = Algorithm.hqq
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     # Validation tolerances of the program against the eager model quantized the same way (not against the
     # unquantized baseline), on the validation text; calibrated on SmolLM2-135M (docs/quality.md):
     # mean KL(eager || program) per predicted token in nats, the share of positions whose greedy token
@@ -281,7 +298,7 @@ def compose(*overrides: str, config_name: str = "config", return_hydra_config: b
 
 
 #: Keys renamed since 0.1 -> their new name: a config that still uses one is told where it went.
-RENAMED_KEYS = {"quant.max_ppl_increase": "quant.max_ppl_drift"}
+RENAMED_KEYS = {"quant.max_ppl_increase": "quant.max_ppl_drift", "quant.qparams": "quant.algorithm"}
 
 
 def unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") -> list[str]:  # type: ignore[assignment]

@@ -65,7 +65,7 @@ def build_stages(cfg: ExportConfig, output_dir: Path) -> list[Stage]:
     return [
         LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir, attention=backend.attention),
         *([BaselineStage(cfg.validation, prompt_tokens, cfg.model.source)] if validating else []),
-        QuantizeStage(cfg.quant, ex.tied_embedding),
+        QuantizeStage(cfg.quant, ex.tied_embedding, cfg.model.source),
         CaptureStage(ex.methods, LAYOUTS[ex.layout], ex.max_seq_len, backend.dynamic_shapes, ex.prefill_chunk,
                      keep_undelegated=validating and not backend.runs_here),
         LowerStage(backend, ex.max_seq_len, ex.weights),

@@ -178,6 +178,20 @@ class AppliedScheme:
     layers: dict[str, int]  # layer -> group size actually used (0 = one scale per row)
     # Layers the requested group size does not fit -> what they got instead ("8da8w, one scale per row").
     fallbacks: dict[str, str] = field(default_factory=dict)
+    # How the codes and scales were chosen (quant.algorithm): hqq, affine, or gptq (calibrated).
+    algorithm: str = "hqq"
+
+
+@dataclass
+class CalibrationRecord:
+    """The text a calibrated algorithm learned from, so a result can be traced (and never validated on it)."""
+
+    algorithm: str
+    source: str
+    sha256: str  # of the text as read
+    tokens: int  # tokens used (quant.calibration.max_tokens at most)
+    windows: int
+    seconds: float  # calibration and solving, in the quantize stage
 
 
 @dataclass
@@ -189,6 +203,7 @@ class AppliedQuantization:
     lm_head: AppliedScheme | None = None
     embedding: AppliedScheme | None = None
     adapters: AppliedScheme | None = None  # LoRA adapters' A and B (quant.adapters), when quantized
+    calibration: CalibrationRecord | None = None  # with a calibrated quant.algorithm
     untied_embeddings: bool = False
     notes: list[str] = field(default_factory=list)
     tied_embedding: str = "not tied"  # exporters.quant.tied.TiedEmbedding
@@ -198,7 +213,10 @@ class AppliedQuantization:
         for role in ("linear", "lm_head", "embedding", "adapters"):
             applied = getattr(self, role)
             if applied:
-                parts.append(f"{role} {applied.scheme} ({len(applied.layers)} layers)")
+                algorithm = "" if applied.algorithm == "hqq" else f" {applied.algorithm}"
+                parts.append(f"{role} {applied.scheme}{algorithm} ({len(applied.layers)} layers)")
+        if self.calibration:
+            parts.append(f"calibrated on {self.calibration.tokens} tokens in {self.calibration.seconds:.0f} s")
         return ", ".join(parts) + (", embeddings untied" if self.untied_embeddings else "")
 
 

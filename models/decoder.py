@@ -459,17 +459,21 @@ class CausalLM(nn.Module):
                 attn.k_rotate = rotate_half_matrix(rot_dims[rope]).to(device)
             attn.kv_cache.rebuild(dtype, device)
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, full_logits: bool = False) -> torch.Tensor:
-        a = self.args
-        seq_len = tokens.shape[1]
-        positions = input_pos[0] + torch.arange(seq_len, dtype=torch.int64)
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Hidden states [1, T, hidden] of ``tokens`` [1, T], before the first layer."""
         h = self.model.embed_tokens(tokens)
-        if a.embed_scale is not None:  # rounded to the activation dtype first, as transformers does
+        if self.args.embed_scale is not None:  # rounded to the activation dtype first, as transformers does
             h = h * self.embed_scale[h.dtype]
+        return h
+
+    def layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[Rope, torch.Tensor]]:
+        """What each layer takes besides the hidden states, for tokens at ``positions`` [T]: its RoPE
+        (cos, sin) and its additive mask over the whole cache."""
+        a = self.args
         ropes: dict[str | None, Rope] = {None: None}
         for name, _ in a.rope:  # [T, 1, rot_dim]: broadcasts over heads
-            cos = getattr(self, f"rope_cos_{name}")[positions].to(h.dtype).unsqueeze(1)
-            sin = getattr(self, f"rope_sin_{name}")[positions].to(h.dtype).unsqueeze(1)
+            cos = getattr(self, f"rope_cos_{name}")[positions].to(dtype).unsqueeze(1)
+            sin = getattr(self, f"rope_sin_{name}")[positions].to(dtype).unsqueeze(1)
             ropes[name] = (cos, sin)
         # Additive masks over the whole cache: query at position p sees cache slots s <= p, and with a
         # sliding window w only p - w < s.
@@ -477,17 +481,23 @@ class CausalLM(nn.Module):
         masks = {}
         for window in sorted(set(a.layer_window), key=lambda w: -1 if w is None else w):
             visible = slots <= queries if window is None else (slots <= queries) & (slots > queries - window)
-            masks[window] = torch.where(visible, 0.0, float("-inf")).to(h.dtype)
-        for layer, rope, window in zip(self.model.layers, a.layer_rope, a.layer_window):
-            h = layer(h, ropes[rope], positions, masks[window])
+            masks[window] = torch.where(visible, 0.0, float("-inf")).to(dtype)
+        return [(ropes[rope], masks[window]) for rope, window in zip(a.layer_rope, a.layer_window)]
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, full_logits: bool = False) -> torch.Tensor:
+        seq_len = tokens.shape[1]
+        positions = input_pos[0] + torch.arange(seq_len, dtype=torch.int64)
+        h = self.embed(tokens)
+        for layer, (rope, mask) in zip(self.model.layers, self.layer_inputs(positions, h.dtype)):
+            h = layer(h, rope, positions, mask)
         h = self.model.norm(h)
         if not full_logits:  # the last token's hidden state [1, hidden]
             # A view when T is a static 1 (decode), which XNNPACK delegates; it has no select, so a
             # dynamic-length method keeps one portable op here.
             h = h.view(1, -1) if isinstance(seq_len, int) and seq_len == 1 else h[:, -1, :]
         logits = self.head(h)
-        if a.final_logit_softcap is not None:
-            logits = torch.tanh(logits / a.final_logit_softcap) * a.final_logit_softcap
+        if self.args.final_logit_softcap is not None:
+            logits = torch.tanh(logits / self.args.final_logit_softcap) * self.args.final_logit_softcap
         return logits
 
     @torch.no_grad()

@@ -48,6 +48,8 @@ def copy_checkpoint(src: Path, dst: Path, config: dict[str, Any] | None = None, 
 
 def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
     """Rebuild, independently of the pipeline, the eager model an export must match (same quantization)."""
+    from omegaconf import OmegaConf
+
     from exporters.config import QuantConfig
     from exporters.quant.apply import quantize_model
     from models.checkpoint import build_model, open_checkpoint
@@ -55,5 +57,7 @@ def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
     cfg = result.manifest.config
     model = build_model(open_checkpoint(result.manifest.model.checkpoint), cfg["export"]["max_seq_len"],
                         attention=result.manifest.model.attention)
-    quantize_model(model, QuantConfig(**cfg["quant"]))
+    quant = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), cfg["quant"]))
+    assert isinstance(quant, QuantConfig)
+    quantize_model(model, quant)
     return model

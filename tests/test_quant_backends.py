@@ -148,20 +148,21 @@ def test_fallback_group_size_is_the_largest_multiple_of_32_that_divides(width: i
     assert group_size_for(width, requested) == chosen
 
 
-def test_qparams_choice_changes_the_scales_and_is_recorded(tiny_checkpoint) -> None:
-    """quant.qparams=affine (min/max) and the default hqq give different int4 weights; the manifest says which."""
+def test_algorithm_choice_changes_the_scales_and_is_recorded(tiny_checkpoint) -> None:
+    """quant.algorithm=affine (min/max) and the default hqq give different int4 weights; the manifest says which."""
     from exporters.config import QuantConfig
     from exporters.quant.apply import quantize_model
     from models.checkpoint import build_model, open_checkpoint
 
     weights = {}
-    for qparams in ("hqq", "affine"):
+    for algorithm in ("hqq", "affine"):
         model = build_model(open_checkpoint(tiny_checkpoint), 32)
         applied = quantize_model(model, QuantConfig(name="q", linear="8da4w", lm_head="8da4w", lm_head_group_size=32,
-                                                    qparams=qparams))
+                                                    algorithm=algorithm))
+        assert applied.linear.algorithm == algorithm
         assert applied.linear.torchao_args["intx_choose_qparams_algorithm"].lower().endswith(
-            "hqq_scale_only" if qparams == "hqq" else "affine")
-        weights[qparams] = model.model.layers[0].mlp.down_proj.weight.dequantize()
+            "hqq_scale_only" if algorithm == "hqq" else "affine")
+        weights[algorithm] = model.model.layers[0].mlp.down_proj.weight.dequantize()
     assert not torch.equal(weights["hqq"], weights["affine"])
 
 

@@ -7,17 +7,20 @@ with ("eager"). The model is changed in place: a copy would double the peak memo
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, is_dataclass
+import time
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, Callable
 
 from torch import nn
 
 from exporters.config import QuantConfig, TiedEmbeddingStorage
-from exporters.manifest import AppliedQuantization, AppliedScheme
+from exporters.manifest import AppliedQuantization, AppliedScheme, CalibrationRecord
 from exporters.quant import tied
+from exporters.quant.calibrated import Target, quantize_calibrated
+from exporters.quant.calibration import CalibrationText
 from exporters.quant.hqq import hqq_by_rows
-from exporters.quant.schemes import (DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, QPARAMS, TorchaoConfigFactory,
-                                     describe_choice, layer_scheme)
+from exporters.quant.schemes import (DATA_FREE, DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, IntScheme, describe_choice,
+                                     layer_scheme)
 from models.decoder import CausalLM
 from models.lora import is_adapter_module
 
@@ -46,16 +49,40 @@ def _progress(role: str, total: int) -> Callable[[], None]:
     return step
 
 
-def _apply(model: nn.Module, role: str, table: dict[str, TorchaoConfigFactory], scheme: str, group_size: int,
-           qparams: str, modules: dict[str, nn.Module], width: Callable[[nn.Module], int],
-           notes: list[str]) -> AppliedScheme:
-    """Quantize ``modules`` with ``scheme``; a layer the group size does not fit gets the nearest choice that does."""
+@dataclass
+class RolePlan:
+    """What one role's layers become: each module's (scheme, group size), and the manifest's record of it."""
+
+    chosen: dict[str, tuple[str, int]]
+    modules: dict[str, nn.Module]
+    table: dict[str, IntScheme]
+    record: AppliedScheme
+
+
+def _plan(role: str, table: dict[str, IntScheme], scheme: str, group_size: int, algorithm: str,
+          modules: dict[str, nn.Module], width: Callable[[nn.Module], int], notes: list[str]) -> RolePlan:
+    """Each layer's scheme and group size; a layer the group size does not fit gets the nearest choice that does."""
+    chosen = {name: layer_scheme(scheme, width(m), group_size) for name, m in modules.items()}
+    fallbacks = {n: describe_choice(*c) for n, c in sorted(chosen.items()) if c != (scheme, group_size)}
+    for what in sorted(set(fallbacks.values())):
+        names = [n for n, w in fallbacks.items() if w == what]
+        note = (f"{scheme}: group size {group_size} does not divide the width of {len(names)} layer(s) "
+                f"({names[0]}: {width(modules[names[0]])}); they use {what}")
+        log.info(note)
+        notes.append(note)
+    config = table[scheme].torchao_config(group_size, algorithm)
+    record = AppliedScheme(scheme, type(config).__name__, _describe(config),
+                           {n: c[1] for n, c in sorted(chosen.items())}, fallbacks, algorithm=algorithm)
+    return RolePlan(chosen, modules, table, record)
+
+
+def _apply_data_free(model: nn.Module, role: str, plan: RolePlan, algorithm: str) -> None:
+    """torchao's ``quantize_`` on the plan's modules, its scales chosen from the weights alone."""
     from torchao.quantization import quantize_
 
-    chosen = {name: layer_scheme(scheme, width(m), group_size) for name, m in modules.items()}
-    step = _progress(role, len(modules))
-    for choice in sorted(set(chosen.values())):
-        targets = {modules[n] for n, c in chosen.items() if c == choice}
+    step = _progress(role, len(plan.modules))
+    for choice in sorted(set(plan.chosen.values())):
+        targets = {plan.modules[n] for n, c in plan.chosen.items() if c == choice}
 
         def selected(module: nn.Module, fqn: str) -> bool:
             if module in targets:
@@ -64,25 +91,23 @@ def _apply(model: nn.Module, role: str, table: dict[str, TorchaoConfigFactory], 
             return False
 
         with hqq_by_rows():
-            quantize_(model, table[choice[0]](choice[1], QPARAMS[qparams]), filter_fn=selected)
-    fallbacks = {n: describe_choice(*c) for n, c in sorted(chosen.items()) if c != (scheme, group_size)}
-    for what in sorted(set(fallbacks.values())):
-        names = [n for n, w in fallbacks.items() if w == what]
-        note = (f"{scheme}: group size {group_size} does not divide the width of {len(names)} layer(s) "
-                f"({names[0]}: {width(modules[names[0]])}); they use {what}")
-        log.info(note)
-        notes.append(note)
-    config = table[scheme](group_size, QPARAMS[qparams])
-    return AppliedScheme(scheme, type(config).__name__, _describe(config),
-                         {n: c[1] for n, c in sorted(chosen.items())}, fallbacks)
+            quantize_(model, plan.table[choice[0]].torchao_config(choice[1], algorithm), filter_fn=selected)
+
+
+def _apply_calibrated(model: CausalLM, plans: dict[str, RolePlan], text: CalibrationText) -> None:
+    """GPTQ on the calibration text for the plans' modules (the linears and lm_head), one pass over the model."""
+    targets = {name: Target(module, plan.table[plan.chosen[name][0]], plan.chosen[name][1])  # type: ignore[arg-type]
+               for plan in plans.values() for name, module in plan.modules.items()}
+    quantize_calibrated(model, targets, text, _progress("calibrated linear", len(targets)))
 
 
 def quantize_model(model: CausalLM, cfg: QuantConfig,
-                   tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared) -> AppliedQuantization:
+                   tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared,
+                   calibration: Callable[[], CalibrationText] | None = None) -> AppliedQuantization:
     """Cast to ``cfg.dtype`` then quantize linears, the embedding and ``lm_head`` in place.
 
     The checkpoint's own dtype (often bf16) is kept through loading, so this cast is the only point where a
-    second copy of the weights can exist.
+    second copy of the weights can exist. A calibrated ``cfg.algorithm`` reads its text from ``calibration``.
     """
     if any(p.dtype != DTYPES[cfg.dtype] for p in model.parameters()):
         model.to(DTYPES[cfg.dtype])
@@ -98,24 +123,49 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
     # LoRA adapters' A and B (models.lora) stay in the model's dtype unless quant.adapters names a scheme.
     adapters = {n: m for n, m in every_linear.items() if is_adapter_module(n)}
     linears = {n: m for n, m in every_linear.items() if n not in adapters}
+    in_features: Callable[[nn.Module], int] = lambda m: m.in_features  # noqa: E731
+    # The layers that read activations: their algorithm is quant.algorithm, calibrated or not.
+    computing: dict[str, RolePlan] = {}
+    if cfg.linear and linears:
+        computing["linear"] = _plan("linear", LINEAR_SCHEMES, cfg.linear, cfg.group_size, cfg.algorithm, linears,
+                                    in_features, applied.notes)
+    if plan is not tied.TiedEmbedding.QUANTIZED_ONCE and cfg.lm_head:
+        computing["lm_head"] = _plan("lm_head", LINEAR_SCHEMES, cfg.lm_head, cfg.lm_head_group_size, cfg.algorithm,
+                                     {"lm_head": head}, in_features, applied.notes)
     # Linears first: each one's fp32 weight is freed as it is quantized, so the embedding (the largest single
     # matrix, whose HQQ pass holds about four fp32 copies of it at once) is quantized beside int8 linears
-    # rather than the whole fp32 model (the stage's peak on a 1B model, docs/DESIGN.md 2c).
-    if cfg.linear and linears:
-        applied.linear = _apply(model, "linear", LINEAR_SCHEMES, cfg.linear, cfg.group_size, cfg.qparams, linears,
-                                lambda m: m.in_features, applied.notes)
+    # rather than the whole fp32 model (the stage's peak on a 1B model, docs/DESIGN.md 2c). lm_head goes last
+    # with a data-free algorithm, beside the int8 embedding; a calibrated one takes it in the same pass as the
+    # linears, since it reads their output.
+    if cfg.algorithm not in DATA_FREE and computing:
+        assert calibration is not None, f"quant.algorithm={cfg.algorithm} needs a calibration text"
+        text = calibration()
+        started = time.perf_counter()
+        _apply_calibrated(model, computing, text)
+        applied.calibration = CalibrationRecord(algorithm=str(cfg.algorithm), source=text.source, sha256=text.sha256,
+                                                tokens=text.tokens, windows=len(text.windows),
+                                                seconds=round(time.perf_counter() - started, 1))
+    elif "linear" in computing:
+        _apply_data_free(model, "linear", computing["linear"], cfg.algorithm)
+    applied.linear = computing["linear"].record if "linear" in computing else None
     if cfg.adapters and adapters:  # one scale per row: an adapter's rank (lora_B's width) is too small for groups
-        applied.adapters = _apply(model, "adapters", LINEAR_SCHEMES, cfg.adapters, 0, cfg.qparams, adapters,
-                                  lambda m: m.in_features, applied.notes)
+        adapter_algorithm = cfg.algorithm if cfg.algorithm in DATA_FREE else "hqq"  # calibration runs the base
+        adapter_plan = _plan("adapters", LINEAR_SCHEMES, cfg.adapters, 0, adapter_algorithm, adapters, in_features,
+                             applied.notes)
+        _apply_data_free(model, "adapters", adapter_plan, adapter_algorithm)
+        applied.adapters = adapter_plan.record
     if cfg.embedding:
-        applied.embedding = _apply(model, "embedding", EMBEDDING_SCHEMES, cfg.embedding, cfg.embedding_group_size,
-                                   cfg.qparams, {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)},
-                                   lambda m: m.embedding_dim, applied.notes)
+        embedding = _plan("embedding", EMBEDDING_SCHEMES, cfg.embedding, cfg.embedding_group_size,
+                          cfg.embedding_algorithm, {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)},
+                          lambda m: m.embedding_dim, applied.notes)
+        _apply_data_free(model, "embedding", embedding, cfg.embedding_algorithm)
+        applied.embedding = embedding.record
     if plan is tied.TiedEmbedding.QUANTIZED_ONCE:
         head.weight = embed.weight  # one quantized tensor serves both
-    elif cfg.lm_head:
-        applied.lm_head = _apply(model, "lm_head", LINEAR_SCHEMES, cfg.lm_head, cfg.lm_head_group_size, cfg.qparams,
-                                 {"lm_head": head}, lambda m: m.in_features, applied.notes)
+    elif "lm_head" in computing:
+        if cfg.algorithm in DATA_FREE:
+            _apply_data_free(model, "lm_head", computing["lm_head"], cfg.algorithm)
+        applied.lm_head = computing["lm_head"].record
     model.tied_head = plan is tied.TiedEmbedding.SHARED
     if plan is not tied.TiedEmbedding.UNTIED and (n := tied.note(plan, cfg)):
         applied.notes.append(n)

@@ -1,6 +1,6 @@
 """torchao's HQQ scale-only weight quantization, computed a block of rows at a time.
 
-``quant.qparams=hqq`` (the default, as in ExecuTorch's ``export_llm``) runs torchao's
+``quant.algorithm=hqq`` (the default, as in ExecuTorch's ``export_llm``) runs torchao's
 ``_choose_qparams_and_quantize_scale_only_hqq``: 20 least-squares refinements of every group's scale, each
 a chain of whole-matrix operations. On a large matrix each step of that chain makes a new fp32 copy of it in
 DRAM (a 128256 x 2048 embedding: 1 GB each, about four alive at once), so the stage is bound by memory

@@ -1,29 +1,29 @@
-"""Quantization schemes: the names ``conf/quant/*.yaml`` uses, mapped to torchao configs and dtypes.
+"""Quantization schemes: the names ``conf/quant/*.yaml`` uses, mapped to torchao's integer formats and dtypes.
 
 Three independent choices: the dtype of everything left in floating point, the scheme of the linear layers
 (``lm_head`` may have its own), and the scheme of the token embedding. How they are applied is
-``exporters.quant.apply``; which layer gets which group size is decided here (:func:`layer_scheme`).
+``exporters.quant.apply``; which layer gets which group size is decided here (:func:`layer_scheme`); how the
+integer codes and scales are chosen is ``quant.algorithm`` (:data:`DATA_FREE` here, or calibrated:
+``exporters.quant.calibrated``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from exporters.errors import UserError, check_choice, listed
+from exporters.quant.gptq import IntGrid
 
 if TYPE_CHECKING:
     from exporters.config import BackendConfig, QuantConfig
 
-TorchaoConfigFactory = Callable[[int, str], Any]  # (group size, torchao qparams algorithm) -> config
-
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-LINEAR_SCHEMES: dict[str, TorchaoConfigFactory] = {}
-EMBEDDING_SCHEMES: dict[str, TorchaoConfigFactory] = {}
-# How integer scales are chosen (``quant.qparams``, exporters.config.QParams): torchao's
-# IntxChooseQParamsAlgorithm values.
-QPARAMS: dict[str, str] = {"hqq": "hqq_scale_only", "affine": "affine"}
+# Algorithms that choose scales from the weights alone (``quant.algorithm``, exporters.config.Algorithm): torchao's
+# IntxChooseQParamsAlgorithm values. The others need a calibration text (exporters.quant.calibrated).
+DATA_FREE: dict[str, str] = {"hqq": "hqq_scale_only", "affine": "affine"}
 # Group sizes a layer may fall back to must be multiples of this (XNNPACK's blockwise kernels need it;
 # its 4-bit kernels treat one scale per row as one group of the whole width, so that width too).
 GROUP_SIZE_QUANTUM = 32
@@ -31,54 +31,52 @@ GROUP_SIZE_QUANTUM = 32
 EIGHT_BIT_FORM = {"8da4w": "8da8w", "4w": "8w"}
 
 
-def _register(table: dict[str, TorchaoConfigFactory], name: str) -> Callable[[TorchaoConfigFactory], TorchaoConfigFactory]:
-    def wrap(fn: TorchaoConfigFactory) -> TorchaoConfigFactory:
-        table[name] = fn
-        return fn
+@dataclass(frozen=True)
+class IntScheme:
+    """One integer format: ``bits``-bit symmetric weights (torchao's ``IntxUnpackedToInt8Tensor``), with int8
+    activations quantized per token at run time (``dynamic_activations``, XNNPACK's 8da kernels) or not."""
 
-    return wrap
+    bits: int
+    dynamic_activations: bool
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return getattr(torch, f"int{self.bits}")
 
-def _granularity(group_size: int) -> Any:
-    from torchao.quantization.granularity import PerAxis, PerGroup
+    def grid(self, group_size: int) -> IntGrid:
+        return IntGrid(-(1 << (self.bits - 1)), (1 << (self.bits - 1)) - 1, group_size)
 
-    return PerAxis(0) if group_size == 0 else PerGroup(group_size)
+    def torchao_config(self, group_size: int, algorithm: str) -> Any:
+        """The torchao config that quantizes a module this way, its scales chosen by a data-free ``algorithm``, or
+        given (a calibrated one: torchao's ``intx_choose_qparams_algorithm=None``, custom scales)."""
+        from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
+        from torchao.quantization.granularity import PerAxis, PerGroup
 
+        granularity = PerAxis(0) if group_size == 0 else PerGroup(group_size)
+        if self.dynamic_activations:
+            return Int8DynamicActivationIntxWeightConfig(weight_dtype=self.weight_dtype, weight_granularity=granularity,
+                                                         intx_choose_qparams_algorithm=DATA_FREE.get(algorithm))
+        return IntxWeightOnlyConfig(weight_dtype=self.weight_dtype, granularity=granularity,
+                                    intx_choose_qparams_algorithm=DATA_FREE.get(algorithm))
 
-def _dynamic_activation(weight_dtype: torch.dtype, group_size: int, algorithm: str) -> Any:
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
+    def weight(self, codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """The torchao weight tensor holding given ``codes`` [rows, cols] and ``scales`` [rows, groups]: what
+        torchao's own config would have made, with these values (so capture and lowering are unchanged)."""
+        from torchao.quantization import IntxUnpackedToInt8Tensor
 
-    return Int8DynamicActivationIntxWeightConfig(weight_dtype=weight_dtype, weight_granularity=_granularity(group_size),
-                                                 intx_choose_qparams_algorithm=algorithm)
-
-
-def _weight_only(weight_dtype: torch.dtype, group_size: int, algorithm: str) -> Any:
-    from torchao.quantization import IntxWeightOnlyConfig
-
-    return IntxWeightOnlyConfig(weight_dtype=weight_dtype, granularity=_granularity(group_size),
-                                intx_choose_qparams_algorithm=algorithm)
-
-
-@_register(LINEAR_SCHEMES, "8da4w")
-def int8_dynamic_act_int4_weight(group_size: int, algorithm: str) -> Any:
-    return _dynamic_activation(torch.int4, group_size, algorithm)
-
-
-@_register(LINEAR_SCHEMES, "8da8w")
-def int8_dynamic_act_int8_weight(group_size: int, algorithm: str) -> Any:
-    return _dynamic_activation(torch.int8, group_size, algorithm)
-
-
-@_register(LINEAR_SCHEMES, "4w")
-@_register(EMBEDDING_SCHEMES, "4w")
-def int4_weight_only(group_size: int, algorithm: str) -> Any:
-    return _weight_only(torch.int4, group_size, algorithm)
+        return IntxUnpackedToInt8Tensor(
+            qdata=codes, scale=scales.to(dtype), zero_point=torch.zeros_like(scales, dtype=torch.int8),
+            target_dtype=self.weight_dtype, block_size=(1, group_size or codes.shape[1]), dtype=dtype,
+            activation_quantization="int8_asym_per_token" if self.dynamic_activations else None)
 
 
-@_register(LINEAR_SCHEMES, "8w")
-@_register(EMBEDDING_SCHEMES, "8w")
-def int8_weight_only(group_size: int, algorithm: str) -> Any:
-    return _weight_only(torch.int8, group_size, algorithm)
+LINEAR_SCHEMES: dict[str, IntScheme] = {
+    "8da4w": IntScheme(bits=4, dynamic_activations=True),
+    "8da8w": IntScheme(bits=8, dynamic_activations=True),
+    "4w": IntScheme(bits=4, dynamic_activations=False),
+    "8w": IntScheme(bits=8, dynamic_activations=False),
+}
+EMBEDDING_SCHEMES: dict[str, IntScheme] = {name: LINEAR_SCHEMES[name] for name in ("4w", "8w")}
 
 
 def group_size_for(width: int, requested: int) -> int:
@@ -102,7 +100,8 @@ def describe_choice(scheme: str, group: int) -> str:
 
 
 def check_quant(quant: QuantConfig, backend: BackendConfig) -> None:
-    """The schemes are known, the group sizes make sense, and ``backend``'s kernels run every part of it."""
+    """The schemes are known, the group sizes make sense, the algorithms fit what they quantize, and
+    ``backend``'s kernels run every part of it."""
     for role, value, table in (("linear", quant.linear, LINEAR_SCHEMES), ("lm_head", quant.lm_head, LINEAR_SCHEMES),
                                ("embedding", quant.embedding, EMBEDDING_SCHEMES),
                                ("adapters", quant.adapters, LINEAR_SCHEMES)):
@@ -110,6 +109,7 @@ def check_quant(quant: QuantConfig, backend: BackendConfig) -> None:
     for name in ("group_size", "lm_head_group_size", "embedding_group_size"):
         if getattr(quant, name) < 0:
             raise UserError(f"quant.{name}={getattr(quant, name)}: use 0 (per channel) or a positive group size.")
+    check_algorithms(quant)
     b = backend
     wanted = (("dtype", quant.dtype, b.supported_dtypes), ("linear", quant.linear, b.supported_linear),
               ("lm_head", quant.lm_head, b.supported_linear), ("embedding", quant.embedding, b.supported_embedding),
@@ -122,3 +122,23 @@ def check_quant(quant: QuantConfig, backend: BackendConfig) -> None:
                 f"{listed(b.supported_linear)}; embedding schemes {listed(b.supported_embedding)}. "
                 f"Pick another quant or backend, or override quant.{role}."
             )
+
+
+def check_algorithms(quant: QuantConfig) -> None:
+    """A calibrated ``quant.algorithm`` has integer linears to calibrate and a usable text; the embedding's is
+    data-free (a lookup table has no inputs to calibrate with)."""
+    from exporters.quant.calibration import check_calibration
+
+    if quant.embedding_algorithm not in DATA_FREE:
+        raise UserError(
+            f"quant.embedding_algorithm={quant.embedding_algorithm}: the token embedding is a lookup table, with no "
+            f"inputs a calibration could weigh its rounding by. Use one of {listed(sorted(DATA_FREE))} "
+            f"(quant.algorithm={quant.embedding_algorithm} calibrates the linear layers and lm_head).")
+    if quant.algorithm in DATA_FREE:
+        return
+    if not (quant.linear or quant.lm_head):
+        raise UserError(
+            f"quant.algorithm={quant.algorithm} calibrates integer weights, and quant={quant.name} has none in its "
+            f"linear layers or lm_head (quant.linear and quant.lm_head are null). Pick an integer scheme "
+            f"(quant=8da4w_calibrated, quant.linear=8da4w) or a data-free algorithm ({listed(sorted(DATA_FREE))}).")
+    check_calibration(quant.calibration)

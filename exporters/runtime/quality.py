@@ -37,20 +37,21 @@ TOP_K = 5
 MIN_SCORED_TOKENS = 8
 
 
-def read_text(text_file: str | None) -> tuple[str, str]:
-    """The validation text and where it came from (the shipped English paragraphs unless ``text_file``)."""
+def read_text(text_file: str | None, key: str = "validation.text_file",
+              default: str = DEFAULT_TEXT_NAME) -> tuple[str, str]:
+    """A text and where it came from: ``text_file`` (the user's, set as ``key``), else ``exporters/data/<default>``."""
     if text_file is None:
-        return resources.files("exporters").joinpath("data", DEFAULT_TEXT_NAME).read_text(), f"exporters/data/{DEFAULT_TEXT_NAME}"
+        return resources.files("exporters").joinpath("data", default).read_text(), f"exporters/data/{default}"
     path = Path(text_file).expanduser()
-    fix = "Give a UTF-8 text file of a few paragraphs with validation.text_file=<path>, or leave it unset for the built-in text."
+    fix = f"Give a UTF-8 text file of a few paragraphs with {key}=<path>, or leave it unset for the built-in text."
     if not path.is_file():
-        raise UserError(f"validation.text_file={text_file}: no such file. {fix}")
+        raise UserError(f"{key}={text_file}: no such file. {fix}")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"validation.text_file={text_file}: cannot be read as UTF-8 text ({e}). {fix}") from e
+        raise UserError(f"{key}={text_file}: cannot be read as UTF-8 text ({e}). {fix}") from e
     if not text.strip():
-        raise UserError(f"validation.text_file={text_file} is empty. {fix}")
+        raise UserError(f"{key}={text_file} is empty. {fix}")
     return text, str(path)
 
 

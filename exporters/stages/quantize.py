@@ -1,28 +1,41 @@
 """Quantize: dtype cast and torchao source transforms on the eager model, before capture.
 
 The model is quantized in place (``exporters.quant.apply``): a copy would double the peak memory. The
-artifact this stage returns is a new one that says so; the one it was handed is not used again.
+artifact this stage returns is a new one that says so; the one it was handed is not used again. A calibrated
+``quant.algorithm`` reads its text here (``exporters.quant.calibration``), after loading gave the tokenizer.
 """
 
 from __future__ import annotations
 
-from exporters.config import QuantConfig, TiedEmbeddingStorage
+from exporters.config import QuantConfig, Source, TiedEmbeddingStorage
 from exporters.quant.apply import quantize_model
+from exporters.quant.calibration import CalibrationText, calibration_text
 from exporters.stages.artifacts import EagerModel
 from exporters.stages.pipeline import ExportContext, Stage
+from models.tiny import CORPUS
 
 
 class QuantizeStage(Stage):
     name = "quantize"
     after = ("load",)
 
-    def __init__(self, quant_cfg: QuantConfig, tied_embedding: TiedEmbeddingStorage) -> None:
+    def __init__(self, quant_cfg: QuantConfig, tied_embedding: TiedEmbeddingStorage, source: Source) -> None:
         self.cfg = quant_cfg
         self.tied_embedding = tied_embedding
+        self.source = source
 
     def run(self, loaded: EagerModel, ctx: ExportContext) -> EagerModel:
-        ctx.quantization = quantize_model(loaded.model, self.cfg, self.tied_embedding)
-        return EagerModel(loaded.model, quantized=True)
+        model = loaded.model
+
+        def calibration() -> CalibrationText:
+            # A tiny model only knows the text it was trained on (as in validation, exporters.stages.baseline).
+            own_text = CORPUS if self.source == Source.tiny and self.cfg.calibration.text_file is None else None
+            assert ctx.checkpoint is not None
+            return calibration_text(self.cfg.calibration, own_text, ctx.checkpoint, model.args.vocab_size,
+                                    model.args.max_context_len)
+
+        ctx.quantization = quantize_model(model, self.cfg, self.tied_embedding, calibration)
+        return EagerModel(model, quantized=True)
 
     def describe(self, quantized: EagerModel, ctx: ExportContext) -> str:
         assert ctx.quantization is not None

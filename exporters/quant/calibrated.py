@@ -1,0 +1,144 @@
+"""Calibrated quantization: the linear layers quantized one decoder layer at a time, each with GPTQ on the
+inputs it sees when every earlier layer is already quantized.
+
+Running the whole text through one layer at a time (the hidden states of every window kept between layers)
+costs one forward pass in all, and each layer is calibrated on the inputs the quantized program will give it,
+so the error of the layers before it is compensated too, not only its own. Linears that read the same tensor
+(q/k/v, gate/up) share one input statistic and are solved together (GPTQ treats rows independently).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from exporters.quant.calibration import CalibrationText
+from exporters.quant.gptq import gptq
+from exporters.quant.schemes import IntScheme
+from models.decoder import CausalLM
+
+log = logging.getLogger("exporters")
+
+
+@dataclass
+class SharedInput:
+    """``sum x x^T`` over every calibration token of one input tensor, and the linears that read it."""
+
+    names: list[str] = field(default_factory=list)
+    hessian: torch.Tensor | None = None
+    tokens: int = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        outer = x.T @ x
+        self.hessian = outer if self.hessian is None else self.hessian + outer
+        self.tokens += x.shape[0]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One linear to quantize: its module, its integer format and group size."""
+
+    module: nn.Linear
+    scheme: IntScheme
+    group_size: int
+
+
+class InputRecorder:
+    """Forward pre-hooks on the targets of one decoder layer: which of them read the same tensor, and the
+    statistics of each distinct input."""
+
+    def __init__(self, targets: dict[str, Target]) -> None:
+        self.inputs: list[SharedInput] = []
+        self._seen: list[tuple[torch.Tensor, SharedInput]] = []  # this window's inputs, held so ids stay unique
+        self._first_window = True
+        self._by_name: dict[str, SharedInput] = {}
+        self._handles = [t.module.register_forward_pre_hook(self._hook(name)) for name, t in targets.items()]
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x = args[0]
+            if self._first_window:
+                shared = next((s for t, s in self._seen if t is x), None)
+                if shared is None:
+                    shared = SharedInput()
+                    self.inputs.append(shared)
+                    self._seen.append((x, shared))
+                    shared.add(x)
+                shared.names.append(name)
+                self._by_name[name] = shared
+            else:
+                shared = self._by_name[name]
+                if shared.names[0] == name:  # each input counted once, at its first reader
+                    shared.add(x)
+        return record
+
+    def next_window(self) -> None:
+        self._first_window = False
+        self._seen.clear()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _solve(names: list[str], targets: dict[str, Target], shared: SharedInput) -> None:
+    """GPTQ for linears that read one input; those of one format are stacked and solved at once."""
+    assert shared.hessian is not None
+    by_format: dict[tuple[IntScheme, int], list[str]] = {}
+    for name in names:
+        by_format.setdefault((targets[name].scheme, targets[name].group_size), []).append(name)
+    for (scheme, group), members in by_format.items():
+        weights = [targets[n].module.weight for n in members]
+        codes, scales = gptq(torch.cat([w.detach() for w in weights]), shared.hessian, shared.tokens,
+                             scheme.grid(group))
+        row = 0
+        for name, w in zip(members, weights):
+            rows = w.shape[0]
+            module = targets[name].module
+            module.weight = nn.Parameter(scheme.weight(codes[row:row + rows], scales[row:row + rows], group, w.dtype),
+                                         requires_grad=False)
+            row += rows
+
+
+@torch.no_grad()
+def quantize_calibrated(model: CausalLM, targets: dict[str, Target], text: CalibrationText,
+                        step: Callable[[], None]) -> None:
+    """Quantize ``targets`` (module path -> what it becomes) with GPTQ on ``text``, one decoder layer at a time,
+    then ``lm_head`` on the final norm's outputs; ``step`` is called once per quantized linear."""
+    dtype = model.lm_head.weight.dtype if model.lm_head.weight.is_floating_point() else torch.float32
+    states = [model.embed(w) for w in text.windows]
+    positions = [torch.arange(w.shape[1]) for w in text.windows]
+    layer_inputs = [model.layer_inputs(p, dtype) for p in positions]
+    solved: set[str] = set()
+    for i, layer in enumerate(model.model.layers):
+        here = {n: t for n, t in targets.items() if n.startswith(f"model.layers.{i}.")}
+        if here:
+            recorder = InputRecorder(here)
+            try:
+                for h, p, inputs in zip(states, positions, layer_inputs):
+                    rope, mask = inputs[i]
+                    layer(h, rope, p, mask)
+                    recorder.next_window()
+            finally:
+                recorder.close()
+            for shared in recorder.inputs:
+                _solve(shared.names, here, shared)
+                solved.update(shared.names)
+                for _ in shared.names:
+                    step()
+        states = [layer(h, inputs[i][0], p, inputs[i][1]) for h, p, inputs in zip(states, positions, layer_inputs)]
+    model.reset_cache()
+    if "lm_head" in targets:
+        head = SharedInput(names=["lm_head"])
+        for h in states:
+            head.add(model.model.norm(h))
+        _solve(head.names, targets, head)
+        solved.add("lm_head")
+        step()
+    missed = sorted(set(targets) - solved)
+    assert not missed, f"calibration never ran these linears, so they were not quantized: {missed}"

@@ -1,0 +1,82 @@
+"""The calibration text: read, checked and cut into windows for the calibrated algorithms (``quant.algorithm``).
+
+A shipped English text (``exporters/data/calibration_text.txt``: recipes, letters, explanations, dialogue and
+stories, written for this and apart from the validation text) unless ``quant.calibration.text_file`` names the
+user's own; its token count and sha256 go into the manifest, so a result can be traced to the text it learned
+from. Validation never scores this text, so the quality an export reports is always on text calibration did
+not see.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from exporters.errors import UserError
+from exporters.runtime.quality import read_text, text_ids
+from models.checkpoint import Checkpoint
+
+if TYPE_CHECKING:
+    from exporters.config import CalibrationConfig
+
+DEFAULT_CALIBRATION_TEXT = "calibration_text.txt"
+# GPTQ estimates each layer's input covariance from the text: with fewer tokens than this, the estimate of a
+# 576-1536-wide layer is mostly damping, and calibration does more harm than good.
+MIN_CALIBRATION_TOKENS = 512
+# Tokens per calibration window: long enough for attention to see real context, short enough that a window's
+# activations stay small; never more than the model's KV cache holds.
+WINDOW_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class CalibrationText:
+    """The calibration text as token windows [1, L], with what the manifest records of it."""
+
+    source: str
+    sha256: str
+    windows: list[torch.Tensor]
+
+    @property
+    def tokens(self) -> int:
+        return sum(w.shape[1] for w in self.windows)
+
+
+def _fix(key: str) -> str:
+    return (f"Give a longer plain-text file with {key}=<path> (a few thousand words of text like what the model "
+            f"will see), or leave it unset for the built-in text.")
+
+
+def check_calibration(cfg: CalibrationConfig) -> None:
+    """Before any work: the text can be read and is not obviously too short (the exact count needs the tokenizer,
+    :func:`calibration_text` checks it after loading), and ``max_tokens`` leaves room for enough of it."""
+    key = "quant.calibration.text_file"
+    if cfg.max_tokens < MIN_CALIBRATION_TOKENS:
+        raise UserError(f"quant.calibration.max_tokens={cfg.max_tokens}: calibration needs at least "
+                        f"{MIN_CALIBRATION_TOKENS} tokens to estimate each layer's inputs. Raise it (default 4096).")
+    text, source = read_text(cfg.text_file, key, DEFAULT_CALIBRATION_TEXT)
+    words = len(text.split())
+    if words * 2 < MIN_CALIBRATION_TOKENS:  # English runs 1.2-1.5 tokens a word: surely too short
+        raise UserError(f"{key}={source} has {words} words; calibration needs at least {MIN_CALIBRATION_TOKENS} "
+                        f"tokens. {_fix(key)}")
+
+
+def calibration_text(cfg: CalibrationConfig, text: str | None, ckpt: Checkpoint, vocab_size: int,
+                     context: int) -> CalibrationText:
+    """``text`` (else the configured or shipped calibration text) as windows of at most ``context`` tokens, a
+    BOS first when the model has one, up to ``cfg.max_tokens`` tokens in all."""
+    key = "quant.calibration.text_file"
+    source = "the tiny model's training text (models/tiny.py)"
+    if text is None:
+        text, source = read_text(cfg.text_file, key, DEFAULT_CALIBRATION_TEXT)
+    ids = text_ids(ckpt, vocab_size, text)[:cfg.max_tokens]
+    if len(ids) < MIN_CALIBRATION_TOKENS:
+        raise UserError(f"{key}={source} is {len(ids)} tokens long; calibration needs at least "
+                        f"{MIN_CALIBRATION_TOKENS}. {_fix(key)}")
+    bos = [ckpt.bos_id] if ckpt.bos_id is not None else []
+    body = min(context, WINDOW_TOKENS) - len(bos)
+    windows = [torch.tensor([bos + ids[i:i + body]], dtype=torch.int64) for i in range(0, len(ids), body)
+               if len(ids[i:i + body]) >= body // 4]  # a short tail adds little but a window's cost
+    return CalibrationText(source=source, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(), windows=windows)
