@@ -24,9 +24,9 @@ from benchmarks.presets import add_preset_arguments, preset_of, preset_overrides
 from exporters.runtime.quality import full_sequence, perplexity, window_logits
 
 
-def eager_perplexities(cfg: Any, work_dir: Path) -> tuple[Any, float]:
-    """Run ``cfg``'s export up to its quantize stage: the baseline (unquantized) quality, and the quantized
-    eager model's perplexity on the same windows."""
+def eager_perplexities(cfg: Any, work_dir: Path) -> tuple[Any, float, Any]:
+    """Run ``cfg``'s export up to its quantize stage: the baseline (unquantized) quality, the quantized
+    eager model's perplexity on the same windows, and what the quantize stage did (the manifest's record)."""
     from exporters.console import native_stderr_to
     from exporters.export import run_stages
 
@@ -37,7 +37,7 @@ def eager_perplexities(cfg: Any, work_dir: Path) -> tuple[Any, float]:
         if baseline is None:
             raise SystemExit("the export ran no baseline stage: leave validate=true.")
         nll = baseline.text.nll(window_logits(full_sequence(quantized.model), baseline.text))
-    return baseline, perplexity(nll, baseline.text.scored_tokens)
+    return baseline, perplexity(nll, baseline.text.scored_tokens), ctx.quantization
 
 
 def compare(args: argparse.Namespace, work: Path) -> None:
@@ -49,14 +49,14 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     printed = False
     for algorithm in args.algorithm.split(","):
         cfg = compose_config([*common, f"quant.algorithm={algorithm}", *args.overrides])
-        baseline, ppl = eager_perplexities(cfg, work / algorithm)
+        baseline, ppl, applied = eager_perplexities(cfg, work / algorithm)
         if not printed:
             print(f"{'unquantized (' + baseline.dtype + ')':28s} perplexity {baseline.perplexity:.2f} "
                   f"({baseline.text.scored_tokens} tokens of {baseline.text.source})", flush=True)
             printed = True
         q = cfg.quant
         print(f"{f'{q.name} g{q.group_size} {algorithm}':28s} perplexity {ppl:.2f} "
-              f"({ppl / baseline.perplexity - 1:+.1%})", flush=True)
+              f"({ppl / baseline.perplexity - 1:+.1%})  [{applied.describe()}]", flush=True)
 
 
 def main() -> None:

@@ -163,6 +163,10 @@ class QuantConfig:
     # The token embedding is a lookup (it has no inputs to calibrate with): "hqq" or "affine".
     embedding_algorithm: Algorithm = Algorithm.hqq
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    # Mixed precision: let the weights grow to this multiple of the uniform scheme's size (e.g. 1.05), spent on
+    # 8 bits for the 4-bit linears (and lm_head) whose rounding costs the most KL per byte, measured on the
+    # calibration text (exporters.quant.mixed). null: every layer gets the scheme above.
+    size_budget: Optional[float] = None
     # Validation tolerances of the program against the eager model quantized the same way (not against the
     # unquantized baseline), on the validation text; calibrated on SmolLM2-135M (docs/quality.md):
     # mean KL(eager || program) per predicted token in nats, the share of positions whose greedy token

@@ -180,6 +180,8 @@ class AppliedScheme:
     fallbacks: dict[str, str] = field(default_factory=dict)
     # How the codes and scales were chosen (quant.algorithm): hqq, affine, or gptq (calibrated).
     algorithm: str = "hqq"
+    # Layers given more bits by quant.size_budget -> the scheme they got (one scale per row).
+    upgraded: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -195,6 +197,26 @@ class CalibrationRecord:
 
 
 @dataclass
+class MixedPrecisionRecord:
+    """quant.size_budget: each candidate layer's measured KL at its low and high precision, and the choice."""
+
+    budget: float
+    uniform_bytes: int  # estimated weight bytes with every candidate at its low precision
+    chosen_bytes: int  # with the upgraded ones at high precision
+    all_high_bytes: int  # with every candidate at high precision
+    tokens: int  # calibration tokens the KL was measured on
+    seconds: float
+    # layer -> [KL low, KL high] (mean nats per token, that layer alone rounded, against the unrounded model)
+    sensitivity: dict[str, list[float]] = field(default_factory=dict)
+    upgraded: list[str] = field(default_factory=list)  # most KL saved per byte first
+
+    def describe(self) -> str:
+        return (f"{len(self.upgraded)} of {len(self.sensitivity)} layers at 8 bits "
+                f"({self.chosen_bytes / self.uniform_bytes:.3f}x of uniform, budget {self.budget}x; "
+                f"measured in {self.seconds:.0f} s)")
+
+
+@dataclass
 class AppliedQuantization:
     """Exactly what was done to the model, for the manifest."""
 
@@ -204,6 +226,7 @@ class AppliedQuantization:
     embedding: AppliedScheme | None = None
     adapters: AppliedScheme | None = None  # LoRA adapters' A and B (quant.adapters), when quantized
     calibration: CalibrationRecord | None = None  # with a calibrated quant.algorithm
+    mixed: MixedPrecisionRecord | None = None  # with quant.size_budget
     untied_embeddings: bool = False
     notes: list[str] = field(default_factory=list)
     tied_embedding: str = "not tied"  # exporters.quant.tied.TiedEmbedding
@@ -215,6 +238,8 @@ class AppliedQuantization:
             if applied:
                 algorithm = "" if applied.algorithm == "hqq" else f" {applied.algorithm}"
                 parts.append(f"{role} {applied.scheme}{algorithm} ({len(applied.layers)} layers)")
+        if self.mixed:
+            parts.append(f"mixed precision: {self.mixed.describe()}")
         if self.calibration:
             parts.append(f"calibrated on {self.calibration.tokens} tokens in {self.calibration.seconds:.0f} s")
         return ", ".join(parts) + (", embeddings untied" if self.untied_embeddings else "")

@@ -495,10 +495,17 @@ class CausalLM(nn.Module):
             # A view when T is a static 1 (decode), which XNNPACK delegates; it has no select, so a
             # dynamic-length method keeps one portable op here.
             h = h.view(1, -1) if isinstance(seq_len, int) and seq_len == 1 else h[:, -1, :]
-        logits = self.head(h)
+        return self.softcap(self.head(h))
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
         if self.args.final_logit_softcap is not None:
             logits = torch.tanh(logits / self.args.final_logit_softcap) * self.args.final_logit_softcap
         return logits
+
+    def final_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of every position from the last layer's hidden states ``h`` [1, T, hidden] (eager use:
+        calibration and sensitivity run the layers one at a time)."""
+        return self.softcap(self.head(self.model.norm(h)))
 
     @torch.no_grad()
     def reset_cache(self) -> None:

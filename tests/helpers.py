@@ -52,6 +52,7 @@ def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
 
     from exporters.config import QuantConfig
     from exporters.quant.apply import quantize_model
+    from exporters.quant.calibration import CalibrationText, calibration_text
     from models.checkpoint import build_model, open_checkpoint
 
     cfg = result.manifest.config
@@ -59,5 +60,10 @@ def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
                         attention=result.manifest.model.attention)
     quant = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), cfg["quant"]))
     assert isinstance(quant, QuantConfig)
-    quantize_model(model, quant)
+    checkpoint = open_checkpoint(result.manifest.model.checkpoint)
+
+    def calibration() -> CalibrationText:  # a calibrated algorithm or size budget reads the same text again
+        return calibration_text(quant.calibration, None, checkpoint, model.args.vocab_size, model.args.max_context_len)
+
+    quantize_model(model, quant, calibration=calibration)
     return model

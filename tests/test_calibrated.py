@@ -1,8 +1,10 @@
-"""Calibrated 4-bit (quant.algorithm=gptq, quant=8da4w_calibrated): the solver, the refusals, and a real export.
+"""Calibrated 4-bit (quant.algorithm=gptq, quant=8da4w_calibrated) and mixed precision (quant.size_budget): the
+solver, the layer choice, the refusals.
 
 The solver is checked on real weights and real activations of SmolLM2 (a linear of its first layer, inputs from
-the shipped calibration text) against HQQ on text calibration did not see; the export is the truncated real
-model lowered to XNNPACK and run in the ExecuTorch runtime, as every other scheme.
+the shipped calibration text) against HQQ on text calibration did not see. The real exports (the truncated real
+model lowered to XNNPACK and run in the ExecuTorch runtime, as every other scheme) are in
+tests/test_quant_backends.py, beside the plain 8da4w program they are compared with.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ def test_gptq_codes_are_xnnpacks_format_and_beat_hqq_on_unseen_text(smollm2_trun
     (["quant=8da4w_calibrated", "quant.calibration.max_tokens=100"], "at least 512 tokens"),
     (["quant=8da4w", "quant.embedding=4w", "quant.embedding_algorithm=gptq"], "lookup table"),
     (["quant=fp32", "quant.algorithm=gptq"], "has none in its linear layers or lm_head"),
+    (["quant=8da4w", "quant.size_budget=0.9"], "smallest program it can make is the uniform one"),
+    (["quant=8da8w", "quant.size_budget=1.05"], "has no 4-bit linears"),
+    (["quant=8da4w", "quant.size_budget=1.05", "quant.calibration.max_tokens=10"], "at least 512 tokens"),
 ])
 def test_calibration_that_cannot_work_is_refused_before_any_work(overrides: list[str], named: str) -> None:
     with pytest.raises(UserError, match=named):
@@ -99,20 +104,49 @@ def test_the_old_qparams_key_names_its_new_name() -> None:
         checked_config(compose_config("+quant.qparams=hqq"))
 
 
-def test_calibrated_export_runs_in_the_runtime_records_its_text_and_keeps_the_size(real_exported) -> None:
-    """quant=8da4w_calibrated on the real (truncated) model: validated in the runtime against its eager model
-    like 8da4w, the same storage as 8da4w, and the manifest says how and on what it was calibrated."""
-    calibrated = real_exported("quant=8da4w_calibrated", "export.methods=[prefill,decode]", "export.layout=split")
-    plain = real_exported("quant=8da4w", "export.methods=[prefill,decode]", "export.layout=split")
-    v = calibrated.manifest.validation
-    assert v.passed and v.checked == "runtime", v.failures
-    q = calibrated.manifest.quantization
-    assert q.linear.algorithm == "gptq" and q.lm_head.algorithm == "gptq"
-    assert q.linear.torchao_args["intx_choose_qparams_algorithm"] is None  # custom scales, as torchao names them
-    assert q.calibration is not None and q.calibration.source == "exporters/data/calibration_text.txt"
-    assert q.calibration.tokens >= MIN_CALIBRATION_TOKENS and len(q.calibration.sha256) == 64
-    assert plain.manifest.quantization.linear.algorithm == "hqq" and plain.manifest.quantization.calibration is None
-    # Same format: only codes and scales differ, so the file is the same size to within its graph's bytes.
-    assert abs(calibrated.pte_path.stat().st_size / plain.pte_path.stat().st_size - 1) < 0.01
-    # The program computes what its eager model computes, at least as closely as HQQ's (scales are bf16-exact).
-    assert v.kl_mean <= plain.manifest.validation.kl_mean * 1.5
+def test_upgrades_go_to_the_most_kl_saved_per_byte_within_the_allowance() -> None:
+    from torch import nn
+
+    from exporters.quant.mixed import Candidate, Precision, Sensitivity, choose_upgrades
+
+    low, high = Precision("8da4w", LINEAR_SCHEMES["8da4w"], 32), Precision("8da8w", LINEAR_SCHEMES["8da8w"], 0)
+    candidates = {name: Candidate(nn.Linear(cols, 64, bias=False), low, high)
+                  for name, cols in (("big", 512), ("small", 64), ("useless", 64), ("medium", 256))}
+    # 4-bit at group 32: 0.5 B per weight + 2 B per 32; 8-bit per row: 1 B per weight + 4 B per row.
+    assert candidates["small"].extra_bytes == (64 * 64 + 64 * 4) - (64 * 64 // 2 + 64 * 2 * 2)
+    sensitivity = {"big": Sensitivity(0.080, 0.001), "small": Sensitivity(0.020, 0.001),
+                   "useless": Sensitivity(0.001, 0.002), "medium": Sensitivity(0.010, 0.001)}
+    per_byte = {n: (s.kl_low - s.kl_high) / candidates[n].extra_bytes for n, s in sensitivity.items()}
+    assert per_byte["small"] > per_byte["big"] > per_byte["medium"]
+    extra = {n: c.extra_bytes for n, c in candidates.items()}
+    # Room for "small" and "big" only; "medium" does not fit after them; "useless" gains nothing at any price.
+    assert choose_upgrades(candidates, sensitivity, extra["small"] + extra["big"] + 10) == ["small", "big"]
+    # "big" does not fit, the next one that does is taken.
+    assert choose_upgrades(candidates, sensitivity, extra["small"] + extra["medium"]) == ["small", "medium"]
+    assert choose_upgrades(candidates, sensitivity, 10 ** 9) == ["small", "big", "medium"]
+    assert choose_upgrades(candidates, sensitivity, 0) == []
+
+
+def test_size_budget_gives_8_bits_to_measured_layers_and_records_them(tmp_path) -> None:
+    """On the tiny model: every 4-bit linear and lm_head measured at 4 and 8 bits; the upgraded ones really hold
+    8-bit codes with one scale per row, the rest 4-bit groups, and the estimate stays within the budget."""
+    from exporters.export import run_stages
+
+    quantized, ctx = run_stages(compose_config("quant=8da4w", "quant.size_budget=1.2"), tmp_path, stop_after="quantize")
+    q = ctx.quantization
+    mixed = q.mixed
+    assert mixed is not None and mixed.budget == 1.2
+    assert set(mixed.sensitivity) == set(q.linear.layers) | {"lm_head"}
+    assert all(low >= 0 and high >= 0 for low, high in mixed.sensitivity.values())
+    assert mixed.upgraded and mixed.chosen_bytes <= 1.2 * mixed.uniform_bytes < mixed.all_high_bytes
+    assert all(mixed.sensitivity[n][0] > mixed.sensitivity[n][1] for n in mixed.upgraded)
+    modules = dict(quantized.model.named_modules())
+    for name, group in q.linear.layers.items():
+        weight = modules[name].weight
+        if name in mixed.upgraded:
+            assert q.linear.upgraded[name] == "8da8w" and group == 0
+            assert weight.target_dtype == torch.int8 and weight.block_size[1] == weight.shape[1]
+        else:
+            assert name not in q.linear.upgraded and group == 32
+            assert weight.target_dtype == torch.int4 and weight.block_size[1] == 32
+    assert "mixed precision" in q.describe() and f"{len(mixed.upgraded)} of" in q.describe()

@@ -13,11 +13,14 @@ from exporters.runtime.programs import LoadedProgram
 from models.tokenizer import load_tokenizer
 from tests.helpers import eager_model_of
 
+# GPTQ codes and scales, with the layers that gain most per byte at 8 bits (exporters.quant.calibrated, .mixed).
+CALIBRATED_MIXED = ("xnnpack", "8da4w_calibrated", "quant.size_budget=1.05")
 # Every quant option each runnable backend supports, on the real (truncated) SmolLM2.
 RUNNABLE = [
     ("xnnpack", "fp32"), ("xnnpack", "fp16"), ("xnnpack", "bf16"), ("xnnpack", "8da8w"), ("xnnpack", "8da4w"),
     ("xnnpack", "8da4w_emb4w"),
     ("xnnpack", "8da4w", "quant.group_size=64", "quant.lm_head=8da8w", "quant.lm_head_group_size=0"),
+    CALIBRATED_MIXED,
     ("portable", "fp32"), ("portable", "fp16"), ("portable", "bf16"), ("portable", "fp32", "quant.embedding=4w"),
     ("portable", "fp32", "quant.embedding=8w", "quant.embedding_group_size=0"),
     # Fixed prompt length: prefill takes export.prefill_chunk tokens, the prompt below. The device computes in
@@ -70,8 +73,13 @@ def test_manifest_records_exactly_what_was_applied(real_exported, pair: tuple[st
             assert applied is None
         else:
             assert applied.scheme == cfg[role] and applied.torchao_config.endswith("Config")
-            assert applied.torchao_args["intx_choose_qparams_algorithm"].lower().endswith("hqq_scale_only")
+            algorithm = cfg["embedding_algorithm" if role == "embedding" else "algorithm"]
+            assert applied.algorithm == algorithm
+            # torchao's own choice of scales, or none (custom: the calibrated codes and scales are given to it)
+            assert str(applied.torchao_args["intx_choose_qparams_algorithm"]).lower().endswith(
+                {"hqq": "hqq_scale_only", "gptq": "none"}[algorithm])
             assert applied.layers and applied.fallbacks == {}
+            assert set(applied.upgraded) <= set(q.mixed.upgraded if q.mixed else [])
 
 
 def test_lm_head_gets_its_own_scheme_and_untying_is_recorded(real_exported) -> None:
@@ -218,3 +226,25 @@ def test_hqq_by_rows_is_torchaos_hqq_bit_for_bit(smollm2_truncated, bits: int, g
     with hqq_by_rows():
         assert intx._choose_qparams_and_quantize_scale_only_hqq is hqq_scale_only_by_rows
     assert intx._choose_qparams_and_quantize_scale_only_hqq is original
+
+
+def test_calibrated_mixed_program_records_its_text_and_choices_and_grows_as_estimated(real_exported) -> None:
+    """quant=8da4w_calibrated quant.size_budget=1.05 (validated in the runtime by the tests above): GPTQ codes,
+    the measured layers upgraded to 8 bits, the calibration text traced, and the file grown by the estimate."""
+    from exporters.quant.calibration import MIN_CALIBRATION_TOKENS
+
+    mixed = _export(real_exported, *CALIBRATED_MIXED)
+    plain = _export(real_exported, "xnnpack", "8da4w")
+    q = mixed.manifest.quantization
+    assert q.linear.algorithm == q.lm_head.algorithm == "gptq"
+    assert q.calibration is not None and q.calibration.source == "exporters/data/calibration_text.txt"
+    assert q.calibration.tokens >= MIN_CALIBRATION_TOKENS and len(q.calibration.sha256) == 64
+    assert plain.manifest.quantization.calibration is None and plain.manifest.quantization.mixed is None
+    m = q.mixed
+    assert m is not None and set(m.sensitivity) == set(q.linear.layers) | {"lm_head"}
+    assert m.upgraded and m.uniform_bytes < m.chosen_bytes <= 1.05 * m.uniform_bytes
+    assert {**q.linear.upgraded, **q.lm_head.upgraded} == {name: "8da8w" for name in m.upgraded}
+    # The estimate counts packed int4 + bf16 scales against int8 + fp32 row scales: the file says the same.
+    grown = mixed.pte_path.stat().st_size - plain.pte_path.stat().st_size
+    estimated = m.chosen_bytes - m.uniform_bytes
+    assert abs(grown - estimated) <= 0.05 * estimated + 64 * 1024, (grown, estimated)

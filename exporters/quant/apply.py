@@ -14,13 +14,15 @@ from typing import Any, Callable
 from torch import nn
 
 from exporters.config import QuantConfig, TiedEmbeddingStorage
-from exporters.manifest import AppliedQuantization, AppliedScheme, CalibrationRecord
+from exporters.manifest import AppliedQuantization, AppliedScheme, CalibrationRecord, MixedPrecisionRecord
 from exporters.quant import tied
 from exporters.quant.calibrated import Target, quantize_calibrated
 from exporters.quant.calibration import CalibrationText
 from exporters.quant.hqq import hqq_by_rows
-from exporters.quant.schemes import (DATA_FREE, DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, IntScheme, describe_choice,
-                                     layer_scheme)
+from exporters.quant.mixed import (SENSITIVITY_TOKENS, Candidate, Precision, choose_upgrades, measure_sensitivity,
+                                   weight_bytes)
+from exporters.quant.schemes import (DATA_FREE, DTYPES, EIGHT_BIT_FORM, EMBEDDING_SCHEMES, LINEAR_SCHEMES, IntScheme,
+                                     describe_choice, layer_scheme)
 from models.decoder import CausalLM
 from models.lora import is_adapter_module
 
@@ -101,6 +103,48 @@ def _apply_calibrated(model: CausalLM, plans: dict[str, RolePlan], text: Calibra
     quantize_calibrated(model, targets, text, _progress("calibrated linear", len(targets)))
 
 
+def _mix(model: CausalLM, cfg: QuantConfig, computing: dict[str, RolePlan], text: CalibrationText,
+         dtype_bytes: int) -> MixedPrecisionRecord:
+    """``quant.size_budget``: measure each 4-bit layer's KL at 4 and 8 bits, upgrade the best per byte within the
+    budget, and change the plans (and their records) to say so."""
+    low: dict[str, Precision] = {}
+    for plan in computing.values():
+        for name, (scheme, group) in plan.chosen.items():
+            low[name] = Precision(scheme, plan.table[scheme], group)
+    candidates = {name: Candidate(computing[_role(name)].modules[name], p,  # type: ignore[arg-type]
+                                  Precision(EIGHT_BIT_FORM[p.scheme], LINEAR_SCHEMES[EIGHT_BIT_FORM[p.scheme]], 0))
+                  for name, p in low.items() if p.scheme in EIGHT_BIT_FORM}
+    stored = {computing[_role(n)].modules[n]: p.bytes(*computing[_role(n)].modules[n].weight.shape)
+              for n, p in low.items()}
+    if cfg.embedding:
+        embed = model.model.embed_tokens
+        scheme, group = layer_scheme(cfg.embedding, embed.embedding_dim, cfg.embedding_group_size)
+        stored[embed] = Precision(scheme, EMBEDDING_SCHEMES[scheme], group).bytes(*embed.weight.shape)
+    uniform = weight_bytes(model, stored, dtype_bytes)
+    extra = sum(c.extra_bytes for c in candidates.values())
+    assert cfg.size_budget is not None
+    started = time.perf_counter()
+    log.info("  quantize: measuring %d layers' KL at 4 and 8 bits for quant.size_budget=%s", len(candidates),
+             cfg.size_budget)
+    sensitivity = measure_sensitivity(model, candidates, text, _progress("sensitivity", len(candidates)))
+    upgraded = choose_upgrades(candidates, sensitivity, int((cfg.size_budget - 1.0) * uniform))
+    for name in upgraded:
+        plan = computing[_role(name)]
+        high = candidates[name].high
+        plan.chosen[name] = (high.scheme, high.group_size)
+        plan.record.layers[name] = high.group_size
+        plan.record.upgraded[name] = high.scheme
+    return MixedPrecisionRecord(
+        budget=cfg.size_budget, uniform_bytes=uniform, all_high_bytes=uniform + extra,
+        chosen_bytes=uniform + sum(candidates[n].extra_bytes for n in upgraded),
+        tokens=min(text.tokens, SENSITIVITY_TOKENS), seconds=round(time.perf_counter() - started, 1),
+        sensitivity={n: [round(s.kl_low, 6), round(s.kl_high, 6)] for n, s in sensitivity.items()}, upgraded=upgraded)
+
+
+def _role(name: str) -> str:
+    return "lm_head" if name == "lm_head" else "linear"
+
+
 def quantize_model(model: CausalLM, cfg: QuantConfig,
                    tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared,
                    calibration: Callable[[], CalibrationText] | None = None) -> AppliedQuantization:
@@ -137,9 +181,15 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
     # rather than the whole fp32 model (the stage's peak on a 1B model, docs/DESIGN.md 2c). lm_head goes last
     # with a data-free algorithm, beside the int8 embedding; a calibrated one takes it in the same pass as the
     # linears, since it reads their output.
-    if cfg.algorithm not in DATA_FREE and computing:
-        assert calibration is not None, f"quant.algorithm={cfg.algorithm} needs a calibration text"
+    calibrated = cfg.algorithm not in DATA_FREE and bool(computing)
+    text = None
+    if calibrated or (cfg.size_budget is not None and computing):
+        assert calibration is not None, f"quant={cfg.name} needs a calibration text"
         text = calibration()
+    if cfg.size_budget is not None and text is not None:
+        applied.mixed = _mix(model, cfg, computing, text, DTYPES[cfg.dtype].itemsize)
+    if calibrated:
+        assert text is not None
         started = time.perf_counter()
         _apply_calibrated(model, computing, text)
         applied.calibration = CalibrationRecord(algorithm=str(cfg.algorithm), source=text.source, sha256=text.sha256,

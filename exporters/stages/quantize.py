@@ -14,6 +14,8 @@ from exporters.stages.artifacts import EagerModel
 from exporters.stages.pipeline import ExportContext, Stage
 from models.tiny import CORPUS
 
+TINY_REPEATS = 4
+
 
 class QuantizeStage(Stage):
     name = "quantize"
@@ -28,8 +30,10 @@ class QuantizeStage(Stage):
         model = loaded.model
 
         def calibration() -> CalibrationText:
-            # A tiny model only knows the text it was trained on (as in validation, exporters.stages.baseline).
-            own_text = CORPUS if self.source == Source.tiny and self.cfg.calibration.text_file is None else None
+            # A tiny model only knows the text it was trained on (as in validation, exporters.stages.baseline):
+            # about 240 tokens, repeated to the minimum calibration needs.
+            own_text = ("\n".join([CORPUS] * TINY_REPEATS)
+                        if self.source == Source.tiny and self.cfg.calibration.text_file is None else None)
             assert ctx.checkpoint is not None
             return calibration_text(self.cfg.calibration, own_text, ctx.checkpoint, model.args.vocab_size,
                                     model.args.max_context_len)
