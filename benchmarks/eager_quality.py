@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--text-file", help="validation text (default: the shipped English paragraphs)")
     ap.add_argument("overrides", nargs="*",
                     help="more Hydra overrides (quant.group_size=64, validation.max_tokens=...)")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # Hydra overrides may come before or after the options
 
     with tempfile.TemporaryDirectory(prefix="eager_quality_") as tmp:
         compare(args, Path(tmp))

@@ -204,7 +204,8 @@ def test_sweep_presets_compose(name: str) -> None:
     cfg = to_typed(compose_experiment(name, *overrides))
     assert cfg.backend.name == "xnnpack" and cfg.bench is False and cfg.validate
     params = compose_experiment(name, *overrides, hydra=True).hydra.sweeper.params
-    assert params.quant.split(",") == ["fp32", "fp16", "bf16", "8da8w", "8da4w", "8da4w_emb4w"]
+    calibrated = ["8da4w_calibrated"] if name == "quant_quality" else []  # quality, not the size table's concern
+    assert params.quant.split(",") == ["fp32", "fp16", "bf16", "8da8w", "8da4w", *calibrated, "8da4w_emb4w"]
 
 
 def test_size_table_is_the_134m_preset() -> None:
@@ -227,3 +228,19 @@ def test_quant_quality_sweep_writes_its_summary(tmp_path: Path) -> None:
     assert all(r.perplexity and r.ppl_increase is not None and r.kl_mean is not None for r in rows)
     assert all(r.decode_tok_s is None for r in rows)  # bench=false
     assert "1 of 1 jobs ok" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_mixed_precision_search_composes_over_budget_and_algorithm() -> None:
+    """conf/search_mixed.yaml: Optuna's space adds quant.size_budget and the calibrated preset to search.yaml's,
+    and every config it can pick is one the schema accepts."""
+    from exporters.export import checked_config
+
+    hydra = compose(config_name="search_mixed", return_hydra_config=True).hydra
+    params = hydra.sweeper.params
+    assert hydra.sweeper.direction == "minimize" and params.quant == "8da4w,8da4w_calibrated"
+    assert params["quant.size_budget"] == "interval(1.0, 1.15)"
+    assert "quant.group_size" in params  # search.yaml's space is kept
+    for quant in params.quant.split(","):
+        for budget in ("1.0", "1.15"):
+            cfg = checked_config(compose(f"quant={quant}", f"quant.size_budget={budget}", config_name="search_mixed"))
+            assert cfg.quant.size_budget == float(budget)
