@@ -48,7 +48,8 @@ def test_gptq_codes_are_xnnpacks_format_and_beat_hqq_on_unseen_text(smollm2_trun
     seen: list[torch.Tensor] = []
     hook = layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, a[0].shape[-1])))
     from models.tokenizer import load_tokenizer
-    unseen_ids = torch.tensor([load_tokenizer(smollm2_truncated / "tokenizer.json").encode(UNSEEN)])
+    unseen_ids = torch.tensor([load_tokenizer(smollm2_truncated / "tokenizer.json").encode(UNSEEN)
+                               [:model.args.max_context_len]])
     with torch.no_grad():
         for window in text.windows:
             model.reset_cache()

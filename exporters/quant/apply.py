@@ -60,6 +60,10 @@ class RolePlan:
     table: dict[str, IntScheme]
     record: AppliedScheme
 
+    def precision(self, name: str) -> Precision:
+        scheme, group = self.chosen[name]
+        return Precision(scheme, self.table[scheme], group)
+
 
 def _plan(role: str, table: dict[str, IntScheme], scheme: str, group_size: int, algorithm: str,
           modules: dict[str, nn.Module], width: Callable[[nn.Module], int], notes: list[str]) -> RolePlan:
@@ -107,42 +111,35 @@ def _mix(model: CausalLM, cfg: QuantConfig, computing: dict[str, RolePlan], text
          dtype_bytes: int) -> MixedPrecisionRecord:
     """``quant.size_budget``: measure each 4-bit layer's KL at 4 and 8 bits, upgrade the best per byte within the
     budget, and change the plans (and their records) to say so."""
-    low: dict[str, Precision] = {}
-    for plan in computing.values():
-        for name, (scheme, group) in plan.chosen.items():
-            low[name] = Precision(scheme, plan.table[scheme], group)
-    candidates = {name: Candidate(computing[_role(name)].modules[name], p,  # type: ignore[arg-type]
-                                  Precision(EIGHT_BIT_FORM[p.scheme], LINEAR_SCHEMES[EIGHT_BIT_FORM[p.scheme]], 0))
+    assert cfg.size_budget is not None
+    plan_of = {name: plan for plan in computing.values() for name in plan.chosen}
+    low = {name: plan.precision(name) for name, plan in plan_of.items()}
+    modules: dict[str, nn.Linear] = {name: plan_of[name].modules[name] for name in low}  # type: ignore[misc]
+    candidates = {name: Candidate(modules[name], p, Precision(EIGHT_BIT_FORM[p.scheme],
+                                                              LINEAR_SCHEMES[EIGHT_BIT_FORM[p.scheme]], 0))
                   for name, p in low.items() if p.scheme in EIGHT_BIT_FORM}
-    stored = {computing[_role(n)].modules[n]: p.bytes(*computing[_role(n)].modules[n].weight.shape)
-              for n, p in low.items()}
+    stored: dict[nn.Module, int] = {modules[n]: p.bytes(*modules[n].weight.shape) for n, p in low.items()}
     if cfg.embedding:
         embed = model.model.embed_tokens
         scheme, group = layer_scheme(cfg.embedding, embed.embedding_dim, cfg.embedding_group_size)
         stored[embed] = Precision(scheme, EMBEDDING_SCHEMES[scheme], group).bytes(*embed.weight.shape)
     uniform = weight_bytes(model, stored, dtype_bytes)
-    extra = sum(c.extra_bytes for c in candidates.values())
-    assert cfg.size_budget is not None
     started = time.perf_counter()
     log.info("  quantize: measuring %d layers' KL at 4 and 8 bits for quant.size_budget=%s", len(candidates),
              cfg.size_budget)
     sensitivity = measure_sensitivity(model, candidates, text, _progress("sensitivity", len(candidates)))
     upgraded = choose_upgrades(candidates, sensitivity, int((cfg.size_budget - 1.0) * uniform))
     for name in upgraded:
-        plan = computing[_role(name)]
-        high = candidates[name].high
+        high, plan = candidates[name].high, plan_of[name]
         plan.chosen[name] = (high.scheme, high.group_size)
         plan.record.layers[name] = high.group_size
         plan.record.upgraded[name] = high.scheme
     return MixedPrecisionRecord(
-        budget=cfg.size_budget, uniform_bytes=uniform, all_high_bytes=uniform + extra,
+        budget=cfg.size_budget, uniform_bytes=uniform,
         chosen_bytes=uniform + sum(candidates[n].extra_bytes for n in upgraded),
+        all_high_bytes=uniform + sum(c.extra_bytes for c in candidates.values()),
         tokens=min(text.tokens, SENSITIVITY_TOKENS), seconds=round(time.perf_counter() - started, 1),
         sensitivity={n: [round(s.kl_low, 6), round(s.kl_high, 6)] for n, s in sensitivity.items()}, upgraded=upgraded)
-
-
-def _role(name: str) -> str:
-    return "lm_head" if name == "lm_head" else "linear"
 
 
 def quantize_model(model: CausalLM, cfg: QuantConfig,
