@@ -102,7 +102,7 @@ def _apply_data_free(model: nn.Module, role: str, plan: RolePlan, algorithm: str
 
 def _apply_calibrated(model: CausalLM, plans: dict[str, RolePlan], text: CalibrationText) -> None:
     """GPTQ on the calibration text for the plans' modules (the linears and lm_head), one pass over the model."""
-    targets = {name: Target(module, plan.table[plan.chosen[name][0]], plan.chosen[name][1])  # type: ignore[arg-type]
+    targets = {name: Target(module, plan.precision(name).integer, plan.precision(name).group_size)  # type: ignore[arg-type]
                for plan in plans.values() for name, module in plan.modules.items()}
     quantize_calibrated(model, targets, text, _progress("calibrated linear", len(targets)))
 
