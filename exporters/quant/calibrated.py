@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from exporters.quant.calibration import CalibrationText
+from exporters.quant.calibration import CalibrationText, LayerByLayer
 from exporters.quant.gptq import gptq
 from exporters.quant.schemes import IntScheme
 from models.decoder import CausalLM
@@ -110,20 +110,15 @@ def quantize_calibrated(model: CausalLM, targets: dict[str, Target], text: Calib
                         step: Callable[[], None]) -> None:
     """Quantize ``targets`` (module path -> what it becomes) with GPTQ on ``text``, one decoder layer at a time,
     then ``lm_head`` on the final norm's outputs; ``step`` is called once per quantized linear."""
-    dtype = model.lm_head.weight.dtype if model.lm_head.weight.is_floating_point() else torch.float32
-    states = [model.embed(w) for w in text.windows]
-    positions = [torch.arange(w.shape[1]) for w in text.windows]
-    layer_inputs = [model.layer_inputs(p, dtype) for p in positions]
+    run = LayerByLayer(model, text.windows)
+    states = run.embedded
     solved: set[str] = set()
-    for i, layer in enumerate(model.model.layers):
+    for i in range(len(model.model.layers)):
         here = {n: t for n, t in targets.items() if n.startswith(f"model.layers.{i}.")}
         if here:
             recorder = InputRecorder(here)
             try:
-                for h, p, inputs in zip(states, positions, layer_inputs):
-                    rope, mask = inputs[i]
-                    layer(h, rope, p, mask)
-                    recorder.next_window()
+                run.layer(i, states, after_each=recorder.next_window)
             finally:
                 recorder.close()
             for shared in recorder.inputs:
@@ -131,7 +126,7 @@ def quantize_calibrated(model: CausalLM, targets: dict[str, Target], text: Calib
                 solved.update(shared.names)
                 for _ in shared.names:
                     step()
-        states = [layer(h, inputs[i][0], p, inputs[i][1]) for h, p, inputs in zip(states, positions, layer_inputs)]
+        states = run.layer(i, states)  # what the next layer sees: this one's output, quantized
     model.reset_cache()
     if "lm_head" in targets:
         head = SharedInput(names=["lm_head"])

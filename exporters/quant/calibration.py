@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from exporters.errors import UserError
 from exporters.runtime.quality import read_text, text_ids
 from models.checkpoint import Checkpoint
+from models.decoder import CausalLM
 
 if TYPE_CHECKING:
     from exporters.config import CalibrationConfig
@@ -80,3 +81,27 @@ def calibration_text(cfg: CalibrationConfig, text: str | None, ckpt: Checkpoint,
     windows = [torch.tensor([bos + ids[i:i + body]], dtype=torch.int64) for i in range(0, len(ids), body)
                if len(ids[i:i + body]) >= body // 4]  # a short tail adds little but a window's cost
     return CalibrationText(source=source, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(), windows=windows)
+
+
+class LayerByLayer:
+    """Token windows run through the decoder one layer at a time, as calibration (each layer solved on the
+    outputs of the quantized ones before it) and sensitivity (the model re-run from one layer on) need: every
+    window's positions, RoPE and masks computed once."""
+
+    def __init__(self, model: CausalLM, windows: list[torch.Tensor]) -> None:
+        self.model = model
+        weight = model.lm_head.weight
+        dtype = weight.dtype if weight.is_floating_point() else torch.float32
+        self.positions = [torch.arange(w.shape[1]) for w in windows]
+        self.inputs = [model.layer_inputs(p, dtype) for p in self.positions]
+        self.embedded = [model.embed(w) for w in windows]
+
+    def layer(self, i: int, states: list[torch.Tensor],
+              after_each: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        """Decoder layer ``i`` on every window's hidden states; ``after_each`` is called after each window."""
+        layer, out = self.model.model.layers[i], []
+        for h, p, inputs in zip(states, self.positions, self.inputs):
+            out.append(layer(h, inputs[i][0], p, inputs[i][1]))
+            if after_each is not None:
+                after_each()
+        return out

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from exporters.quant.calibration import CalibrationText
+from exporters.quant.calibration import CalibrationText, LayerByLayer
 from exporters.quant.gptq import static_scales
 from exporters.quant.schemes import IntScheme
 from models.decoder import CausalLM
@@ -97,34 +97,28 @@ def measure_sensitivity(model: CausalLM, candidates: dict[str, Candidate], text:
     The hidden states entering every layer are kept from one unrounded pass, so a layer's measurement runs the
     model from that layer on only.
     """
-    dtype = model.lm_head.weight.dtype
     windows, kept = [], 0
     for w in text.windows:
         if kept >= SENSITIVITY_TOKENS:
             break
         windows.append(w[:, :SENSITIVITY_TOKENS - kept])
         kept += windows[-1].shape[1]
-    positions = [torch.arange(w.shape[1]) for w in windows]
-    layer_inputs = [model.layer_inputs(p, dtype) for p in positions]
-    layers = list(model.model.layers)
+    run = LayerByLayer(model, windows)
+    layers = len(model.model.layers)
 
     def run_from(first: int, states: list[torch.Tensor]) -> torch.Tensor:
-        outs = []
-        for h, p, inputs in zip(states, positions, layer_inputs):
-            for i in range(first, len(layers)):
-                h = layers[i](h, inputs[i][0], p, inputs[i][1])
-            outs.append(model.final_logits(h))
-        return torch.cat(outs, dim=1)
+        for i in range(first, layers):
+            states = run.layer(i, states)
+        return torch.cat([model.final_logits(h) for h in states], dim=1)
 
-    entering: list[list[torch.Tensor]] = [[model.embed(w) for w in windows]]
-    for i, layer in enumerate(layers):
-        entering.append([layer(h, inputs[i][0], p, inputs[i][1])
-                         for h, p, inputs in zip(entering[-1], positions, layer_inputs)])
-    reference = torch.log_softmax(run_from(len(layers), entering[-1]).float(), dim=-1)
+    entering = [run.embedded]
+    for i in range(layers):
+        entering.append(run.layer(i, entering[-1]))
+    reference = torch.log_softmax(run_from(layers, entering[-1]).float(), dim=-1)
 
     result: dict[str, Sensitivity] = {}
     for name, candidate in candidates.items():
-        first = int(name.split(".")[2]) if name.startswith("model.layers.") else len(layers)
+        first = int(name.split(".")[2]) if name.startswith("model.layers.") else layers
         original = candidate.module.weight.data
         kls = []
         for precision in (candidate.low, candidate.high):

@@ -136,21 +136,18 @@ def check_algorithms(quant: QuantConfig) -> None:
             f"(quant.algorithm={quant.embedding_algorithm} calibrates the linear layers and lm_head).")
     if quant.size_budget is not None:
         check_size_budget(quant)
-    if quant.algorithm in DATA_FREE:
-        return
-    if not (quant.linear or quant.lm_head):
+    if quant.algorithm not in DATA_FREE and not (quant.linear or quant.lm_head):
         raise UserError(
             f"quant.algorithm={quant.algorithm} calibrates integer weights, and quant={quant.name} has none in its "
             f"linear layers or lm_head (quant.linear and quant.lm_head are null). Pick an integer scheme "
             f"(quant=8da4w_calibrated, quant.linear=8da4w) or a data-free algorithm ({listed(sorted(DATA_FREE))}).")
-    check_calibration(quant.calibration)
+    if quant.algorithm not in DATA_FREE or quant.size_budget is not None:  # both read the calibration text
+        check_calibration(quant.calibration)
 
 
 def check_size_budget(quant: QuantConfig) -> None:
     """A size budget can be spent: it is not below the uniform program, and some layer has a 4-bit scheme that
     8 bits can replace."""
-    from exporters.quant.calibration import check_calibration
-
     budget = quant.size_budget
     assert budget is not None
     if budget < 1.0:
@@ -163,4 +160,3 @@ def check_size_budget(quant: QuantConfig) -> None:
             f"quant.size_budget={budget} gives 4-bit linear layers 8 bits where it helps most, and quant={quant.name} "
             f"has no 4-bit linears (linear {quant.linear}, lm_head {quant.lm_head}; 4-bit schemes: "
             f"{listed(sorted(EIGHT_BIT_FORM))}). Use quant=8da4w or quant=4w with it, or drop quant.size_budget.")
-    check_calibration(quant.calibration)
