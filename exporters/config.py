@@ -62,6 +62,19 @@ class Algorithm(Choice):
     gptq = "gptq"
 
 
+class Pt2eQuantizer(Choice):
+    """A backend's own PT2E quantizer (``exporters.quant.pt2e.PT2E_QUANTIZERS``), named as ExecuTorch's export_llm
+    names them (``quantization.pt2e_quantize``): <backend>_<activations>_<weights>."""
+
+    xnnpack_dynamic = "xnnpack_dynamic"  # int8 per-token dynamic activations, int8 per-channel weights
+    xnnpack_dynamic_qc4 = "xnnpack_dynamic_qc4"  # the same with int4 per-channel weights
+    xnnpack_static = "xnnpack_static"  # int8 activations with scales calibrated on text, int8 per-channel weights
+    coreml_8a_c8w = "coreml_8a_c8w"  # coremltools: uint8 calibrated activations, int8 per-channel weights
+    coreml_8a_c4w = "coreml_8a_c4w"  # the same with int4 per-channel weights
+    coreml_c4w = "coreml_c4w"  # int4 per-channel weights only
+    vulkan_8w = "vulkan_8w"  # int8 per-channel weights only
+
+
 class Attention(Choice):
     """``models.decoder.ATTENTION``: ExecuTorch's LLM CPU kernels (runtimes must link them), or plain ATen ops."""
 
@@ -167,6 +180,10 @@ class QuantConfig:
     # 8 bits for the 4-bit linears (and lm_head) whose rounding costs the most KL per byte, measured on the
     # calibration text (exporters.quant.mixed). null: every layer gets the scheme above.
     size_budget: Optional[float] = None
+    # Quantize the linear layers with a backend's own quantizer on the captured graph (PT2E: prepare, calibrate
+    # on quant.calibration's text when activations get static scales, convert), instead of torchao's source
+    # transforms (quant.linear must then be null). One of Pt2eQuantizer, for the backend it names; conf/quant/pt2e_*.
+    pt2e: Optional[Pt2eQuantizer] = None
     # Validation tolerances of the program against the eager model quantized the same way (not against the
     # unquantized baseline), on the validation text; calibrated on SmolLM2-135M (docs/quality.md):
     # mean KL(eager || program) per predicted token in nats, the share of positions whose greedy token
@@ -233,6 +250,10 @@ class ValidationConfig:
     prompt_tokens: int = 32
     # Tokens of the text scored at most (bounds the time validation takes).
     max_tokens: int = 256
+    # Warn when the program's perplexity exceeds the unquantized model's by more than this share (0.2 = +20%),
+    # and measure which change of the quant config wins most of it back per MB (exporters/quant/advice.py:
+    # about one quantize stage per remedy). null: no warning.
+    warn_ppl_increase: Optional[float] = 0.2
 
 
 @dataclass

@@ -85,6 +85,8 @@ def log_export_summary(result: Any) -> None:
         m.resources.wall_s, m.resources.peak_rss_mb,
         "" if m.bench is None else "\n  runtime: " + m.bench.describe(), result.manifest_path,
     )
+    if m.quality_warning is not None:
+        log.warning("WARNING: %s", m.quality_warning.describe())
     for release, o in m.layout.stock_runners.items():
         if o.result != "correct":
             log.warning("ExecuTorch %s's stock runner would give %s with this program: %s. %s.",

@@ -19,9 +19,11 @@ from exporters.program.backends import check_backend, runtime_precision
 from exporters.program.layouts import LAYOUTS
 from exporters.program.methods import check_methods
 from exporters.program.weights import check_weights
+from exporters.quant.pt2e import check_pt2e
 from exporters.quant.schemes import check_quant
 from exporters.runtime.memory import reset_peak_rss
 from exporters.runtime.quality import check_validation
+from exporters.stages.advise import AdviseStage
 from exporters.stages.artifacts import ExportResult
 from exporters.stages.baseline import BaselineStage, prompt_length
 from exporters.stages.bench import BenchStage
@@ -31,6 +33,7 @@ from exporters.stages.finalize import FinalizeStage
 from exporters.stages.load import LoadStage
 from exporters.stages.lower import LowerStage
 from exporters.stages.pipeline import ExportContext, Stage, StageObserver, run_pipeline
+from exporters.stages.pt2e import Pt2eStage
 from exporters.stages.quantize import QuantizeStage
 from exporters.stages.validate import ValidateStage
 from exporters.sweeps.summary import check_search
@@ -46,6 +49,7 @@ def check_config(cfg: ExportConfig) -> None:
     check_adapter_folders(cfg.model.adapters)
     check_backend(cfg.backend, cfg.bench)
     check_quant(cfg.quant, cfg.backend)
+    check_pt2e(cfg.quant, cfg.backend, list(cfg.model.adapters))
     check_methods(cfg.export, cfg.backend)
     check_weights(cfg.export, cfg.backend, list(cfg.model.adapters))
     check_validation(cfg.validation, enabled=cfg.validate)
@@ -62,16 +66,23 @@ def build_stages(cfg: ExportConfig, output_dir: Path) -> list[Stage]:
     prompt_tokens = prompt_length(cfg.validation.prompt_tokens, ex.max_seq_len,
                                   None if backend.dynamic_shapes else ex.prefill_chunk)
     validating = cfg.validate
+    pt2e = cfg.quant.pt2e is not None
     return [
         LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir, attention=backend.attention),
         *([BaselineStage(cfg.validation, prompt_tokens, cfg.model.source)] if validating else []),
         QuantizeStage(cfg.quant, ex.tied_embedding, cfg.model.source),
+        *([Pt2eStage(cfg.quant, ex.max_seq_len, cfg.model.source)] if pt2e else []),
+        # Validation runs the undelegated programs where the delegate cannot run here; with PT2E they are also
+        # the eager side (the quantized model exists only as the converted graph).
         CaptureStage(ex.methods, LAYOUTS[ex.layout], ex.max_seq_len, backend.dynamic_shapes, ex.prefill_chunk,
-                     keep_undelegated=validating and not backend.runs_here),
+                     keep_undelegated=validating and (pt2e or not backend.runs_here)),
         LowerStage(backend, ex.max_seq_len, ex.weights),
         EmitStage(output_dir / ex.output_name, ex.weights),
-        *([ValidateStage(cfg.quant, runs_here=backend.runs_here, runs_in=runtime_precision(backend))]
+        *([ValidateStage(cfg.quant, runs_here=backend.runs_here, runs_in=runtime_precision(backend),
+                         eager_from_graphs=pt2e)]
           if validating else []),
+        *([AdviseStage(cfg.quant, cfg.validation.warn_ppl_increase, cfg.model, ex.max_seq_len, backend.attention)]
+          if validating and cfg.validation.warn_ppl_increase is not None else []),
         FinalizeStage(LAYOUTS[ex.layout]),
         *([BenchStage(cfg.benchmark, ex.max_seq_len)] if cfg.bench else []),
     ]

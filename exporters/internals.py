@@ -31,6 +31,10 @@ are the lines to re-read; each has a test that fails if the internal changes beh
   ``Module`` takes several), so a program whose adapters have their own ``.ptd`` is loaded here through one
   file holding the base's and the adapters' named tensors, written with ExecuTorch's own ``FlatTensorSerializer``
   (its ``serialize`` takes the private ``Cord``). Test: ``tests/test_lora.py`` (adapters in their own data files).
+- :func:`pt2e_annotation_key`: the node-meta key a PT2E quantizer writes its annotations under (torchao's
+  ``quantizer.quantizer.Q_ANNOTATION_KEY``, not exported by ``torchao.quantization.pt2e.quantizer``);
+  ``exporters.quant.pt2e.LinearsOnly`` removes the annotations of every node but the model's linear layers.
+  Test: ``tests/test_pt2e.py`` (the quantized linears of a converted graph are exactly the model's).
 """
 
 from __future__ import annotations
@@ -281,3 +285,9 @@ def xnnpack_keys_by_name(namespace: str) -> Iterator[None]:
     finally:
         visitor.get_serialized_buffer_index, visitor.get_quant_params = original_buffer, original_scales
         node_visitor.hashlib = hashlib
+
+
+def pt2e_annotation_key() -> str:
+    from torchao.quantization.pt2e.quantizer.quantizer import Q_ANNOTATION_KEY
+
+    return str(Q_ANNOTATION_KEY)

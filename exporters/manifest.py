@@ -217,6 +217,26 @@ class MixedPrecisionRecord:
 
 
 @dataclass
+class Pt2eRecord:
+    """quant.pt2e: the backend quantizer that quantized the captured graph's linear layers, and what it made."""
+
+    quantizer: str  # exporters.config.Pt2eQuantizer
+    backend: str
+    weights: str  # "int8 per channel"
+    activations: str  # static (scales calibrated on text), dynamic (per token at run time) or none (float)
+    linears: int  # linear layers of the graph given integer weights
+    seconds: float  # capture, prepare, calibrate and convert
+    calibration: CalibrationRecord | None = None  # static activations: the text their scales came from
+
+    def describe(self) -> str:
+        acts = {"static": "static 8-bit activations", "dynamic": "dynamic int8 activations"}.get(self.activations,
+                                                                                                 "float activations")
+        return (f"pt2e {self.quantizer}: {self.linears} linears with {self.weights} weights, {acts}"
+                + (f", calibrated on {self.calibration.tokens} tokens" if self.calibration else "")
+                + f" in {self.seconds:.0f} s")
+
+
+@dataclass
 class AppliedQuantization:
     """Exactly what was done to the model, for the manifest."""
 
@@ -227,6 +247,7 @@ class AppliedQuantization:
     adapters: AppliedScheme | None = None  # LoRA adapters' A and B (quant.adapters), when quantized
     calibration: CalibrationRecord | None = None  # with a calibrated quant.algorithm
     mixed: MixedPrecisionRecord | None = None  # with quant.size_budget
+    pt2e: Pt2eRecord | None = None  # with quant.pt2e (set by the pt2e stage, after capture of the prompt graph)
     untied_embeddings: bool = False
     notes: list[str] = field(default_factory=list)
     tied_embedding: str = "not tied"  # exporters.quant.tied.TiedEmbedding
@@ -240,9 +261,43 @@ class AppliedQuantization:
                 parts.append(f"{role} {applied.scheme}{algorithm} ({len(applied.layers)} layers)")
         if self.mixed:
             parts.append(f"mixed precision: {self.mixed.describe()}")
+        if self.pt2e:
+            parts.append(self.pt2e.describe())
         if self.calibration:
             parts.append(f"calibrated on {self.calibration.tokens} tokens in {self.calibration.seconds:.0f} s")
         return ", ".join(parts) + (", embeddings untied" if self.untied_embeddings else "")
+
+
+@dataclass
+class Remedy:
+    """A change of the quant config measured on the eager model: what it wins back and what it costs."""
+
+    change: str  # the overrides that make it: "quant.lm_head=8da8w quant.lm_head_group_size=0"
+    what: str  # "8-bit lm_head"
+    perplexity: float  # of the eager model with the change, on the validation text
+    recovered: float  # share of the quantization's perplexity increase it wins back (1.0: all of it)
+    extra_mb: float  # weight bytes it adds, in MB (0 for a calibrated algorithm)
+
+    def describe(self) -> str:
+        return f"{self.change} ({self.what}) recovers {self.recovered:.0%} for {self.extra_mb:+.2f} MB"
+
+
+@dataclass
+class QualityWarning:
+    """The perplexity increase over the unquantized model passed ``validation.warn_ppl_increase``; what would
+    win it back, measured on this model (exporters.quant.advice), best recovery per MB first."""
+
+    threshold: float
+    ppl_increase: float
+    remedies: list[Remedy] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        head = (f"perplexity {self.ppl_increase:+.1%} over the unquantized model (warning above "
+                f"{self.threshold:.0%}, validation.warn_ppl_increase)")
+        if not self.remedies:
+            return head + "; no measured remedy for this scheme: compare others in a sweep (docs/quality.md)"
+        return head + "; measured: " + "; ".join(r.describe() for r in self.remedies)
 
 
 @dataclass
@@ -324,6 +379,8 @@ class Manifest:
     data: DataFile | None = None  # the weights' file with export.weights=external; None: they are in the program
     runtime: RuntimeNeeds | None = None  # what a runtime needs to load the program as measured
     adapters: dict[str, AdapterEntry] = field(default_factory=dict)  # model.adapters, by name
+    # The quantization cost more perplexity than validation.warn_ppl_increase, and what would win it back.
+    quality_warning: QualityWarning | None = None
     version: int = MANIFEST_VERSION
 
     @property

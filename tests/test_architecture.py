@@ -19,8 +19,13 @@ from tests.helpers import REPO_ROOT, compose_config
 def test_every_stage_declares_what_must_run_before_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     stages = build_stages(checked_config(compose_config("bench=true")), tmp_path)
     assert [s.name for s in stages] == ["load", "baseline", "quantize", "capture", "lower", "emit", "validate",
-                                        "finalize", "bench"]
+                                        "advise", "finalize", "bench"]
     check_order(stages)
+    pt2e = build_stages(checked_config(compose_config("quant=pt2e_xnnpack_static")), tmp_path)
+    assert [s.name for s in pt2e][2:4] == ["quantize", "pt2e"]
+    check_order(pt2e)
+    with pytest.raises(ValueError, match="stage advise must run after validate"):
+        check_order([s for s in stages if s.name != "validate"])
     with pytest.raises(ValueError, match="stage lower must run after capture"):
         check_order([s for s in stages if s.name != "capture"])
     with pytest.raises(ValueError, match="stage validate must run after baseline"):
@@ -30,6 +35,8 @@ def test_every_stage_declares_what_must_run_before_it(tmp_path) -> None:  # type
 def test_stages_that_would_do_nothing_are_not_in_the_pipeline(tmp_path) -> None:  # type: ignore[no-untyped-def]
     names = [s.name for s in build_stages(checked_config(compose_config("validate=false")), tmp_path)]
     assert names == ["load", "quantize", "capture", "lower", "emit", "finalize"]
+    no_warning = build_stages(checked_config(compose_config("validation.warn_ppl_increase=null")), tmp_path)
+    assert "advise" not in [s.name for s in no_warning]
 
 
 def test_stopping_after_a_stage_it_does_not_have_is_refused_before_anything_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]

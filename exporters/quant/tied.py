@@ -37,10 +37,16 @@ def is_tied(model: CausalLM) -> bool:
     return model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def head_scheme(quant: QuantConfig) -> str | None:
+    """How lm_head is quantized: torchao's ``quant.lm_head``, or the PT2E quantizer (it quantizes every linear,
+    lm_head included, after capture)."""
+    return quant.lm_head or (f"pt2e {quant.pt2e}" if quant.pt2e else None)
+
+
 def plan_tied_embedding(model: CausalLM, quant: QuantConfig, storage: TiedEmbeddingStorage) -> TiedEmbedding:
     if not is_tied(model):
         return TiedEmbedding.NOT_TIED
-    head = (quant.lm_head, quant.lm_head_group_size if quant.lm_head else None)
+    head = (head_scheme(quant), quant.lm_head_group_size if quant.lm_head else None)
     embedding = (quant.embedding, quant.embedding_group_size if quant.embedding else None)
     if head != embedding:
         return TiedEmbedding.UNTIED
@@ -56,6 +62,6 @@ def note(plan: TiedEmbedding, quant: QuantConfig) -> str | None:
         TiedEmbedding.SHARED: "tied embedding stored once, lm_head reads it",
         TiedEmbedding.COPIED: "tied embedding copied for lm_head (export.tied_embedding=copied)",
         TiedEmbedding.QUANTIZED_ONCE: f"tied embedding kept tied: both quantized as {quant.embedding}",
-        TiedEmbedding.UNTIED: (f"tied embedding untied: lm_head quantized as {quant.lm_head or quant.dtype}, "
+        TiedEmbedding.UNTIED: (f"tied embedding untied: lm_head quantized as {head_scheme(quant) or quant.dtype}, "
                                f"embedding as {quant.embedding or quant.dtype}"),
     }[plan]

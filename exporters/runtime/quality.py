@@ -62,6 +62,9 @@ def check_validation(cfg: ValidationConfig, enabled: bool) -> None:
                         "export.max_seq_len is used).")
     if cfg.max_tokens < 8:
         raise UserError(f"validation.max_tokens={cfg.max_tokens} is too few to measure anything: use 8 or more.")
+    if cfg.warn_ppl_increase is not None and cfg.warn_ppl_increase < 0:
+        raise UserError(f"validation.warn_ppl_increase={cfg.warn_ppl_increase}: give the share of perplexity increase "
+                        "to warn above (0.2 = +20%), or null for no warning.")
     if enabled and cfg.text_file is not None:
         read_text(cfg.text_file)
 

@@ -46,6 +46,9 @@ class EagerModel:
 
     model: CausalLM
     quantized: bool = False
+    # quant.pt2e: the converted graph module every method is captured from; ``model`` then keeps its float
+    # linear layers (the graph holds their integer form) and serves for its shape, buffers and tokenizer facts.
+    graph: Any = None
 
     def summary(self) -> str:
         a = self.model.args

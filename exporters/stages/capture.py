@@ -73,6 +73,7 @@ class CaptureStage(Stage):
         self.prefill_chunk = prefill_chunk
 
     def run(self, quantized: EagerModel, ctx: ExportContext) -> CapturedMethods:
+        """Each method captured from the eager model, or from the PT2E-converted graph when there is one."""
         base = method_specs(self.methods, self.layout, self.max_seq_len, self.dynamic_shapes, self.prefill_chunk)
         specs, adapter_of = dict(base), dict.fromkeys(base)
         for adapter in ctx.adapters:
@@ -81,10 +82,12 @@ class CaptureStage(Stage):
                 adapter_of[adapter_method(adapter.name, name)] = adapter.name
         aliases = same_graph_aliases(specs, adapter_of)
         model = quantized.model
+        # quant.pt2e: every method comes from the one converted graph (same integer weights, same scales).
+        source = model if quantized.graph is None else quantized.graph
 
         def capture(name: str, spec: MethodSpec) -> torch.export.ExportedProgram:
             with torch.no_grad(), active_adapter(model, adapter_of[name]):
-                return torch.export.export(model, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, strict=False)
+                return torch.export.export(source, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, strict=False)
 
         def capture_all() -> dict[str, torch.export.ExportedProgram]:
             return {name: capture(name, spec) for name, spec in specs.items() if name not in aliases}

@@ -133,6 +133,7 @@ class FinalizeStage(Stage):
             runtime=runtime_needs(ctx.config.backend.name, pte.name, data.file if data else None,
                                   {n: a.data.file for n, a in adapters.items() if a.data is not None}),
             adapters=adapters,
+            quality_warning=ctx.quality_warning,
         )
         manifest_path = out_dir / MANIFEST_FILE
         manifest.write(manifest_path)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Protocol, Se
 
 if TYPE_CHECKING:
     from exporters.config import ExportConfig
-    from exporters.manifest import AppliedQuantization, ValidationReport
+    from exporters.manifest import AppliedQuantization, QualityWarning, ValidationReport
     from exporters.stages.artifacts import BaselineQuality
     from models.checkpoint import Checkpoint
     from models.lora import LoraAdapter
@@ -37,7 +37,8 @@ log = logging.getLogger("exporters")
 # spends minutes inside one ExecuTorch call that reports nothing.
 HEARTBEAT_S = 60.0
 
-StageName = Literal["load", "baseline", "quantize", "capture", "lower", "emit", "validate", "finalize", "bench"]
+StageName = Literal["load", "baseline", "quantize", "pt2e", "capture", "lower", "emit", "validate", "advise",
+                    "finalize", "bench"]
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ExportContext:
     quantization: AppliedQuantization | None = None  # quantize
     validation: ValidationReport | None = None  # validate (with validation only)
     adapter_validation: dict[str, ValidationReport] = field(default_factory=dict)  # validate: one per adapter
+    quality_warning: QualityWarning | None = None  # advise: the perplexity increase passed its threshold
 
 
 class Stage(ABC):

@@ -7,14 +7,23 @@ artifact this stage returns is a new one that says so; the one it was handed is 
 
 from __future__ import annotations
 
-from exporters.config import QuantConfig, Source, TiedEmbeddingStorage
+from exporters.config import CalibrationConfig, QuantConfig, Source, TiedEmbeddingStorage
 from exporters.quant.apply import quantize_model
 from exporters.quant.calibration import CalibrationText, calibration_text
 from exporters.stages.artifacts import EagerModel
 from exporters.stages.pipeline import ExportContext, Stage
+from models.decoder import CausalLM
 from models.tiny import CORPUS
 
 TINY_REPEATS = 4
+
+
+def read_calibration(cfg: CalibrationConfig, source: Source, model: CausalLM, ctx: ExportContext) -> CalibrationText:
+    """The calibration text in windows the model's cache holds. A tiny model only knows the text it was trained on
+    (as in validation, exporters.stages.baseline): about 240 tokens, repeated to the minimum calibration needs."""
+    own_text = "\n".join([CORPUS] * TINY_REPEATS) if source == Source.tiny and cfg.text_file is None else None
+    assert ctx.checkpoint is not None
+    return calibration_text(cfg, own_text, ctx.checkpoint, model.args.vocab_size, model.args.max_context_len)
 
 
 class QuantizeStage(Stage):
@@ -28,17 +37,8 @@ class QuantizeStage(Stage):
 
     def run(self, loaded: EagerModel, ctx: ExportContext) -> EagerModel:
         model = loaded.model
-
-        def calibration() -> CalibrationText:
-            # A tiny model only knows the text it was trained on (as in validation, exporters.stages.baseline):
-            # about 240 tokens, repeated to the minimum calibration needs.
-            own_text = ("\n".join([CORPUS] * TINY_REPEATS)
-                        if self.source == Source.tiny and self.cfg.calibration.text_file is None else None)
-            assert ctx.checkpoint is not None
-            return calibration_text(self.cfg.calibration, own_text, ctx.checkpoint, model.args.vocab_size,
-                                    model.args.max_context_len)
-
-        ctx.quantization = quantize_model(model, self.cfg, self.tied_embedding, calibration)
+        ctx.quantization = quantize_model(model, self.cfg, self.tied_embedding,
+                                          lambda: read_calibration(self.cfg.calibration, self.source, model, ctx))
         return EagerModel(model, quantized=True)
 
     def describe(self, quantized: EagerModel, ctx: ExportContext) -> str:

@@ -119,19 +119,32 @@ def forward_against_prefill(program: LoadedProgram | CapturedPrograms, roles: Me
     return float(Agreement.of(*by_method).kl.max())
 
 
+def driven(program: LoadedProgram | CapturedPrograms, roles: MethodRoles, text: TextWindows,
+           side: str) -> list[torch.Tensor]:
+    """Every window through ``program``'s methods, as generation drives them."""
+    driver = Driver(program, roles)
+    found = []
+    for i, w in enumerate(text.windows, start=1):
+        found.append(program_predictions(driver, w, text.prompt_tokens))
+        if len(text.windows) > 1:
+            log.info("  validate: %s window %d/%d (%d tokens)", side, i, len(text.windows), w.shape[1])
+    return found
+
+
 def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
-                specs: dict[str, MethodSpec], text: TextWindows, adapter: str | None = None) -> Predictions:
+                specs: dict[str, MethodSpec], text: TextWindows, adapter: str | None = None,
+                eager_graphs: CapturedPrograms | None = None) -> Predictions:
     """The eager model's and the program's predictions; ``adapter``: the eager side applies it (the program's
-    side is in ``roles``: that adapter's methods)."""
+    side is in ``roles``: that adapter's methods). ``eager_graphs``: the eager side is these captured programs
+    (PT2E: the quantized model exists only as graphs), driven like the program."""
     with torch.no_grad():
-        with active_adapter(model, adapter):
-            eager = window_logits(full_sequence(model), text)
-        driver = Driver(program, roles)
-        ours = []
-        for i, w in enumerate(text.windows, start=1):
-            ours.append(program_predictions(driver, w, text.prompt_tokens))
-            if len(text.windows) > 1:
-                log.info("  validate: window %d/%d (%d tokens)", i, len(text.windows), w.shape[1])
+        if eager_graphs is not None:
+            eager = driven(eager_graphs, roles, text, "eager")
+        else:
+            with active_adapter(model, adapter):
+                eager = window_logits(full_sequence(model), text)
+        # The undelegated programs standing in for a delegate that cannot run here may be the eager side itself.
+        ours = eager if program is eager_graphs else driven(program, roles, text, "program")
         forward_kl = forward_against_prefill(program, roles, specs, text)
     model.reset_cache()
     return Predictions(eager, ours, forward_kl)
@@ -184,26 +197,32 @@ class ValidateStage(Stage):
     name = "validate"
     after = ("baseline", "emit")
 
-    def __init__(self, quant: QuantConfig, runs_here: bool = True, runs_in: DType | None = None) -> None:
-        """``runs_in``: the dtype the delegate computes in on this host when its device picks it (else None)."""
+    def __init__(self, quant: QuantConfig, runs_here: bool = True, runs_in: DType | None = None,
+                 eager_from_graphs: bool = False) -> None:
+        """``runs_in``: the dtype the delegate computes in on this host when its device picks it (else None).
+        ``eager_from_graphs``: the eager side is the undelegated programs (PT2E), not the eager model."""
         self.runs_in = runs_in if coarser(runs_in, quant.dtype) else None
         self.tolerance = Tolerance.of(quant, self.runs_in)
         self.runs_here = runs_here
+        self.eager_from_graphs = eager_from_graphs
 
     def run(self, written: WrittenProgram, ctx: ExportContext) -> WrittenProgram:
         assert ctx.baseline is not None
+        undelegated = None
+        if written.undelegated is not None:
+            undelegated = CapturedPrograms(written.undelegated, written.model.kv_cache_buffers())
         if self.runs_here:
             program: LoadedProgram | CapturedPrograms = LoadedProgram(written.path, data_paths=written.data_paths)
             checked: Checked = "runtime"
         else:
-            assert written.undelegated is not None, "capture keeps undelegated programs for such backends"
-            program = CapturedPrograms(written.undelegated, written.model.kv_cache_buffers())
-            checked = "undelegated programs"
+            assert undelegated is not None, "capture keeps undelegated programs for such backends"
+            program, checked = undelegated, "undelegated programs"
+        eager_graphs = undelegated if self.eager_from_graphs else None
         methods = written.methods
         for adapter in [None, *methods.adapters]:  # the base methods, then each adapter's
             specs = methods.of_adapter(adapter)
             roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
-            found = predictions(written.model, program, roles, specs, ctx.baseline.text, adapter)
+            found = predictions(written.model, program, roles, specs, ctx.baseline.text, adapter, eager_graphs)
             scores = Scores.of(found, ctx.baseline.text)
             failures = judge(scores, found.forward_kl, self.tolerance)
             verdict = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, self.tolerance,

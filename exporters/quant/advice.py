@@ -1,0 +1,100 @@
+"""When a scheme costs too much quality: measure, on this model, what would win it back and for how many bytes.
+
+Validation says whether the program matches its eager quantized model; it passes just as well when that model
+has lost half its quality. Past ``validation.warn_ppl_increase`` over the unquantized model, each applicable
+change of the quant config (an 8-bit ``lm_head`` or embedding, GPTQ in place of a data-free algorithm, groups
+of 32) is applied to a fresh copy of the model and scored on the same validation windows: the share of the
+loss it recovers and the bytes it adds, best recovery per MB first. Measured, not guessed: which remedy works
+differs by model (SmolLM2's ``lm_head`` is its most sensitive layer; another model's may be its embedding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from exporters.config import Algorithm, QuantConfig
+from exporters.manifest import QualityWarning, Remedy
+from exporters.quant.apply import quantize_model
+from exporters.quant.calibration import CalibrationText
+from exporters.quant.schemes import DATA_FREE, EIGHT_BIT_FORM, GROUP_SIZE_QUANTUM
+from models.decoder import CausalLM
+
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change to the quant config, as the command-line overrides that make it."""
+
+    what: str
+    fields: dict[str, Any]
+
+    @property
+    def overrides(self) -> str:
+        return " ".join(f"quant.{k}={v}" for k, v in self.fields.items())
+
+
+def changes(quant: QuantConfig) -> list[Change]:
+    """The remedies that apply to ``quant``: each spends bytes (or calibration time) where 4-bit data-free
+    rounding loses most."""
+    found = []
+    if quant.lm_head in EIGHT_BIT_FORM:
+        found.append(Change("8-bit lm_head", {"lm_head": EIGHT_BIT_FORM[quant.lm_head], "lm_head_group_size": 0}))
+    if quant.embedding in EIGHT_BIT_FORM:
+        found.append(Change("8-bit embedding", {"embedding": EIGHT_BIT_FORM[quant.embedding]}))
+    if quant.algorithm in DATA_FREE and (quant.linear or quant.lm_head):
+        found.append(Change("GPTQ-calibrated linears", {"algorithm": Algorithm.gptq}))
+    if quant.linear in EIGHT_BIT_FORM and quant.group_size > GROUP_SIZE_QUANTUM:
+        found.append(Change(f"groups of {GROUP_SIZE_QUANTUM}", {
+            "group_size": GROUP_SIZE_QUANTUM,
+            **({"lm_head_group_size": GROUP_SIZE_QUANTUM} if quant.lm_head_group_size == quant.group_size else {})}))
+    return found
+
+
+def stored_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's distinct weights as the program stores them (integer codes at their bit width, and
+    their scales)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        data = getattr(p, "data", p)
+        if hasattr(data, "qdata") and hasattr(data, "target_dtype"):  # torchao's IntxUnpackedToInt8Tensor
+            bits = int(str(data.target_dtype).removeprefix("torch.int"))
+            total += data.qdata.numel() * bits // 8 + data.scale.numel() * data.scale.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def advise(quant: QuantConfig, threshold: float, ppl_increase: float, quantized: CausalLM,
+           eager_perplexity: float, baseline_perplexity: float, build: Callable[[], CausalLM],
+           score: Callable[[CausalLM], float],
+           calibration: Callable[[CausalLM], Callable[[], CalibrationText]]) -> QualityWarning:
+    """Each remedy of ``quant`` measured on a fresh model from ``build``: quantized, ``score``d (its perplexity on
+    the validation windows) and weighed against ``quantized`` (the export's eager model, of perplexity
+    ``eager_perplexity``). ``calibration(model)`` reads the text GPTQ needs."""
+    started = time.perf_counter()
+    own_bytes = stored_bytes(quantized)
+    loss = eager_perplexity - baseline_perplexity
+    found = []
+    for change in changes(quant):
+        variant = dataclasses.replace(quant, **change.fields)
+        model = build()
+        quantize_model(model, variant, calibration=calibration(model))
+        perplexity = score(model)
+        extra = stored_bytes(model) - own_bytes
+        del model
+        found.append(Remedy(change=change.overrides, what=change.what, perplexity=round(perplexity, 4),
+                            recovered=round((eager_perplexity - perplexity) / loss, 4) if loss > 0 else 0.0,
+                            extra_mb=round(extra / MB, 3)))
+    # Free ones first (by what they recover), then the most recovered per MB.
+    found.sort(key=lambda r: (r.extra_mb > 0.01, -(r.recovered if r.extra_mb <= 0.01 else r.recovered / r.extra_mb)))
+    return QualityWarning(threshold=threshold, ppl_increase=round(ppl_increase, 4), remedies=found,
+                          seconds=round(time.perf_counter() - started, 1))

@@ -1,0 +1,276 @@
+"""PT2E quantization: a backend's own quantizer on the captured graph, as ExecuTorch documents it.
+
+The model is captured once as the prompt method (any number of tokens), the backend's quantizer annotates
+the graph (``prepare_pt2e``), the graph runs the calibration text the way the program will be run (each
+window's prompt at once, then single tokens) so static activation observers see real ranges, and
+``convert_pt2e`` folds each weight into its integer form. Every method is then captured from that one converted
+module (``exporters.stages.capture``): all methods read the very same quantized weights (the backend stores
+them once) and the same activation scales.
+
+Only the linear layers are quantized; the token embedding keeps ``quant.embedding`` (torchao's, applied before
+capture). Names follow ExecuTorch's export_llm (``quantization.pt2e_quantize``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+import torch
+
+from exporters.config import Algorithm, Pt2eQuantizer
+from exporters.errors import UserError, listed
+from exporters.manifest import CalibrationRecord, Pt2eRecord
+
+if TYPE_CHECKING:
+    from exporters.config import BackendConfig, QuantConfig
+    from exporters.program.methods import MethodSpec
+    from exporters.quant.calibration import CalibrationText
+    from models.decoder import CausalLM
+
+# Single-token calls at the end of each calibration window: the decode method's inputs, after its prompt.
+DECODE_STEPS = 16
+# The decoder's RoPE rotation matrices (buffers read by F.linear), which are not weights to quantize.
+ROPE_ROTATIONS = ("q_rotate", "k_rotate")
+Activations = Literal["static", "dynamic", "none"]
+
+
+@dataclass(frozen=True)
+class Pt2eRecipe:
+    """One backend quantizer: what it makes of the linear layers, and how to build it."""
+
+    backend: str  # the backend.name whose kernels run what it produces
+    activations: Activations  # int8 with calibrated scales, int8 per token at run time, or left in float
+    weight_bits: int  # per output channel, symmetric
+    build: Callable[[], Any]  # -> a torchao.quantization.pt2e Quantizer of the linear layers
+    # Whether the linears' outputs are integer too (XNNPACK's static kernels), or float (delegates that cut
+    # the graph at the KV-cache update, whose boundary an integer tensor must not cross).
+    quantized_outputs: bool = True
+
+    @property
+    def calibrated(self) -> bool:
+        """Static activation scales are learned from text; the other quantizers need the weights only."""
+        return self.activations == "static"
+
+    def describe(self) -> str:
+        acts = {"static": "int8 activations (calibrated scales)", "dynamic": "int8 activations per token at run time",
+                "none": "float activations"}[self.activations]
+        return f"int{self.weight_bits} per-channel weights, {acts}"
+
+
+def is_model_weight(node: torch.fx.Node) -> bool:
+    """False for a linear that applies RoPE's constant rotation (``models.decoder.rotate_half_matrix``, exact in
+    float): quantizing its input would only add error to the queries and keys."""
+    if node.target != torch.ops.aten.linear.default:
+        return True
+    weight = node.args[1]
+    while isinstance(weight, torch.fx.Node) and weight.op == "call_function" and weight.args:  # .to(dtype)
+        weight = weight.args[0]
+    return not (isinstance(weight, torch.fx.Node) and str(weight.target).endswith(ROPE_ROTATIONS))
+
+
+def linears_only(inner: Any, outputs: bool = True) -> Any:
+    """``inner``, a backend's quantizer, with its annotations kept on the model's own linear layers only (and
+    with their outputs left in float unless ``outputs``).
+
+    A backend quantizer annotates every op its kernels can take in int8: residual adds, norm multiplies, the
+    int64 positions (coremltools' then fails to observe them), RoPE's constant rotation. A static scale on any of
+    those costs an LLM far more than it saves; the linear layers hold the weights, and the bytes. An integer
+    output must not cross a delegate's boundary (Core ML's takes no uint8 input, and the KV-cache update stays
+    outside it), so backends whose linears take float outputs get them.
+    """
+    from torchao.quantization.pt2e.quantizer import Quantizer
+
+    from exporters.internals import pt2e_annotation_key
+
+    key = pt2e_annotation_key()
+
+    class LinearsOnly(Quantizer):
+        def transform_for_annotation(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+            return inner.transform_for_annotation(model)
+
+        def annotate(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+            model = inner.annotate(model)
+            for node in model.graph.nodes:
+                if not (node.target == torch.ops.aten.linear.default and is_model_weight(node)):
+                    node.meta.pop(key, None)
+                elif not outputs and key in node.meta:
+                    node.meta[key].output_qspec = None
+            return model
+
+        def validate(self, model: torch.fx.GraphModule) -> None:
+            inner.validate(model)
+
+        def __repr__(self) -> str:
+            return f"LinearsOnly({type(inner).__name__})"
+
+    return LinearsOnly()
+
+
+def _xnnpack(activations: Activations, bits: int) -> Any:
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (XNNPACKQuantizer,
+                                                                          get_symmetric_quantization_config)
+
+    limit = 1 << (bits - 1)
+    weight_range = {"weight_qmin": -limit, "weight_qmax": limit - 1} if bits < 8 else {}
+    config = get_symmetric_quantization_config(is_per_channel=True, is_dynamic=activations == "dynamic",
+                                               **weight_range)
+    return XNNPACKQuantizer().set_operator_type(torch.ops.aten.linear.default, config)
+
+
+def _coreml(activations: Activations, bits: int) -> Any:
+    """coremltools' quantizer: affine uint8 activations (or float ones), symmetric per-channel weights."""
+    from coremltools.optimize.torch.quantization.quantization_config import (LinearQuantizerConfig,
+                                                                             QuantizationScheme)
+    from executorch.backends.apple.coreml.quantizer import CoreMLQuantizer
+
+    config = LinearQuantizerConfig.from_dict({"global_config": {
+        "quantization_scheme": QuantizationScheme.symmetric,
+        "activation_dtype": torch.quint8 if activations == "static" else torch.float32,
+        "weight_dtype": "qint4" if bits == 4 else torch.qint8,
+        "weight_per_channel": True,
+    }})
+    return CoreMLQuantizer(config)
+
+
+def _vulkan(activations: Activations, bits: int) -> Any:
+    from executorch.backends.vulkan.quantizer.vulkan_quantizer import (VulkanQuantizer,
+                                                                        get_symmetric_quantization_config)
+
+    return VulkanQuantizer().set_global(get_symmetric_quantization_config(is_dynamic=False, weight_bits=bits))
+
+
+def _recipe(backend: str, activations: Activations, bits: int, make: Callable[[Activations, int], Any],
+            quantized_outputs: bool = True) -> Pt2eRecipe:
+    return Pt2eRecipe(backend, activations, bits, lambda: linears_only(make(activations, bits), quantized_outputs),
+                      quantized_outputs)
+
+
+PT2E_QUANTIZERS: dict[Pt2eQuantizer, Pt2eRecipe] = {
+    Pt2eQuantizer.xnnpack_dynamic: _recipe("xnnpack", "dynamic", 8, _xnnpack),
+    Pt2eQuantizer.xnnpack_dynamic_qc4: _recipe("xnnpack", "dynamic", 4, _xnnpack),
+    Pt2eQuantizer.xnnpack_static: _recipe("xnnpack", "static", 8, _xnnpack),
+    Pt2eQuantizer.coreml_8a_c8w: _recipe("coreml", "static", 8, _coreml, quantized_outputs=False),
+    Pt2eQuantizer.coreml_8a_c4w: _recipe("coreml", "static", 4, _coreml, quantized_outputs=False),
+    Pt2eQuantizer.coreml_c4w: _recipe("coreml", "none", 4, _coreml, quantized_outputs=False),
+    Pt2eQuantizer.vulkan_8w: _recipe("vulkan", "none", 8, _vulkan),
+}
+
+
+def check_pt2e(quant: QuantConfig, backend: BackendConfig, adapters: list[str]) -> None:
+    """``quant.pt2e`` names a quantizer of ``backend``, and nothing else quantizes the linear layers."""
+    from exporters.quant.calibration import check_calibration
+
+    if quant.pt2e is None:
+        return
+    recipe = PT2E_QUANTIZERS[quant.pt2e]
+    if recipe.backend != backend.name:
+        own = [str(name) for name, r in PT2E_QUANTIZERS.items() if r.backend == backend.name]
+        raise UserError(
+            f"quant.pt2e={quant.pt2e} is {recipe.backend}'s quantizer, and backend={backend.name} is chosen. "
+            + (f"backend={backend.name}'s PT2E quantizers: {listed(own)} (quant=pt2e_<name>)."
+               if own else f"backend={backend.name} has no PT2E quantizer; use a torchao scheme (quant=8da4w, "
+                           f"quant=8w, ...) or backend={recipe.backend}."))
+    torchao = {"quant.linear": quant.linear, "quant.lm_head": quant.lm_head, "quant.adapters": quant.adapters,
+               "quant.size_budget": quant.size_budget}
+    taken = {key: value for key, value in torchao.items() if value is not None}
+    if taken or quant.algorithm != Algorithm.hqq:
+        named = ", ".join(f"{k}={v}" for k, v in taken.items()) or f"quant.algorithm={quant.algorithm}"
+        raise UserError(
+            f"quant.pt2e={quant.pt2e} quantizes the linear layers with {recipe.backend}'s own quantizer, and {named} "
+            f"asks torchao to quantize them too. Use one or the other: the pt2e_* presets set quant.linear=null "
+            f"(quant.embedding may still name a torchao scheme for the token embedding).")
+    if str(quant.dtype) != "fp32":
+        raise UserError(f"quant.pt2e={quant.pt2e} with quant.dtype={quant.dtype}: the backends' quantizers annotate "
+                        f"fp32 graphs. Use quant.dtype=fp32 (the backend may still compute in half precision).")
+    if adapters:
+        raise UserError(
+            f"quant.pt2e={quant.pt2e} with model.adapters: each adapter's methods are captured with that adapter "
+            f"switched on in the eager model, and a PT2E graph has no switch. Use a torchao scheme "
+            f"(quant=8da4w, quant=8da8w) for a program with adapters.")
+    if recipe.calibrated:
+        check_calibration(quant.calibration)
+
+
+def quantized_linears(graph: torch.fx.GraphModule) -> int:
+    """Linear layers of a converted graph whose weight is dequantized from an integer constant."""
+    def dequantizes(node: Any) -> bool:
+        return isinstance(node, torch.fx.Node) and "dequantize" in str(node.target)
+
+    return sum(1 for n in graph.graph.nodes
+               if n.op == "call_function" and n.target == torch.ops.aten.linear.default and dequantizes(n.args[1]))
+
+
+def calibrate(prepared: torch.fx.GraphModule, windows: list[torch.Tensor], cache_buffers: list[str],
+              max_tokens: int) -> int:
+    """Each window (its first ``max_tokens``: the positions the prompt graph takes) from an empty cache as
+    generation runs it: the prompt in one call, then its last ``DECODE_STEPS`` tokens one at a time (the
+    decode method's single-token inputs). Returns the tokens run."""
+    tokens = 0
+    for window in windows:
+        window = window[:, :max_tokens]
+        for name in cache_buffers:
+            prepared.get_buffer(name).zero_()
+        split = max(1, window.shape[1] - DECODE_STEPS)
+        prepared(window[:, :split], torch.tensor([0]))
+        for i in range(split, window.shape[1]):
+            prepared(window[:, i:i + 1], torch.tensor([i]))
+        tokens += window.shape[1]
+    return tokens
+
+
+def one_quantize_per_reader(graph: torch.fx.GraphModule) -> int:
+    """Give each dequantize of a static activation its own quantize (the same computation); returns how many
+    were added. One quantize feeding q/k/v's three dequantizes puts a uint8 tensor across the boundary of a
+    delegate that stops at the KV-cache update (Core ML's), which its converter cannot take as an input.
+    ExecuTorch's DuplicateDynamicQuantChainPass does this for dynamic chains only."""
+    added = 0
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or "quantize_per_tensor" not in str(node.target) or "dequantize" in str(
+                node.target):
+            continue
+        for reader in list(node.users)[1:]:
+            with graph.graph.inserting_before(reader):
+                copy = graph.graph.node_copy(node)
+            reader.replace_input_with(node, copy)
+            added += 1
+    if added:
+        graph.recompile()
+    return added
+
+
+def quantize_graph(model: CausalLM, prompt: MethodSpec, name: Pt2eQuantizer,
+                   text: CalibrationText | None) -> tuple[torch.fx.GraphModule, Pt2eRecord]:
+    """The model captured as the prompt method, quantized by ``name``'s quantizer (calibrated on ``text`` when
+    its activations are static); its KV cache left empty. Returns the converted module and its record."""
+    from executorch.backends.transforms.duplicate_dynamic_quant_chain import DuplicateDynamicQuantChainPass
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    recipe = PT2E_QUANTIZERS[name]
+    started = time.perf_counter()
+    cache = model.kv_cache_buffers()
+    tokens = 0
+    with torch.no_grad():
+        graph = torch.export.export(model, prompt.example_inputs, dynamic_shapes=prompt.dynamic_shapes,
+                                    strict=False).module()
+        prepared = prepare_pt2e(graph, recipe.build())  # type: ignore[arg-type]
+        if recipe.calibrated:
+            assert text is not None, f"quant.pt2e={name} needs a calibration text"
+            tokens = calibrate(prepared, text.windows, cache, prompt.max_tokens)
+        else:  # weight observers see their weight on any call; activations need no range
+            prepared(*prompt.example_inputs)
+        converted = convert_pt2e(prepared)
+        if recipe.activations == "dynamic":
+            DuplicateDynamicQuantChainPass()(converted)  # one quantize chain per linear, as XNNPACK partitions
+        elif recipe.activations == "static" and not recipe.quantized_outputs:
+            one_quantize_per_reader(converted)
+        for buffer in cache:
+            converted.get_buffer(buffer).zero_()
+    calibration = None if text is None or not recipe.calibrated else CalibrationRecord(
+        algorithm=f"pt2e {name}", source=text.source, sha256=text.sha256, tokens=tokens,
+        windows=len(text.windows), seconds=round(time.perf_counter() - started, 1))
+    record = Pt2eRecord(quantizer=str(name), backend=recipe.backend, weights=f"int{recipe.weight_bits} per channel",
+                        activations=recipe.activations, linears=quantized_linears(converted),
+                        seconds=round(time.perf_counter() - started, 1), calibration=calibration)
+    return converted, record

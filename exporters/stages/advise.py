@@ -1,0 +1,69 @@
+"""Advise: when the program's perplexity is far above the unquantized model's, measure what would win it back.
+
+Runs after validation, only with ``validation.warn_ppl_increase`` set. Under the threshold it only says so; above
+it, each remedy of the quant config is applied to a fresh copy of the model and scored on the validation windows
+(``exporters.quant.advice``), and the warning goes into the context for finalize's manifest and the summary.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from exporters.config import ModelConfig, QuantConfig
+from exporters.config import Attention
+from exporters.quant.advice import advise, changes
+from exporters.runtime.quality import full_sequence, perplexity, window_logits
+from exporters.stages.artifacts import WrittenProgram
+from exporters.stages.pipeline import ExportContext, Stage
+from exporters.stages.quantize import read_calibration
+from models.checkpoint import build_model
+from models.decoder import CausalLM
+
+log = logging.getLogger("exporters")
+
+
+class AdviseStage(Stage):
+    name = "advise"
+    after = ("validate",)
+
+    def __init__(self, quant: QuantConfig, threshold: float, model_cfg: ModelConfig, max_seq_len: int,
+                 attention: Attention) -> None:
+        self.quant = quant
+        self.threshold = threshold
+        self.model_cfg = model_cfg
+        self.max_seq_len = max_seq_len
+        self.attention = attention
+        self.increase: float | None = None
+
+    def run(self, written: WrittenProgram, ctx: ExportContext) -> WrittenProgram:
+        report, baseline, checkpoint = ctx.validation, ctx.baseline, ctx.checkpoint
+        assert report is not None and baseline is not None and checkpoint is not None
+        if not report.passed:  # the program is rejected; its perplexity says nothing about the scheme
+            return written
+        self.increase = report.perplexity / report.baseline_perplexity - 1
+        if self.increase <= self.threshold:
+            return written
+        cfg, text = self.model_cfg, baseline.text
+
+        def build() -> CausalLM:
+            return build_model(checkpoint, self.max_seq_len, family=cfg.family, random_init=cfg.random_init,
+                               seed=cfg.seed, attention=self.attention)
+
+        def score(model: CausalLM) -> float:
+            return perplexity(text.nll(window_logits(full_sequence(model), text)), text.scored_tokens)
+
+        if changes(self.quant):
+            log.info("  advise: perplexity %+.1f%% over unquantized; measuring %d remedies ...", 100 * self.increase,
+                     len(changes(self.quant)))
+        ctx.quality_warning = advise(
+            self.quant, self.threshold, self.increase, written.model, report.eager_perplexity,
+            report.baseline_perplexity, build, score,
+            lambda model: lambda: read_calibration(self.quant.calibration, cfg.source, model, ctx))
+        return written
+
+    def describe(self, written: WrittenProgram, ctx: ExportContext) -> str:
+        if ctx.quality_warning is not None:
+            return "WARNING: " + ctx.quality_warning.describe()
+        if self.increase is None:
+            return "skipped: validation failed"
+        return f"perplexity {self.increase:+.1%} over the unquantized model, within the {self.threshold:.0%} warning"

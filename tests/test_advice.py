@@ -1,0 +1,78 @@
+"""The quality warning (``validation.warn_ppl_increase``): which remedies apply, what they are measured to win
+back, and that the warning reaches the manifest and the console."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from exporters.config import quant_option, to_typed
+from exporters.errors import UserError
+from exporters.export import checked_config, run_stages
+from exporters.manifest import Manifest
+from exporters.quant.advice import changes, stored_bytes
+from exporters.quant.apply import quantize_model
+from tests.helpers import compose_config
+
+
+@pytest.mark.parametrize("quant,overrides", [
+    ("8da4w", ["quant.lm_head=8da8w quant.lm_head_group_size=0", "quant.algorithm=gptq"]),
+    ("8da4w_emb4w", ["quant.lm_head=8da8w quant.lm_head_group_size=0", "quant.embedding=8w",
+                     "quant.algorithm=gptq"]),
+    ("8da4w_g128", ["quant.lm_head=8da8w quant.lm_head_group_size=0", "quant.algorithm=gptq",
+                    "quant.group_size=32 quant.lm_head_group_size=32"]),
+    ("8da4w_calibrated", ["quant.lm_head=8da8w quant.lm_head_group_size=0"]),
+    ("8da8w", ["quant.algorithm=gptq"]),
+    ("fp16", []),
+    ("pt2e_xnnpack_static", []),
+])
+def test_the_remedies_that_apply_to_each_scheme(quant: str, overrides: list[str]) -> None:
+    assert [c.overrides for c in changes(to_typed(compose_config(f"quant={quant}")).quant)] == overrides
+
+
+def test_a_negative_threshold_is_refused() -> None:
+    with pytest.raises(UserError, match="validation.warn_ppl_increase=-0.1"):
+        checked_config(compose_config("validation.warn_ppl_increase=-0.1"))
+
+
+def test_stored_bytes_counts_integer_codes_at_their_width(tmp_path: Path) -> None:
+    loaded, _ = run_stages(compose_config("validate=false"), tmp_path, stop_after="load")
+    model = loaded.model
+    fp32 = stored_bytes(model)
+    assert fp32 == 4 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    weights = sum(m.weight.numel() for m in linears.values())
+    cfg = dataclasses.replace(quant_option("8da8w"), lm_head=None)
+    quantize_model(model, cfg)
+    scales = sum(m.weight.shape[0] for m in linears.values())
+    assert stored_bytes(model) == fp32 - 4 * weights + weights + 4 * scales
+
+
+def test_a_costly_scheme_warns_in_the_manifest_and_the_console_with_measured_remedies(exported, caplog) -> None:
+    """Over the threshold (0 here: the tiny model loses only a little), each remedy is measured on the eager
+    model: its perplexity on the validation text, the share of the loss it wins back, the bytes it adds."""
+    result = exported("quant=8da4w", "validation.warn_ppl_increase=0")
+    m = Manifest.read(result.manifest_path)
+    warning, v = m.quality_warning, m.validation
+    assert warning is not None and warning.threshold == 0
+    assert warning.ppl_increase == pytest.approx(v.perplexity / v.baseline_perplexity - 1, abs=1e-4)
+    assert {r.change for r in warning.remedies} == {c.overrides for c in changes(quant_option("8da4w"))}
+    loss = v.eager_perplexity - v.baseline_perplexity
+    for r in warning.remedies:
+        assert r.recovered == pytest.approx((v.eager_perplexity - r.perplexity) / loss, abs=0.01)  # rounded
+    gptq = next(r for r in warning.remedies if r.change == "quant.algorithm=gptq")
+    head = next(r for r in warning.remedies if "lm_head" in r.change)
+    assert gptq.extra_mb == 0 and head.extra_mb > 0  # same format / 8-bit rows in place of 4-bit groups
+    assert m.status == "ok"  # a warning, not a rejection
+    from exporters.console import log_export_summary
+    with caplog.at_level("INFO", logger="exporters"):
+        log_export_summary(result)
+    assert any(r.levelname == "WARNING" and "quant.algorithm=gptq" in r.getMessage() for r in caplog.records)
+
+
+def test_no_warning_under_the_threshold(exported) -> None:
+    m = exported("quant=8da4w").manifest
+    assert m.quality_warning is None and m.validation.perplexity / m.validation.baseline_perplexity - 1 < 0.2
