@@ -71,7 +71,7 @@ def build_stages(cfg: ExportConfig, output_dir: Path) -> list[Stage]:
         LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir, attention=backend.attention),
         *([BaselineStage(cfg.validation, prompt_tokens, cfg.model.source)] if validating else []),
         QuantizeStage(cfg.quant, ex.tied_embedding, cfg.model.source),
-        *([Pt2eStage(cfg.quant, ex.max_seq_len, cfg.model.source)] if pt2e else []),
+        *([Pt2eStage(cfg.quant, ex.max_seq_len, cfg.model.source, reference=validating)] if pt2e else []),
         # Validation runs the undelegated programs where the delegate cannot run here; with PT2E they are also
         # the eager side (the quantized model exists only as the converted graph).
         CaptureStage(ex.methods, LAYOUTS[ex.layout], ex.max_seq_len, backend.dynamic_shapes, ex.prefill_chunk,

@@ -49,6 +49,9 @@ class EagerModel:
     # quant.pt2e: the converted graph module every method is captured from; ``model`` then keeps its float
     # linear layers (the graph holds their integer form) and serves for its shape, buffers and tokenizer facts.
     graph: Any = None
+    # What the backend computes, as a graph PyTorch steps through many times faster (exporters.quant.pt2e.
+    # reference_graph): what validation's undelegated programs are captured from.
+    reference_graph: Any = None
 
     def summary(self) -> str:
         a = self.model.args

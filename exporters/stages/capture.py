@@ -84,19 +84,21 @@ class CaptureStage(Stage):
         model = quantized.model
         # quant.pt2e: every method comes from the one converted graph (same integer weights, same scales).
         source = model if quantized.graph is None else quantized.graph
+        # The undelegated programs (validation) from its copy computing what the backend computes, faster.
+        reference = source if quantized.reference_graph is None else quantized.reference_graph
 
-        def capture(name: str, spec: MethodSpec) -> torch.export.ExportedProgram:
+        def capture(name: str, spec: MethodSpec, module: torch.nn.Module = source) -> torch.export.ExportedProgram:
             with torch.no_grad(), active_adapter(model, adapter_of[name]):
-                return torch.export.export(source, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, strict=False)
+                return torch.export.export(module, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, strict=False)
 
-        def capture_all() -> dict[str, torch.export.ExportedProgram]:
-            return {name: capture(name, spec) for name, spec in specs.items() if name not in aliases}
+        def capture_all(module: torch.nn.Module = source) -> dict[str, torch.export.ExportedProgram]:
+            return {name: capture(name, spec, module) for name, spec in specs.items() if name not in aliases}
 
         programs = capture_all()
         for program in programs.values():
             share_activation_quantization(program)
         signatures = {name: signature(p) for name, p in programs.items()}
-        undelegated = capture_all() if self.keep_undelegated else None
+        undelegated = capture_all(reference) if self.keep_undelegated else None
         for alias, source in aliases.items():
             signatures[alias] = signatures[source]
             if undelegated is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from exporters.config import QuantConfig, Source
 from exporters.program.methods import METHOD_KINDS
-from exporters.quant.pt2e import PT2E_QUANTIZERS, quantize_graph
+from exporters.quant.pt2e import PT2E_QUANTIZERS, quantize_graph, reference_graph
 from exporters.stages.artifacts import EagerModel
 from exporters.stages.pipeline import ExportContext, Stage
 from exporters.stages.quantize import read_calibration
@@ -19,12 +19,14 @@ class Pt2eStage(Stage):
     name = "pt2e"
     after = ("quantize",)
 
-    def __init__(self, quant_cfg: QuantConfig, max_seq_len: int, source: Source) -> None:
+    def __init__(self, quant_cfg: QuantConfig, max_seq_len: int, source: Source, reference: bool = True) -> None:
+        """``reference``: also make the copy validation runs (exporters.quant.pt2e.reference_graph) (only with validation)."""
         assert quant_cfg.pt2e is not None
         self.cfg = quant_cfg
         self.quantizer = quant_cfg.pt2e
         self.max_seq_len = max_seq_len
         self.source = source
+        self.reference = reference
 
     def run(self, quantized: EagerModel, ctx: ExportContext) -> EagerModel:
         model = quantized.model
@@ -36,7 +38,8 @@ class Pt2eStage(Stage):
         graph, record = quantize_graph(model, prompt, self.quantizer, text)
         assert ctx.quantization is not None
         ctx.quantization.pt2e = record
-        return EagerModel(model, quantized=True, graph=graph)
+        return EagerModel(model, quantized=True, graph=graph,
+                          reference_graph=reference_graph(graph) if self.reference else None)
 
     def describe(self, quantized: EagerModel, ctx: ExportContext) -> str:
         assert ctx.quantization is not None and ctx.quantization.pt2e is not None
