@@ -4,12 +4,15 @@
     python -m benchmarks.eager_quality --quant 8da8w quant.group_size=0 # any conf/quant option, plus Hydra overrides
     python -m benchmarks.eager_quality --checkpoint <dir|.gguf> --algorithm gptq
     python -m benchmarks.eager_quality --preset tiny                    # quick check of the tool itself
+    python -m benchmarks.eager_quality --quant pt2e_xnnpack_dynamic --algorithm hqq   # a PT2E quantizer's graphs
 
 A quick way to compare quantization choices before paying for an export; the exported program tracks
 the eager model it came from (validation checks that), so these numbers predict the program's. It runs the
 export's own stages up to ``quantize`` (``exporters.export.run_stages``): the unquantized perplexity is the
 ``baseline`` stage's, and the quantized eager model is scored on the same windows with the same functions
-(``exporters.runtime.quality``), once per ``--algorithm`` choice.
+(``exporters.runtime.quality``), once per ``--algorithm`` choice. With a PT2E quantizer (``quant=pt2e_*``) the
+quantized model exists only as graphs: it runs up to ``capture`` and scores the graphs validation compares the
+program with, driven as validation drives them (prompt, then one token per step).
 """
 
 from __future__ import annotations
@@ -32,11 +35,21 @@ def eager_perplexities(cfg: Any, work_dir: Path) -> tuple[Any, float, Any]:
 
     work_dir.mkdir(parents=True, exist_ok=True)
     with native_stderr_to(work_dir / "native.log"):  # the LLM kernels' C++ chatter, kept off the console
-        quantized, ctx = run_stages(cfg, work_dir, stop_after="quantize")
+        pt2e = cfg.quant.get("pt2e") is not None
+        quantized, ctx = run_stages(cfg, work_dir, stop_after="capture" if pt2e else "quantize")
         baseline = ctx.baseline
         if baseline is None:
             raise SystemExit("the export ran no baseline stage: leave validate=true.")
-        nll = baseline.text.nll(window_logits(full_sequence(quantized.model), baseline.text))
+        if pt2e:
+            from exporters.runtime.driver import MethodRoles
+            from exporters.runtime.programs import CapturedPrograms
+            from exporters.stages.validate import driven
+
+            graphs = CapturedPrograms(quantized.undelegated, quantized.model.kv_cache_buffers())
+            roles = MethodRoles.choose({n: spec.shape for n, spec in quantized.methods.specs.items()})
+            nll = baseline.text.nll(driven(graphs, roles, baseline.text, "eager"))
+        else:
+            nll = baseline.text.nll(window_logits(full_sequence(quantized.model), baseline.text))
     return baseline, perplexity(nll, baseline.text.scored_tokens), ctx.quantization
 
 
