@@ -14,6 +14,7 @@ capture). Names follow ExecuTorch's export_llm (``quantization.pt2e_quantize``).
 from __future__ import annotations
 
 import time
+from operator import attrgetter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
@@ -273,7 +274,7 @@ def reference_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue  # weights only: activations are quantized per tensor (static) or per token (above)
         if any(isinstance(a, torch.fx.Node) and a.op != "get_attr" for a in node.args):
             continue  # an activation, not a constant weight
-        args = [_attr(copied, a.target) if isinstance(a, torch.fx.Node) else a for a in node.args]
+        args = [attrgetter(str(a.target))(copied) if isinstance(a, torch.fx.Node) else a for a in node.args]
         inputs.update(a.target for a in node.args if isinstance(a, torch.fx.Node))
         with torch.no_grad():
             value = node.target(*args, **node.kwargs)
@@ -288,15 +289,9 @@ def reference_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     used = {n.target for n in copied.graph.nodes if n.op == "get_attr"}
     for target in inputs - used:  # the integer weights and their scales: no longer read
         owner, _, leaf = str(target).rpartition(".")
-        delattr(_attr(copied, owner) if owner else copied, leaf)
+        delattr(attrgetter(owner)(copied) if owner else copied, leaf)
     copied.recompile()
     return copied
-
-
-def _attr(module: torch.nn.Module, target: str) -> Any:
-    for part in str(target).split("."):
-        module = getattr(module, part)
-    return module
 
 
 def quantize_graph(model: CausalLM, prompt: MethodSpec, name: Pt2eQuantizer,

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from exporters.config import ModelConfig, QuantConfig
-from exporters.config import Attention
+from exporters.config import Attention, ModelConfig, QuantConfig
 from exporters.quant.advice import advise, changes
 from exporters.runtime.quality import full_sequence, perplexity, window_logits
 from exporters.stages.artifacts import WrittenProgram
@@ -52,9 +51,10 @@ class AdviseStage(Stage):
         def score(model: CausalLM) -> float:
             return perplexity(text.nll(window_logits(full_sequence(model), text)), text.scored_tokens)
 
-        if changes(self.quant):
+        remedies = len(changes(self.quant))
+        if remedies:
             log.info("  advise: perplexity %+.1f%% over unquantized; measuring %d remedies ...", 100 * self.increase,
-                     len(changes(self.quant)))
+                     remedies)
         ctx.quality_warning = advise(
             self.quant, self.threshold, self.increase, written.model, report.eager_perplexity,
             report.baseline_perplexity, build, score,
