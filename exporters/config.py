@@ -82,6 +82,13 @@ class Attention(Choice):
     custom_ops = "custom_ops"
 
 
+class KvDType(Choice):
+    """What the KV cache stores (``models.decoder.KV_CACHES``)."""
+
+    fp32 = "fp32"
+    int8 = "int8"  # codes with an fp32 scale and int8 zero point per token and head: 0.27x the bytes at head_dim 64
+
+
 class LayoutName(Choice):
     """How methods are named (``exporters.program.layouts``)."""
 
@@ -218,8 +225,16 @@ class BackendConfig:
 
 @dataclass
 class ExportSection:
-    # Longest sequence (prompt + generated) the program accepts; also the KV-cache length.
+    # Most tokens one call of the prompt method takes (a longer prompt is fed in calls of this size; the stock
+    # runner reads it as get_max_seq_len), and the KV-cache length unless max_context_len is set.
     max_seq_len: int = 128
+    # KV-cache positions: the longest conversation (prompt + generated) the program holds (get_max_context_len).
+    # null = max_seq_len. A long context with a short max_seq_len keeps prefill's dynamic shapes small.
+    max_context_len: Optional[int] = None
+    # What the KV cache stores: fp32, or int8 with a scale per token and head (ExecuTorch's
+    # llama::custom_quantized_sdpa; backends with attention: custom_ops). Validated against the same model with an
+    # fp32 cache, within validation.int8_kv's tolerances.
+    kv_dtype: KvDType = KvDType.fp32
     # Methods to capture, each a key of exporters.program.methods.METHOD_KINDS.
     methods: List[str] = field(default_factory=lambda: ["prefill", "decode", "forward"])
     # How the methods are named (a key of exporters.program.layouts.LAYOUTS): "stock" runs correctly in every
@@ -242,6 +257,16 @@ class ExportSection:
 
 
 @dataclass
+class KvCacheTolerance:
+    # What a quantized KV cache (export.kv_dtype=int8) may add to quant's tolerances, validation comparing the
+    # program with the same model keeping an fp32 cache. Measured on SmolLM2-135M, int8 against fp32 cache, eager:
+    # KL 5e-4, top-1 98.6%, perplexity +0.1% (2048-token context, docs/long_context.md).
+    max_kl: float = 5e-3
+    min_top1: float = 0.97
+    max_ppl_drift: float = 0.01
+
+
+@dataclass
 class ValidationConfig:
     # A UTF-8 text to score (a few paragraphs); null = the English text shipped in exporters/data/.
     text_file: Optional[str] = None
@@ -254,6 +279,8 @@ class ValidationConfig:
     # and measure which change of the quant config wins most of it back per MB (exporters/quant/advice.py:
     # about one quantize stage per remedy). null: no warning.
     warn_ppl_increase: Optional[float] = 0.2
+    # Added to quant's tolerances when the KV cache is quantized (export.kv_dtype).
+    int8_kv: KvCacheTolerance = field(default_factory=KvCacheTolerance)
 
 
 @dataclass

@@ -13,11 +13,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from exporters.config import ExportConfig, to_typed
+from exporters.config import ExportConfig, KvDType, to_typed
 from exporters.errors import UserError
 from exporters.program.backends import check_backend, runtime_precision
+from exporters.program.cache import check_kv_cache
 from exporters.program.layouts import LAYOUTS
-from exporters.program.methods import check_methods
+from exporters.program.methods import check_methods, context_len, tokens_per_call
 from exporters.program.weights import check_weights
 from exporters.quant.pt2e import check_pt2e
 from exporters.quant.schemes import check_quant
@@ -51,6 +52,7 @@ def check_config(cfg: ExportConfig) -> None:
     check_quant(cfg.quant, cfg.backend)
     check_pt2e(cfg.quant, cfg.backend, list(cfg.model.adapters))
     check_methods(cfg.export, cfg.backend)
+    check_kv_cache(cfg.export, cfg.backend, cfg.quant)
     check_weights(cfg.export, cfg.backend, list(cfg.model.adapters))
     check_validation(cfg.validation, enabled=cfg.validate)
     for name in ("prompt_tokens", "steps", "repeats"):
@@ -63,28 +65,31 @@ def build_stages(cfg: ExportConfig, output_dir: Path) -> list[Stage]:
     """The stages this export runs, each built from its own part of the config. Stages that would do nothing
     are left out (validation's two with validate=false, bench unless asked for), so none reports "done"."""
     ex, backend = cfg.export, cfg.backend
-    prompt_tokens = prompt_length(cfg.validation.prompt_tokens, ex.max_seq_len,
+    context = context_len(ex)  # KV-cache positions
+    call_tokens = tokens_per_call(ex.max_seq_len, context)  # most tokens one call of a prompt method takes
+    prompt_tokens = prompt_length(cfg.validation.prompt_tokens, context,
                                   None if backend.dynamic_shapes else ex.prefill_chunk)
     validating = cfg.validate
     pt2e = cfg.quant.pt2e is not None
     return [
-        LoadStage(cfg.model, ex.max_seq_len, work_dir=output_dir, attention=backend.attention),
+        LoadStage(cfg.model, context, work_dir=output_dir, attention=backend.attention, kv_dtype=ex.kv_dtype),
         *([BaselineStage(cfg.validation, prompt_tokens, cfg.model.source)] if validating else []),
         QuantizeStage(cfg.quant, ex.tied_embedding, cfg.model.source),
-        *([Pt2eStage(cfg.quant, ex.max_seq_len, cfg.model.source, reference=validating)] if pt2e else []),
+        *([Pt2eStage(cfg.quant, call_tokens, cfg.model.source, reference=validating)] if pt2e else []),
         # Validation runs the undelegated programs where the delegate cannot run here; with PT2E they are also
         # the eager side (the quantized model exists only as the converted graph).
-        CaptureStage(ex.methods, LAYOUTS[ex.layout], ex.max_seq_len, backend.dynamic_shapes, ex.prefill_chunk,
+        CaptureStage(ex.methods, LAYOUTS[ex.layout], call_tokens, backend.dynamic_shapes, ex.prefill_chunk,
                      keep_undelegated=validating and (pt2e or not backend.runs_here)),
         LowerStage(backend, ex.max_seq_len, ex.weights),
         EmitStage(output_dir / ex.output_name, ex.weights),
         *([ValidateStage(cfg.quant, runs_here=backend.runs_here, runs_in=runtime_precision(backend),
-                         eager_from_graphs=pt2e)]
+                         eager_from_graphs=pt2e,
+                         kv_tolerance=cfg.validation.int8_kv if ex.kv_dtype != KvDType.fp32 else None)]
           if validating else []),
-        *([AdviseStage(cfg.quant, cfg.validation.warn_ppl_increase, cfg.model, ex.max_seq_len, backend.attention)]
+        *([AdviseStage(cfg.quant, cfg.validation.warn_ppl_increase, cfg.model, context, backend.attention)]
           if validating and cfg.validation.warn_ppl_increase is not None else []),
         FinalizeStage(LAYOUTS[ex.layout]),
-        *([BenchStage(cfg.benchmark, ex.max_seq_len)] if cfg.bench else []),
+        *([BenchStage(cfg.benchmark, context)] if cfg.bench else []),
     ]
 
 

@@ -116,6 +116,25 @@ class ModelEntry:
 
 
 @dataclass
+class KvCacheEntry:
+    """The program's KV cache (``exporters.program.cache``): one per program, shared by every method."""
+
+    positions: int  # get_max_context_len: the longest conversation the program holds
+    tokens_per_call: int  # get_max_seq_len: the most tokens one call of the prompt method takes
+    dtype: str  # what it stores: fp32, or int8 with a scale and zero point per token and head (export.kv_dtype)
+    bytes_per_token: int  # one position over every layer: keys, values and any scales
+    bytes: int  # at full length
+    windows: list[int | None] = field(default_factory=list)  # per layer: attention window, null = the whole cache
+
+    def describe(self) -> str:
+        windowed = sorted({w for w in self.windows if w is not None})
+        return (f"{self.positions} positions of {self.dtype} ({self.bytes_per_token / 1024:.1f} KB per token, "
+                f"{self.bytes / 1e6:.1f} MB), at most {self.tokens_per_call} tokens per call"
+                + (f"; attention windows {windowed} on {sum(w is not None for w in self.windows)} of "
+                   f"{len(self.windows)} layers" if windowed else ""))
+
+
+@dataclass
 class ValidationReport:
     """The program against the eager model it came from, on the validation text (``exporters.runtime.quality``)."""
 
@@ -143,6 +162,9 @@ class ValidationReport:
     # plugin on a CPU with bf16 units): the tolerance is then the looser of the quant option's and that dtype's.
     runs_in: str | None = None
     per_window: list[dict[str, Any]] = field(default_factory=list)
+    # The program's KV cache is quantized (export.kv_dtype) and the eager side kept this cache dtype instead: the
+    # measures include what the quantized cache costs, and the tolerance adds validation.int8_kv's.
+    eager_kv_dtype: str | None = None
 
     @property
     def ppl_increase(self) -> float:
@@ -163,6 +185,8 @@ class ValidationReport:
         where = "" if self.checked == "runtime" else " [undelegated programs: the delegate cannot run on this host]"
         if self.runs_in:
             where += f" [the delegate computed in {self.runs_in}, its device's choice here: tolerance of quant={self.runs_in}]"
+        if self.eager_kv_dtype:
+            where += f" [against the same weights with an {self.eager_kv_dtype} KV cache]"
         t = self.tolerance
         return (f"{verdict}{where}: {self.scored_tokens} tokens of {self.text} through "
                 f"{self.methods['prompt']}+{self.methods['step']}, KL {self.kl_mean:.2g} (limit {t['max_kl']:.2g}), "
@@ -381,6 +405,7 @@ class Manifest:
     adapters: dict[str, AdapterEntry] = field(default_factory=dict)  # model.adapters, by name
     # The quantization cost more perplexity than validation.warn_ppl_increase, and what would win it back.
     quality_warning: QualityWarning | None = None
+    kv_cache: KvCacheEntry | None = None  # None in manifests written before it was recorded
     version: int = MANIFEST_VERSION
 
     @property

@@ -127,18 +127,26 @@ def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoin
 
 
 def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = None, random_init: bool = False,
-                seed: int = 0, attention: str = "aten") -> CausalLM:
+                seed: int = 0, attention: str = "aten", kv_dtype: str = "fp32") -> CausalLM:
     """The decoder for ``ckpt``'s architecture, with its weights (or seeded random ones).
 
     ``attention="custom_ops"`` is a preference: a model whose attention the ExecuTorch kernel cannot
     compute (soft-capping, sliding windows shorter than the context) gets the ATen attention, and the
-    choice is logged and visible in ``model.args.attention``.
+    choice is logged and visible in ``model.args.attention``. ``kv_dtype`` (``models.decoder.KV_CACHES``) other
+    than fp32 needs those kernels, and is refused for such a model.
     """
     args = decoder_args(ckpt.hf_config, max_context_len, source=str(ckpt.path / "config.json"), family=family)
-    if attention == "custom_ops" and args.custom_ops_blockers():
-        log.info("attention: aten, because llama::custom_sdpa cannot compute %s", ", ".join(args.custom_ops_blockers()))
+    blockers = args.custom_ops_blockers()
+    if kv_dtype != "fp32" and (attention != "custom_ops" or blockers):
+        why = (f"this model needs ATen attention (llama::custom_sdpa cannot compute {', '.join(blockers)})" if blockers
+               else "this backend uses ATen attention")
+        raise ModelError(f"export.kv_dtype={kv_dtype}: a quantized KV cache is read by ExecuTorch's "
+                         f"llama::custom_quantized_sdpa kernel, but {why}. Use export.kv_dtype=fp32, or a backend "
+                         "with attention: custom_ops (xnnpack, portable) and a model the kernel can compute.")
+    if attention == "custom_ops" and blockers:
+        log.info("attention: aten, because llama::custom_sdpa cannot compute %s", ", ".join(blockers))
         attention = "aten"
-    args = dataclasses.replace(args, attention=attention)
+    args = dataclasses.replace(args, attention=attention, kv_dtype=kv_dtype)
     if random_init:
         torch.manual_seed(seed)
         return CausalLM(args).eval()

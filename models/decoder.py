@@ -18,6 +18,9 @@ torch 2.13 (see docs/DESIGN.md). This module keeps everything ``torch.export`` a
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +77,9 @@ class DecoderArgs:
     # "aten": portable ATen ops any backend can take; "custom_ops": ExecuTorch's llama::update_cache and
     # llama::custom_sdpa kernels (CPU: attends only to filled cache slots, the fast path for XNNPACK).
     attention: str = "aten"
+    # What the KV cache stores (a key of KV_CACHES): "fp32", or "int8" codes with a scale and zero point per
+    # token and head (llama::custom_quantized_sdpa; custom_ops attention only).
+    kv_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -89,6 +95,8 @@ class DecoderArgs:
         # A window that covers the whole cache is plain causal attention.
         windows = tuple(None if w is None or w >= self.max_context_len else int(w) for w in self.layer_window)
         object.__setattr__(self, "layer_window", windows)
+        if self.kv_dtype != "fp32" and self.attention != "custom_ops":
+            raise ValueError(f"a {self.kv_dtype} KV cache needs ExecuTorch's LLM kernels (attention='custom_ops')")
         if len(self.layer_rope) != n or len(self.layer_window) != n:
             raise ValueError(f"layer_rope / layer_window need one entry per layer ({n})")
         unknown = {r for r in self.layer_rope if r is not None} - {name for name, _ in self.rope}
@@ -173,8 +181,16 @@ class KVCache(nn.Module):
 
     @torch.no_grad()
     def reset(self) -> None:
-        self.k_cache.zero_()
-        self.v_cache.zero_()
+        for buffer in self.buffers():
+            buffer.zero_()
+
+    @property
+    def positions(self) -> int:
+        return self.k_cache.shape[2]
+
+    def bytes_per_position(self) -> int:
+        """Bytes one cached position takes in this layer: keys, values and, when quantized, their scales."""
+        return sum(b.numel() * b.element_size() for b in self.buffers()) // self.positions
 
 
 class CustomOpsKVCache(KVCache):
@@ -185,6 +201,10 @@ class CustomOpsKVCache(KVCache):
     def shape(kv_heads: int, max_context: int, head_dim: int) -> tuple[int, ...]:
         return (1, max_context, kv_heads, head_dim)
 
+    @property
+    def positions(self) -> int:
+        return self.k_cache.shape[1]
+
     def cache_dtype(self, activations: torch.dtype) -> torch.dtype:
         return torch.float32
 
@@ -193,9 +213,73 @@ class CustomOpsKVCache(KVCache):
         torch.ops.llama.update_cache(k.float(), self.k_cache, start_pos)
         torch.ops.llama.update_cache(v.float(), self.v_cache, start_pos)
 
+    def attend(self, q: torch.Tensor, start_pos: Any, scale: float) -> torch.Tensor:
+        """Causal attention of ``q`` [1, T, heads, head_dim] at ``start_pos`` over the filled slots -> fp32, same shape."""
+        return torch.ops.llama.custom_sdpa(q.float(), self.k_cache, self.v_cache, start_pos, None, 0.0, True, scale)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 codes of ``x`` [..., head_dim] with an fp32 scale and int8 zero point per leading index (asymmetric, as
+    ExecuTorch's export_llm quantizes its cache and query for ``llama::custom_quantized_sdpa``)."""
+    import executorch.kernels.quantized  # noqa: F401  (the ops' out variants, which emit needs)
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed ops)
+
+    qd = torch.ops.quantized_decomposed
+    x = x.float()
+    scales, zero_points = qd.choose_qparams_per_token_asymmetric.default(x, torch.int8)
+    codes = qd.quantize_per_token(x, scales, zero_points, -128, 127, torch.int8)
+    return codes, scales.float(), zero_points.to(torch.int8)
+
+
+class QuantizedKVCache(CustomOpsKVCache):
+    """An int8 cache for ExecuTorch's LLM kernels: codes [1, max_context, kv_heads, head_dim] with one fp32 scale and
+    int8 zero point per position and head ([..., 1]): 4 + 1 bytes per head_dim bytes, 0.27x fp32's at head_dim 64.
+
+    Written by ``llama::update_cache`` (codes, scales and zero points alike); read by
+    ``llama::custom_quantized_sdpa``, which also takes the query quantized per token and head.
+    """
+
+    def __init__(self, kv_heads: int, max_context: int, head_dim: int) -> None:
+        super().__init__(kv_heads, max_context, head_dim)
+        scales = (1, max_context, kv_heads, 1)
+        for side in ("k", "v"):
+            self.register_buffer(f"{side}_cache_scales", torch.zeros(scales), persistent=False)
+            self.register_buffer(f"{side}_cache_zero_points", torch.zeros(scales, dtype=torch.int8), persistent=False)
+
+    def cache_dtype(self, activations: torch.dtype) -> torch.dtype:
+        return torch.int8
+
+    @torch.no_grad()
+    def rebuild(self, activations: torch.dtype, device: str | torch.device) -> None:
+        super().rebuild(activations, device)
+        for side in ("k", "v"):
+            setattr(self, f"{side}_cache_scales", torch.zeros_like(getattr(self, f"{side}_cache_scales"), device=device))
+            setattr(self, f"{side}_cache_zero_points",
+                    torch.zeros_like(getattr(self, f"{side}_cache_zero_points"), device=device))
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: Any) -> None:  # type: ignore[override]
+        for side, x in (("k", k), ("v", v)):
+            codes, scales, zero_points = quantize_per_token(x)
+            torch.ops.llama.update_cache(codes, getattr(self, f"{side}_cache"), start_pos)
+            torch.ops.llama.update_cache(scales, getattr(self, f"{side}_cache_scales"), start_pos)
+            torch.ops.llama.update_cache(zero_points, getattr(self, f"{side}_cache_zero_points"), start_pos)
+
+    def attend(self, q: torch.Tensor, start_pos: Any, scale: float) -> torch.Tensor:
+        codes, scales, zero_points = quantize_per_token(q)
+        return torch.ops.llama.custom_quantized_sdpa(
+            codes, self.k_cache, self.v_cache, start_pos, None, 0.0, True, scale,
+            zero_points, scales, self.k_cache_zero_points, self.k_cache_scales,
+            self.v_cache_zero_points, self.v_cache_scales)
+
+
+# What the cache of ExecuTorch's LLM kernels stores, by DecoderArgs.kv_dtype.
+KV_CACHES: dict[str, type[CustomOpsKVCache]] = {"fp32": CustomOpsKVCache, "int8": QuantizedKVCache}
+
 
 class Attention(nn.Module):
-    cache_layout: type[KVCache] = KVCache
+    @staticmethod
+    def cache_layout_of(args: DecoderArgs) -> type[KVCache]:
+        return KVCache
 
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
@@ -211,7 +295,7 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps, args.unit_offset_norm)
             self.k_norm = RMSNorm(d, args.rms_norm_eps, args.unit_offset_norm)
-        self.kv_cache = self.cache_layout(kv, args.max_context_len, d)
+        self.kv_cache = self.cache_layout_of(args)(kv, args.max_context_len, d)
         # rotate_half's matrix (rotate_half_matrix), one per projection: Core ML's converter takes each
         # constant once. Identical bytes, so the program stores them once.
         self.register_buffer("q_rotate", torch.empty(0), persistent=False)
@@ -265,7 +349,9 @@ class CustomOpsAttention(Attention):
     use :class:`Attention` (see :meth:`DecoderArgs.custom_ops_blockers`).
     """
 
-    cache_layout = CustomOpsKVCache
+    @staticmethod
+    def cache_layout_of(args: DecoderArgs) -> type[KVCache]:
+        return KV_CACHES[args.kv_dtype]
 
     def __init__(self, args: DecoderArgs) -> None:
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers llama:: ops)
@@ -283,10 +369,10 @@ class CustomOpsAttention(Attention):
         torch._check_is_size(start_pos)
         torch._check(start_pos < a.max_context_len)
         cache = self.kv_cache
+        assert isinstance(cache, CustomOpsKVCache)
         cache.update(k, v, start_pos)
         # The kernels take fp32; casting around them is cheaper than doing without them.
-        out = torch.ops.llama.custom_sdpa(q.float(), cache.k_cache, cache.v_cache, start_pos, None, 0.0, True,
-                                          self.scale)  # [1, T, heads, d]
+        out = cache.attend(q, start_pos, self.scale)  # [1, T, heads, d]
         return self.o_proj(out.to(dtype).view(1, -1, a.num_attention_heads * a.head_dim))
 
 
@@ -450,7 +536,7 @@ class CausalLM(nn.Module):
             setattr(self, f"rope_cos_{name}", emb.cos() * table.attention_scaling)
             setattr(self, f"rope_sin_{name}", emb.sin() * table.attention_scaling)
         self.cache_positions = torch.arange(a.max_context_len, device=device)
-        dtype = self.lm_head.weight.dtype if self.lm_head.weight.is_floating_point() else torch.float32
+        dtype = self.activation_dtype()
         rot_dims = {name: 2 * len(table.inv_freq) for name, table in a.rope}
         for layer, rope in zip(self.model.layers, a.layer_rope):
             attn = layer.self_attn
@@ -458,6 +544,29 @@ class CausalLM(nn.Module):
                 attn.q_rotate = rotate_half_matrix(rot_dims[rope]).to(device)
                 attn.k_rotate = rotate_half_matrix(rot_dims[rope]).to(device)
             attn.kv_cache.rebuild(dtype, device)
+
+    def activation_dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype if self.lm_head.weight.is_floating_point() else torch.float32
+
+    @contextmanager
+    def kv_dtype_as(self, kv_dtype: str) -> Iterator[None]:
+        """For a while, fresh empty caches that store ``kv_dtype`` instead of ``args.kv_dtype``: the same weights with
+        an fp32 cache are the reference a quantized cache is measured against (baseline, validation)."""
+        if kv_dtype == self.args.kv_dtype:
+            yield
+            return
+        a = dataclasses.replace(self.args, kv_dtype=kv_dtype)
+        attentions = [layer.self_attn for layer in self.model.layers]
+        kept = [attn.kv_cache for attn in attentions]
+        device = self.cache_positions.device
+        for attn in attentions:
+            attn.kv_cache = attn.cache_layout_of(a)(a.num_key_value_heads, a.max_context_len, a.head_dim)
+            attn.kv_cache.rebuild(self.activation_dtype(), device)
+        try:
+            yield
+        finally:
+            for attn, cache in zip(attentions, kept):
+                attn.kv_cache = cache
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden states [1, T, hidden] of ``tokens`` [1, T], before the first layer."""
@@ -510,8 +619,17 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def reset_cache(self) -> None:
         """Zero every KV buffer, so a new sequence starts clean (eager runs: baseline, validation)."""
-        for layer in self.model.layers:
-            layer.self_attn.kv_cache.reset()
+        for cache in self.kv_caches():
+            cache.reset()
+
+    def kv_caches(self) -> list[KVCache]:
+        return [layer.self_attn.kv_cache for layer in self.model.layers]
 
     def kv_cache_buffers(self) -> list[str]:
-        return [name for name, _ in self.named_buffers() if name.endswith(("k_cache", "v_cache"))]
+        """Names of every buffer the KV caches hold (codes, and scales when quantized): the state methods share."""
+        return [f"model.layers.{i}.self_attn.kv_cache.{name}"
+                for i, cache in enumerate(self.kv_caches()) for name, _ in cache.named_buffers()]
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one position of context takes in the cache, over every layer."""
+        return sum(cache.bytes_per_position() for cache in self.kv_caches())

@@ -98,8 +98,8 @@ def _default_rope(cfg: Any, max_context_len: int) -> dict[str, Any]:
     if params.get("rope_type") == "longrope" and original is not None and max_context_len > original:
         raise ModelError(
             f"this checkpoint uses longrope, which switches to its long-context frequencies past "
-            f"original_max_position_embeddings={original} tokens; exporting export.max_seq_len={max_context_len} "
-            f"would need both sets in one program, which is not implemented. Use export.max_seq_len<={original}."
+            f"original_max_position_embeddings={original} tokens; exporting a {max_context_len}-position cache "
+            f"would need both sets in one program, which is not implemented. Use export.max_context_len<={original} (and export.max_seq_len no larger)."
         )
     return {"rope": (("default", rope_table(cfg)),)}
 

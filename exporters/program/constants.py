@@ -15,7 +15,7 @@ def constant_methods(args: DecoderArgs, checkpoint: Checkpoint, specs: dict[str,
                      dynamic_shapes: bool, adapters: list[str] | None = None) -> dict[str, Any]:
     values: dict[str, Any] = {
         "get_max_seq_len": max_seq_len,
-        "get_max_context_len": max_seq_len,
+        "get_max_context_len": args.max_context_len,
         "get_vocab_size": args.vocab_size,
         "get_n_layers": args.num_hidden_layers,
         "use_kv_cache": True,

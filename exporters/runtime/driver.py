@@ -49,12 +49,19 @@ class MethodRoles:
         return MethodRoles(name, self.step, shape.max_tokens, shape.min_tokens == shape.max_tokens > 1)
 
 
+def program_context_len(program: Any) -> int:
+    """KV-cache positions of a loaded program: ``get_max_context_len``, else (older programs) ``get_max_seq_len``,
+    the stock runner's own fallback."""
+    names = program.method_names
+    return int(program.constant("get_max_context_len" if "get_max_context_len" in names else "get_max_seq_len"))
+
+
 def program_method_shapes(program: Any, adapter: str | None = None) -> dict[str, MethodShape]:
     """The LLM methods of a loaded program (``exporters.runtime.programs.LoadedProgram``), read from its constants:
     the base's, or with ``adapter`` that adapter's (``<adapter>_prefill``, ...)."""
     names = program.method_names
     dynamic = bool(program.constant("enable_dynamic_shape")) if "enable_dynamic_shape" in names else True
-    context = int(program.constant("get_max_seq_len"))
+    context = program_context_len(program)
     shapes = {}
     for name in names:
         owner, base = split_method(name, KIND_OF_NAME)

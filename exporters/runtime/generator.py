@@ -15,7 +15,7 @@ from typing import Callable, Literal
 
 import torch
 
-from exporters.runtime.driver import Driver
+from exporters.runtime.driver import Driver, program_context_len
 from exporters.errors import UserError
 from exporters.manifest import program_in
 from exporters.program.weights import data_files_beside
@@ -133,7 +133,7 @@ class Generator:
         self.program = LoadedProgram(self.pte, data_files_beside(self.pte, [adapter] if adapter else []))
         self.tokenizer = tokenizer_for(self.pte, tokenizer)
         names = self.program.method_names
-        self.max_seq_len = int(self.program.constant("get_max_seq_len"))
+        self.max_context_len = program_context_len(self.program)
         self.bos_id = self.program.constant("get_bos_id") if "get_bos_id" in names else None
         eos = self.program.constant("get_eos_ids") if "get_eos_ids" in names else []
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -149,11 +149,11 @@ class Generator:
     def check_fits(self, ids: list[int]) -> None:
         if not ids:
             raise UserError("the prompt is empty and the model has no bos token: give a non-empty prompt.")
-        if len(ids) >= self.max_seq_len:
+        if len(ids) >= self.max_context_len:
             raise UserError(
-                f"the prompt is {len(ids)} tokens but the program's context is {self.max_seq_len} tokens "
-                f"(get_max_seq_len), leaving no room to generate. Shorten the prompt or re-export with a larger "
-                f"export.max_seq_len."
+                f"the prompt is {len(ids)} tokens but the program's cache holds {self.max_context_len} "
+                f"(get_max_context_len), leaving no room to generate. Shorten the prompt or re-export with a larger "
+                f"export.max_context_len."
             )
 
     def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
@@ -178,7 +178,7 @@ class Generator:
             if piece and on_text:
                 on_text(piece)
             position = len(ids) + len(new_ids) - 1
-            if position + 1 >= self.max_seq_len:
+            if position + 1 >= self.max_context_len:
                 stop = "context_full"
                 break
             logits = self.driver.decode_one_token(token, position)

@@ -59,7 +59,7 @@ def check_validation(cfg: ValidationConfig, enabled: bool) -> None:
     """The validation settings can score something, and a given text file is readable (before any work)."""
     if cfg.prompt_tokens < 1:
         raise UserError(f"validation.prompt_tokens={cfg.prompt_tokens}: use 1 or more (at most half of "
-                        "export.max_seq_len is used).")
+                        "the cache, export.max_context_len, is used).")
     if cfg.max_tokens < 8:
         raise UserError(f"validation.max_tokens={cfg.max_tokens} is too few to measure anything: use 8 or more.")
     if cfg.warn_ppl_increase is not None and cfg.warn_ppl_increase < 0:

@@ -25,12 +25,12 @@ class AdviseStage(Stage):
     name = "advise"
     after = ("validate",)
 
-    def __init__(self, quant: QuantConfig, threshold: float, model_cfg: ModelConfig, max_seq_len: int,
+    def __init__(self, quant: QuantConfig, threshold: float, model_cfg: ModelConfig, max_context_len: int,
                  attention: Attention) -> None:
         self.quant = quant
         self.threshold = threshold
         self.model_cfg = model_cfg
-        self.max_seq_len = max_seq_len
+        self.max_context_len = max_context_len
         self.attention = attention
         self.increase: float | None = None
 
@@ -45,7 +45,7 @@ class AdviseStage(Stage):
         cfg, text = self.model_cfg, baseline.text
 
         def build() -> CausalLM:
-            return build_model(checkpoint, self.max_seq_len, family=cfg.family, random_init=cfg.random_init,
+            return build_model(checkpoint, self.max_context_len, family=cfg.family, random_init=cfg.random_init,
                                seed=cfg.seed, attention=self.attention)
 
         def score(model: CausalLM) -> float:

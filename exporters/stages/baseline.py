@@ -7,7 +7,7 @@ Runs only with validation on.
 
 from __future__ import annotations
 
-from exporters.config import Source, ValidationConfig
+from exporters.config import KvDType, Source, ValidationConfig
 from exporters.quant.schemes import DTYPES
 from exporters.runtime.quality import full_sequence, make_windows, read_text, text_ids, window_logits
 from exporters.stages.artifacts import BaselineQuality, EagerModel
@@ -16,10 +16,10 @@ from models.lora import active_adapter
 from models.tiny import CORPUS
 
 
-def prompt_length(requested: int, max_seq_len: int, static_chunk: int | None) -> int:
+def prompt_length(requested: int, max_context_len: int, static_chunk: int | None) -> int:
     """Prompt tokens per window: at most half the context, so each window has tokens left to decode; on
     static-shape backends a whole number of prefill chunks (no padding)."""
-    tokens = min(requested, max(1, max_seq_len // 2))
+    tokens = min(requested, max(1, max_context_len // 2))
     if static_chunk is None:
         return tokens
     return max(static_chunk, tokens - tokens % static_chunk)
@@ -52,7 +52,7 @@ class BaselineStage(Stage):
                                self.cfg.max_tokens, source)
         nll = {}
         for adapter in [None, *(a.name for a in ctx.adapters)]:  # the base, then each adapter applied to it
-            with active_adapter(model, adapter):
+            with active_adapter(model, adapter), model.kv_dtype_as(KvDType.fp32):
                 logits = window_logits(full_sequence(model), windows)
             model.reset_cache()
             nll[adapter] = windows.nll(logits)

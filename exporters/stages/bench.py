@@ -20,25 +20,25 @@ from exporters.stages.pipeline import ExportContext, Stage
 from exporters.runtime.programs import LoadedProgram
 
 
-def bench_lengths(settings: BenchmarkConfig, max_seq_len: int) -> tuple[int, int]:
-    """Prompt tokens and decode steps that fit the context: the configured ones, else half and half."""
-    prompt = min(settings.prompt_tokens, max_seq_len // 2)
-    return prompt, min(settings.steps, max_seq_len - prompt)
+def bench_lengths(settings: BenchmarkConfig, max_context_len: int) -> tuple[int, int]:
+    """Prompt tokens and decode steps that fit the cache: the configured ones, else half and half."""
+    prompt = min(settings.prompt_tokens, max_context_len // 2)
+    return prompt, min(settings.steps, max_context_len - prompt)
 
 
 class BenchStage(Stage):
     name = "bench"
     after = ("finalize",)
 
-    def __init__(self, settings: BenchmarkConfig, max_seq_len: int) -> None:
+    def __init__(self, settings: BenchmarkConfig, max_context_len: int) -> None:
         self.settings = settings
-        self.max_seq_len = max_seq_len
+        self.max_context_len = max_context_len
 
     def run(self, result: ExportResult, ctx: ExportContext) -> ExportResult:
         start = time.perf_counter()
         program = LoadedProgram(result.pte_path)
         driver = Driver.of(program)
-        prompt_tokens, steps = bench_lengths(self.settings, self.max_seq_len)
+        prompt_tokens, steps = bench_lengths(self.settings, self.max_context_len)
         vocab_size = int(program.constant("get_vocab_size"))
         speed = measure_speed(driver, prompt_tokens, steps, self.settings.repeats, vocab_size)
         del program, driver

@@ -61,20 +61,20 @@ class CaptureStage(Stage):
     name = "capture"
     after = ("quantize",)
 
-    def __init__(self, methods: list[str], layout: Layout, max_seq_len: int, dynamic_shapes: bool,
+    def __init__(self, methods: list[str], layout: Layout, max_tokens: int, dynamic_shapes: bool,
                  prefill_chunk: int, keep_undelegated: bool = False) -> None:
         self.methods = methods
         self.layout = layout
         # Backends this host's runtime cannot execute are validated on a second, untouched capture (lowering
         # rewrites the programs it is given).
         self.keep_undelegated = keep_undelegated
-        self.max_seq_len = max_seq_len
+        self.max_tokens = max_tokens  # of one prompt-method call (exporters.program.methods.tokens_per_call)
         self.dynamic_shapes = dynamic_shapes
         self.prefill_chunk = prefill_chunk
 
     def run(self, quantized: EagerModel, ctx: ExportContext) -> CapturedMethods:
         """Each method captured from the eager model, or from the PT2E-converted graph when there is one."""
-        base = method_specs(self.methods, self.layout, self.max_seq_len, self.dynamic_shapes, self.prefill_chunk)
+        base = method_specs(self.methods, self.layout, self.max_tokens, self.dynamic_shapes, self.prefill_chunk)
         specs, adapter_of = dict(base), dict.fromkeys(base)
         for adapter in ctx.adapters:
             for name, spec in base.items():

@@ -14,6 +14,7 @@ from exporters.errors import ValidationFailed
 from exporters.manifest import (MANIFEST_FILE, AdapterEntry, DataFile, Manifest, MethodEntry, ModelEntry, ProgramFile,
                                 Resources)
 from exporters.program.adapters import adapter_method
+from exporters.program.cache import kv_cache_entry
 from exporters.program.files import sha256_of
 from exporters.program.layouts import Layout, layout_manifest
 from exporters.program.weights import data_path_for, runtime_needs
@@ -134,6 +135,7 @@ class FinalizeStage(Stage):
                                   {n: a.data.file for n, a in adapters.items() if a.data is not None}),
             adapters=adapters,
             quality_warning=ctx.quality_warning,
+            kv_cache=kv_cache_entry(model, max(spec.max_tokens for spec in base.values())),
         )
         manifest_path = out_dir / MANIFEST_FILE
         manifest.write(manifest_path)

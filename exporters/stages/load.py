@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exporters.config import Attention, ModelConfig
+from exporters.config import Attention, KvDType, ModelConfig
 from exporters.stages.artifacts import EagerModel
 from exporters.stages.pipeline import ExportContext, Stage
 from models.checkpoint import build_model
@@ -20,18 +20,19 @@ from models.sources import SOURCES
 class LoadStage(Stage):
     name = "load"
 
-    def __init__(self, model_cfg: ModelConfig, max_seq_len: int, work_dir: Path,
-                 attention: Attention = Attention.aten) -> None:
+    def __init__(self, model_cfg: ModelConfig, max_context_len: int, work_dir: Path,
+                 attention: Attention = Attention.aten, kv_dtype: KvDType = KvDType.fp32) -> None:
         self.cfg = model_cfg
         self.attention = attention
-        self.max_seq_len = max_seq_len
+        self.kv_dtype = kv_dtype
+        self.max_context_len = max_context_len
         self.work_dir = work_dir
 
     def run(self, artifact: None, ctx: ExportContext) -> EagerModel:
         checkpoint = SOURCES[self.cfg.source](self.cfg, self.work_dir)
         ctx.checkpoint = checkpoint
-        model = build_model(checkpoint, self.max_seq_len, family=self.cfg.family, random_init=self.cfg.random_init,
-                            seed=self.cfg.seed, attention=self.attention)
+        model = build_model(checkpoint, self.max_context_len, family=self.cfg.family, random_init=self.cfg.random_init,
+                            seed=self.cfg.seed, attention=self.attention, kv_dtype=self.kv_dtype)
         ctx.adapters = [read_adapter(name, folder, model) for name, folder in self.cfg.adapters.items()]
         attach_adapters(model, ctx.adapters)
         return EagerModel(model)

@@ -63,7 +63,7 @@ class LowerStage(Stage):
     name = "lower"
     after = ("capture",)
 
-    def __init__(self, backend_cfg: BackendConfig, max_seq_len: int,
+    def __init__(self, backend_cfg: BackendConfig, max_seq_len: int,  # get_max_seq_len: the runner's call size
                  weights: WeightsPlacement = WeightsPlacement.program) -> None:
         self.cfg = backend_cfg
         self.max_seq_len = max_seq_len

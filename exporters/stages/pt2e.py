@@ -19,12 +19,12 @@ class Pt2eStage(Stage):
     name = "pt2e"
     after = ("quantize",)
 
-    def __init__(self, quant_cfg: QuantConfig, max_seq_len: int, source: Source, reference: bool = True) -> None:
-        """``reference``: also make the copy validation runs (exporters.quant.pt2e.reference_graph) (only with validation)."""
+    def __init__(self, quant_cfg: QuantConfig, max_tokens: int, source: Source, reference: bool = True) -> None:
+        """``max_tokens``: most tokens one call of the prompt method takes. ``reference``: also make the copy validation runs (exporters.quant.pt2e.reference_graph) (only with validation)."""
         assert quant_cfg.pt2e is not None
         self.cfg = quant_cfg
         self.quantizer = quant_cfg.pt2e
-        self.max_seq_len = max_seq_len
+        self.max_tokens = max_tokens
         self.source = source
         self.reference = reference
 
@@ -32,7 +32,7 @@ class Pt2eStage(Stage):
         model = quantized.model
         # The graph calibrated is the prompt method with any number of tokens: it takes the single tokens of
         # decode too, so one calibration serves every method (on static-shape backends as well).
-        prompt = METHOD_KINDS["prefill"](self.max_seq_len, True, 1)
+        prompt = METHOD_KINDS["prefill"](self.max_tokens, True, 1)
         text = (read_calibration(self.cfg.calibration, self.source, model, ctx)
                 if PT2E_QUANTIZERS[self.quantizer].calibrated else None)
         graph, record = quantize_graph(model, prompt, self.quantizer, text)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exporters.config import DType, QuantConfig, quant_option
+from exporters.config import DType, KvCacheTolerance, KvDType, QuantConfig, quant_option
 from exporters.manifest import Checked, ValidationReport
 from exporters.program.methods import MethodSpec
 from exporters.runtime.driver import Driver, MethodRoles
@@ -39,15 +39,18 @@ class Tolerance:
     max_ppl_drift: float
 
     @staticmethod
-    def of(quant: QuantConfig, runs_in: DType | None = None) -> "Tolerance":
+    def of(quant: QuantConfig, runs_in: DType | None = None, kv: KvCacheTolerance | None = None) -> "Tolerance":
         """``quant``'s tolerance; where the delegate computes in a coarser dtype than the program's (``runs_in``,
-        its device's choice), the looser of it and the tolerance calibrated for that dtype (``conf/quant/<dtype>``)."""
+        its device's choice), the looser of it and the tolerance calibrated for that dtype (``conf/quant/<dtype>``);
+        with a quantized KV cache, plus what ``kv`` allows it (the reference keeps an fp32 cache)."""
         own = Tolerance(quant.max_kl, quant.min_top1, quant.max_ppl_drift)
-        if not coarser(runs_in, quant.dtype):
+        if coarser(runs_in, quant.dtype):
+            floor = quant_option(str(runs_in))
+            own = Tolerance(max(own.max_kl, floor.max_kl), min(own.min_top1, floor.min_top1),
+                            max(own.max_ppl_drift, floor.max_ppl_drift))
+        if kv is None:
             return own
-        floor = quant_option(str(runs_in))
-        return Tolerance(max(own.max_kl, floor.max_kl), min(own.min_top1, floor.min_top1),
-                         max(own.max_ppl_drift, floor.max_ppl_drift))
+        return Tolerance(own.max_kl + kv.max_kl, own.min_top1 - (1 - kv.min_top1), own.max_ppl_drift + kv.max_ppl_drift)
 
 
 MANTISSA_BITS: dict[DType, int] = {DType.fp32: 23, DType.fp16: 10, DType.bf16: 7}
@@ -141,7 +144,7 @@ def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, role
         if eager_graphs is not None:
             eager = driven(eager_graphs, roles, text, "eager")
         else:
-            with active_adapter(model, adapter):
+            with active_adapter(model, adapter), model.kv_dtype_as(KvDType.fp32):
                 eager = window_logits(full_sequence(model), text)
         # The undelegated programs standing in for a delegate that cannot run here may be the eager side itself.
         ours = eager if program is eager_graphs else driven(program, roles, text, "program")
@@ -164,7 +167,7 @@ def judge(scores: Scores, forward_kl: float | None, t: Tolerance) -> list[str]:
 
 def report(scores: Scores, failures: list[str], forward_kl: float | None, roles: MethodRoles, checked: Checked,
            baseline: BaselineQuality, t: Tolerance, runs_in: DType | None = None,
-           adapter: str | None = None) -> ValidationReport:
+           adapter: str | None = None, eager_kv_dtype: str | None = None) -> ValidationReport:
     text, total = baseline.text, scores.agreement
     return ValidationReport(
         passed=not failures,
@@ -190,6 +193,7 @@ def report(scores: Scores, failures: list[str], forward_kl: float | None, roles:
         tolerance={"max_kl": t.max_kl, "min_top1": t.min_top1, "max_ppl_drift": t.max_ppl_drift},
         runs_in=str(runs_in) if runs_in is not None else None,
         per_window=scores.per_window,
+        eager_kv_dtype=eager_kv_dtype,
     )
 
 
@@ -198,11 +202,14 @@ class ValidateStage(Stage):
     after = ("baseline", "emit")
 
     def __init__(self, quant: QuantConfig, runs_here: bool = True, runs_in: DType | None = None,
-                 eager_from_graphs: bool = False) -> None:
+                 eager_from_graphs: bool = False, kv_tolerance: KvCacheTolerance | None = None) -> None:
         """``runs_in``: the dtype the delegate computes in on this host when its device picks it (else None).
-        ``eager_from_graphs``: the eager side is the undelegated programs (PT2E), not the eager model."""
+        ``eager_from_graphs``: the eager side is the undelegated programs (PT2E), not the eager model.
+        ``kv_tolerance``: the program's KV cache is quantized; the eager side keeps an fp32 cache, and this is
+        added to quant's tolerance."""
         self.runs_in = runs_in if coarser(runs_in, quant.dtype) else None
-        self.tolerance = Tolerance.of(quant, self.runs_in)
+        self.tolerance = Tolerance.of(quant, self.runs_in, kv_tolerance)
+        self.eager_kv_dtype = str(KvDType.fp32) if kv_tolerance is not None else None
         self.runs_here = runs_here
         self.eager_from_graphs = eager_from_graphs
 
@@ -226,7 +233,7 @@ class ValidateStage(Stage):
             scores = Scores.of(found, ctx.baseline.text)
             failures = judge(scores, found.forward_kl, self.tolerance)
             verdict = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, self.tolerance,
-                             self.runs_in, adapter)
+                             self.runs_in, adapter, self.eager_kv_dtype)
             if adapter is None:
                 ctx.validation = verdict
             else:

@@ -1,0 +1,45 @@
+"""The KV cache a program keeps: how many positions (``export.max_context_len``), what it stores
+(``export.kv_dtype``), which backends can hold it, and what it costs (the manifest's ``kv_cache``).
+
+The cache itself is :mod:`models.decoder`'s (``KVCache`` and its layouts); this module owns the export's choices
+about it, checked before any work.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from exporters.config import Attention, KvDType
+from exporters.errors import UserError
+from exporters.manifest import KvCacheEntry
+from models.decoder import CausalLM
+
+if TYPE_CHECKING:
+    from exporters.config import BackendConfig, ExportSection, QuantConfig
+
+
+def check_kv_cache(ex: ExportSection, backend: BackendConfig, quant: QuantConfig) -> None:
+    """A quantized cache needs ExecuTorch's LLM kernels (``llama::custom_quantized_sdpa``), which only backends with
+    ``attention: custom_ops`` put in their programs."""
+    if ex.kv_dtype == KvDType.fp32:
+        return
+    if backend.attention != Attention.custom_ops:
+        raise UserError(
+            f"export.kv_dtype={ex.kv_dtype} needs ExecuTorch's quantized-cache attention kernel "
+            f"(llama::custom_quantized_sdpa), which backend={backend.name} programs do not use (they attend with "
+            "ATen ops the delegate takes). Use backend=xnnpack or backend=portable, or export.kv_dtype=fp32."
+        )
+    if quant.pt2e is not None:
+        raise UserError(
+            f"export.kv_dtype={ex.kv_dtype} with quant.pt2e={quant.pt2e}: a quantized KV cache under a PT2E "
+            "quantizer is not validated yet. Use export.kv_dtype=fp32, or a torchao scheme (quant=8da4w, 8da8w, ...)."
+        )
+
+
+def kv_cache_entry(model: CausalLM, tokens_per_call: int) -> KvCacheEntry:
+    """What the program's cache holds and costs, read from the model it was captured from."""
+    a = model.args
+    per_token = model.kv_bytes_per_token()
+    return KvCacheEntry(positions=a.max_context_len, tokens_per_call=tokens_per_call, dtype=str(a.kv_dtype),
+                        bytes_per_token=per_token, bytes=per_token * a.max_context_len,
+                        windows=[w for w in a.layer_window])
