@@ -56,8 +56,10 @@ def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
     from models.checkpoint import build_model, open_checkpoint
 
     cfg = result.manifest.config
-    model = build_model(open_checkpoint(result.manifest.model.checkpoint), cfg["export"]["max_seq_len"],
-                        attention=result.manifest.model.attention)
+    ex = cfg["export"]
+    model = build_model(open_checkpoint(result.manifest.model.checkpoint),
+                        ex.get("max_context_len") or ex["max_seq_len"], attention=result.manifest.model.attention,
+                        kv_dtype=ex.get("kv_dtype", "fp32"))
     quant = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), cfg["quant"]))
     assert isinstance(quant, QuantConfig)
     checkpoint = open_checkpoint(result.manifest.model.checkpoint)
