@@ -235,6 +235,10 @@ class ExportSection:
     # llama::custom_quantized_sdpa; backends with attention: custom_ops). Validated against the same model with an
     # fp32 cache, within validation.int8_kv's tolerances.
     kv_dtype: KvDType = KvDType.fp32
+    # Attention sink: keep the first this many positions in the cache forever and ring the rest, so a conversation
+    # goes on past max_context_len (each layer then attends to the sink and the last max_context_len - sink
+    # positions; StreamingLLM). 0 = off: generation stops at the end of the cache.
+    attention_sink: int = 0
     # Methods to capture, each a key of exporters.program.methods.METHOD_KINDS.
     methods: List[str] = field(default_factory=lambda: ["prefill", "decode", "forward"])
     # How the methods are named (a key of exporters.program.layouts.LAYOUTS): "stock" runs correctly in every

@@ -72,7 +72,8 @@ def build_stages(cfg: ExportConfig, output_dir: Path) -> list[Stage]:
     validating = cfg.validate
     pt2e = cfg.quant.pt2e is not None
     return [
-        LoadStage(cfg.model, context, work_dir=output_dir, attention=backend.attention, kv_dtype=ex.kv_dtype),
+        LoadStage(cfg.model, context, work_dir=output_dir, attention=backend.attention, kv_dtype=ex.kv_dtype,
+                  attention_sink=ex.attention_sink, call_tokens=call_tokens),
         *([BaselineStage(cfg.validation, prompt_tokens, cfg.model.source)] if validating else []),
         QuantizeStage(cfg.quant, ex.tied_embedding, cfg.model.source),
         *([Pt2eStage(cfg.quant, call_tokens, cfg.model.source, reference=validating)] if pt2e else []),

@@ -122,16 +122,27 @@ class KvCacheEntry:
     positions: int  # get_max_context_len: the longest conversation the program holds
     tokens_per_call: int  # get_max_seq_len: the most tokens one call of the prompt method takes
     dtype: str  # what it stores: fp32, or int8 with a scale and zero point per token and head (export.kv_dtype)
-    bytes_per_token: int  # one position over every layer: keys, values and any scales
-    bytes: int  # at full length
+    bytes_per_token: int  # one position in every layer: keys, values and any scales
+    bytes: int  # every layer's buffers (windowed layers keep only their ring)
     windows: list[int | None] = field(default_factory=list)  # per layer: attention window, null = the whole cache
+    attention_sink: int = 0  # positions kept forever, the rest in a ring: generation goes on past `positions`
+    slots: list[int] = field(default_factory=list)  # per layer: positions its buffers hold (ring: window + call - 1)
 
     def describe(self) -> str:
         windowed = sorted({w for w in self.windows if w is not None})
-        return (f"{self.positions} positions of {self.dtype} ({self.bytes_per_token / 1024:.1f} KB per token, "
-                f"{self.bytes / 1e6:.1f} MB), at most {self.tokens_per_call} tokens per call"
+        rings = sorted({s for s, w in zip(self.slots, self.windows) if w is not None and s < self.positions})
+        return (f"{self.positions} positions of {self.dtype} ({_size(self.bytes_per_token)} per token, "
+                f"{_size(self.bytes)} in all), at most {self.tokens_per_call} tokens per call"
                 + (f"; attention windows {windowed} on {sum(w is not None for w in self.windows)} of "
-                   f"{len(self.windows)} layers" if windowed else ""))
+                   f"{len(self.windows)} layers" + (f" (ring buffers of {rings} slots)" if rings else "")
+                   if windowed else "")
+                + (f"; attention sink of {self.attention_sink}: generation goes on past the cache, each layer "
+                   f"seeing the first {self.attention_sink} and the last {self.positions - self.attention_sink} positions"
+                   if self.attention_sink else "; generation stops at the end of the cache"))
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} KB"
 
 
 @dataclass

@@ -127,13 +127,15 @@ def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoin
 
 
 def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = None, random_init: bool = False,
-                seed: int = 0, attention: str = "aten", kv_dtype: str = "fp32") -> CausalLM:
+                seed: int = 0, attention: str = "aten", kv_dtype: str = "fp32", attention_sink: int = 0,
+                call_tokens: int | None = None) -> CausalLM:
     """The decoder for ``ckpt``'s architecture, with its weights (or seeded random ones).
 
     ``attention="custom_ops"`` is a preference: a model whose attention the ExecuTorch kernel cannot
     compute (soft-capping, sliding windows shorter than the context) gets the ATen attention, and the
     choice is logged and visible in ``model.args.attention``. ``kv_dtype`` (``models.decoder.KV_CACHES``) other
-    than fp32 needs those kernels, and is refused for such a model.
+    than fp32 needs those kernels, and is refused for such a model. ``attention_sink`` and ``call_tokens`` shape the
+    caches (``models.kv_cache.CacheGeometry``).
     """
     args = decoder_args(ckpt.hf_config, max_context_len, source=str(ckpt.path / "config.json"), family=family)
     blockers = args.custom_ops_blockers()
@@ -146,7 +148,11 @@ def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = 
     if attention == "custom_ops" and blockers:
         log.info("attention: aten, because llama::custom_sdpa cannot compute %s", ", ".join(blockers))
         attention = "aten"
-    args = dataclasses.replace(args, attention=attention, kv_dtype=kv_dtype)
+    try:
+        args = dataclasses.replace(args, attention=attention, kv_dtype=kv_dtype, attention_sink=attention_sink,
+                                   call_tokens=call_tokens)
+    except ValueError as e:
+        raise ModelError(f"{ckpt.path}: {e}") from e
     if random_init:
         torch.manual_seed(seed)
         return CausalLM(args).eval()

@@ -22,11 +22,13 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.kv_cache import KV_CACHES, CacheGeometry, CustomOpsKVCache, KVCache
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,11 @@ class DecoderArgs:
     # What the KV cache stores (a key of KV_CACHES): "fp32", or "int8" codes with a scale and zero point per
     # token and head (llama::custom_quantized_sdpa; custom_ops attention only).
     kv_dtype: str = "fp32"
+    # Attention sink: keep the first positions forever and ring the rest, so generation goes on past the cache
+    # (every full-attention layer sees the sink and the last max_context_len - sink positions). 0 = off.
+    attention_sink: int = 0
+    # Most tokens one call writes (ring caches keep that many - 1 slots of headroom); None = max_context_len.
+    call_tokens: int | None = None
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -95,6 +102,9 @@ class DecoderArgs:
         # A window that covers the whole cache is plain causal attention.
         windows = tuple(None if w is None or w >= self.max_context_len else int(w) for w in self.layer_window)
         object.__setattr__(self, "layer_window", windows)
+        if self.attention_sink and not 0 < self.attention_sink < self.max_context_len - self.max_call_tokens:
+            raise ValueError(f"attention_sink={self.attention_sink} must leave room for a call of "
+                             f"{self.max_call_tokens} tokens in a cache of {self.max_context_len}")
         if self.kv_dtype != "fp32" and self.attention != "custom_ops":
             raise ValueError(f"a {self.kv_dtype} KV cache needs ExecuTorch's LLM kernels (attention='custom_ops')")
         if len(self.layer_rope) != n or len(self.layer_window) != n:
@@ -102,6 +112,16 @@ class DecoderArgs:
         unknown = {r for r in self.layer_rope if r is not None} - {name for name, _ in self.rope}
         if unknown:
             raise ValueError(f"layers use RoPE tables {sorted(unknown)} that are not defined")
+
+    @property
+    def max_call_tokens(self) -> int:
+        return self.call_tokens if self.call_tokens is not None else self.max_context_len
+
+    @property
+    def layer_geometry(self) -> tuple[CacheGeometry, ...]:
+        """Each layer's cache: linear, or a ring for windows shorter than the cache and for attention sinks."""
+        return tuple(CacheGeometry.of(self.max_context_len, w, self.attention_sink, self.max_call_tokens)
+                     for w in self.layer_window)
 
     @property
     def n_rep(self) -> int:
@@ -116,8 +136,6 @@ class DecoderArgs:
         blockers = []
         if self.attn_logit_softcap is not None:
             blockers.append("attention logit soft-capping")
-        if any(w is not None for w in self.layer_window):
-            blockers.append("sliding-window layers shorter than the context")
         return blockers
 
 
@@ -147,133 +165,12 @@ class RMSNorm(nn.Module):
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for the new tokens, or None: no RoPE
 
 
-class KVCache(nn.Module):
-    """One layer's static cache for ATen attention: ``k_cache`` / ``v_cache`` [1, kv_heads, max_context, head_dim].
+class LayerInputs(NamedTuple):
+    """What a layer takes besides the hidden states (``CausalLM.layer_inputs``)."""
 
-    The same buffer names in every exported method let the methods share one cache in the runtime; the
-    update is ``index_copy_`` at the new tokens' positions (an in-place ``index_put_`` after emit).
-    """
-
-    def __init__(self, kv_heads: int, max_context: int, head_dim: int) -> None:
-        super().__init__()
-        shape = self.shape(kv_heads, max_context, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
-
-    @staticmethod
-    def shape(kv_heads: int, max_context: int, head_dim: int) -> tuple[int, ...]:
-        return (1, kv_heads, max_context, head_dim)
-
-    def cache_dtype(self, activations: torch.dtype) -> torch.dtype:
-        return activations
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write ``k`` / ``v`` [1, kv_heads, T, head_dim] at ``positions`` [T]."""
-        self.k_cache.index_copy_(2, positions, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(2, positions, v.to(self.v_cache.dtype))
-
-    @torch.no_grad()
-    def rebuild(self, activations: torch.dtype, device: str | torch.device) -> None:
-        """Empty buffers in the dtype this layout keeps for ``activations``, on ``device``."""
-        dtype = self.cache_dtype(activations)
-        self.k_cache = torch.zeros(self.k_cache.shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(self.v_cache.shape, dtype=dtype, device=device)
-
-    @torch.no_grad()
-    def reset(self) -> None:
-        for buffer in self.buffers():
-            buffer.zero_()
-
-    @property
-    def positions(self) -> int:
-        return self.k_cache.shape[2]
-
-    def bytes_per_position(self) -> int:
-        """Bytes one cached position takes in this layer: keys, values and, when quantized, their scales."""
-        return sum(b.numel() * b.element_size() for b in self.buffers()) // self.positions
-
-
-class CustomOpsKVCache(KVCache):
-    """The cache of ExecuTorch's LLM kernels: [1, max_context, kv_heads, head_dim], always fp32 (the kernels
-    take fp32), written by ``llama::update_cache`` from the first new position on."""
-
-    @staticmethod
-    def shape(kv_heads: int, max_context: int, head_dim: int) -> tuple[int, ...]:
-        return (1, max_context, kv_heads, head_dim)
-
-    @property
-    def positions(self) -> int:
-        return self.k_cache.shape[1]
-
-    def cache_dtype(self, activations: torch.dtype) -> torch.dtype:
-        return torch.float32
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: Any) -> None:  # type: ignore[override]
-        """Write ``k`` / ``v`` [1, T, kv_heads, head_dim] from position ``start_pos`` (a SymInt) on."""
-        torch.ops.llama.update_cache(k.float(), self.k_cache, start_pos)
-        torch.ops.llama.update_cache(v.float(), self.v_cache, start_pos)
-
-    def attend(self, q: torch.Tensor, start_pos: Any, scale: float) -> torch.Tensor:
-        """Causal attention of ``q`` [1, T, heads, head_dim] at ``start_pos`` over the filled slots -> fp32, same shape."""
-        return torch.ops.llama.custom_sdpa(q.float(), self.k_cache, self.v_cache, start_pos, None, 0.0, True, scale)
-
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int8 codes of ``x`` [..., head_dim] with an fp32 scale and int8 zero point per leading index (asymmetric, as
-    ExecuTorch's export_llm quantizes its cache and query for ``llama::custom_quantized_sdpa``)."""
-    import executorch.kernels.quantized  # noqa: F401  (the ops' out variants, which emit needs)
-    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed ops)
-
-    qd = torch.ops.quantized_decomposed
-    x = x.float()
-    scales, zero_points = qd.choose_qparams_per_token_asymmetric.default(x, torch.int8)
-    codes = qd.quantize_per_token(x, scales, zero_points, -128, 127, torch.int8)
-    return codes, scales.float(), zero_points.to(torch.int8)
-
-
-class QuantizedKVCache(CustomOpsKVCache):
-    """An int8 cache for ExecuTorch's LLM kernels: codes [1, max_context, kv_heads, head_dim] with one fp32 scale and
-    int8 zero point per position and head ([..., 1]): 4 + 1 bytes per head_dim bytes, 0.27x fp32's at head_dim 64.
-
-    Written by ``llama::update_cache`` (codes, scales and zero points alike); read by
-    ``llama::custom_quantized_sdpa``, which also takes the query quantized per token and head.
-    """
-
-    def __init__(self, kv_heads: int, max_context: int, head_dim: int) -> None:
-        super().__init__(kv_heads, max_context, head_dim)
-        scales = (1, max_context, kv_heads, 1)
-        for side in ("k", "v"):
-            self.register_buffer(f"{side}_cache_scales", torch.zeros(scales), persistent=False)
-            self.register_buffer(f"{side}_cache_zero_points", torch.zeros(scales, dtype=torch.int8), persistent=False)
-
-    def cache_dtype(self, activations: torch.dtype) -> torch.dtype:
-        return torch.int8
-
-    @torch.no_grad()
-    def rebuild(self, activations: torch.dtype, device: str | torch.device) -> None:
-        super().rebuild(activations, device)
-        for side in ("k", "v"):
-            setattr(self, f"{side}_cache_scales", torch.zeros_like(getattr(self, f"{side}_cache_scales"), device=device))
-            setattr(self, f"{side}_cache_zero_points",
-                    torch.zeros_like(getattr(self, f"{side}_cache_zero_points"), device=device))
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: Any) -> None:  # type: ignore[override]
-        for side, x in (("k", k), ("v", v)):
-            codes, scales, zero_points = quantize_per_token(x)
-            torch.ops.llama.update_cache(codes, getattr(self, f"{side}_cache"), start_pos)
-            torch.ops.llama.update_cache(scales, getattr(self, f"{side}_cache_scales"), start_pos)
-            torch.ops.llama.update_cache(zero_points, getattr(self, f"{side}_cache_zero_points"), start_pos)
-
-    def attend(self, q: torch.Tensor, start_pos: Any, scale: float) -> torch.Tensor:
-        codes, scales, zero_points = quantize_per_token(q)
-        return torch.ops.llama.custom_quantized_sdpa(
-            codes, self.k_cache, self.v_cache, start_pos, None, 0.0, True, scale,
-            zero_points, scales, self.k_cache_zero_points, self.k_cache_scales,
-            self.v_cache_zero_points, self.v_cache_scales)
-
-
-# What the cache of ExecuTorch's LLM kernels stores, by DecoderArgs.kv_dtype.
-KV_CACHES: dict[str, type[CustomOpsKVCache]] = {"fp32": CustomOpsKVCache, "int8": QuantizedKVCache}
+    rope: Rope
+    mask: torch.Tensor  # additive [T, slots] over its cache
+    slots: torch.Tensor  # [T]: where the new tokens' keys and values go
 
 
 class Attention(nn.Module):
@@ -281,7 +178,7 @@ class Attention(nn.Module):
     def cache_layout_of(args: DecoderArgs) -> type[KVCache]:
         return KVCache
 
-    def __init__(self, args: DecoderArgs) -> None:
+    def __init__(self, args: DecoderArgs, geometry: CacheGeometry) -> None:
         super().__init__()
         self.args = args
         h, kv, d = args.num_attention_heads, args.num_key_value_heads, args.head_dim
@@ -295,7 +192,7 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps, args.unit_offset_norm)
             self.k_norm = RMSNorm(d, args.rms_norm_eps, args.unit_offset_norm)
-        self.kv_cache = self.cache_layout_of(args)(kv, args.max_context_len, d)
+        self.kv_cache = self.cache_layout_of(args)(kv, geometry, d)
         # rotate_half's matrix (rotate_half_matrix), one per projection: Core ML's converter takes each
         # constant once. Identical bytes, so the program stores them once.
         self.register_buffer("q_rotate", torch.empty(0), persistent=False)
@@ -321,58 +218,62 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope, self.q_rotate), apply_rope(k, *rope, self.k_rotate)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
         q, k, v = (t.transpose(1, 2) for t in self._qkv(x, rope))  # [1, heads, T, d]
         a = self.args
         kv, rep, d = a.num_key_value_heads, a.n_rep, a.head_dim
 
         cache = self.kv_cache
-        cache.update(k, v, positions)
+        cache.update(k, v, slots)
+        n = cache.geometry.slots
 
         # Grouped-query attention without copying the cache: the n_rep query heads of one kv head are
-        # stacked along the query axis, [1, kv, rep * T, d] against the [1, kv, max_context, d] cache.
+        # stacked along the query axis, [1, kv, rep * T, d] against the [1, kv, slots, d] cache.
         q = q.contiguous().view(1, kv, -1, d)
-        scores = torch.matmul(q, cache.k_cache.transpose(2, 3)) * self.scale  # [1, kv, rep * T, max_context]
+        scores = torch.matmul(q, cache.k_cache.transpose(2, 3)) * self.scale  # [1, kv, rep * T, slots]
         if a.attn_logit_softcap is not None:
             scores = torch.tanh(scores / a.attn_logit_softcap) * a.attn_logit_softcap
-        scores = scores.view(1, kv, rep, -1, a.max_context_len) + mask  # [1, kv, rep, T, max_context]
-        probs = F.softmax(scores.float(), dim=-1).to(q.dtype).view(1, kv, -1, a.max_context_len)
+        scores = scores.view(1, kv, rep, -1, n) + mask  # [1, kv, rep, T, slots]
+        probs = F.softmax(scores.float(), dim=-1).to(q.dtype).view(1, kv, -1, n)
         out = torch.matmul(probs, cache.v_cache).view(1, kv, rep, -1, d).permute(0, 3, 1, 2, 4)  # [1, T, kv, rep, d]
         out = out.contiguous().view(1, -1, a.num_attention_heads * d)  # [1, T, heads * d]
         return self.o_proj(out)
 
 
 class CustomOpsAttention(Attention):
-    """Attention on ExecuTorch's LLM kernels; the cache is laid out [1, max_context, kv_heads, head_dim].
+    """Attention on ExecuTorch's LLM kernels; the cache is laid out [1, slots, kv_heads, head_dim].
 
-    The kernel computes plain causal softmax attention: models with soft-capping or sliding windows
-    use :class:`Attention` (see :meth:`DecoderArgs.custom_ops_blockers`).
+    The kernel computes softmax attention, causal or under a mask (sliding windows, rings): models with
+    soft-capping use :class:`Attention` (see :meth:`DecoderArgs.custom_ops_blockers`).
     """
 
     @staticmethod
     def cache_layout_of(args: DecoderArgs) -> type[KVCache]:
         return KV_CACHES[args.kv_dtype]
 
-    def __init__(self, args: DecoderArgs) -> None:
+    def __init__(self, args: DecoderArgs, geometry: CacheGeometry) -> None:
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers llama:: ops)
 
         blockers = args.custom_ops_blockers()
         if blockers:
             raise ValueError(f"llama::custom_sdpa cannot compute {', '.join(blockers)}; use attention='aten'")
-        super().__init__(args)
+        super().__init__(args, geometry)
 
-    def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
         a = self.args
         dtype = x.dtype
         q, k, v = self._qkv(x, rope)  # each [1, T, heads, d]: the kernels' layout, no transpose
-        start_pos = positions[0].item()
-        torch._check_is_size(start_pos)
-        torch._check(start_pos < a.max_context_len)
         cache = self.kv_cache
         assert isinstance(cache, CustomOpsKVCache)
-        cache.update(k, v, start_pos)
+        start_pos = positions[0].item()
+        torch._check_is_size(start_pos)
+        if not cache.geometry.ring:  # a ring takes any position
+            torch._check(start_pos < cache.geometry.slots)
+        cache.update(k, v, slots, start_pos)
         # The kernels take fp32; casting around them is cheaper than doing without them.
-        out = cache.attend(q, start_pos, self.scale)  # [1, T, heads, d]
+        out = cache.attend(q, start_pos, None if cache.geometry.plain else mask, self.scale)  # [1, T, heads, d]
         return self.o_proj(out.to(dtype).view(1, -1, a.num_attention_heads * a.head_dim))
 
 
@@ -446,11 +347,11 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block; with ``sandwich_norms`` (Gemma 2/3) attention and MLP outputs are
     normed too, and ``post_attention_layernorm`` is the attention output's norm, as in transformers."""
 
-    def __init__(self, args: DecoderArgs) -> None:
+    def __init__(self, args: DecoderArgs, geometry: CacheGeometry) -> None:
         super().__init__()
         norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm)  # noqa: E731
         self.sandwich = args.sandwich_norms
-        self.self_attn = ATTENTION[args.attention](args)
+        self.self_attn = ATTENTION[args.attention](args, geometry)
         self.mlp = MLP(args)
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
@@ -458,8 +359,9 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rope, positions, mask)
+    def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, positions, mask, slots)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -473,7 +375,7 @@ class DecoderBody(nn.Module):
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, geometry) for geometry in args.layer_geometry)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm)
 
 
@@ -497,6 +399,7 @@ class CausalLM(nn.Module):
         for name, _ in args.rope:
             self.register_buffer(f"rope_cos_{name}", torch.empty(0), persistent=False)
             self.register_buffer(f"rope_sin_{name}", torch.empty(0), persistent=False)
+            self.register_buffer(f"rope_inv_freq_{name}", torch.empty(0), persistent=False)
         self.register_buffer("cache_positions", torch.empty(0, dtype=torch.int64), persistent=False)
         # Python floats (not tensors, so export sees a constant): the scale rounded to each dtype.
         self.embed_scale = {
@@ -535,7 +438,8 @@ class CausalLM(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             setattr(self, f"rope_cos_{name}", emb.cos() * table.attention_scaling)
             setattr(self, f"rope_sin_{name}", emb.sin() * table.attention_scaling)
-        self.cache_positions = torch.arange(a.max_context_len, device=device)
+            setattr(self, f"rope_inv_freq_{name}", torch.tensor(table.inv_freq, dtype=torch.float32, device=device))
+        self.cache_positions = torch.arange(max(g.slots for g in a.layer_geometry), device=device)
         dtype = self.activation_dtype()
         rot_dims = {name: 2 * len(table.inv_freq) for name, table in a.rope}
         for layer, rope in zip(self.model.layers, a.layer_rope):
@@ -560,7 +464,7 @@ class CausalLM(nn.Module):
         kept = [attn.kv_cache for attn in attentions]
         device = self.cache_positions.device
         for attn in attentions:
-            attn.kv_cache = attn.cache_layout_of(a)(a.num_key_value_heads, a.max_context_len, a.head_dim)
+            attn.kv_cache = attn.cache_layout_of(a)(a.num_key_value_heads, attn.kv_cache.geometry, a.head_dim)
             attn.kv_cache.rebuild(self.activation_dtype(), device)
         try:
             yield
@@ -575,30 +479,30 @@ class CausalLM(nn.Module):
             h = h * self.embed_scale[h.dtype]
         return h
 
-    def layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[Rope, torch.Tensor]]:
-        """What each layer takes besides the hidden states, for tokens at ``positions`` [T]: its RoPE
-        (cos, sin) and its additive mask over the whole cache."""
+    def layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> list[LayerInputs]:
+        """What each layer takes besides the hidden states, for tokens at ``positions`` [T]: its RoPE (cos, sin),
+        its additive mask over its cache's slots, and the slots the tokens go to; computed once per distinct table
+        and cache geometry."""
         a = self.args
         ropes: dict[str | None, Rope] = {None: None}
-        for name, _ in a.rope:  # [T, 1, rot_dim]: broadcasts over heads
-            cos = getattr(self, f"rope_cos_{name}")[positions].to(dtype).unsqueeze(1)
-            sin = getattr(self, f"rope_sin_{name}")[positions].to(dtype).unsqueeze(1)
-            ropes[name] = (cos, sin)
-        # Additive masks over the whole cache: query at position p sees cache slots s <= p, and with a
-        # sliding window w only p - w < s.
-        slots, queries = self.cache_positions[None, :], positions[:, None]
-        masks = {}
-        for window in sorted(set(a.layer_window), key=lambda w: -1 if w is None else w):
-            visible = slots <= queries if window is None else (slots <= queries) & (slots > queries - window)
-            masks[window] = torch.where(visible, 0.0, float("-inf")).to(dtype)
-        return [(ropes[rope], masks[window]) for rope, window in zip(a.layer_rope, a.layer_window)]
+        for name, table in a.rope:  # [T, 1, rot_dim]: broadcasts over heads
+            if a.attention_sink:  # positions outgrow any table: computed as transformers computes them
+                freqs = positions.float()[:, None] * getattr(self, f"rope_inv_freq_{name}")[None, :]
+                emb = torch.cat((freqs, freqs), dim=-1)
+                cos, sin = emb.cos() * table.attention_scaling, emb.sin() * table.attention_scaling
+            else:
+                cos, sin = getattr(self, f"rope_cos_{name}")[positions], getattr(self, f"rope_sin_{name}")[positions]
+            ropes[name] = (cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1))
+        caches = {g: (g.mask(positions, dtype, self.cache_positions[:g.slots]), g.slot_of(positions))
+                  for g in dict.fromkeys(a.layer_geometry)}
+        return [LayerInputs(ropes[rope], *caches[g]) for rope, g in zip(a.layer_rope, a.layer_geometry)]
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, full_logits: bool = False) -> torch.Tensor:
         seq_len = tokens.shape[1]
         positions = input_pos[0] + torch.arange(seq_len, dtype=torch.int64)
         h = self.embed(tokens)
-        for layer, (rope, mask) in zip(self.model.layers, self.layer_inputs(positions, h.dtype)):
-            h = layer(h, rope, positions, mask)
+        for layer, inputs in zip(self.model.layers, self.layer_inputs(positions, h.dtype)):
+            h = layer(h, inputs.rope, positions, inputs.mask, inputs.slots)
         h = self.model.norm(h)
         if not full_logits:  # the last token's hidden state [1, hidden]
             # A view when T is a static 1 (decode), which XNNPACK delegates; it has no select, so a
@@ -632,4 +536,4 @@ class CausalLM(nn.Module):
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one position of context takes in the cache, over every layer."""
-        return sum(cache.bytes_per_position() for cache in self.kv_caches())
+        return sum(cache.bytes_per_slot() for cache in self.kv_caches())

@@ -59,7 +59,8 @@ def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
     ex = cfg["export"]
     model = build_model(open_checkpoint(result.manifest.model.checkpoint),
                         ex.get("max_context_len") or ex["max_seq_len"], attention=result.manifest.model.attention,
-                        kv_dtype=ex.get("kv_dtype", "fp32"))
+                        kv_dtype=ex.get("kv_dtype", "fp32"), attention_sink=ex.get("attention_sink", 0),
+                        call_tokens=result.manifest.kv_cache.tokens_per_call if result.manifest.kv_cache else None)
     quant = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), cfg["quant"]))
     assert isinstance(quant, QuantConfig)
     checkpoint = open_checkpoint(result.manifest.model.checkpoint)

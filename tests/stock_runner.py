@@ -23,6 +23,8 @@ def main() -> None:
     parser.add_argument("prompt")
     parser.add_argument("max_new_tokens", type=int)
     parser.add_argument("--data", default=None, help="the program's .ptd (export.weights=external)")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="generate this many times with the same prompt in one runner: a conversation going on")
     args = parser.parse_args()
 
     # Kernels the programs may call that the runtime does not register by itself.
@@ -32,12 +34,16 @@ def main() -> None:
         import executorch.kernels.quantized  # noqa: F401
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
-    pieces: list[str] = []
+    turns: list[list[str]] = []
     stats: list[str] = []
     runner = TextLLMRunner(args.pte, args.tokenizer, args.data) if args.data else TextLLMRunner(args.pte, args.tokenizer)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, echo=False, num_bos=1)
-    runner.generate(args.prompt, config, token_callback=pieces.append, stats_callback=lambda s: stats.append(str(s)))
-    print(json.dumps({"executorch": metadata.version("executorch"), "text": "".join(pieces), "stats": stats}))
+    for _ in range(args.turns):  # the runner keeps its position between calls: each turn goes on from the last
+        turns.append([])
+        runner.generate(args.prompt, config, token_callback=turns[-1].append,
+                        stats_callback=lambda s: stats.append(str(s)))
+    print(json.dumps({"executorch": metadata.version("executorch"), "text": "".join(turns[0]),
+                      "turns": ["".join(t) for t in turns], "stats": stats}))
 
 
 if __name__ == "__main__":

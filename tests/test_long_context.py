@@ -14,10 +14,12 @@ from exporters.errors import UserError
 from exporters.export import checked_config, run_stages
 from exporters.program.layouts import STOCK_RUNNERS
 from exporters.runtime.generator import Generator, SamplingConfig
+from exporters.runtime.driver import Driver
+from exporters.runtime.programs import LoadedProgram
 from exporters.runtime.quality import Agreement
 from models.checkpoint import build_model, open_checkpoint
 from models.errors import ModelError
-from tests.helpers import compose_config, eager_model_of
+from tests.helpers import assert_matches_transformers, compose_config, eager_model_of
 from tests.runtimes import stock_runner
 
 # A prompt of more than one call (max_seq_len 16 below): the stock runner feeds it in calls of get_max_seq_len.
@@ -112,3 +114,154 @@ def test_stock_runner_feeds_a_long_prompt_in_calls_into_the_int8_cache(long_cont
     result = stock_runner(release, pte, LONG_PROMPT, 12)
     ours = Generator(pte).generate("", SamplingConfig(max_new_tokens=12), prompt_ids=ids)
     assert result["text"] == tokenizer.decode(ours.new_ids), (result["text"], result["log"][-2000:])
+
+
+# --- ring buffers: sliding-window layers keep their window, a sink keeps the conversation going ----------------
+
+
+@pytest.mark.parametrize("attention", ["aten", "custom_ops"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_windowed_layers_in_a_ring_match_transformers_past_the_window(family_checkpoint, family: str,
+                                                                      attention: str) -> None:
+    """Calls of at most 4 tokens: each windowed layer keeps window + 3 slots, and 24 tokens wrap them several times."""
+    from tests.family_cases import FAMILY_CASES
+    from tests.test_families import transformers_model
+
+    ckpt = family_checkpoint(family)
+    ours = build_model(open_checkpoint(ckpt), 48, attention=attention, call_tokens=4)
+    window = FAMILY_CASES[family]["sliding_window"]
+    rings = [g for g in ours.args.layer_geometry if g.ring]
+    assert rings and all(g.slots == window + 3 and g.window == window for g in rings)
+    assert ours.args.attention == attention  # windows no longer send a model to ATen attention
+    tokens = torch.randint(0, ours.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    assert_matches_transformers(transformers_model(ckpt), ours, tokens, prefill_len=4)
+
+
+def linear_reference(model, geometry_slots: int):  # type: ignore[no-untyped-def]
+    """The same weights with one long linear cache and the sink's mask (the sink and the last context - sink
+    positions): what the ring must compute, without any wrapping."""
+    import dataclasses
+
+    from models.decoder import CausalLM, DecoderArgs
+    from models.kv_cache import CacheGeometry
+
+    a = model.args
+    geometry = CacheGeometry(geometry_slots, a.attention_sink, a.max_context_len - a.attention_sink, ring=False)
+
+    class LinearWithSinkMask(DecoderArgs):
+        @property
+        def layer_geometry(self):  # type: ignore[no-untyped-def]
+            return (geometry,) * self.num_hidden_layers
+
+    args = LinearWithSinkMask(**{**{f.name: getattr(a, f.name) for f in dataclasses.fields(DecoderArgs)},
+                                 "max_context_len": geometry_slots, "attention": "aten", "kv_dtype": "fp32",
+                                 "attention_sink": 0, "call_tokens": None})
+    reference = CausalLM(args).eval()
+    reference.load_state_dict(model.state_dict())
+    return reference
+
+
+@pytest.mark.parametrize("attention", ["aten", "custom_ops"])
+def test_a_sink_ring_computes_what_a_long_cache_with_the_sink_mask_computes(tiny_checkpoint: Path,
+                                                                             attention: str) -> None:
+    """150 positions through a 32-position cache (sink 4, calls of up to 8): prompt, single steps, then calls that
+    cross the ring's wrap; every logit as the linear reference's."""
+    model = build_model(open_checkpoint(tiny_checkpoint), 32, attention=attention, attention_sink=4, call_tokens=8)
+    assert {(g.slots, g.sink, g.window, g.ring) for g in model.args.layer_geometry} == {(39, 4, 28, True)}
+    reference = linear_reference(model, 160)
+    tokens = torch.randint(0, model.args.vocab_size, (1, 150), generator=torch.Generator().manual_seed(0))
+    pos, ours, expected = 0, [], []
+    with torch.no_grad():
+        while pos < 150:
+            n = 8 if pos == 0 or pos >= 60 else 1
+            n = min(n, 150 - pos)
+            for model_, out in ((model, ours), (reference, expected)):
+                out.append(model_(tokens[:, pos:pos + n], torch.tensor([pos]), full_logits=True)[0])
+            pos += n
+    torch.testing.assert_close(torch.cat(ours), torch.cat(expected), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["export.max_seq_len=16", "export.max_context_len=32", "export.attention_sink=16"],
+     "export.attention_sink=16 does not fit"),
+    (["export.attention_sink=-1"], "export.attention_sink=-1 does not fit"),
+    (["backend=coreml", "export.layout=split", "export.attention_sink=4"], "static-shape backends"),
+])
+def test_a_sink_that_does_not_fit_is_refused_before_any_work(overrides: list[str], says: str) -> None:
+    with pytest.raises(UserError, match=says.replace("(", r"\(").replace(".", r"\.")):
+        checked_config(compose_config(*overrides))
+
+
+SINK = ("export.max_seq_len=8", "export.max_context_len=32", "export.attention_sink=4")
+
+
+def greedy_through(driver, eos: set[int], turns: list[list[int]], per_turn: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """What the stock runner does over several generate() calls: each prompt prefilled where the last turn
+    stopped, then greedy tokens; the last token of a turn is not fed (the runner's position skips it)."""
+    pos, out = 0, []
+    for prompt in turns:
+        logits = driver.prefill(torch.tensor([prompt]), start=pos)
+        pos += len(prompt)
+        new = [int(logits.argmax())]
+        while len(new) < per_turn and new[-1] not in eos:
+            logits = driver.decode_one_token(new[-1], pos)
+            pos += 1
+            new.append(int(logits.argmax()))
+        out.append(new)
+    return out
+
+
+def test_a_sink_program_generates_four_caches_long_as_the_eager_model(exported) -> None:  # type: ignore[no-untyped-def]
+    result = exported(*SINK)
+    m = result.manifest
+    assert m.kv_cache is not None and m.kv_cache.attention_sink == 4 and m.kv_cache.slots == [39, 39]
+    assert m.constant_methods["attention_sink_size"] == 4 and m.constant_methods["attention_sink_window_size"] == 28
+    assert all(o.result == "correct" for o in m.layout.stock_runners.values())
+    gen = Generator(result.pte_path)
+    gen.eos_ids = set()
+    ids = gen.encode("the cat")
+    out = gen.generate("", SamplingConfig(max_new_tokens=4 * 32), prompt_ids=ids)
+    assert out.stop_reason == "max_new_tokens" and len(out.new_ids) == 128
+    model = eager_model_of(result)
+    with torch.no_grad():
+        logits, expected = model(torch.tensor([ids]), torch.tensor([0])), []
+        for pos in range(len(ids), len(ids) + 128):
+            expected.append(int(logits.argmax()))
+            logits = model(torch.tensor([[expected[-1]]]), torch.tensor([pos]))
+    assert out.new_ids == expected
+    assert len(set(expected[64:])) > 2, "a degenerate text past the cache would hide a broken ring"
+
+
+@pytest.mark.parametrize("release", [r.release for r in STOCK_RUNNERS])
+def test_stock_runner_carries_a_sink_program_over_four_caches(exported, release: str) -> None:
+    """Each generate() call of the stock runner stops at get_max_context_len tokens and the next goes on from its
+    position: four turns run the conversation to about four caches, each turn the text our driver writes."""
+    result = exported(*SINK)
+    pte = result.pte_path
+    prompt = "the cat"
+    runner = stock_runner(release, pte, prompt, 32, turns=4)
+    tokenizer = Tokenizer.from_file(str(pte.parent / "tokenizer.json"))
+    program = LoadedProgram(pte)
+    eos_ids = program.constant("get_eos_ids")
+    eos = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
+    prompt_ids = tokenizer.encode(prompt).ids  # as the runner encodes it (tokenizer.json's own special tokens)
+    ours = greedy_through(Driver.of(program), eos, [prompt_ids] * 4, 32)
+    assert sum(len(t) for t in ours) + 4 * len(prompt_ids) > 3 * 32
+    assert runner["turns"] == [tokenizer.decode(t) for t in ours], runner["log"][-3000:]
+
+
+def test_stock_runner_stops_with_an_error_at_the_end_of_a_cache_without_a_sink(exported) -> None:  # type: ignore[no-untyped-def]
+    """max_seq_len < max_context_len without a sink: the manifest says the runner fails at the end of the cache,
+    and it does (after correct text)."""
+    import subprocess
+    import sys
+
+    from tests.runtimes import STOCK_RUNNER_SCRIPT
+
+    result = exported("export.max_seq_len=8", "export.max_context_len=32")
+    verdicts = result.manifest.layout.stock_runners
+    assert {o.result for o in verdicts.values()} == {"fails"} and "attention_sink" in verdicts["1.5.1"].fix
+    pte = result.pte_path
+    proc = subprocess.run([sys.executable, str(STOCK_RUNNER_SCRIPT), str(pte), str(pte.parent / "tokenizer.json"),
+                           "the cat", "100"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Generation failed" in proc.stderr

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from exporters.config import Attention, KvDType
 from exporters.errors import UserError
 from exporters.manifest import KvCacheEntry
+from exporters.program.methods import context_len, tokens_per_call
 from models.decoder import CausalLM
 
 if TYPE_CHECKING:
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
 
 def check_kv_cache(ex: ExportSection, backend: BackendConfig, quant: QuantConfig) -> None:
     """A quantized cache needs ExecuTorch's LLM kernels (``llama::custom_quantized_sdpa``), which only backends with
-    ``attention: custom_ops`` put in their programs."""
+    ``attention: custom_ops`` put in their programs; an attention sink needs room for a window beside it."""
+    check_attention_sink(ex, backend)
     if ex.kv_dtype == KvDType.fp32:
         return
     if backend.attention != Attention.custom_ops:
@@ -36,10 +38,31 @@ def check_kv_cache(ex: ExportSection, backend: BackendConfig, quant: QuantConfig
         )
 
 
+def check_attention_sink(ex: ExportSection, backend: BackendConfig) -> None:
+    sink = ex.attention_sink
+    if sink == 0:
+        return
+    context = context_len(ex)
+    call = tokens_per_call(ex.max_seq_len, context)
+    if not backend.dynamic_shapes:
+        raise UserError(
+            f"export.attention_sink={sink} with backend={backend.name}: a ring-buffer cache has not been validated on "
+            "static-shape backends. Use backend=xnnpack or backend=portable, or export.attention_sink=0."
+        )
+    if sink < 0 or sink + call >= context:
+        raise UserError(
+            f"export.attention_sink={sink} does not fit a cache of export.max_context_len={context} positions with calls "
+            f"of up to {call} tokens (export.max_seq_len): the sink and one call must leave a window, so use "
+            f"0 < attention_sink < {context - call}, a larger export.max_context_len, or a smaller export.max_seq_len "
+            "(attention_sink=0 turns it off)."
+        )
+
+
 def kv_cache_entry(model: CausalLM, tokens_per_call: int) -> KvCacheEntry:
     """What the program's cache holds and costs, read from the model it was captured from."""
     a = model.args
-    per_token = model.kv_bytes_per_token()
+    caches = model.kv_caches()
     return KvCacheEntry(positions=a.max_context_len, tokens_per_call=tokens_per_call, dtype=str(a.kv_dtype),
-                        bytes_per_token=per_token, bytes=per_token * a.max_context_len,
-                        windows=[w for w in a.layer_window])
+                        bytes_per_token=sum(c.bytes_per_slot() for c in caches), bytes=sum(c.bytes() for c in caches),
+                        windows=list(a.layer_window), attention_sink=a.attention_sink,
+                        slots=[c.geometry.slots for c in caches])

@@ -27,6 +27,9 @@ def constant_methods(args: DecoderArgs, checkpoint: Checkpoint, specs: dict[str,
         values["get_eos_ids"] = list(checkpoint.eos_ids)
     for name, spec in specs.items():
         values[f"get_{name}_max_tokens"] = spec.max_tokens
+    if args.attention_sink:  # export_llm's names: the sink, and the window each layer sees beside it
+        values["attention_sink_size"] = args.attention_sink
+        values["attention_sink_window_size"] = args.max_context_len - args.attention_sink
     if adapters:  # the adapters' names, so a runner finds <adapter>_<method> from the program alone
         values[ADAPTERS_CONSTANT] = ",".join(adapters)
     return values

@@ -135,11 +135,32 @@ def check_layout(layout_name: str, kinds: Collection[str], dynamic: bool = True)
     return layout
 
 
-def layout_manifest(layout: Layout, methods: dict[str, str], prompt: str, step: str, dynamic: bool) -> LayoutEntry:
+def at_the_cache_end(outcome: RunnerOutcome, slides: bool, sink: bool) -> RunnerOutcome:
+    """What a runner that runs the program correctly does at the end of its cache.
+
+    Every release here (1.4.1 and 1.5.1, ``TextLLMRunner::generate``) takes ``get_max_seq_len <
+    get_max_context_len`` for a sliding-window program: it stops checking the position against the cache and lets
+    one generate() call produce up to get_max_context_len tokens, then goes on from there in the next call. With an
+    attention sink that is what the program is for; without one, the program stops the runner with an error at the
+    end of the cache ("Generation failed"; checked in tests/test_long_context.py)."""
+    if not outcome.correct or not slides or sink:
+        return outcome
+    return RunnerOutcome(
+        outcome.release, outcome.prompt_method, outcome.step_method, "fails",
+        f"{outcome.why}, correctly, until the end of the cache: get_max_seq_len < get_max_context_len makes it "
+        "treat the program as sliding-window and generate past the end, where the program stops it with an error",
+        fix="export.attention_sink=4 lets the program go on past the cache; or ask the runner for at most "
+            "get_max_context_len - prompt tokens, or export with export.max_context_len=null")
+
+
+def layout_manifest(layout: Layout, methods: dict[str, str], prompt: str, step: str, dynamic: bool,
+                    slides: bool = False, sink: bool = False) -> LayoutEntry:
     """The manifest's ``layout`` section: what app developers need to call the program correctly.
 
     ``methods`` maps each LLM method in the program to its kind; ``prompt`` and ``step`` are the methods an
-    app calls for the prompt and for each new token (``exporters.runtime.driver.MethodRoles``).
+    app calls for the prompt and for each new token (``exporters.runtime.driver.MethodRoles``). ``slides``: the
+    prompt method takes fewer tokens than the cache holds; ``sink``: the program has an attention sink
+    (:func:`at_the_cache_end`).
     """
     by_kind = {kind: name for name, kind in methods.items()}
     return LayoutEntry(
@@ -157,5 +178,5 @@ def layout_manifest(layout: Layout, methods: dict[str, str], prompt: str, step: 
         stock_runners={o.release: RunnerEntry(result=o.result, prompt_method=o.prompt_method,
                                                 token_method=o.step_method, why=o.why,
                                                 fix="" if o.correct else o.fix)
-                       for o in layout.runner_outcomes(by_kind, dynamic)},
+                       for o in (at_the_cache_end(o, slides, sink) for o in layout.runner_outcomes(by_kind, dynamic))},
     )

@@ -134,6 +134,8 @@ class Generator:
         self.tokenizer = tokenizer_for(self.pte, tokenizer)
         names = self.program.method_names
         self.max_context_len = program_context_len(self.program)
+        # export.attention_sink: the cache is a ring, so prompts and generation may run past its length.
+        self.endless = bool(self.program.constant("attention_sink_size")) if "attention_sink_size" in names else False
         self.bos_id = self.program.constant("get_bos_id") if "get_bos_id" in names else None
         eos = self.program.constant("get_eos_ids") if "get_eos_ids" in names else []
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -149,11 +151,11 @@ class Generator:
     def check_fits(self, ids: list[int]) -> None:
         if not ids:
             raise UserError("the prompt is empty and the model has no bos token: give a non-empty prompt.")
-        if len(ids) >= self.max_context_len:
+        if len(ids) >= self.max_context_len and not self.endless:
             raise UserError(
                 f"the prompt is {len(ids)} tokens but the program's cache holds {self.max_context_len} "
                 f"(get_max_context_len), leaving no room to generate. Shorten the prompt or re-export with a larger "
-                f"export.max_context_len."
+                f"export.max_context_len, or with export.attention_sink=4 to go on past the end of the cache."
             )
 
     def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
@@ -178,7 +180,7 @@ class Generator:
             if piece and on_text:
                 on_text(piece)
             position = len(ids) + len(new_ids) - 1
-            if position + 1 >= self.max_context_len:
+            if position + 1 >= self.max_context_len and not self.endless:
                 stop = "context_full"
                 break
             logits = self.driver.decode_one_token(token, position)

@@ -116,7 +116,10 @@ class FinalizeStage(Stage):
             },
             layout=layout_manifest(self.layout, {name: spec.kind for name, spec in base.items()},
                                    roles.prompt, roles.step,
-                                   all(spec.dynamic for spec in base.values() if spec.kind != "decode")),
+                                   all(spec.dynamic for spec in base.values() if spec.kind != "decode"),
+                                   slides=written.constant_methods["get_max_seq_len"] <
+                                   written.constant_methods["get_max_context_len"],
+                                   sink=model.args.attention_sink > 0),
             constant_methods=written.constant_methods,
             model=ModelEntry(checkpoint=str(ckpt.path), architecture=list(ckpt.hf_config.architectures or []),
                              family=family.name if family else None,

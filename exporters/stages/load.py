@@ -21,10 +21,14 @@ class LoadStage(Stage):
     name = "load"
 
     def __init__(self, model_cfg: ModelConfig, max_context_len: int, work_dir: Path,
-                 attention: Attention = Attention.aten, kv_dtype: KvDType = KvDType.fp32) -> None:
+                 attention: Attention = Attention.aten, kv_dtype: KvDType = KvDType.fp32, attention_sink: int = 0,
+                 call_tokens: int | None = None) -> None:
+        """``call_tokens``: most tokens one call writes (ring caches keep room for them)."""
         self.cfg = model_cfg
         self.attention = attention
         self.kv_dtype = kv_dtype
+        self.attention_sink = attention_sink
+        self.call_tokens = call_tokens
         self.max_context_len = max_context_len
         self.work_dir = work_dir
 
@@ -32,7 +36,8 @@ class LoadStage(Stage):
         checkpoint = SOURCES[self.cfg.source](self.cfg, self.work_dir)
         ctx.checkpoint = checkpoint
         model = build_model(checkpoint, self.max_context_len, family=self.cfg.family, random_init=self.cfg.random_init,
-                            seed=self.cfg.seed, attention=self.attention, kv_dtype=self.kv_dtype)
+                            seed=self.cfg.seed, attention=self.attention, kv_dtype=self.kv_dtype,
+                            attention_sink=self.attention_sink, call_tokens=self.call_tokens)
         ctx.adapters = [read_adapter(name, folder, model) for name, folder in self.cfg.adapters.items()]
         attach_adapters(model, ctx.adapters)
         return EagerModel(model)
