@@ -499,6 +499,11 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, full_logits: bool = False) -> torch.Tensor:
         seq_len = tokens.shape[1]
+        call = self.args.max_call_tokens
+        if isinstance(seq_len, int) and seq_len > call:  # eager only (a method takes at most `call`): in calls
+            # the ring caches can take, each writing before it attends
+            out = [self(tokens[:, i:i + call], input_pos + i, full_logits) for i in range(0, seq_len, call)]
+            return torch.cat(out, dim=1) if full_logits else out[-1]
         positions = input_pos[0] + torch.arange(seq_len, dtype=torch.int64)
         h = self.embed(tokens)
         for layer, inputs in zip(self.model.layers, self.layer_inputs(positions, h.dtype)):

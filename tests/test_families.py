@@ -196,7 +196,7 @@ def test_random_init_without_family_says_how_to_pick_one() -> None:
 
 
 def test_longrope_past_its_switch_over_is_refused(family_checkpoint) -> None:
-    with pytest.raises(ModelError, match=r"longrope.*original_max_position_embeddings=64.*export.max_seq_len<=64"):
+    with pytest.raises(ModelError, match=r"longrope.*original_max_position_embeddings=64.*export.max_context_len<=64"):
         build_model(open_checkpoint(family_checkpoint("phi3")), 128)
 
 

@@ -13,6 +13,7 @@ from exporters.config import KvDType
 from exporters.errors import UserError
 from exporters.export import checked_config, run_stages
 from exporters.program.layouts import STOCK_RUNNERS
+from exporters.quant.calibration import LayerByLayer
 from exporters.runtime.generator import Generator, SamplingConfig
 from exporters.runtime.driver import Driver
 from exporters.runtime.programs import LoadedProgram
@@ -134,7 +135,18 @@ def test_windowed_layers_in_a_ring_match_transformers_past_the_window(family_che
     assert rings and all(g.slots == window + 3 and g.window == window for g in rings)
     assert ours.args.attention == attention  # windows no longer send a model to ATen attention
     tokens = torch.randint(0, ours.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
-    assert_matches_transformers(transformers_model(ckpt), ours, tokens, prefill_len=4)
+    reference = transformers_model(ckpt)
+    assert_matches_transformers(reference, ours, tokens, prefill_len=4)
+    with torch.no_grad():  # the whole window at once (eager: baseline, validation) goes in calls of 4 by itself
+        ours.reset_cache()
+        whole = ours(tokens, torch.tensor([0]), full_logits=True)
+        torch.testing.assert_close(whole, reference(tokens).logits, atol=1e-4, rtol=0)
+        # calibration's layer-by-layer run cuts windows into calls too
+        run = LayerByLayer(ours, [tokens])
+        states = run.embedded
+        for i in range(ours.args.num_hidden_layers):
+            states = run.layer(i, states)
+        torch.testing.assert_close(ours.final_logits(states[0]), whole, atol=1e-5, rtol=0)
 
 
 def linear_reference(model, geometry_slots: int):  # type: ignore[no-untyped-def]

@@ -86,22 +86,26 @@ def calibration_text(cfg: CalibrationConfig, text: str | None, ckpt: Checkpoint,
 class LayerByLayer:
     """Token windows run through the decoder one layer at a time, as calibration (each layer solved on the
     outputs of the quantized ones before it) and sensitivity (the model re-run from one layer on) need: every
-    window's positions, RoPE and masks computed once."""
+    window's positions, RoPE and masks computed once. A window longer than one call of the program
+    (``args.max_call_tokens``) goes through each layer in calls of that size, as its ring caches need."""
 
     def __init__(self, model: CausalLM, windows: list[torch.Tensor]) -> None:
         self.model = model
         weight = model.lm_head.weight
         dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        self.positions = [torch.arange(w.shape[1]) for w in windows]
-        self.inputs = [model.layer_inputs(p, dtype) for p in self.positions]
+        call = model.args.max_call_tokens
+        # Per window, per call: the call's positions and every layer's inputs for them.
+        self.calls = [[(p, model.layer_inputs(p, dtype)) for p in torch.arange(w.shape[1]).split(call)]
+                      for w in windows]
         self.embedded = [model.embed(w) for w in windows]
 
     def layer(self, i: int, states: list[torch.Tensor],
               after_each: Callable[[], None] | None = None) -> list[torch.Tensor]:
         """Decoder layer ``i`` on every window's hidden states; ``after_each`` is called after each window."""
         layer, out = self.model.model.layers[i], []
-        for h, p, inputs in zip(states, self.positions, self.inputs):
-            out.append(layer(h, inputs[i][0], p, inputs[i][1]))
+        for h, calls in zip(states, self.calls):
+            out.append(torch.cat([layer(h[:, p[0]:p[-1] + 1], inputs[i].rope, p, inputs[i].mask, inputs[i].slots)
+                                  for p, inputs in calls], dim=1))
             if after_each is not None:
                 after_each()
         return out
