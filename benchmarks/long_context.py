@@ -13,6 +13,13 @@ programs in the same rounds, alternating which goes first:
   nor validation) over one window of the whole context, one token per step, and per ``--segment`` tokens: whether
   the int8 cache loses more as the context fills.
 
+With ``--sink K`` it measures generation past the cache instead: one program with ``export.attention_sink=K``
+steps through the whole ``--text`` (several caches long), and the same program restarted whenever its cache is
+full, re-reading the last half of the cache as a new prompt (what an app without a sink does). Perplexity per
+``--segment`` tokens for both, and the last segment's against the first full cache's:
+
+    python -m benchmarks.long_context --preset smollm2 --sink 4 --context 512 --seq 64 --out bench/long_context/sink
+
 Writes ``summary.json`` and ``summary.md`` into ``--out``; ``--reuse`` keeps programs already exported there.
 """
 
@@ -38,22 +45,22 @@ DTYPES = ("fp32", "int8")
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "long_text.txt"
 
 
+def export_program(args: argparse.Namespace, run_dir: Path, extra: list[str]) -> dict:
+    """One program exported in a child process (unless ``--reuse`` finds it): where it is, wall s, peak RSS MB."""
+    pte = run_dir / "model.pte"
+    wall = peak = None
+    if not (args.reuse and pte.is_file()):
+        overrides = [*preset_overrides(preset_of(args), args.out / "checkpoint"), f"quant={args.quant}",
+                     f"export.max_seq_len={args.seq}", f"export.max_context_len={args.context}", *extra,
+                     "validate=false", "bench=false", f"export.output_dir={run_dir}"]
+        print(f"exporting {' '.join(extra)} ...", flush=True)
+        wall, peak = run_measured(exporter_command(overrides, run_dir), run_dir / "export.log")
+    return {"pte": pte, "export_s": wall, "export_peak_rss_mb": peak}
+
+
 def export_both(args: argparse.Namespace, out: Path) -> dict[str, dict]:
-    """Each cache dtype's program exported in a child process: where it is, wall seconds, peak RSS MB."""
-    model = preset_overrides(preset_of(args), out / "checkpoint")
-    runs = {}
-    for kv in DTYPES:
-        run_dir = out / f"kv_{kv}"
-        pte = run_dir / "model.pte"
-        wall = peak = None
-        if not (args.reuse and pte.is_file()):
-            overrides = [*model, f"quant={args.quant}", f"export.max_seq_len={args.seq}",
-                         f"export.max_context_len={args.context}", f"export.kv_dtype={kv}", "validate=false",
-                         "bench=false", f"export.output_dir={run_dir}"]
-            print(f"exporting kv_dtype={kv} ...", flush=True)
-            wall, peak = run_measured(exporter_command(overrides, run_dir), run_dir / "export.log")
-        runs[kv] = {"pte": pte, "export_s": wall, "export_peak_rss_mb": peak}
-    return runs
+    """Each cache dtype's program."""
+    return {kv: export_program(args, out / f"kv_{kv}", [f"export.kv_dtype={kv}"]) for kv in DTYPES}
 
 
 def fill_and_time(driver: Driver, position: int, steps: int, vocab: int, seed: int) -> float:
@@ -102,6 +109,48 @@ def segment_ppl(nll: list[float], segment: int) -> list[float]:
     return [round(math.exp(statistics.fmean(nll[i:i + segment])), 3) for i in range(0, len(nll), segment)]
 
 
+def restarting_nll(driver: Driver, ids: list[int], context: int) -> list[float]:
+    """:func:`stepwise_nll` of a program without a sink: when its cache is full it starts again from position 0
+    with the last half of the cache re-read as a prompt (that prompt's own tokens were scored before)."""
+    nll, pos, keep = [], 0, context // 2
+    for i in range(len(ids) - 1):
+        if pos == context:
+            driver.prefill(torch.tensor([ids[i - keep:i]]), start=0)
+            pos = keep
+        logits = driver.decode_one_token(ids[i], pos).float()
+        pos += 1
+        nll.append(float(-torch.log_softmax(logits[0], -1)[ids[i + 1]]))
+    return nll
+
+
+def sink_run(args: argparse.Namespace) -> None:
+    """Perplexity along a text several caches long: with the sink, and restarting the context."""
+    run = export_program(args, args.out / f"sink_{args.sink}", [f"export.attention_sink={args.sink}"])
+    driver = Driver.of(LoadedProgram(run["pte"]))
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(run["pte"].parent / "tokenizer.json")).encode(args.text.read_text()).ids
+    rows = {}
+    for label, nll in (("sink", stepwise_nll(driver, ids)), ("restart", restarting_nll(driver, ids, args.context))):
+        segments = segment_ppl(nll, args.segment)
+        first_full = args.context // args.segment - 1  # the last segment inside the first cache
+        rows[label] = {"ppl": round(math.exp(statistics.fmean(nll)), 3), "ppl_by_segment": segments,
+                       "last_vs_first_full_cache": round(segments[-1] / segments[first_full], 3),
+                       "past_cache_vs_first_cache": round(
+                           math.exp(statistics.fmean(nll[args.context:])) / math.exp(statistics.fmean(nll[:args.context])), 3)}
+    summary = {"preset": args.preset, "quant": args.quant, "context": args.context, "seq": args.seq,
+               "sink": args.sink, "text": str(args.text), "tokens": len(ids), "segment": args.segment, "runs": rows}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    lines = [f"{args.preset}, xnnpack {args.quant}, context {args.context}, sink {args.sink}, {len(ids)} tokens of "
+             f"{args.text.name} ({len(ids) / args.context:.1f} caches), perplexity per {args.segment} tokens", "",
+             "| run | ppl | past the first cache / within it | last segment / last of the first cache | segments |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {label} | {r['ppl']} | {r['past_cache_vs_first_cache']} | {r['last_vs_first_full_cache']} | "
+              f"{' '.join(str(x) for x in r['ppl_by_segment'])} |" for label, r in rows.items()]
+    (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_preset_arguments(parser, default="smollm2")
@@ -115,9 +164,12 @@ def main() -> None:
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--segment", type=int, default=256)
     parser.add_argument("--reuse", action="store_true", help="keep programs already exported in --out")
+    parser.add_argument("--sink", type=int, default=0, help="measure generation past the cache with this sink")
     args = parser.parse_args()
     preset = preset_of(args)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.sink:
+        return sink_run(args)
     runs = export_both(args, args.out)
     programs = {kv: LoadedProgram(run["pte"]) for kv, run in runs.items()}
     drivers = {kv: Driver.of(p) for kv, p in programs.items()}

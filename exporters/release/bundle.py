@@ -86,6 +86,29 @@ def _runtime_needs(m: Manifest) -> str:
     return "\n\n".join(lines)
 
 
+def _context_text(m: Manifest) -> str:
+    """The KV cache an app drives: how long a call and a conversation may be, and what to do at the end."""
+    kv = m.kv_cache
+    if kv is None:  # manifests written before it was recorded
+        return ""
+    end = (f"The program has an attention sink (`attention_sink_size` = {kv.attention_sink}): keep calling it with the "
+           "true, growing positions past the end of the cache; it keeps the first positions and the most recent ones. "
+           "ExecuTorch's stock runners (1.4.1, 1.5.1) do this across `generate()` calls, each producing at most "
+           "`get_max_context_len` tokens." if kv.attention_sink else
+           "Stop at `get_max_context_len` positions (or start a new conversation at position 0): the program refuses "
+           "positions past its cache." + (" ExecuTorch's stock runners do not stop there for this program "
+                                          "(`get_max_seq_len` < `get_max_context_len`): ask them for at most "
+                                          "`get_max_context_len` minus the prompt new tokens."
+                                          if kv.tokens_per_call < kv.positions - 1 else ""))
+    return f"""## Context
+
+KV cache: {kv.describe()}. Feed a prompt in calls of at most `get_max_seq_len` = {kv.tokens_per_call} tokens
+(each call at the position after the last); the cache holds `get_max_context_len` = {kv.positions} positions.
+{end}
+
+"""
+
+
 def _adapters_text(m: Manifest) -> str:
     """How an app switches LoRA adapters: each one's methods, and its quality."""
     if not m.adapters:
@@ -158,7 +181,7 @@ context {m.constant_methods.get('get_max_context_len', cfg['export']['max_seq_le
 |---|---|
 {constants}
 
-{_adapters_text(m)}## Validation
+{_context_text(m)}{_adapters_text(m)}## Validation
 
 {_validation_text(m.validation)}
 
