@@ -9,11 +9,13 @@ transformers' eager model is a direct reference. What differs between families i
 Why not transformers' own model: its exportable static-cache wrapper fails in ``to_edge`` with
 torch 2.13 (see docs/DESIGN.md). This module keeps everything ``torch.export`` and ExecuTorch like:
 
-* the KV cache is a pair of fixed-size buffers per layer, ``[1, n_kv_heads, max_context_len, head_dim]``,
-  with the same names in every exported method, so methods share them in the runtime;
-* the cache update is ``index_copy_`` on those buffers (lowered to an in-place ``index_put_`` at emit);
-* attention always covers the whole cache with a position mask, so shapes stay static except the
-  number of new tokens ``T``.
+* the KV cache is a pair of fixed-size buffers per layer (:mod:`models.kv_cache`: linear, or a ring for sliding
+  windows and attention sinks; fp32 or int8), with the same names in every exported method, so methods share
+  them in the runtime;
+* the cache update is ``index_copy_`` on those buffers (lowered to an in-place ``index_put_`` at emit), or
+  ExecuTorch's ``llama::update_cache`` on the custom-ops path;
+* attention covers the whole cache with a position mask (or the kernel's own causal bound), so shapes stay
+  static except the number of new tokens ``T``.
 """
 
 from __future__ import annotations

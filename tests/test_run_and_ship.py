@@ -101,7 +101,7 @@ def test_sampling_is_seeded_and_stops_at_eos(default_export) -> None:
 
 
 def test_too_long_prompt_is_a_clear_error(default_export) -> None:
-    with pytest.raises(UserError, match="context is 128 tokens"):
+    with pytest.raises(UserError, match="cache holds 128"):
         Generator(default_export.pte_path).generate("word " * 300, SamplingConfig())
 
 

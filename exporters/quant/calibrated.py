@@ -54,15 +54,15 @@ class InputRecorder:
 
     def __init__(self, targets: dict[str, Target]) -> None:
         self.inputs: list[SharedInput] = []
-        self._seen: list[tuple[torch.Tensor, SharedInput]] = []  # this window's inputs, held so ids stay unique
-        self._first_window = True
+        self._seen: list[tuple[torch.Tensor, SharedInput]] = []  # the first call's inputs, held so ids stay unique
+        self._first_call = True
         self._by_name: dict[str, SharedInput] = {}
         self._handles = [t.module.register_forward_pre_hook(self._hook(name)) for name, t in targets.items()]
 
     def _hook(self, name: str) -> Callable[..., None]:
         def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             x = args[0]
-            if self._first_window:
+            if self._first_call:
                 shared = next((s for t, s in self._seen if t is x), None)
                 if shared is None:
                     shared = SharedInput()
@@ -77,8 +77,9 @@ class InputRecorder:
                     shared.add(x)
         return record
 
-    def next_window(self) -> None:
-        self._first_window = False
+    def next_call(self) -> None:
+        """The first call's inputs said which targets share one; later calls (chunks, windows) only add to them."""
+        self._first_call = False
         self._seen.clear()
 
     def close(self) -> None:
@@ -118,7 +119,7 @@ def quantize_calibrated(model: CausalLM, targets: dict[str, Target], text: Calib
         if here:
             recorder = InputRecorder(here)
             try:
-                run.layer(i, states, after_each=recorder.next_window)
+                run.layer(i, states, after_each=recorder.next_call)
             finally:
                 recorder.close()
             for shared in recorder.inputs:

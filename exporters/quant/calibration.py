@@ -101,11 +101,14 @@ class LayerByLayer:
 
     def layer(self, i: int, states: list[torch.Tensor],
               after_each: Callable[[], None] | None = None) -> list[torch.Tensor]:
-        """Decoder layer ``i`` on every window's hidden states; ``after_each`` is called after each window."""
+        """Decoder layer ``i`` on every window's hidden states; ``after_each`` is called after each call (a window
+        longer than one call makes several, in order)."""
         layer, out = self.model.model.layers[i], []
         for h, calls in zip(states, self.calls):
-            out.append(torch.cat([layer(h[:, p[0]:p[-1] + 1], inputs[i].rope, p, inputs[i].mask, inputs[i].slots)
-                                  for p, inputs in calls], dim=1))
-            if after_each is not None:
-                after_each()
+            pieces = []
+            for p, inputs in calls:
+                pieces.append(layer(h[:, p[0]:p[-1] + 1], inputs[i].rope, p, inputs[i].mask, inputs[i].slots))
+                if after_each is not None:
+                    after_each()
+            out.append(torch.cat(pieces, dim=1))
         return out
