@@ -277,3 +277,32 @@ def test_stock_runner_stops_with_an_error_at_the_end_of_a_cache_without_a_sink(e
     proc = subprocess.run([sys.executable, str(STOCK_RUNNER_SCRIPT), str(pte), str(pte.parent / "tokenizer.json"),
                            "the cat", "100"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "Generation failed" in proc.stderr
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_a_program_with_window_rings_matches_transformers_past_the_window(exported, family_checkpoint,
+                                                                          family: str) -> None:
+    """Calls of at most 4 tokens: the windowed layers' caches are rings of window + 3 slots on llama::custom_sdpa;
+    the program, driven as generation drives it, gives transformers' logits and greedy tokens past the window."""
+    from tests.family_cases import FAMILY_CASES
+    from tests.test_families import prompt_ids, transformers_model
+
+    ckpt = family_checkpoint(family)
+    result = exported(f"model={family}", f"model.checkpoint={ckpt}", "export.max_seq_len=4",
+                      "export.max_context_len=48")
+    window = FAMILY_CASES[family]["sliding_window"]
+    kv = result.manifest.kv_cache
+    assert kv is not None and result.manifest.model.attention == "custom_ops"
+    assert {s for s, w in zip(kv.slots, kv.windows) if w is not None} == {window + 3}
+    reference = transformers_model(ckpt)
+    driver = Driver.of(LoadedProgram(result.pte_path))
+    tokens = prompt_ids(ckpt)
+    logits = driver.prefill(tokens)[0]  # in calls of 4
+    with torch.no_grad():
+        for _ in range(3 * window):
+            expected = reference(tokens).logits[0, -1]
+            assert (logits - expected).abs().max().item() <= 1e-4, f"position {tokens.shape[1]}"
+            next_token = logits.argmax().view(1, 1)
+            logits = driver.decode_one_token(next_token, tokens.shape[1])[0]
+            tokens = torch.cat([tokens, next_token], dim=1)
+    assert tokens.shape[1] > 3 * window

@@ -102,6 +102,7 @@ def test_xnnpack_pt2e_program_matches_its_converted_graphs_in_the_runtime(export
     assert stored <= m.program.storage["named_data_bytes"] < 1.3 * stored
 
 
+@pytest.mark.extended  # 75 s, most of it importing coremltools' quantizer: pytest -m extended
 @pytest.mark.parametrize("quantizer", ["coreml_8a_c4w"])
 def test_coreml_quantizer_lowers_through_its_delegate(exported, quantizer: str) -> None:
     """Core ML's delegate takes the quantized graph (8-bit activations calibrated on text, int4 weights), the
