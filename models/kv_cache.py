@@ -39,12 +39,11 @@ class CacheGeometry:
         A call writes all its tokens before attending, so a ring needs ``call_tokens - 1`` slots beyond what its
         queries see: the first query's window must not have been overwritten by the call's last token."""
         headroom = call_tokens - 1
-        if sink:  # full layers: the sink and the last context - sink positions, so the first `context` match a
-            # plain cache exactly; windowed layers: their window
-            see = context - sink if window is None else min(window, context - sink)
+        if sink:  # windowed layers: their window; the others the sink and the last context - sink positions, so
+            # the first `context` positions match a plain cache exactly
             if window is not None and window < context - sink:
                 return CacheGeometry(window + headroom, 0, window, ring=True)
-            return CacheGeometry(context + headroom, sink, see, ring=True)
+            return CacheGeometry(context + headroom, sink, context - sink, ring=True)
         if window is not None and window + headroom < context:
             return CacheGeometry(window + headroom, 0, window, ring=True)
         return CacheGeometry(context, 0, window, ring=False)
@@ -62,9 +61,7 @@ class CacheGeometry:
         return torch.where(positions < self.sink, positions, self.sink + (positions - self.sink) % ring)
 
     def held_positions(self, last: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The position each of ``slots`` (0..slots-1) holds once ``last`` (0-d) is written; -1: none yet."""
-        if not self.ring:
-            return torch.where(slots <= last, slots, -1)
+        """The position each of a ring's ``slots`` (0..slots-1) holds once ``last`` (0-d) is written; -1: none yet."""
         ring = self.slots - self.sink
         held = last - (last - slots) % ring  # the newest position <= last written to each ring slot
         held = torch.where(slots < self.sink, slots, held)
@@ -124,12 +121,12 @@ class KVCache(nn.Module):
         for buffer in self.buffers():
             buffer.zero_()
 
-    def bytes_per_slot(self) -> int:
-        """Bytes one slot takes in this layer: keys, values and, when quantized, their scales."""
-        return sum(b.numel() * b.element_size() for b in self.buffers()) // self.geometry.slots
-
     def bytes(self) -> int:
+        """Bytes of this layer's cache: keys, values and, when quantized, their scales."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def bytes_per_slot(self) -> int:
+        return self.bytes() // self.geometry.slots
 
 
 class CustomOpsKVCache(KVCache):

@@ -20,7 +20,8 @@ class Pt2eStage(Stage):
     after = ("quantize",)
 
     def __init__(self, quant_cfg: QuantConfig, max_tokens: int, source: Source, reference: bool = True) -> None:
-        """``max_tokens``: most tokens one call of the prompt method takes. ``reference``: also make the copy validation runs (exporters.quant.pt2e.reference_graph) (only with validation)."""
+        """``max_tokens``: most tokens one call of the prompt method takes. ``reference``: also make the copy
+        validation runs (exporters.quant.pt2e.reference_graph) (only with validation)."""
         assert quant_cfg.pt2e is not None
         self.cfg = quant_cfg
         self.quantizer = quant_cfg.pt2e
