@@ -111,10 +111,11 @@ class KVCache(nn.Module):
 
     @torch.no_grad()
     def rebuild(self, activations: torch.dtype, device: str | torch.device) -> None:
-        """Empty buffers in the dtype this layout keeps for ``activations``, on ``device``."""
-        dtype = self.cache_dtype(activations)
-        self.k_cache = torch.zeros(self.k_cache.shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(self.v_cache.shape, dtype=dtype, device=device)
+        """Empty buffers on ``device``: keys and values in the dtype this layout keeps for ``activations``, any
+        others (a quantized cache's scales and zero points) in their own."""
+        for name, buffer in list(self.named_buffers()):
+            dtype = self.cache_dtype(activations) if name in ("k_cache", "v_cache") else buffer.dtype
+            setattr(self, name, torch.zeros(buffer.shape, dtype=dtype, device=device))
 
     @torch.no_grad()
     def reset(self) -> None:
@@ -193,12 +194,6 @@ class QuantizedKVCache(CustomOpsKVCache):
 
     def cache_dtype(self, activations: torch.dtype) -> torch.dtype:
         return torch.int8
-
-    @torch.no_grad()
-    def rebuild(self, activations: torch.dtype, device: str | torch.device) -> None:
-        super().rebuild(activations, device)
-        for name in ("k_cache_scales", "k_cache_zero_points", "v_cache_scales", "v_cache_zero_points"):
-            setattr(self, name, torch.zeros_like(getattr(self, name), device=device))
 
     def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, start_pos: Any = None) -> None:
         for side, x in (("k", k), ("v", v)):
