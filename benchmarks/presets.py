@@ -36,6 +36,8 @@ class Preset:
     rope_theta: float = 10000.0
     tied: bool = False
     llama3_rope_scaling: bool = False
+    # Llama 3.1's rope scaling factor is 8, Llama 3.2's 32 (their published config.json).
+    rope_factor: float = 32.0
     real: bool = False
 
     @property
@@ -78,7 +80,8 @@ class Preset:
                            num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
                            rope_theta=self.rope_theta, tie_word_embeddings=self.tied, rms_norm_eps=1e-5,
                            bos_token_id=1, eos_token_id=2,
-                           rope_scaling=LLAMA3_SCALING if self.llama3_rope_scaling else None,
+                           rope_scaling={**LLAMA3_SCALING, "factor": self.rope_factor} if self.llama3_rope_scaling
+                           else None,
                            max_position_embeddings=131072 if self.llama3_rope_scaling else 8192)
 
     def describe(self) -> str:
@@ -100,6 +103,13 @@ PRESETS = {
     "360m": Preset(dim=960, hidden=2560, layers=32, heads=15, kv_heads=5, vocab=49152, rope_theta=100000.0, tied=True),
     "1b": Preset(dim=2048, hidden=8192, layers=16, heads=32, kv_heads=8, vocab=128256, rope_theta=500000.0, tied=True,
                  llama3_rope_scaling=True),
+    # The shapes people ship, from the models' published config.json (random weights of the real shapes).
+    # Llama-3.2-3B: 3.21B parameters.
+    "3b": Preset(dim=3072, hidden=8192, layers=28, heads=24, kv_heads=8, vocab=128256, rope_theta=500000.0, tied=True,
+                 llama3_rope_scaling=True),
+    # Llama-3.1-8B: 8.03B parameters, untied.
+    "8b": Preset(dim=4096, hidden=14336, layers=32, heads=32, kv_heads=8, vocab=128256, rope_theta=500000.0,
+                 llama3_rope_scaling=True, rope_factor=8.0),
 }
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}

@@ -64,8 +64,16 @@ class MemoryObserver:
         setattr(owner, name, wrapper)
 
 
-# The steps of emit probed: (module, function names). A name the module no longer has is skipped with a note.
-EMIT_STEPS = (
+# The steps of lowering and emit probed: (module or module:Class, function names). A name that no longer exists is
+# skipped with a note.
+PROBED_STEPS = (
+    # lowering: to_edge's decompositions (twice per method), then partitioning and each partition's preprocess
+    ("torch.export.exported_program:ExportedProgram", ("run_decompositions",)),
+    ("executorch.exir.program._program", ("_gen_edge_manager_for_partitioners",)),
+    ("executorch.exir.backend.backend_api", ("get_fake_program", "update_to_real_program",
+                                             "_maybe_duplicate_constant_nodes", "_create_partitions",
+                                             "lower_all_submodules_to_backend")),
+    ("executorch.backends.xnnpack.xnnpack_preprocess:XnnpackBackend", ("preprocess",)),
     ("executorch.exir.program._program",
      ("quant_fusion_and_const_prop_pass", "reinplace_pass", "emit_program", "serialize_for_executorch")),
     # serialize_for_executorch here: emit's second serialization when a method is an alias (exporters.internals).
@@ -74,16 +82,18 @@ EMIT_STEPS = (
 )
 
 
-def probe_emit(observer: MemoryObserver) -> None:
+def probe_steps(observer: MemoryObserver) -> None:
     import importlib
 
-    for module_name, names in EMIT_STEPS:
-        module = importlib.import_module(module_name)
+    for where, names in PROBED_STEPS:
+        module_name, _, class_name = where.partition(":")
+        owner = importlib.import_module(module_name)
+        owner = getattr(owner, class_name) if class_name else owner
         for name in names:
-            if hasattr(module, name):
-                observer.probe(module, name)
+            if hasattr(owner, name):
+                observer.probe(owner, name)
             else:
-                print(f"(not probed: {module_name}.{name} does not exist)")
+                print(f"(not probed: {where}.{name} does not exist)")
 
 
 def main() -> None:
@@ -105,7 +115,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING)
     observer = MemoryObserver()
-    probe_emit(observer)
+    probe_steps(observer)
     print(f"{args.preset} ({preset.layers} layers), {args.backend} {args.quant}; RSS in MB; program in {out}")
     run_stages(cfg, out, stop_after=args.stop_after, observer=observer)
 

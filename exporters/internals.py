@@ -31,6 +31,13 @@ are the lines to re-read; each has a test that fails if the internal changes beh
   ``Module`` takes several), so a program whose adapters have their own ``.ptd`` is loaded here through one
   file holding the base's and the adapters' named tensors, written with ExecuTorch's own ``FlatTensorSerializer``
   (its ``serialize`` takes the private ``Cord``). Test: ``tests/test_lora.py`` (adapters in their own data files).
+- :func:`xnnpack_preprocess_shares_weights`: ExecuTorch's multi-method ``to_backend``
+  (``exir/backend/backend_api.py``, ``lower_all_submodules_to_backend``) deep-copies every partition of every method
+  before any is preprocessed (``BackendDetails.copy_exported_program_for_preprocess``), weights included: a whole
+  second copy of the quantized model alive through XNNPACK's preprocessing (+2.1 GB on the 8B shape cut to 2 layers,
+  +9 GB at 8B). XNNPACK's preprocess reads weights and writes new packed bytes; it never writes a source tensor.
+  Within this block its copies share the tensors and copy the graph, as ExecuTorch's own CUDA backend does in its
+  low-memory mode. Test: ``tests/test_export.py::test_lowering_shares_weights_with_xnnpack_preprocess`` (same bytes).
 - :func:`pt2e_annotation_key`: the node-meta key a PT2E quantizer writes its annotations under (torchao's
   ``quantizer.quantizer.Q_ANNOTATION_KEY``, not exported by ``torchao.quantization.pt2e.quantizer``);
   ``exporters.quant.pt2e.LinearsOnly`` removes the annotations of every node but the model's linear layers.
@@ -120,6 +127,31 @@ def torchao_hqq_replaced(replacement: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         intx._choose_qparams_and_quantize_scale_only_hqq = original
+
+
+@contextlib.contextmanager
+def xnnpack_preprocess_shares_weights() -> Iterator[None]:
+    """Within this block, XNNPACK's preprocess gets a copy of each partition's graph that shares its weights."""
+    import copy
+
+    import torch
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+
+    def shared_copy(cls: type, edge_program: Any, compile_specs: Any) -> Any:
+        memo = {id(t): t for values in (edge_program.state_dict, edge_program.constants)
+                for t in values.values() if isinstance(t, torch.Tensor)}
+        return copy.deepcopy(edge_program, memo)
+
+    had_own = "copy_exported_program_for_preprocess" in vars(XnnpackBackend)
+    original = vars(XnnpackBackend).get("copy_exported_program_for_preprocess")
+    XnnpackBackend.copy_exported_program_for_preprocess = classmethod(shared_copy)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if had_own:
+            XnnpackBackend.copy_exported_program_for_preprocess = original  # type: ignore[assignment]
+        else:
+            del XnnpackBackend.copy_exported_program_for_preprocess
 
 
 # --- ExecuTorch runtime backend options (C++ API, through the wheel's shared library) -------------------------

@@ -9,12 +9,13 @@ Every file problem is a :class:`ModelError` naming the file (and tensor).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -126,10 +127,26 @@ def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoin
     )
 
 
+# Random weights are made as a published checkpoint stores them, in bf16: half the memory of fp32 until quantize
+# casts each layer to quant.dtype as it reaches it, so an 8B shape is never whole in fp32 (32 GB).
+RANDOM_INIT_DTYPE = torch.bfloat16
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Within this block, new floating-point tensors (and modules' parameters) are ``dtype``."""
+    kept = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(kept)
+
+
 def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = None, random_init: bool = False,
                 seed: int = 0, attention: str = "aten", kv_dtype: str = "fp32", attention_sink: int = 0,
                 call_tokens: int | None = None) -> CausalLM:
-    """The decoder for ``ckpt``'s architecture, with its weights (or seeded random ones).
+    """The decoder for ``ckpt``'s architecture, with its weights in their stored dtype (or seeded random ones in bf16).
 
     ``attention="custom_ops"`` is a preference: a model whose attention the ExecuTorch kernel cannot
     compute (soft-capping, sliding windows shorter than the context) gets the ATen attention, and the
@@ -155,7 +172,10 @@ def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = 
         raise ModelError(f"{ckpt.path}: {e}") from e
     if random_init:
         torch.manual_seed(seed)
-        return CausalLM(args).eval()
+        with default_dtype(RANDOM_INIT_DTYPE):
+            model = CausalLM(args)
+        model.init_buffers()
+        return model.eval()
     with torch.device("meta"):
         model = CausalLM(args)
     load_weights(model, ckpt.weight_files)

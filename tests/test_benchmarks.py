@@ -56,7 +56,13 @@ def test_preset_shapes_are_the_published_ones() -> None:
                        tied=True),
         "1b": Preset(dim=2048, hidden=8192, layers=16, heads=32, kv_heads=8, vocab=128256, rope_theta=500000.0,
                      tied=True, llama3_rope_scaling=True),
+        "3b": Preset(dim=3072, hidden=8192, layers=28, heads=24, kv_heads=8, vocab=128256, rope_theta=500000.0,
+                     tied=True, llama3_rope_scaling=True),
+        "8b": Preset(dim=4096, hidden=14336, layers=32, heads=32, kv_heads=8, vocab=128256, rope_theta=500000.0,
+                     llama3_rope_scaling=True, rope_factor=8.0),
     }
+    # Llama-3.2-3B and Llama-3.1-8B's published parameter counts.
+    assert (round(PRESETS["3b"].parameters / 1e9, 2), round(PRESETS["8b"].parameters / 1e9, 2)) == (3.21, 8.03)
     # load_memory's default checkpoint: what the earlier script wrote for --size-mb 540 in bf16 (16 layers).
     assert PRESETS["271m"].scaled_to(540e6, 2) == PRESETS["271m"]
 

@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from exporters.config import QuantConfig, TiedEmbeddingStorage
@@ -82,22 +83,18 @@ def _plan(role: str, table: dict[str, IntScheme], scheme: str, group_size: int, 
     return RolePlan(chosen, modules, table, record)
 
 
-def _apply_data_free(model: nn.Module, role: str, plan: RolePlan, algorithm: str) -> None:
-    """torchao's ``quantize_`` on the plan's modules, its scales chosen from the weights alone."""
+def _apply_data_free(role: str, plan: RolePlan, algorithm: str, dtype: torch.dtype) -> None:
+    """torchao's ``quantize_`` on the plan's modules one at a time, its scales chosen from the weights alone. Each is
+    cast to ``dtype`` just before: only one layer is ever held in ``dtype`` beside the stored (often bf16) weights."""
     from torchao.quantization import quantize_
 
     step = _progress(role, len(plan.modules))
-    for choice in sorted(set(plan.chosen.values())):
-        targets = {plan.modules[n] for n, c in plan.chosen.items() if c == choice}
-
-        def selected(module: nn.Module, fqn: str) -> bool:
-            if module in targets:
-                step()
-                return True
-            return False
-
-        with hqq_by_rows():
-            quantize_(model, plan.table[choice[0]].torchao_config(choice[1], algorithm), filter_fn=selected)
+    configs = {choice: plan.table[choice[0]].torchao_config(choice[1], algorithm) for choice in set(plan.chosen.values())}
+    with hqq_by_rows():
+        for name, module in plan.modules.items():
+            module.to(dtype)
+            quantize_(module, configs[plan.chosen[name]], filter_fn=lambda m, fqn, target=module: m is target)
+            step()
 
 
 def _apply_calibrated(model: CausalLM, plans: dict[str, RolePlan], text: CalibrationText) -> None:
@@ -142,17 +139,26 @@ def _mix(model: CausalLM, cfg: QuantConfig, computing: dict[str, RolePlan], text
         sensitivity={n: [round(s.kl_low, 6), round(s.kl_high, 6)] for n, s in sensitivity.items()}, upgraded=upgraded)
 
 
+def _cast_all_but(model: CausalLM, dtype: torch.dtype, later: set[nn.Module]) -> bool:
+    """Cast every floating-point parameter to ``dtype`` but those of ``later`` (cast as they are quantized), in place
+    (``.data``, as ``Module.to`` does: tied parameters stay one). Whether any was cast."""
+    owned_later = {id(p) for m in later for p in m.parameters(recurse=False)}
+    cast = [p for p in model.parameters() if id(p) not in owned_later and p.is_floating_point() and p.dtype != dtype]
+    for param in cast:
+        param.data = param.data.to(dtype)
+    return bool(cast) or any(p.is_floating_point() and p.dtype != dtype for m in later for p in m.parameters())
+
+
 def quantize_model(model: CausalLM, cfg: QuantConfig,
                    tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared,
                    calibration: Callable[[], CalibrationText] | None = None) -> AppliedQuantization:
-    """Cast to ``cfg.dtype`` then quantize linears, the embedding and ``lm_head`` in place.
+    """Cast to ``cfg.dtype`` and quantize linears, the embedding and ``lm_head`` in place.
 
-    The checkpoint's own dtype (often bf16) is kept through loading, so this cast is the only point where a
-    second copy of the weights can exist. A calibrated ``cfg.algorithm`` reads its text from ``calibration``.
+    The checkpoint's own dtype (often bf16) is kept through loading; with a data-free algorithm each layer is cast
+    just before it is quantized, so at most one layer exists in both dtypes. A calibrated ``cfg.algorithm`` reads
+    its text from ``calibration`` (and casts the whole model first: calibration runs it).
     """
-    if any(p.dtype != DTYPES[cfg.dtype] for p in model.parameters()):
-        model.to(DTYPES[cfg.dtype])
-        model.init_buffers()  # KV caches in the model's dtype (fp32 where the attention kernels need it)
+    dtype = DTYPES[cfg.dtype]
     plan = tied.plan_tied_embedding(model, cfg, tied_storage)
     applied = AppliedQuantization(dtype=str(cfg.dtype), untied_embeddings=plan is tied.TiedEmbedding.UNTIED,
                                   tied_embedding=plan.value)
@@ -179,6 +185,18 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
     # with a data-free algorithm, beside the int8 embedding; a calibrated one takes it in the same pass as the
     # linears, since it reads their output.
     calibrated = cfg.algorithm not in DATA_FREE and bool(computing)
+    # What no data-free pass quantizes (norms, unquantized layers) is cast now; a data-free pass casts each layer it
+    # quantizes as it reaches it, so the model is never whole in fp32 (an 8B model's fp32 weights are 32 GB).
+    # Calibration and the size budget run the model, so they need all of it in dtype first.
+    measured = calibrated or (cfg.size_budget is not None and bool(computing))
+    later: set[nn.Module] = set()
+    if not measured:
+        later = {m for p in computing.values() for m in p.modules.values()}
+        later |= {m for m in model.modules() if isinstance(m, nn.Embedding)} if cfg.embedding else set()
+        later |= set(adapters.values()) if cfg.adapters else set()
+    recast = _cast_all_but(model, dtype, later)
+    if recast and measured:
+        model.init_buffers()  # calibration runs the model: its caches in its dtype now
     text = None
     if calibrated or (cfg.size_budget is not None and computing):
         assert calibration is not None, f"quant={cfg.name} needs a calibration text"
@@ -193,27 +211,29 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
                                                 tokens=text.tokens, windows=len(text.windows),
                                                 seconds=round(time.perf_counter() - started, 1))
     elif "linear" in computing:
-        _apply_data_free(model, "linear", computing["linear"], cfg.algorithm)
+        _apply_data_free("linear", computing["linear"], cfg.algorithm, dtype)
     applied.linear = computing["linear"].record if "linear" in computing else None
     if cfg.adapters and adapters:  # one scale per row: an adapter's rank (lora_B's width) is too small for groups
         adapter_algorithm = cfg.algorithm if cfg.algorithm in DATA_FREE else "hqq"  # calibration runs the base
         adapter_plan = _plan("adapters", LINEAR_SCHEMES, cfg.adapters, 0, adapter_algorithm, adapters, in_features,
                              applied.notes)
-        _apply_data_free(model, "adapters", adapter_plan, adapter_algorithm)
+        _apply_data_free("adapters", adapter_plan, adapter_algorithm, dtype)
         applied.adapters = adapter_plan.record
     if cfg.embedding:
         embedding = _plan("embedding", EMBEDDING_SCHEMES, cfg.embedding, cfg.embedding_group_size,
                           cfg.embedding_algorithm, {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)},
                           lambda m: m.embedding_dim, applied.notes)
-        _apply_data_free(model, "embedding", embedding, cfg.embedding_algorithm)
+        _apply_data_free("embedding", embedding, cfg.embedding_algorithm, dtype)
         applied.embedding = embedding.record
     if plan is tied.TiedEmbedding.QUANTIZED_ONCE:
         head.weight = embed.weight  # one quantized tensor serves both
     elif "lm_head" in computing:
         if cfg.algorithm in DATA_FREE:
-            _apply_data_free(model, "lm_head", computing["lm_head"], cfg.algorithm)
+            _apply_data_free("lm_head", computing["lm_head"], cfg.algorithm, dtype)
         applied.lm_head = computing["lm_head"].record
     model.tied_head = plan is tied.TiedEmbedding.SHARED
+    if recast:
+        model.init_buffers()  # KV caches in the model's dtype (fp32 where the attention kernels need it)
     if plan is not tied.TiedEmbedding.UNTIED and (n := tied.note(plan, cfg)):
         applied.notes.append(n)
     return applied
