@@ -6,7 +6,8 @@
 Each run is a folder holding a ``report.json``; ``--preset NAME ...`` names the folders ``<bench-dir>/<NAME>``
 (where ``python -m benchmarks.export --preset NAME --out <bench-dir>/<NAME>`` writes). Prints a markdown table
 (parameters, wall time, peak RSS, .pte size for each exporter) and draws the same three quantities against
-parameter count, one line per exporter (matplotlib: ``pip install -e ".[bench]"``).
+parameter count, one line per exporter (matplotlib: ``pip install -e ".[bench]"``). An export that failed (export_llm
+killed by the out-of-memory killer at 8B) is listed under the table and drawn as an x where it stopped.
 """
 
 from __future__ import annotations
@@ -35,9 +36,18 @@ def table(reports: list[dict]) -> str:
         f"{e} {label.split(' (')[0]}" for e in exporters for _, label in QUANTITIES) + " |",
         "|" + "---|" * (3 + len(exporters) * len(QUANTITIES))]
     for r in reports:
-        cells = [str(r["results"].get(e, {}).get(key, "—")) for e in exporters for key, _ in QUANTITIES]
+        cells = [cell(r["results"].get(e, {}), key) for e in exporters for key, _ in QUANTITIES]
         lines.append(f"| {r['preset']} | {r['parameters'] / 1e6:.0f}M | {r['quant']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    failures = [f"- {r['preset']}: {e} {row['failed']} after {row['wall_s']} s at {row['peak_rss_gb']} GB peak RSS"
+                for r in reports for e, row in sorted(r["results"].items()) if "failed" in row]
+    return "\n".join(lines + (["", "Failed exports:", *failures] if failures else []))
+
+
+def cell(row: dict, key: str) -> str:
+    """A table cell: the value; for a failed export its wall time and peak marked as the failure's ("x"), no size."""
+    if "failed" in row:
+        return f"x {row[key]}" if key in row else "failed"
+    return str(row.get(key, "—"))
 
 
 def plot(reports: list[dict], path: Path) -> None:
@@ -50,10 +60,15 @@ def plot(reports: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(QUANTITIES), figsize=(4.2 * len(QUANTITIES), 3.6))
     for ax, (key, label) in zip(axes, QUANTITIES):
         for e in exporters:
-            points = [(r["parameters"] / 1e6, r["results"][e][key]) for r in reports if e in r["results"]]
-            ax.plot(*zip(*points), marker="o", label=e)
+            done = [r for r in reports if e in r["results"] and "failed" not in r["results"][e]]
+            line = ax.plot([r["parameters"] / 1e6 for r in done], [r["results"][e][key] for r in done], marker="o",
+                           label=e)[0]
+            failed = [r for r in reports if key in r["results"].get(e, {}) and "failed" in r["results"][e]]
+            if failed:  # where a failed export stopped: its wall time and peak RSS when it was killed
+                ax.scatter([r["parameters"] / 1e6 for r in failed], [r["results"][e][key] for r in failed], marker="x",
+                           s=60, color=line.get_color(), label=f"{e} failed" if key == QUANTITIES[0][0] else None)
             for r in reports:
-                if e in r["results"] and e == exporters[-1]:
+                if r in done and e == exporters[-1]:
                     ax.annotate(f"{r['preset']} {r['quant']}", (r["parameters"] / 1e6, r["results"][e][key]),
                                 fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel("parameters (M)")

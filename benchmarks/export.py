@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.exporting import exporter_command, run_measured
+from benchmarks.exporting import exporter_command, run_measured_or_failed
 from benchmarks.presets import Preset, add_preset_arguments, checkpoint_dir, exporter_overrides, preset_of
 from exporters.manifest import Manifest
 from exporters.runtime.driver import Driver
@@ -148,8 +148,12 @@ def main() -> None:
         out = root / name
         out.mkdir(parents=True, exist_ok=True)
         print(f"exporting with {name} ...", flush=True)
-        wall, peak_mb = run_measured(build(p, args, out, hf_dir), out / "export.log")
+        wall, peak_mb, failure = run_measured_or_failed(build(p, args, out, hf_dir), out / "export.log")
         row: dict = {"wall_s": round(wall, 1), "peak_rss_gb": round(peak_mb / 1024, 2)}
+        if failure is not None:  # a result too (export_llm at 8B): where and how it failed, in the report
+            results[name] = {**row, "failed": failure}
+            print(f"  {name} failed after {row['wall_s']} s at {row['peak_rss_gb']} GB: {failure}", flush=True)
+            continue
         pte = out / "model.pte"
         row["pte_mb"] = round(pte.stat().st_size / 1e6, 1)
         if pte.with_suffix(".ptd").is_file():
@@ -164,7 +168,7 @@ def main() -> None:
         results[name] = row
         print(f"  {row}", flush=True)
     print("measuring runtime speed ...", flush=True)
-    programs = {name: (root / name / "model.pte", True) for name in results}
+    programs = {name: (root / name / "model.pte", True) for name, row in results.items() if "failed" not in row}
     if "llm-exporters" in results:
         programs[NO_CACHE] = (root / "llm-exporters" / "model.pte", False)
     speeds = tokens_per_second(programs, args.prefill_len, args.decode_steps, args.repeats, p.vocab)
@@ -177,7 +181,7 @@ def main() -> None:
     keys = ("wall_s", "peak_rss_gb", "pte_mb", "rss_after_load_mb", "rss_after_load_no_cache_mb", "decode_tok_s",
             "prefill_tok_s")
     ratios = ({k: round(results["llm-exporters"][k] / results["export_llm"][k], 2) for k in keys}
-              if len(results) == 2 else {})
+              if {"llm-exporters", "export_llm"} <= programs.keys() else {})
     params = p.parameters
     label = args.preset + (f" ({p.layers} layers)" if args.layers else "")
     report = {"preset": label, "architecture": asdict(p), "parameters": params, "quant": args.quant,
@@ -191,6 +195,9 @@ def main() -> None:
              f"decode tok/s | prefill tok/s ({args.prefill_len}) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
+        if "failed" in r:
+            lines.append(f"| {name} | failed after {r['wall_s']} s: {r['failed']} | {r['peak_rss_gb']} | | | | | |")
+            continue
         size = f"{r['pte_mb']}" + (f" + {r['ptd_mb']} .ptd" if "ptd_mb" in r else "")
         lines.append(f"| {name} | {r['wall_s']} | {r['peak_rss_gb']} | {size} | {r['rss_after_load_mb']} | "
                      f"{r['rss_after_load_no_cache_mb']} | {r['decode_tok_s']} | {r['prefill_tok_s']} |")

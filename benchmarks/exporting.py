@@ -3,6 +3,7 @@ the command line of an export in a child process."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -43,6 +44,15 @@ def exporter_command(overrides: Sequence[str], run_dir: Path) -> list[str]:
 def run_measured(cmd: list[str], log: Path) -> tuple[float, float]:
     """Run ``cmd`` (an export) in a child process from the repository, its output into ``log``: its wall time (s)
     and peak RSS (MB, os.wait4). A failure stops the benchmark with the log's end."""
+    wall, peak_mb, failure = run_measured_or_failed(cmd, log)
+    if failure is not None:
+        raise SystemExit(f"command failed ({log}): {failure}\n  {' '.join(cmd)}\n" + log.read_text()[-3000:])
+    return wall, peak_mb
+
+
+def run_measured_or_failed(cmd: list[str], log: Path) -> tuple[float, float, str | None]:
+    """:func:`run_measured`, but a failed export is a result too: its wall time, peak RSS and how it failed (a signal,
+    such as the kernel's out-of-memory kill, or the exit code and the log's last error line); None if it did not."""
     from exporters.runtime.memory import wait_with_peak_rss
 
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -51,6 +61,15 @@ def run_measured(cmd: list[str], log: Path) -> tuple[float, float]:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
         peak_mb = wait_with_peak_rss(proc)
     wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"command failed ({log}):\n  {' '.join(cmd)}\n" + log.read_text()[-3000:])
-    return wall, peak_mb
+    return wall, peak_mb, None if proc.returncode == 0 else failure_of(proc.returncode, log)
+
+
+def failure_of(returncode: int, log: Path) -> str:
+    """How a child process failed, in one line: killed by a signal (SIGKILL with nothing in the log is how the kernel's
+    OOM killer ends a process), or its exit code and the last line of its log that names an error."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        return f"killed by {name}" + (" (the kernel's out-of-memory killer)" if name == "SIGKILL" else "")
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error:" in line]
+    return f"exit code {returncode}: {(errors or lines or ['no output'])[-1][:300]}"

@@ -253,6 +253,10 @@ class ExportSection:
     # data file beside it (model.pte + model.ptd), which runtimes load together; the .pte is then the same
     # bytes for any weights of these shapes (docs/runners.md).
     weights: WeightsPlacement = WeightsPlacement.program
+    # The most memory (GB) this export may need: before reading any weight, its peak RSS is estimated from the
+    # architecture and quant (exporters/footprint.py) and the export refused above this. null = the memory this
+    # machine has available when the export starts.
+    memory_limit_gb: Optional[float] = None
     # Token count of prefill on static-shape backends.
     prefill_chunk: int = 32
     output_name: str = "model.pte"

@@ -37,6 +37,7 @@ from exporters.stages.pipeline import ExportContext, Stage, StageObserver, run_p
 from exporters.stages.pt2e import Pt2eStage
 from exporters.stages.quantize import QuantizeStage
 from exporters.stages.validate import ValidateStage
+from exporters.footprint import MemoryBudget
 from exporters.sweeps.summary import check_search
 from models.families import check_family
 from models.lora import check_adapter_folders
@@ -73,7 +74,8 @@ def build_stages(cfg: ExportConfig, output_dir: Path) -> list[Stage]:
     pt2e = cfg.quant.pt2e is not None
     return [
         LoadStage(cfg.model, context, work_dir=output_dir, attention=backend.attention, kv_dtype=ex.kv_dtype,
-                  attention_sink=ex.attention_sink, call_tokens=call_tokens),
+                  attention_sink=ex.attention_sink, call_tokens=call_tokens,
+                  budget=MemoryBudget(cfg.quant, ex.tied_embedding, validating, ex.memory_limit_gb)),
         *([BaselineStage(cfg.validation, prompt_tokens, cfg.model.source)] if validating else []),
         QuantizeStage(cfg.quant, ex.tied_embedding, cfg.model.source),
         *([Pt2eStage(cfg.quant, call_tokens, cfg.model.source, reference=validating)] if pt2e else []),

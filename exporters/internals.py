@@ -37,7 +37,16 @@ are the lines to re-read; each has a test that fails if the internal changes beh
   second copy of the quantized model alive through XNNPACK's preprocessing (+2.1 GB on the 8B shape cut to 2 layers,
   +9 GB at 8B). XNNPACK's preprocess reads weights and writes new packed bytes; it never writes a source tensor.
   Within this block its copies share the tensors and copy the graph, as ExecuTorch's own CUDA backend does in its
-  low-memory mode. Test: ``tests/test_export.py::test_lowering_shares_weights_with_xnnpack_preprocess`` (same bytes).
+  low-memory mode. Test: ``tests/test_export.py::test_lowering_shortcuts_leave_the_program_unchanged``.
+- :func:`torchao_quant_ops_shape_only`: torchao registers ``quantize_affine``, ``dequantize_affine`` and
+  ``choose_qparams_affine`` as CompositeImplicitAutograd ops (``quantization/quant_primitives.py``, ``quant_lib``)
+  with no fake kernel, so every ExecuTorch pass, verifier and decomposition that propagates fake tensors re-runs their
+  Python bodies op by op (about 40% of lowering's samples, docs/DESIGN.md 2c). A Meta or fake kernel cannot be
+  registered beside a CompositeImplicitAutograd one, so within the block the kernel itself is replaced by one that
+  returns empty tensors of the body's shapes and dtypes when its input is a fake tensor and nothing is being traced,
+  and runs torchao's body (kept by torchao in inductor's decomposition table) otherwise; the body is registered
+  again on the way out. Programs are the same bytes.
+  Test: ``tests/test_export.py::test_lowering_shortcuts_leave_the_program_unchanged``.
 - :func:`pt2e_annotation_key`: the node-meta key a PT2E quantizer writes its annotations under (torchao's
   ``quantizer.quantizer.Q_ANNOTATION_KEY``, not exported by ``torchao.quantization.pt2e.quantizer``);
   ``exporters.quant.pt2e.LinearsOnly`` removes the annotations of every node but the model's linear layers.
@@ -152,6 +161,85 @@ def xnnpack_preprocess_shares_weights() -> Iterator[None]:
             XnnpackBackend.copy_exported_program_for_preprocess = original  # type: ignore[assignment]
         else:
             del XnnpackBackend.copy_exported_program_for_preprocess
+
+
+def _fake_quantize_affine(input: Any, block_size: Any, scale: Any, zero_point: Any, output_dtype: Any,
+                          quant_min: Any = None, quant_max: Any = None) -> Any:
+    import torch
+    from torchao.quantization import quant_primitives as qp
+
+    qp._get_and_check_qmin_qmax(output_dtype, quant_min, quant_max)
+    qp._get_reduction_params(block_size, input.size())  # the body's own shape checks
+    return torch.empty_like(input, dtype=torch.uint8 if output_dtype in qp._SUB_BYTE_UINT_BOUNDS else output_dtype)
+
+
+def _fake_dequantize_affine(input: Any, block_size: Any, scale: Any, zero_point: Any, input_dtype: Any,
+                            quant_min: Any = None, quant_max: Any = None, output_dtype: Any = None) -> Any:
+    import torch
+    from torchao.quantization import quant_primitives as qp
+
+    qp._get_reduction_params(block_size, input.size())
+    return torch.empty_like(input, dtype=output_dtype or torch.float32)
+
+
+def _fake_choose_qparams_affine(input: Any, mapping_type: str, block_size: Any, target_dtype: Any, quant_min: Any = None,
+                                quant_max: Any = None, eps: Any = None, scale_dtype: Any = None,
+                                zero_point_dtype: Any = None, keepdim: bool = False) -> Any:
+    import torch
+    from torchao.quantization import quant_primitives as qp
+
+    qp._get_and_check_qmin_qmax(target_dtype, quant_min, quant_max)
+    shape, dims = qp._get_reduction_params(block_size, input.size())
+    shape = ([input.size(i) // b for i, b in enumerate(block_size)] if keepdim
+             else [size for i, size in enumerate(shape) if i not in dims])
+    # The body's zero point: int32 when asymmetric, else built like the scale (in the input's dtype) and kept.
+    zero_dtype = zero_point_dtype or (torch.int32 if mapping_type == qp.MappingType.ASYMMETRIC.name else input.dtype)
+    return input.new_empty(shape, dtype=scale_dtype or input.dtype), input.new_empty(shape, dtype=zero_dtype)
+
+
+def _set_quant_op_kernels(kernels: dict[str, Callable[..., Any]]) -> None:
+    import warnings
+
+    import torch
+    from torchao.quantization import quant_primitives as qp
+
+    for name, kernel in kernels.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
+            qp.quant_lib.impl(name, kernel, "CompositeImplicitAutograd")
+        getattr(torch.ops.torchao, name).default._dispatch_cache.clear()
+
+
+@contextlib.contextmanager
+def torchao_quant_ops_shape_only() -> Iterator[None]:
+    """Within this block, torchao's quantize/dequantize/choose-qparams ops computed on fake tensors (in lowering's
+    passes) give their output shapes without running their bodies."""
+    import torch
+    from torch._inductor.decomposition import decompositions
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    fakes = {"quantize_affine": _fake_quantize_affine, "dequantize_affine": _fake_dequantize_affine,
+             "choose_qparams_affine": _fake_choose_qparams_affine}
+    # torchao's Python bodies: it hands them to inductor's decomposition table too, where they stay reachable.
+    bodies = {name: decompositions[getattr(torch.ops.torchao, name).default] for name in fakes}
+
+    def shape_only(name: str) -> Callable[..., Any]:
+        body, fake = bodies[name], fakes[name]
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            first = args[0] if args else kwargs.get("input")
+            if type(first) is FakeTensor and get_proxy_mode() is None:  # propagating shapes, not tracing
+                return fake(*args, **kwargs)
+            return body(*args, **kwargs)
+
+        return kernel
+
+    _set_quant_op_kernels({name: shape_only(name) for name in fakes})
+    try:
+        yield
+    finally:
+        _set_quant_op_kernels(bodies)
 
 
 # --- ExecuTorch runtime backend options (C++ API, through the wheel's shared library) -------------------------

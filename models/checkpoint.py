@@ -145,8 +145,9 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = None, random_init: bool = False,
                 seed: int = 0, attention: str = "aten", kv_dtype: str = "fp32", attention_sink: int = 0,
-                call_tokens: int | None = None) -> CausalLM:
-    """The decoder for ``ckpt``'s architecture, with its weights in their stored dtype (or seeded random ones in bf16).
+                call_tokens: int | None = None, device: str = "cpu") -> CausalLM:
+    """The decoder for ``ckpt``'s architecture, with its weights in their stored dtype (or seeded random ones in bf16);
+    on ``device="meta"``, its shapes alone (nothing read or allocated).
 
     ``attention="custom_ops"`` is a preference: a model whose attention the ExecuTorch kernel cannot
     compute (soft-capping, sliding windows shorter than the context) gets the ATen attention, and the
@@ -163,24 +164,35 @@ def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = 
                          f"llama::custom_quantized_sdpa kernel, but {why}. Use export.kv_dtype=fp32, or a backend "
                          "with attention: custom_ops (xnnpack, portable) and a model the kernel can compute.")
     if attention == "custom_ops" and blockers:
-        log.info("attention: aten, because llama::custom_sdpa cannot compute %s", ", ".join(blockers))
+        if device != "meta":
+            log.info("attention: aten, because llama::custom_sdpa cannot compute %s", ", ".join(blockers))
         attention = "aten"
     try:
         args = dataclasses.replace(args, attention=attention, kv_dtype=kv_dtype, attention_sink=attention_sink,
                                    call_tokens=call_tokens)
     except ValueError as e:
         raise ModelError(f"{ckpt.path}: {e}") from e
-    if random_init:
-        torch.manual_seed(seed)
-        with default_dtype(RANDOM_INIT_DTYPE):
+    if device == "meta" or not random_init:
+        with torch.device("meta"), default_dtype(RANDOM_INIT_DTYPE if random_init else torch.float32):
             model = CausalLM(args)
+        if device == "meta":
+            return model
+        load_weights(model, ckpt.weight_files)
         model.init_buffers()
         return model.eval()
-    with torch.device("meta"):
+    torch.manual_seed(seed)
+    with default_dtype(RANDOM_INIT_DTYPE):
         model = CausalLM(args)
-    load_weights(model, ckpt.weight_files)
     model.init_buffers()
     return model.eval()
+
+
+def stored_bytes(ckpt: Checkpoint, model: CausalLM) -> int:
+    """Bytes the weights take as loaded: the safetensors files' sizes; for random weights (no files), ``model``'s
+    parameters in the dtype they are made in."""
+    if ckpt.weight_files:
+        return sum(f.stat().st_size for f in ckpt.weight_files)
+    return sum(p.numel() for p in model.parameters()) * RANDOM_INIT_DTYPE.itemsize
 
 
 def load_weights(model: CausalLM, files: list[Path]) -> None:

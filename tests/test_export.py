@@ -205,6 +205,32 @@ def test_an_alias_is_written_as_executorch_plans_and_emits_it(tmp_path: Path) ->
     assert ours == edge.to_executorch(backend_config()).buffer
 
 
+@pytest.mark.slow
+def test_lowering_shortcuts_leave_the_program_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lowering with torchao's quant ops shape-only on fake tensors and XNNPACK preprocessing graph copies that share
+    the weights (exporters.internals) writes the bytes ExecuTorch writes without either, and puts the ops back."""
+    import contextlib
+
+    from exporters.export import run_stages
+    from exporters.stages import lower
+    from exporters.stages.emit import to_executorch
+    from tests.helpers import compose_config
+
+    def program(shortcuts: bool) -> bytes:
+        with monkeypatch.context() as patch:
+            if not shortcuts:
+                patch.setattr(lower, "torchao_quant_ops_shape_only", contextlib.nullcontext)
+                patch.setattr(lower, "xnnpack_preprocess_shares_weights", contextlib.nullcontext)
+            lowered, _ = run_stages(compose_config("backend=xnnpack", "quant=8da4w_emb4w", "validate=false"),
+                                    tmp_path / str(shortcuts), stop_after="lower")
+        return to_executorch(lowered.edge, lowered.methods.aliases).buffer
+
+    assert program(shortcuts=True) == program(shortcuts=False)
+    op = torch.ops.torchao.dequantize_affine.default  # torchao's own body is the kernel again
+    codes, scale = torch.tensor([[2, -4]], dtype=torch.int8), torch.tensor([[0.5]])
+    assert op(codes, [1, 2], scale, None, torch.int8).tolist() == [[1.0, -2.0]]
+
+
 def test_decode_only_program_validates_token_by_token(exported) -> None:
     result = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]", "export.layout=split")
     assert LoadedProgram(result.pte_path).method_names >= {"decode"}

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Protocol, Se
 
 if TYPE_CHECKING:
     from exporters.config import ExportConfig
+    from exporters.footprint import Footprint
     from exporters.manifest import AppliedQuantization, QualityWarning, ValidationReport
     from exporters.stages.artifacts import BaselineQuality
     from models.checkpoint import Checkpoint
@@ -51,6 +52,7 @@ class ExportContext:
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, filled in by the pipeline
     checkpoint: Checkpoint | None = None  # load
     adapters: list[LoraAdapter] = field(default_factory=list)  # load: model.adapters, read and attached
+    footprint: Footprint | None = None  # load: the export's estimated memory
     baseline: BaselineQuality | None = None  # baseline (with validation only)
     quantization: AppliedQuantization | None = None  # quantize
     validation: ValidationReport | None = None  # validate (with validation only)

@@ -1,0 +1,151 @@
+"""What an export will hold in memory, estimated from the architecture before any weight is read.
+
+A model that cannot fit is refused at the start with the estimate and what to change, rather than killed by the
+kernel's out-of-memory killer half an hour in. The weights are counted in each form the export holds them: as stored
+(the checkpoint's dtype; random weights are made in bf16), as the quantized eager model keeps them (torchao: one int8
+code per weight, an fp32 scale and an int8 zero point per group), and as the program stores them (packed codes,
+scales). Each stage's peak is those forms alive at once plus what the stage itself adds, measured on the 8B shape
+and its 2-layer cut (docs/DESIGN.md 10).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from exporters.config import QuantConfig, TiedEmbeddingStorage
+from exporters.errors import UserError
+from exporters.quant.mixed import Precision
+from exporters.quant.tied import TiedEmbedding
+from exporters.quant.tied import plan_tied_embedding as tie_plan
+from exporters.quant.schemes import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, layer_scheme
+from models.decoder import CausalLM
+
+GB = 1e9
+# RSS of the exporter with torch, torchao and ExecuTorch imported, before any weight (measured: 0.4-0.5 GB).
+BASE_BYTES = int(0.5 * GB)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes of the weights in each form, and the export's estimated peak RSS and the stage it falls in."""
+
+    parameters: int
+    stored: int  # as loaded (the checkpoint's dtype)
+    eager: int  # the quantized eager model
+    program: int  # the program's weights
+    peaks: dict[str, int]  # each stage's estimated peak RSS
+
+    @property
+    def peak_stage(self) -> str:
+        return max(self.peaks, key=self.peaks.__getitem__)
+
+    @property
+    def peak(self) -> int:
+        return self.peaks[self.peak_stage]
+
+    def describe(self) -> str:
+        return (f"{self.parameters / 1e9:.2f}B parameters: {self.stored / GB:.1f} GB as stored, {self.eager / GB:.1f} GB "
+                f"quantized in memory, {self.program / GB:.1f} GB in the program; estimated peak RSS "
+                f"{self.peak / GB:.1f} GB (in {self.peak_stage})")
+
+
+def _quantized_bytes(rows: int, cols: int, scheme: str | None, group_size: int, table: dict, dtype_bytes: int,
+                     ) -> tuple[int, int]:
+    """(eager, program) bytes of one [rows, cols] matrix stored by ``scheme`` (None: left in the model's dtype)."""
+    if scheme is None:
+        return rows * cols * dtype_bytes, rows * cols * dtype_bytes
+    name, group = layer_scheme(scheme, cols, group_size)
+    groups = rows * (cols // group if group else 1)
+    eager = rows * cols + groups * 5  # torchao: int8 codes, an fp32 scale and an int8 zero point per group
+    return eager, Precision(name, table[name], group).bytes(rows, cols)
+
+
+def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validating: bool,
+             tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared) -> Footprint:
+    """The footprint of exporting ``model`` (built on the meta device: only shapes are read) quantized by ``quant``,
+    its weights ``stored_bytes`` as loaded."""
+    dtype_bytes = DTYPES[quant.dtype].itemsize
+    head, embed = model.lm_head, model.model.embed_tokens
+    # Whether lm_head ends up with a matrix of its own (exporters.quant.tied decides as quantization will).
+    tied = tie_plan(model, quant, tied_storage) in (TiedEmbedding.SHARED, TiedEmbedding.QUANTIZED_ONCE)
+    eager = program = largest_linear = 0
+    counted: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and (module is not head or not tied):
+            scheme, group = ((quant.lm_head, quant.lm_head_group_size) if module is head
+                             else (quant.linear, quant.group_size))
+            e, p = _quantized_bytes(module.out_features, module.in_features, scheme, group, LINEAR_SCHEMES,
+                                    dtype_bytes)
+            if module is not head:
+                largest_linear = max(largest_linear, module.weight.numel())
+        elif isinstance(module, nn.Embedding):
+            e, p = _quantized_bytes(module.num_embeddings, module.embedding_dim, quant.embedding,
+                                    quant.embedding_group_size, EMBEDDING_SCHEMES, dtype_bytes)
+        else:
+            e = p = sum(t.numel() for t in module.parameters(recurse=False) if id(t) not in counted) * dtype_bytes
+        counted.update(id(t) for t in module.parameters(recurse=False))
+        eager, program = eager + e, program + p
+    parameters = sum(t.numel() for t in model.parameters())
+    vocab_matrices = embed.weight.numel() * (1 if tied else 2)
+    stored_per_parameter = stored_bytes / parameters
+    vocab_stored = int(vocab_matrices * stored_per_parameter)
+    vocab_eager = _quantized_bytes(*embed.weight.shape, quant.embedding, quant.embedding_group_size,
+                                   EMBEDDING_SCHEMES, dtype_bytes)[0] * (1 if tied else 2)
+    peaks = {
+        "load": BASE_BYTES + stored_bytes,
+        # The linears are cast and quantized one at a time beside the stored weights; then the embedding (and an
+        # untied lm_head) beside the quantized linears, each cast to fp32 whole for its quantizer.
+        "quantize": BASE_BYTES + max(stored_bytes + largest_linear * 4 * 2,
+                                     eager - vocab_eager + vocab_stored + embed.weight.numel() * 4),
+        # Lowering holds the eager model (its weights are the graphs' constants) and the packed copies it makes;
+        # emit adds each method's packed embedding.
+        "lower": BASE_BYTES + eager + program,
+        "emit": BASE_BYTES + eager + program + embed.weight.numel() * (1 if quant.embedding else dtype_bytes),
+    }
+    if validating:
+        peaks["validate"] = BASE_BYTES + eager + program * 2  # the program loaded: its file and XNNPACK's packing
+    return Footprint(parameters, stored_bytes, eager, program, peaks)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What the load stage checks an export against before reading any weight."""
+
+    quant: QuantConfig
+    tied_storage: TiedEmbeddingStorage
+    validating: bool
+    limit_gb: float | None  # export.memory_limit_gb; None: the memory available when the export starts
+
+    def check(self, shapes: CausalLM, stored_bytes: int) -> Footprint:
+        """``shapes``' footprint (a model on the meta device), refused if it does not fit."""
+        footprint = estimate(shapes, self.quant, stored_bytes, self.validating, self.tied_storage)
+        check_fits(footprint, self.limit_gb)
+        return footprint
+
+
+def available_memory() -> int:
+    """Bytes this machine can give a new process now (Linux: MemAvailable; else all physical memory)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(footprint: Footprint, limit_gb: float | None) -> None:
+    """Refuse an export whose estimated peak exceeds ``limit_gb`` (None: the memory available now)."""
+    limit = available_memory() if limit_gb is None else int(limit_gb * GB)
+    if footprint.peak <= limit:
+        return
+    where = f"export.memory_limit_gb={limit_gb}" if limit_gb is not None else "the memory this machine has available"
+    raise UserError(
+        f"this export would not fit: {footprint.describe()}, above {where} ({limit / GB:.1f} GB). What to change: "
+        "a smaller quant (quant=8da4w_emb4w stores 4-bit weights, about 1.2 bytes per parameter in memory), "
+        "validate=false (validation loads the program beside the eager model), or a machine with more memory. "
+        "If the estimate is wrong for this machine (swap, or memory freed since), set export.memory_limit_gb.")

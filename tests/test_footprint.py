@@ -1,0 +1,70 @@
+"""The memory estimate (exporters/footprint.py): it counts what quantization and lowering really hold, and an export
+that would not fit is refused before any weight is read."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from exporters.errors import UserError
+from tests.helpers import compose_config
+
+
+def test_an_export_that_does_not_fit_is_refused_before_loading(tmp_path: Path) -> None:
+    from exporters.export import export
+
+    with pytest.raises(UserError) as refused:
+        export(compose_config("quant=8da4w", "export.memory_limit_gb=0.01"), tmp_path)
+    message = str(refused.value)
+    assert "would not fit" in message and "estimated peak RSS" in message and "export.memory_limit_gb=0.01" in message
+    assert "quant=" in message and "validate=false" in message  # what to change
+    assert not list(tmp_path.glob("*.pte"))
+
+
+@pytest.mark.parametrize("quant", ["8da4w_emb4w", "8da8w", "fp32"])
+def test_the_estimate_counts_the_quantized_models_bytes(tmp_path: Path, quant: str) -> None:
+    """The estimate's quantized eager bytes are what torchao's tensors hold once the model is quantized."""
+    from exporters.export import checked_config
+    from exporters.footprint import estimate
+    from exporters.quant.apply import quantize_model
+    from models.checkpoint import build_model, stored_bytes
+    from models.sources import SOURCES
+
+    cfg = checked_config(compose_config(f"quant={quant}"))
+    checkpoint = SOURCES[cfg.model.source](cfg.model, tmp_path)
+    shapes = build_model(checkpoint, 64, device="meta")
+    footprint = estimate(shapes, cfg.quant, stored_bytes(checkpoint, shapes), validating=True)
+    model = build_model(checkpoint, 64)
+    assert footprint.stored == sum(f.stat().st_size for f in checkpoint.weight_files)
+    quantize_model(model, cfg.quant)
+    held = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        names = getattr(p, "tensor_data_names", None)
+        parts = [getattr(p, n) for n in names] if names else [p]
+        held += sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
+    assert footprint.eager == pytest.approx(held, rel=0.02)
+    assert footprint.peak == max(footprint.peaks.values()) and footprint.peak_stage in footprint.peaks
+
+
+@pytest.mark.slow
+def test_the_estimated_peak_is_near_the_measured_one(tmp_path: Path) -> None:
+    """The 1B shape cut to one layer (its 128256-token embedding and lm_head dominate, as in every Llama 3):
+    the estimate against the export's measured peak RSS (os.wait4), validation on."""
+    from exporters.runtime.memory import wait_with_peak_rss
+
+    arch = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 1, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": "true"}
+    overrides = ["model=llama", "model.random_init=true", *(f"model.arch.{k}={v}" for k, v in arch.items()),
+                 "quant=8da4w_emb4w", "export.max_seq_len=64", "validation.max_tokens=16", f"hydra.run.dir={tmp_path}"]
+    with open(tmp_path / "log.txt", "w") as log:
+        child = subprocess.Popen([sys.executable, "-m", "exporters.llm", *overrides], stdout=log,
+                                 stderr=subprocess.STDOUT)
+        peak_mb = wait_with_peak_rss(child)
+    text = (tmp_path / "log.txt").read_text()
+    assert child.returncode == 0, text[-3000:]
+    estimated_gb = float(text.split("estimated peak RSS ")[1].split(" GB")[0])
+    assert estimated_gb * 1000 == pytest.approx(peak_mb * 1.048576, rel=0.25), text
