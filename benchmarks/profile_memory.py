@@ -6,7 +6,7 @@ ExecuTorch's emitter and serializer, our writing, hashing and storage breakdown)
     python -m benchmarks.profile_memory --layers 4 --backend portable quant.group_size=64   # + Hydra overrides
     python -m benchmarks.profile_memory --preset 1b --quant 8da4w_emb4w
 
-Runs the export's stages in this process (``exporters.export.run_stages``, validate=false) with an observer
+Runs the export's stages in this process (``exporters.export.run_stages``, validate=false unless ``--validate``) with an observer
 that resets the kernel's peak-RSS counter (VmHWM) when each stage starts and prints, when it finishes, the
 stage's peak and the RSS left after the freed heap went back to the OS. Around each emit step it prints RSS
 before, after and the step's own peak. This profile found that the manifest's storage breakdown, not ExecuTorch's serialization, made emit the peak of the
@@ -79,6 +79,9 @@ PROBED_STEPS = (
     # serialize_for_executorch here: emit's second serialization when a method is an alias (exporters.internals).
     ("executorch.exir._serialize._serialize", ("serialize_pte_binary", "serialize_for_executorch")),
     ("exporters.stages.emit", ("write_atomically", "sha256_of", "storage_breakdown")),
+    # validation: loading the program, then each side's predictions
+    ("exporters.runtime.programs:LoadedProgram", ("__init__",)),
+    ("exporters.stages.validate", ("window_logits", "driven")),
 )
 
 
@@ -103,6 +106,7 @@ def main() -> None:
     ap.add_argument("--backend", default="xnnpack")
     ap.add_argument("--max-seq-len", type=int, default=256)
     ap.add_argument("--stop-after", default=None, help="the last stage to run (default: all of them)")
+    ap.add_argument("--validate", action="store_true", help="validate too (the default of the exporter's CLI)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides (export.max_seq_len=..., quant.group_size=...)")
     args = ap.parse_args()
     from exporters.export import run_stages
@@ -110,7 +114,8 @@ def main() -> None:
     preset = preset_of(args)
     out = Path(tempfile.mkdtemp(prefix="profile_memory_"))
     cfg = preset_config(preset, out, [f"quant={args.quant}", f"backend={args.backend}",
-                                      f"export.max_seq_len={args.max_seq_len}", "validate=false", "bench=false",
+                                      f"export.max_seq_len={args.max_seq_len}",
+                                      f"validate={str(args.validate).lower()}", "bench=false",
                                       *args.overrides])
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING)

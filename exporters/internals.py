@@ -38,6 +38,12 @@ are the lines to re-read; each has a test that fails if the internal changes beh
   +9 GB at 8B). XNNPACK's preprocess reads weights and writes new packed bytes; it never writes a source tensor.
   Within this block its copies share the tensors and copy the graph, as ExecuTorch's own CUDA backend does in its
   low-memory mode. Test: ``tests/test_export.py::test_lowering_shortcuts_leave_the_program_unchanged``.
+- :func:`named_data_stored_once`: XNNPACK's preprocess (``backends/xnnpack/operators/node_visitor.py``) hands each
+  packed weight to a per-partition ``NamedDataStore`` as a fresh ``bytes``, so the same weight lowered for ``prefill``
+  and for ``decode_one_token`` is held twice (under one key) until emit merges the stores: a second copy of the
+  program's weights through the rest of lowering (4.2 GB at 8B). Within this block a key already stored gives its
+  bytes object to the next store, and the equal copy is dropped at once.
+  Test: ``tests/test_export.py::test_lowering_shortcuts_leave_the_program_unchanged``.
 - :func:`torchao_quant_ops_shape_only`: torchao registers ``quantize_affine``, ``dequantize_affine`` and
   ``choose_qparams_affine`` as CompositeImplicitAutograd ops (``quantization/quant_primitives.py``, ``quant_lib``)
   with no fake kernel, so every ExecuTorch pass, verifier and decomposition that propagates fake tensors re-runs their
@@ -161,6 +167,27 @@ def xnnpack_preprocess_shares_weights() -> Iterator[None]:
             XnnpackBackend.copy_exported_program_for_preprocess = original  # type: ignore[assignment]
         else:
             del XnnpackBackend.copy_exported_program_for_preprocess
+
+
+@contextlib.contextmanager
+def named_data_stored_once() -> Iterator[None]:
+    """Within this block, equal named data added under one key to several stores is one ``bytes`` object."""
+    from executorch.exir._serialize._named_data_store import NamedDataStore
+
+    kept: dict[str, bytes] = {}
+    add = NamedDataStore.add_named_data
+
+    def add_once(self: Any, key: str, data: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(data, bytes):
+            first = kept.setdefault(key, data)
+            data = first if first is not data and first == data else data
+        add(self, key, data, *args, **kwargs)
+
+    NamedDataStore.add_named_data = add_once  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        NamedDataStore.add_named_data = add  # type: ignore[method-assign]
 
 
 def _fake_quantize_affine(input: Any, block_size: Any, scale: Any, zero_point: Any, output_dtype: Any,
