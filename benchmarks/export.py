@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
@@ -78,6 +81,28 @@ def meta_checkpoint(hf_dir: Path, p: Preset, out: Path) -> Path:
     return path
 
 
+# optimum-executorch's spelling of our quant options (its CLI's --qlinear / --qembedding).
+OPTIMUM_QUANT = {
+    "fp32": [],
+    "8da4w": ["--qlinear", "8da4w", "--qlinear_group_size", "{group}"],
+    "8da8w": ["--qlinear", "8da8w"],
+    "8da4w_emb4w": ["--qlinear", "8da4w", "--qlinear_group_size", "{group}", "--qembedding", "4w",
+                    "--qembedding_group_size", "32"],
+}
+
+
+def optimum_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path) -> list[str]:
+    """optimum-executorch's CLI (from its own environment: it pins another transformers), writing ``out/model.pte``
+    with ExecuTorch's custom SDPA and KV cache, as its README recommends for XNNPACK."""
+    if args.optimum_python is None:
+        raise SystemExit("--peers optimum-executorch needs --optimum-python: the python of a venv with "
+                         "optimum-executorch installed (docs/performance.md says how to make one)")
+    quant = [a.format(group=args.group_size) for a in OPTIMUM_QUANT[args.quant]]
+    return [str(args.optimum_python.parent / "optimum-cli"), "export", "executorch", "--model", str(hf_dir),
+            "--task", "text-generation", "--recipe", "xnnpack", "--use_custom_sdpa", "--use_custom_kv_cache",
+            *quant, "--max_seq_len", str(args.max_seq_len), "--output_dir", str(out)]
+
+
 def ours_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path) -> list[str]:
     return exporter_command([*exporter_overrides(p, hf_dir), f"quant={args.quant}",
                              f"quant.group_size={args.group_size}", f"export.max_seq_len={args.max_seq_len}",
@@ -110,6 +135,36 @@ def export_llm_overrides(p: Preset, args: argparse.Namespace, out: Path, hf_dir:
     ]
 
 
+RUNNER_PROMPT = "The capital of France is"
+
+
+def program_perplexity(pte: Path, hf_dir: Path, text: Path, tokens: int) -> float:
+    """Perplexity of the program on the first ``tokens`` tokens of ``text``, one token per step from position 0."""
+    from benchmarks.long_context import stepwise_nll
+
+    ids = text_ids(text, hf_dir, tokens)
+    nll = stepwise_nll(Driver.of(LoadedProgram(pte, weight_cache=True)), ids)
+    return round(math.exp(statistics.fmean(nll)), 3)
+
+
+def text_ids(text: Path, hf_dir: Path, tokens: int) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(hf_dir / "tokenizer.json")).encode(text.read_text()).ids[:tokens]
+
+
+def stock_runner_text(pte: Path, hf_dir: Path) -> str:
+    """What ExecuTorch's stock TextLLMRunner (this environment's release) writes after RUNNER_PROMPT, greedy, 12
+    tokens; or how it failed."""
+    runner = Path(__file__).resolve().parent.parent / "tests" / "stock_runner.py"
+    proc = subprocess.run([sys.executable, str(runner), str(pte), str(hf_dir / "tokenizer.json"), RUNNER_PROMPT,
+                           "12"], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        errors = [line for line in proc.stderr.splitlines() if "rror" in line] or proc.stderr.splitlines()[-1:]
+        return f"failed: {errors[-1][:200] if errors else proc.returncode}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])["text"]
+
+
 def tokens_per_second(ptes: dict[str, tuple[Path, bool]], prefill_len: int, decode_steps: int, repeats: int,
                       vocab: int) -> dict[str, dict[str, float]]:
     """Median steady-state prefill and decode throughput of each program (label -> .pte, weight cache), driven
@@ -134,13 +189,22 @@ def main() -> None:
     ap.add_argument("--only", choices=["export_llm", "llm-exporters"], help="run one exporter (no ratios)")
     ap.add_argument("--out", type=Path, default=None, help="folder for programs and the report")
     ap.add_argument("--ours-overrides", nargs="*", default=[], help="extra Hydra overrides for our exporter")
+    ap.add_argument("--peers", nargs="*", default=[], choices=["optimum-executorch"],
+                    help="also export with these (each in the same run, measured the same way)")
+    ap.add_argument("--optimum-python", type=Path, default=None,
+                    help="python of a venv with optimum-executorch (--peers optimum-executorch)")
+    ap.add_argument("--text", type=Path, default=Path(__file__).parent / "data" / "long_text.txt",
+                    help="real weights: each program's perplexity on this text, stepping one token at a time "
+                         "(default: benchmarks/data/long_text.txt, which neither calibration nor validation reads)")
+    ap.add_argument("--ppl-tokens", type=int, default=256, help="tokens of --text scored")
     args = ap.parse_args()
     p = preset_of(args)
     root = args.out or Path(tempfile.mkdtemp(prefix="bench_export_"))
     root.mkdir(parents=True, exist_ok=True)
     hf_dir = checkpoint_dir(p, root)
     exporters = {"export_llm": (export_llm_cmd, [["forward"]]),
-                 "llm-exporters": (ours_cmd, [["prefill", "decode_one_token"], ["prefill", "decode_one_token", "forward"]])}
+                 "llm-exporters": (ours_cmd, [["prefill", "decode_one_token"], ["prefill", "decode_one_token", "forward"]]),
+                 **({"optimum-executorch": (optimum_cmd, [["forward"]])} if "optimum-executorch" in args.peers else {})}
     results = {}
     for name, (build, loads) in exporters.items():
         if args.only and name != args.only:
@@ -178,6 +242,13 @@ def main() -> None:
         else:
             results[name].update(speed)
         print(f"  {name}: {speed}", flush=True)
+    if p.real:
+        print(f"perplexity on {args.text.name} ...", flush=True)
+        for name in [n for n in programs if n != NO_CACHE]:
+            results[name]["perplexity"] = program_perplexity(root / name / "model.pte", hf_dir, args.text,
+                                                             args.ppl_tokens)
+            results[name]["stock_runner"] = stock_runner_text(root / name / "model.pte", hf_dir)
+            print(f"  {name}: {results[name]['perplexity']}, runner: {results[name]['stock_runner']!r}", flush=True)
     keys = ("wall_s", "peak_rss_gb", "pte_mb", "rss_after_load_mb", "rss_after_load_no_cache_mb", "decode_tok_s",
             "prefill_tok_s")
     ratios = ({k: round(results["llm-exporters"][k] / results["export_llm"][k], 2) for k in keys}
@@ -192,15 +263,18 @@ def main() -> None:
              f"max_seq_len {args.max_seq_len}; ours: prefill + decode_one_token + forward"
              f"{'' if args.validate else ' (validate=false)'}", "",
              "| exporter | wall s | peak RSS GB | .pte MB | RSS after load MB (weight cache on) | (off) | "
-             f"decode tok/s | prefill tok/s ({args.prefill_len}) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"decode tok/s | prefill tok/s ({args.prefill_len}) |"
+             + (f" perplexity ({args.ppl_tokens} tokens of {args.text.name}) | stock runner 1.5.1: "
+                f"\"{RUNNER_PROMPT}\" |" if p.real else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if p.real else "")]
     for name, r in results.items():
         if "failed" in r:
             lines.append(f"| {name} | failed after {r['wall_s']} s: {r['failed']} | {r['peak_rss_gb']} | | | | | |")
             continue
         size = f"{r['pte_mb']}" + (f" + {r['ptd_mb']} .ptd" if "ptd_mb" in r else "")
         lines.append(f"| {name} | {r['wall_s']} | {r['peak_rss_gb']} | {size} | {r['rss_after_load_mb']} | "
-                     f"{r['rss_after_load_no_cache_mb']} | {r['decode_tok_s']} | {r['prefill_tok_s']} |")
+                     f"{r['rss_after_load_no_cache_mb']} | {r['decode_tok_s']} | {r['prefill_tok_s']} |"
+                     + (f" {r['perplexity']} | {r['stock_runner']!r} |" if p.real else ""))
     if ratios:
         lines.append("| ratio ours/export_llm | " + " | ".join(str(ratios[k]) for k in keys) + " |")
     if "decode_tok_s_no_cache" in results.get("llm-exporters", {}):

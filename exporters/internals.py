@@ -44,6 +44,12 @@ are the lines to re-read; each has a test that fails if the internal changes beh
   program's weights through the rest of lowering (4.2 GB at 8B). Within this block a key already stored gives its
   bytes object to the next store, and the equal copy is dropped at once.
   Test: ``tests/test_export.py::test_lowering_shortcuts_leave_the_program_unchanged``.
+- :func:`lowering_forgets_graphs`: two things in ExecuTorch keep every lowered graph alive after lowering, and
+  through each graph module its program: the eager weights, every delegate and its packed weights (5 GB at 8B,
+  under validation's peak). ``exir/backend/utils.py``'s ``is_same_node`` is an unbounded ``lru_cache`` keyed by the
+  graphs' nodes, and XNNPACK's partitioner configs (``backends/xnnpack/partition/config/*.py``) keep a module-level
+  ``WhyNoPartition`` that remembers the last node it refused. On leaving the block the cache is cleared and each
+  such reporter forgets its node. Test: ``tests/test_export.py::test_lowering_leaves_no_graph_alive``.
 - :func:`torchao_quant_ops_shape_only`: torchao registers ``quantize_affine``, ``dequantize_affine`` and
   ``choose_qparams_affine`` as CompositeImplicitAutograd ops (``quantization/quant_primitives.py``, ``quant_lib``)
   with no fake kernel, so every ExecuTorch pass, verifier and decomposition that propagates fake tensors re-runs their
@@ -167,6 +173,25 @@ def xnnpack_preprocess_shares_weights() -> Iterator[None]:
             XnnpackBackend.copy_exported_program_for_preprocess = original  # type: ignore[assignment]
         else:
             del XnnpackBackend.copy_exported_program_for_preprocess
+
+
+@contextlib.contextmanager
+def lowering_forgets_graphs() -> Iterator[None]:
+    """On leaving this block, nothing of ExecuTorch's keeps a lowered graph (and its whole program) alive: the
+    ``is_same_node`` cache is cleared and the ``WhyNoPartition`` reporters forget the last node they refused."""
+    import sys
+
+    try:
+        yield
+    finally:
+        from executorch.exir.backend.utils import WhyNoPartition, is_same_node
+
+        is_same_node.cache_clear()
+        for name, module in list(sys.modules.items()):
+            if name.startswith("executorch.") and module is not None:
+                for value in list(vars(module).values()):
+                    if isinstance(value, WhyNoPartition):
+                        value.node = None
 
 
 @contextlib.contextmanager

@@ -233,6 +233,25 @@ def test_lowering_shortcuts_leave_the_program_unchanged(tmp_path: Path, monkeypa
     assert op(codes, [1, 2], scale, None, torch.int8).tolist() == [[1.0, -2.0]]
 
 
+@pytest.mark.slow
+def test_lowering_leaves_no_graph_alive(tmp_path: Path) -> None:
+    """Once lowering's result is dropped, its graphs are gone: nothing of ExecuTorch's keeps them (and with them the
+    weights, delegates and packed weights) alive under validation (exporters.internals.lowering_forgets_graphs)."""
+    import gc
+    import weakref
+
+    from exporters.export import run_stages
+    from tests.helpers import compose_config
+
+    lowered, _ = run_stages(compose_config("backend=xnnpack", "quant=8da4w", "validate=false"), tmp_path,
+                            stop_after="lower")
+    graphs = [weakref.ref(lowered.edge.exported_program(m).graph_module) for m in lowered.edge.methods]
+    assert graphs and all(g() is not None for g in graphs)
+    del lowered
+    gc.collect()
+    assert [g() for g in graphs] == [None] * len(graphs)
+
+
 def test_decode_only_program_validates_token_by_token(exported) -> None:
     result = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]", "export.layout=split")
     assert LoadedProgram(result.pte_path).method_names >= {"decode"}

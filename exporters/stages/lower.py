@@ -12,8 +12,8 @@ import logging
 from typing import Any
 
 from exporters.config import BackendConfig, WeightsPlacement
-from exporters.internals import (named_data_stored_once, torchao_quant_ops_shape_only, xnnpack_keys_by_name,
-                                 xnnpack_preprocess_shares_weights)
+from exporters.internals import (named_data_stored_once, lowering_forgets_graphs, torchao_quant_ops_shape_only,
+                                 xnnpack_keys_by_name, xnnpack_preprocess_shares_weights)
 from exporters.program.backends import partitioners
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
 from exporters.program.constants import constant_methods
@@ -85,8 +85,9 @@ class LowerStage(Stage):
         naming = xnnpack_keys_by_name(structure_namespace(programs)) if external else contextlib.nullcontext()
         # Lowering's passes propagate shapes through torchao's quant ops without running their bodies; XNNPACK's
         # preprocess works on graph copies that share the weights, and a weight packed for several methods is held
-        # once (exporters.internals).
-        with naming, torchao_quant_ops_shape_only(), xnnpack_preprocess_shares_weights(), named_data_stored_once():
+        # once; and no partitioner keeps a node (and through it the whole program) alive afterwards (exporters.internals).
+        with (naming, torchao_quant_ops_shape_only(), xnnpack_preprocess_shares_weights(), named_data_stored_once(),
+              lowering_forgets_graphs()):
             edge = to_edge_transform_and_lower(
                 programs,
                 transform_passes=[tag_weights_by_data_file()] if external else None,
