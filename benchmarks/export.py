@@ -197,6 +197,9 @@ def main() -> None:
                     help="real weights: each program's perplexity on this text, stepping one token at a time "
                          "(default: benchmarks/data/long_text.txt, which neither calibration nor validation reads)")
     ap.add_argument("--ppl-tokens", type=int, default=256, help="tokens of --text scored")
+    ap.add_argument("--weight-cache-only", action="store_true",
+                    help="skip the runs without XNNPACK's weight cache (each loaded method packs its own copy of the "
+                         "weights: at 8B, more than this machine holds beside the other program)")
     args = ap.parse_args()
     p = preset_of(args)
     root = args.out or Path(tempfile.mkdtemp(prefix="bench_export_"))
@@ -223,17 +226,20 @@ def main() -> None:
         if pte.with_suffix(".ptd").is_file():
             row["ptd_mb"] = round(pte.with_suffix(".ptd").stat().st_size / 1e6, 1)
         row["rss_after_load_mb"], row["pss_after_load_mb"] = memory_after_load_mb(pte, loads[0])
-        row["rss_after_load_no_cache_mb"] = rss_after_load_mb(pte, loads[0], weight_cache=False)
+        if not args.weight_cache_only:
+            row["rss_after_load_no_cache_mb"] = rss_after_load_mb(pte, loads[0], weight_cache=False)
         for methods in loads[1:]:
             row[f"rss_after_load_mb[{'+'.join(methods)}]"] = rss_after_load_mb(pte, methods)
-            row[f"rss_after_load_no_cache_mb[{'+'.join(methods)}]"] = rss_after_load_mb(pte, methods, weight_cache=False)
+            if not args.weight_cache_only:
+                row[f"rss_after_load_no_cache_mb[{'+'.join(methods)}]"] = rss_after_load_mb(pte, methods,
+                                                                                           weight_cache=False)
         if name == "llm-exporters":
             row["stages_s"] = Manifest.read(out).timings_s
         results[name] = row
         print(f"  {row}", flush=True)
     print("measuring runtime speed ...", flush=True)
     programs = {name: (root / name / "model.pte", True) for name, row in results.items() if "failed" not in row}
-    if "llm-exporters" in results:
+    if "llm-exporters" in programs and not args.weight_cache_only:
         programs[NO_CACHE] = (root / "llm-exporters" / "model.pte", False)
     speeds = tokens_per_second(programs, args.prefill_len, args.decode_steps, args.repeats, p.vocab)
     for name, speed in speeds.items():
@@ -251,7 +257,8 @@ def main() -> None:
             print(f"  {name}: {results[name]['perplexity']}, runner: {results[name]['stock_runner']!r}", flush=True)
     keys = ("wall_s", "peak_rss_gb", "pte_mb", "rss_after_load_mb", "rss_after_load_no_cache_mb", "decode_tok_s",
             "prefill_tok_s")
-    ratios = ({k: round(results["llm-exporters"][k] / results["export_llm"][k], 2) for k in keys}
+    ratios = ({k: round(results["llm-exporters"][k] / results["export_llm"][k], 2) for k in keys
+               if k in results["llm-exporters"] and k in results["export_llm"]}
               if {"llm-exporters", "export_llm"} <= programs.keys() else {})
     params = p.parameters
     label = args.preset + (f" ({p.layers} layers)" if args.layers else "")
@@ -273,10 +280,10 @@ def main() -> None:
             continue
         size = f"{r['pte_mb']}" + (f" + {r['ptd_mb']} .ptd" if "ptd_mb" in r else "")
         lines.append(f"| {name} | {r['wall_s']} | {r['peak_rss_gb']} | {size} | {r['rss_after_load_mb']} | "
-                     f"{r['rss_after_load_no_cache_mb']} | {r['decode_tok_s']} | {r['prefill_tok_s']} |"
+                     f"{r.get('rss_after_load_no_cache_mb', '—')} | {r['decode_tok_s']} | {r['prefill_tok_s']} |"
                      + (f" {r['perplexity']} | {r['stock_runner']!r} |" if p.real else ""))
     if ratios:
-        lines.append("| ratio ours/export_llm | " + " | ".join(str(ratios[k]) for k in keys) + " |")
+        lines.append("| ratio ours/export_llm | " + " | ".join(str(ratios.get(k, "—")) for k in keys) + " |")
     if "decode_tok_s_no_cache" in results.get("llm-exporters", {}):
         ours = results["llm-exporters"]
         lines.append(f"\nours without XNNPACK's weight cache: decode {ours['decode_tok_s_no_cache']} tok/s, prefill "

@@ -91,6 +91,12 @@ class Driver:
     def __init__(self, program: RunsMethods, roles: MethodRoles) -> None:
         self.program = program
         self.roles = roles
+        per_token = getattr(program, "positions_per_token", None)
+        self._per_token = per_token is not None and per_token(roles.prompt)
+
+    def _positions(self, start: int, n: int) -> torch.Tensor:
+        """The position input of a call of ``n`` tokens at ``start``: the start alone, or one per token."""
+        return torch.arange(start, start + n) if self._per_token else torch.tensor([start])
 
     @staticmethod
     def of(program: Any, adapter: str | None = None) -> "Driver":
@@ -110,7 +116,7 @@ class Driver:
         length, pos, logits = tokens.shape[1], 0, None
         while length - pos >= (r.prompt_max_tokens if r.prompt_fixed else 1):
             n = r.prompt_max_tokens if r.prompt_fixed else min(r.prompt_max_tokens, length - pos)
-            logits = self.program.run(r.prompt, tokens[:, pos:pos + n], torch.tensor([start + pos]))[0]
+            logits = self.program.run(r.prompt, tokens[:, pos:pos + n], self._positions(start + pos, n))[0]
             pos += n
         for p in range(pos, length):
             logits = self.decode_one_token(tokens[:, p:p + 1], start + p)
@@ -120,5 +126,5 @@ class Driver:
     def decode_one_token(self, token: torch.Tensor | int, position: int) -> torch.Tensor:
         """Logits after one token [1, 1] at ``position``. -> [1, V]"""
         tokens = torch.tensor([[token]]) if isinstance(token, int) else token.reshape(1, 1)
-        logits = self.program.run(self.roles.step, tokens, torch.tensor([position]))[0]
+        logits = self.program.run(self.roles.step, tokens, self._positions(position, 1))[0]
         return logits.reshape(1, -1)

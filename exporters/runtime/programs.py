@@ -137,6 +137,12 @@ class LoadedProgram:
         self.load(method)
         return list(self._methods[method].execute(list(inputs)))
 
+    def positions_per_token(self, method: str) -> bool:
+        """Whether ``method`` takes one position per token (Hugging Face's ``cache_position``, as optimum-executorch's
+        programs do) rather than the start position alone (ExecuTorch's ``start_pos``, as ours and export_llm's)."""
+        meta = self._program.metadata(method)
+        return meta.num_inputs() > 1 and int(meta.input_tensor_meta(1).sizes()[0]) > 1
+
     def constant(self, method: str) -> Any:
         """Value of a constant method (a list for list-valued ones such as ``get_eos_ids``)."""
         values = [v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in self.run(method)]
