@@ -31,13 +31,14 @@ are the lines to re-read; each has a test that fails if the internal changes beh
   ``Module`` takes several), so a program whose adapters have their own ``.ptd`` is loaded here through one
   file holding the base's and the adapters' named tensors, written with ExecuTorch's own ``FlatTensorSerializer``
   (its ``serialize`` takes the private ``Cord``). Test: ``tests/test_lora.py`` (adapters in their own data files).
-- :func:`xnnpack_preprocess_shares_weights`: ExecuTorch's multi-method ``to_backend``
+- :func:`xnnpack_preprocess_copies_one_at_a_time`: ExecuTorch's multi-method ``to_backend``
   (``exir/backend/backend_api.py``, ``lower_all_submodules_to_backend``) deep-copies every partition of every method
   before any is preprocessed (``BackendDetails.copy_exported_program_for_preprocess``), weights included: a whole
   second copy of the quantized model alive through XNNPACK's preprocessing (+2.1 GB on the 8B shape cut to 2 layers,
-  +9 GB at 8B). XNNPACK's preprocess reads weights and writes new packed bytes; it never writes a source tensor.
-  Within this block its copies share the tensors and copy the graph, as ExecuTorch's own CUDA backend does in its
-  low-memory mode. Test: ``tests/test_export.py::test_lowering_shortcuts_leave_the_program_unchanged``.
+  +9 GB at 8B). Sharing the weights with those copies (as ExecuTorch's CUDA backend does in its low-memory mode) is
+  not safe for XNNPACK: its preprocess writes into some of them (a mixed 4/8-bit program came out wrong). Within this
+  block each partition is still deep-copied, but just before its own preprocess, and dropped after it: one
+  partition's copy alive at a time. Test: ``tests/test_export.py::test_lowering_shortcuts_leave_the_program_unchanged``.
 - :func:`named_data_stored_once`: XNNPACK's preprocess (``backends/xnnpack/operators/node_visitor.py``) hands each
   packed weight to a per-partition ``NamedDataStore`` as a fresh ``bytes``, so the same weight lowered for ``prefill``
   and for ``decode_one_token`` is held twice (under one key) until emit merges the stores: a second copy of the
@@ -151,28 +152,32 @@ def torchao_hqq_replaced(replacement: Callable[..., Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def xnnpack_preprocess_shares_weights() -> Iterator[None]:
-    """Within this block, XNNPACK's preprocess gets a copy of each partition's graph that shares its weights."""
+def xnnpack_preprocess_copies_one_at_a_time() -> Iterator[None]:
+    """Within this block, XNNPACK's preprocess gets its own deep copy of each partition made just before it runs and
+    dropped after, instead of copies of every partition of every method made up front."""
     import copy
+    import gc
 
-    import torch
     from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 
-    def shared_copy(cls: type, edge_program: Any, compile_specs: Any) -> Any:
-        memo = {id(t): t for values in (edge_program.state_dict, edge_program.constants)
-                for t in values.values() if isinstance(t, torch.Tensor)}
-        return copy.deepcopy(edge_program, memo)
+    preprocess = XnnpackBackend.preprocess  # a staticmethod: the plain function
 
-    had_own = "copy_exported_program_for_preprocess" in vars(XnnpackBackend)
-    original = vars(XnnpackBackend).get("copy_exported_program_for_preprocess")
-    XnnpackBackend.copy_exported_program_for_preprocess = classmethod(shared_copy)  # type: ignore[assignment]
+    def preprocess_a_copy(edge_program: Any, compile_specs: Any) -> Any:
+        copied = copy.deepcopy(edge_program)
+        try:
+            return preprocess(copied, compile_specs)
+        finally:
+            del copied
+            gc.collect()  # a graph is a web of cycles: without a collection its copied weights outlive it
+
+    XnnpackBackend.copy_exported_program_for_preprocess = classmethod(  # type: ignore[assignment]
+        lambda cls, edge_program, compile_specs: edge_program)
+    XnnpackBackend.preprocess = staticmethod(preprocess_a_copy)  # type: ignore[assignment]
     try:
         yield
     finally:
-        if had_own:
-            XnnpackBackend.copy_exported_program_for_preprocess = original  # type: ignore[assignment]
-        else:
-            del XnnpackBackend.copy_exported_program_for_preprocess
+        XnnpackBackend.preprocess = staticmethod(preprocess)  # type: ignore[assignment]
+        del XnnpackBackend.copy_exported_program_for_preprocess
 
 
 @contextlib.contextmanager

@@ -125,7 +125,7 @@ def test_generate_measures_the_python_loop(tmp_path: Path) -> None:
 def test_eager_quality_scores_baseline_and_quantized_eager_models() -> None:
     out = run_tool("eager_quality", "--preset", "tiny", *SMALL, "validation.max_tokens=32").stdout
     lines = out.strip().splitlines()
-    assert lines[0].startswith("unquantized (fp32)") and "32 tokens of" in lines[0]
+    assert lines[0].startswith("unquantized (bf16)") and "32 tokens of" in lines[0]  # random weights are made in bf16
     assert [line.split()[2] for line in lines[1:]] == ["hqq", "affine", "gptq"]
     assert "calibrated on" in lines[3]  # what the quantize stage did, as the manifest says it
     assert all("perplexity" in line for line in lines)

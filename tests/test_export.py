@@ -207,9 +207,9 @@ def test_an_alias_is_written_as_executorch_plans_and_emits_it(tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_lowering_shortcuts_leave_the_program_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lowering with torchao's quant ops shape-only on fake tensors, XNNPACK preprocessing graph copies that share
-    the weights, and each method's packed weights held once (exporters.internals) writes the bytes ExecuTorch writes
-    without them, and puts the ops back."""
+    """Lowering with torchao's quant ops shape-only on fake tensors, XNNPACK's partitions copied one at a time for
+    preprocessing, and each method's packed weights held once (exporters.internals) writes the bytes ExecuTorch
+    writes without them, and puts the ops back."""
     import contextlib
 
     from exporters.export import run_stages
@@ -221,7 +221,7 @@ def test_lowering_shortcuts_leave_the_program_unchanged(tmp_path: Path, monkeypa
         with monkeypatch.context() as patch:
             if not shortcuts:
                 patch.setattr(lower, "torchao_quant_ops_shape_only", contextlib.nullcontext)
-                patch.setattr(lower, "xnnpack_preprocess_shares_weights", contextlib.nullcontext)
+                patch.setattr(lower, "xnnpack_preprocess_copies_one_at_a_time", contextlib.nullcontext)
                 patch.setattr(lower, "named_data_stored_once", contextlib.nullcontext)
             lowered, _ = run_stages(compose_config("backend=xnnpack", "quant=8da4w_emb4w", "validate=false"),
                                     tmp_path / str(shortcuts), stop_after="lower")

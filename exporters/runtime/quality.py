@@ -16,6 +16,7 @@ measure what a user sees; they grow by orders of magnitude for a broken program 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -127,7 +128,10 @@ def negative_log_likelihood(logits: torch.Tensor, targets: torch.Tensor) -> floa
 
 
 def perplexity(nll: float, tokens: int) -> float:
-    return math.exp(nll / tokens)
+    """exp of the mean negative log-likelihood; infinite past what a float holds (random weights of a large vocabulary
+    reach a mean NLL of thousands of nats)."""
+    mean = nll / tokens
+    return math.exp(mean) if mean < math.log(sys.float_info.max) else math.inf
 
 
 @dataclass

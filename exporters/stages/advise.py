@@ -8,6 +8,7 @@ it, each remedy of the quant config is applied to a fresh copy of the model and 
 from __future__ import annotations
 
 import logging
+import math
 
 from exporters.config import Attention, ModelConfig, QuantConfig
 from exporters.quant.advice import advise, changes
@@ -39,6 +40,8 @@ class AdviseStage(Stage):
         assert report is not None and baseline is not None and checkpoint is not None
         if not report.passed:  # the program is rejected; its perplexity says nothing about the scheme
             return written
+        if not math.isfinite(report.baseline_perplexity):  # random weights of a large vocabulary: nothing to compare
+            return written
         self.increase = report.perplexity / report.baseline_perplexity - 1
         if self.increase <= self.threshold:
             return written
@@ -65,5 +68,8 @@ class AdviseStage(Stage):
         if ctx.quality_warning is not None:
             return "WARNING: " + ctx.quality_warning.describe()
         if self.increase is None:
+            report = ctx.validation
+            if report is not None and report.passed:
+                return "skipped: the unquantized model's perplexity is not finite (random weights?)"
             return "skipped: validation failed"
         return f"perplexity {self.increase:+.1%} over the unquantized model, within the {self.threshold:.0%} warning"

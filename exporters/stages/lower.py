@@ -13,7 +13,7 @@ from typing import Any
 
 from exporters.config import BackendConfig, WeightsPlacement
 from exporters.internals import (named_data_stored_once, lowering_forgets_graphs, torchao_quant_ops_shape_only,
-                                 xnnpack_keys_by_name, xnnpack_preprocess_shares_weights)
+                                 xnnpack_keys_by_name, xnnpack_preprocess_copies_one_at_a_time)
 from exporters.program.backends import partitioners
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
 from exporters.program.constants import constant_methods
@@ -84,9 +84,9 @@ class LowerStage(Stage):
         # bytes whatever the weights.
         naming = xnnpack_keys_by_name(structure_namespace(programs)) if external else contextlib.nullcontext()
         # Lowering's passes propagate shapes through torchao's quant ops without running their bodies; XNNPACK's
-        # preprocess works on graph copies that share the weights, and a weight packed for several methods is held
-        # once; and no partitioner keeps a node (and through it the whole program) alive afterwards (exporters.internals).
-        with (naming, torchao_quant_ops_shape_only(), xnnpack_preprocess_shares_weights(), named_data_stored_once(),
+        # preprocess copies one partition at a time, and a weight packed for several methods is held once; and nothing
+        # keeps a lowered graph (and through it the whole program) alive afterwards (exporters.internals).
+        with (naming, torchao_quant_ops_shape_only(), xnnpack_preprocess_copies_one_at_a_time(), named_data_stored_once(),
               lowering_forgets_graphs()):
             edge = to_edge_transform_and_lower(
                 programs,
