@@ -186,7 +186,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--validate", action="store_true", help="let our exporter validate too (export_llm does not)")
-    ap.add_argument("--only", choices=["export_llm", "llm-exporters"], help="run one exporter (no ratios)")
+    ap.add_argument("--only", choices=["export_llm", "llm-exporters", "optimum-executorch"],
+                    help="run one exporter (no ratios)")
     ap.add_argument("--out", type=Path, default=None, help="folder for programs and the report")
     ap.add_argument("--ours-overrides", nargs="*", default=[], help="extra Hydra overrides for our exporter")
     ap.add_argument("--peers", nargs="*", default=[], choices=["optimum-executorch"],
