@@ -97,17 +97,18 @@ def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validating:
                                    EMBEDDING_SCHEMES, dtype_bytes)[0] * (1 if tied else 2)
     # The largest matrix torchao's eager linear dequantizes to fp32 at each call (with its temporaries, about twice).
     head_dequantized = head.weight.numel() * 4 * 2 if not tied and quant.lm_head else 0
+    # Lowering holds the eager model (its weights are the graphs' constants) and the packed copies it makes, plus
+    # temporaries that follow the largest matrices (the vocabulary's: packing lm_head in lowering, then emit's constant
+    # propagation of the embedding): about 2.5 bytes per parameter of one of them (8B shape and its 2-layer cut).
+    lowered = BASE_BYTES + eager + program + int(2.5 * embed.weight.numel())
     peaks = {
         "load": BASE_BYTES + stored_bytes,
         # The linears are cast and quantized one at a time beside the stored weights; then the embedding (and an
         # untied lm_head) beside the quantized linears, each cast to fp32 whole for its quantizer.
         "quantize": BASE_BYTES + max(stored_bytes + largest_linear * 4 * 2,
                                      eager - vocab_eager + vocab_stored + embed.weight.numel() * 4),
-        # Lowering holds the eager model (its weights are the graphs' constants) and the packed copies it makes,
-        # plus temporaries that follow the largest matrices (the vocabulary's: packing lm_head, then emit's constant
-        # propagation of the embedding): about 2.5 bytes per parameter of one of them (8B shape and its 2-layer cut).
-        "lower": BASE_BYTES + eager + program + int(2.5 * embed.weight.numel()),
-        "emit": BASE_BYTES + eager + program + int(2.5 * embed.weight.numel()),
+        "lower": lowered,
+        "emit": lowered,
     }
     if validating:
         # The unquantized model scores the validation windows: their logits and softmax over the vocabulary.

@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from exporters.config import BackendConfig, WeightsPlacement
-from exporters.internals import (named_data_stored_once, lowering_forgets_graphs, torchao_quant_ops_shape_only,
+from exporters.internals import (lowering_forgets_graphs, named_data_stored_once, torchao_quant_ops_shape_only,
                                  xnnpack_keys_by_name, xnnpack_preprocess_copies_one_at_a_time)
 from exporters.program.backends import partitioners
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
