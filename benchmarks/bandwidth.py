@@ -53,7 +53,7 @@ def read_bandwidth(buffer_gb: float, threads: int, repeats: int) -> float:
 
 def kv_bytes_per_position(p: Preset) -> int:
     """Bytes of an fp32 KV cache per position: keys and values of every layer."""
-    return 2 * p.layers * p.kv_heads * (p.dim // p.heads) * 4
+    return 2 * p.layers * p.kv_dim * 4
 
 
 @dataclass

@@ -120,10 +120,7 @@ def export_llm_overrides(p: Preset, args: argparse.Namespace, out: Path, hf_dir:
     """export_llm's settings for ``p`` (params.json and, for real weights, the Meta checkpoint written into
     ``out``), writing ``out/model.pte``."""
     params = out / "params.json"
-    params.write_text(json.dumps({
-        "dim": p.dim, "n_layers": p.layers, "n_heads": p.heads, "n_kv_heads": p.kv_heads, "vocab_size": p.vocab,
-        "hidden_dim": p.hidden, "norm_eps": 1e-5, "rope_theta": p.rope_theta, "use_scaled_rope": p.llama3_rope_scaling,
-    }))
+    params.write_text(json.dumps(p.export_llm_params()))
     checkpoint = [f"base.checkpoint={meta_checkpoint(hf_dir, p, out)}"] if p.real else []
     return [
         f"base.params={params}", *checkpoint,
@@ -262,7 +259,8 @@ def main() -> None:
                if k in results["llm-exporters"] and k in results["export_llm"]}
               if {"llm-exporters", "export_llm"} <= programs.keys() else {})
     params = p.parameters
-    label = args.preset + (f" ({p.layers} layers)" if args.layers else "")
+    label = (args.preset + (f" ({p.layers} layers)" if args.layers else "")
+             + (f" at max_seq_len {args.max_seq_len}" if args.max_seq_len != 256 else ""))
     report = {"preset": label, "architecture": asdict(p), "parameters": params, "quant": args.quant,
               "group_size": args.group_size, "max_seq_len": args.max_seq_len, "prefill_len": args.prefill_len,
               "decode_steps": args.decode_steps, "results": results, "ours_over_export_llm": ratios}

