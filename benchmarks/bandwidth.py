@@ -8,7 +8,8 @@ position; on a CPU that is memory-bound, so ``bandwidth / bytes per token`` is t
 do. Four numbers per program:
 
 1. **Read bandwidth**: torch sums a buffer far larger than the caches (``--buffer-gb``) with the threads the runtime
-   uses (ExecuTorch's threadpool: one per core), the best of ``--repeats``, in GB/s (1e9 bytes).
+   uses (ExecuTorch's threadpool: one per core), the best of ``--repeats``, in GB/s (1e9 bytes); read before and
+   after the programs run, and the higher bounds them (this shared machine's bandwidth drifts).
 2. **Bytes per token**: the program's delegate weights (its named data: every packed linear and lm_head), one row of
    the table of each non-delegated constant read by token (the embedding: the constant segment over the vocabulary),
    and the KV cache at the position (2 x layers x kv heads x head dim x position x 4 bytes, fp32 cache).
@@ -22,6 +23,7 @@ bandwidth each sees.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -66,10 +68,16 @@ class Bound:
     bytes_per_token_mb: float
     bound_tok_s: float
     decode_tok_s: float
+    bytes_per_token: int  # exact, for the bound (the MB columns are rounded)
 
     @property
     def fraction(self) -> float:
         return self.decode_tok_s / self.bound_tok_s
+
+    def at_bandwidth(self, bandwidth: float) -> "Bound":
+        """The same program's bound at another measured bandwidth (bytes/s)."""
+        return dataclasses.replace(self, bandwidth_gb_s=round(bandwidth / GB, 2),
+                                   bound_tok_s=round(bandwidth / self.bytes_per_token, 1))
 
 
 def bound_of(pte: Path, p: Preset, position: int, bandwidth: float, steps: int, repeats: int) -> Bound:
@@ -85,7 +93,7 @@ def bound_of(pte: Path, p: Preset, position: int, bandwidth: float, steps: int, 
     per_token = weights + rows + kv
     speed = measure_speed(Driver.of(LoadedProgram(pte, weight_cache=True)), position, steps, repeats, p.vocab)
     return Bound(str(pte), round(bandwidth / GB, 2), round(weights / 1e6, 1), round(rows / 1e3, 1), round(kv / 1e6, 2),
-                 round(per_token / 1e6, 1), round(bandwidth / per_token, 1), speed.decode_tokens_per_s)
+                 round(per_token / 1e6, 1), round(bandwidth / per_token, 1), speed.decode_tokens_per_s, round(per_token))
 
 
 def main() -> None:
@@ -102,9 +110,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args()
     p = preset_of(args)
-    bandwidth = read_bandwidth(args.buffer_gb, args.threads, args.repeats)
-    print(f"read bandwidth, {args.threads} threads: {bandwidth / GB:.2f} GB/s")
-    bounds = [bound_of(pte, p, args.position, bandwidth, args.steps, args.repeats) for pte in args.programs]
+    # This shared machine's bandwidth drifts (46-70 GB/s seen on one day): read it before and after the programs
+    # run and bound them by the higher, so a slow moment cannot flatter a fraction.
+    before = read_bandwidth(args.buffer_gb, args.threads, args.repeats)
+    bounds = [bound_of(pte, p, args.position, before, args.steps, args.repeats) for pte in args.programs]
+    after = read_bandwidth(args.buffer_gb, args.threads, args.repeats)
+    bandwidth = max(before, after)
+    bounds = [b.at_bandwidth(bandwidth) for b in bounds]
+    print(f"read bandwidth, {args.threads} threads: {before / GB:.2f} GB/s before the programs ran, {after / GB:.2f} "
+          "after; the bound uses the higher")
     print(f"\n{args.preset}, decode at position {args.position}\n")
     print("| program | weights MB | token rows KB | KV MB | bytes/token MB | bound tok/s | decode tok/s | of bound |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -119,6 +133,8 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"preset": args.preset, "position": args.position, "threads": args.threads,
+                                        "bandwidth_before_gb_s": round(before / GB, 2),
+                                        "bandwidth_after_gb_s": round(after / GB, 2),
                                         "bounds": [{**asdict(b), "fraction": round(b.fraction, 3)} for b in bounds]},
                                        indent=2))
 

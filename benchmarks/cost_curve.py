@@ -74,7 +74,7 @@ def plot(reports: list[dict], path: Path) -> None:
         ax.set_xlabel("parameters (M)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    axes[-1].legend(loc="lower right", fontsize=8)  # the size plot has room there
     fig.suptitle("Export cost against model size (xnnpack, this 2-core machine)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

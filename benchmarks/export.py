@@ -4,6 +4,8 @@
     python -m benchmarks.export --preset smollm2 --out bench/smollm2   # the real SmolLM2-135M-Instruct
     python -m benchmarks.export --preset 1b --quant 8da4w_emb4w --out bench/1b   # Llama-3.2-1B shape, random weights
     python -m benchmarks.export --preset tiny             # quick check of the tool itself (a minute)
+    python -m benchmarks.export --preset smollm2 --validate --peers optimum-executorch transformers \
+        --optimum-python <venv>/bin/python                 # every peer on the real model (docs/performance.md)
 
 For each exporter: wall time and peak RSS of the export process (os.wait4 on the child), .pte size (and
 .ptd with ``--ours-overrides export.weights=external``), RSS of a fresh process after loading the program's
@@ -103,6 +105,50 @@ def optimum_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path) ->
             *quant, "--max_seq_len", str(args.max_seq_len), "--output_dir", str(out)]
 
 
+TRANSFORMERS = "transformers"
+TRANSFORMERS_QUANT = ("8da4w", "fp32")  # what benchmarks.transformers_exporter quantizes as a transformers user would
+
+
+def transformers_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path) -> list[str]:
+    """transformers' own ExecuTorch exporter (``benchmarks.transformers_exporter``): prefill.pte and decode.pte."""
+    if not p.real:
+        raise SystemExit("--peers transformers needs a checkpoint with a tokenizer (its exporter traces a tokenized "
+                         "prompt): use --preset smollm2.")
+    if args.quant not in TRANSFORMERS_QUANT:
+        raise SystemExit(f"--peers transformers: its exporter takes --quant {' or '.join(TRANSFORMERS_QUANT)}, "
+                         f"not {args.quant}.")
+    return [sys.executable, "-m", "benchmarks.transformers_exporter", "export", "--checkpoint", str(hf_dir),
+            "--out", str(out), "--max-seq-len", str(args.max_seq_len), "--quant", args.quant,
+            "--group-size", str(args.group_size)]
+
+
+def transformers_row(out: Path, hf_dir: Path, args: argparse.Namespace) -> dict:
+    """The measurements of transformers' programs, through its own runner (its KV cache is program input and output,
+    which this project's driver does not carry): sizes, RSS after loading both, decode and prefill tok/s after a
+    ``--prefill-len``-token prompt (one prefill call, not a median: its runner times one generation), perplexity on
+    the same tokens as the others, and the stock runner on its decode program."""
+    from tokenizers import Tokenizer
+
+    programs = [out / "prefill.pte", out / "decode.pte"]
+    row: dict = {"pte_mb": round(sum(f.stat().st_size for f in programs) / 1e6, 1),
+                 "rss_after_load_mb": round(sum(memory_after_load_mb(f, ["forward"])[0] for f in programs), 1)}
+    tool = [sys.executable, "-m", "benchmarks.transformers_exporter"]
+    prompt = Tokenizer.from_file(str(hf_dir / "tokenizer.json")).decode(text_ids(args.text, hf_dir, args.prefill_len))
+    gen = json.loads(subprocess.run(
+        [*tool, "generate", "--exported", str(out), "--checkpoint", str(hf_dir), "--prompt", prompt,
+         "--max-new-tokens", str(args.decode_steps + 3), "--no-compare-eager"],
+        capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    row.update(decode_tok_s=gen["decode_tok_s"], prefill_tok_s=round(gen["prompt_tokens"] / gen["prefill_s"], 1),
+               prefill_path=gen["prompt_path"])
+    ppl = json.loads(subprocess.run(
+        [*tool, "perplexity", "--exported", str(out), "--checkpoint", str(hf_dir), "--text", str(args.text),
+         "--no-bos", "--prompt-tokens", "1", "--max-tokens", str(args.ppl_tokens - 1), "--no-compare-eager"],
+        capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    row["perplexity"] = round(ppl["perplexity"], 3)
+    row["stock_runner"] = stock_runner_text(out / "decode.pte", hf_dir)
+    return row
+
+
 def ours_cmd(p: Preset, args: argparse.Namespace, out: Path, hf_dir: Path) -> list[str]:
     return exporter_command([*exporter_overrides(p, hf_dir), f"quant={args.quant}",
                              f"quant.group_size={args.group_size}", f"export.max_seq_len={args.max_seq_len}",
@@ -183,12 +229,13 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--validate", action="store_true", help="let our exporter validate too (export_llm does not)")
-    ap.add_argument("--only", choices=["export_llm", "llm-exporters", "optimum-executorch"],
+    ap.add_argument("--only", choices=["export_llm", "llm-exporters", "optimum-executorch", TRANSFORMERS],
                     help="run one exporter (no ratios)")
     ap.add_argument("--out", type=Path, default=None, help="folder for programs and the report")
     ap.add_argument("--ours-overrides", nargs="*", default=[], help="extra Hydra overrides for our exporter")
-    ap.add_argument("--peers", nargs="*", default=[], choices=["optimum-executorch"],
-                    help="also export with these (each in the same run, measured the same way)")
+    ap.add_argument("--peers", nargs="*", default=[], choices=["optimum-executorch", TRANSFORMERS],
+                    help="also export with these, in the same run (transformers: its own ExecuTorch exporter, real "
+                         "weights, 8da4w or fp32; its programs run through its own runner, after the others)")
     ap.add_argument("--optimum-python", type=Path, default=None,
                     help="python of a venv with optimum-executorch (--peers optimum-executorch)")
     ap.add_argument("--text", type=Path, default=Path(__file__).parent / "data" / "long_text.txt",
@@ -205,7 +252,8 @@ def main() -> None:
     hf_dir = checkpoint_dir(p, root)
     exporters = {"export_llm": (export_llm_cmd, [["forward"]]),
                  "llm-exporters": (ours_cmd, [["prefill", "decode_one_token"], ["prefill", "decode_one_token", "forward"]]),
-                 **({"optimum-executorch": (optimum_cmd, [["forward"]])} if "optimum-executorch" in args.peers else {})}
+                 **({"optimum-executorch": (optimum_cmd, [["forward"]])} if "optimum-executorch" in args.peers else {}),
+                 **({TRANSFORMERS: (transformers_cmd, [])} if TRANSFORMERS in args.peers else {})}
     results = {}
     for name, (build, loads) in exporters.items():
         if args.only and name != args.only:
@@ -218,6 +266,10 @@ def main() -> None:
         if failure is not None:  # a result too (export_llm at 8B): where and how it failed, in the report
             results[name] = {**row, "failed": failure}
             print(f"  {name} failed after {row['wall_s']} s at {row['peak_rss_gb']} GB: {failure}", flush=True)
+            continue
+        if name == TRANSFORMERS:  # two programs, driven by its own runner
+            results[name] = {**row, **transformers_row(out, hf_dir, args)}
+            print(f"  {results[name]}", flush=True)
             continue
         pte = out / "model.pte"
         row["pte_mb"] = round(pte.stat().st_size / 1e6, 1)
@@ -236,7 +288,8 @@ def main() -> None:
         results[name] = row
         print(f"  {row}", flush=True)
     print("measuring runtime speed ...", flush=True)
-    programs = {name: (root / name / "model.pte", True) for name, row in results.items() if "failed" not in row}
+    programs = {name: (root / name / "model.pte", True) for name, row in results.items()
+                if "failed" not in row and name != TRANSFORMERS}
     if "llm-exporters" in programs and not args.weight_cache_only:
         programs[NO_CACHE] = (root / "llm-exporters" / "model.pte", False)
     speeds = tokens_per_second(programs, args.prefill_len, args.decode_steps, args.repeats, p.vocab)
@@ -277,7 +330,8 @@ def main() -> None:
         if "failed" in r:
             lines.append(f"| {name} | failed after {r['wall_s']} s: {r['failed']} | {r['peak_rss_gb']} | | | | | |")
             continue
-        size = f"{r['pte_mb']}" + (f" + {r['ptd_mb']} .ptd" if "ptd_mb" in r else "")
+        size = (f"{r['pte_mb']}" + (f" + {r['ptd_mb']} .ptd" if "ptd_mb" in r else "")
+                + (" (prefill.pte + decode.pte)" if name == TRANSFORMERS else ""))
         lines.append(f"| {name} | {r['wall_s']} | {r['peak_rss_gb']} | {size} | {r['rss_after_load_mb']} | "
                      f"{r.get('rss_after_load_no_cache_mb', '—')} | {r['decode_tok_s']} | {r['prefill_tok_s']} |"
                      + (f" {r['perplexity']} | {r['stock_runner']!r} |" if p.real else ""))

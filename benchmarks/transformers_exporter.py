@@ -442,8 +442,8 @@ def perplexity(args: argparse.Namespace) -> dict[str, Any]:
     lm = ExportedLM.load(outdir, "flat")
     text = Path(args.text).read_text(encoding="utf-8")
     context = min(args.context or lm.max_seq_len, lm.max_seq_len)
-    windows = text_windows(tokenizer(text)["input_ids"], tokenizer.bos_token_id, context, args.prompt_tokens,
-                           args.max_tokens)
+    windows = text_windows(tokenizer(text)["input_ids"], None if args.no_bos else tokenizer.bos_token_id, context,
+                           args.prompt_tokens, args.max_tokens)
     nll, scored, predictions = 0.0, 0, []
     start = time.perf_counter()
     for window in windows:
@@ -511,6 +511,8 @@ def main(argv: list[str] | None = None) -> None:
     ppl.add_argument("--prompt-tokens", type=int, default=32, help="tokens of each window not scored")
     ppl.add_argument("--max-tokens", type=int, default=256, help="scored tokens in all")
     ppl.add_argument("--no-compare-eager", dest="compare_eager", action="store_false")
+    ppl.add_argument("--no-bos", action="store_true",
+                     help="windows without a bos token first (as benchmarks.export scores every program)")
 
     for command in (gen, ppl):
         command.add_argument("--threads", type=int, default=None,

@@ -154,8 +154,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
-        if h.dim() == 3:  # [1, T, dim]: a 4-D mean over dims (2, 3) with -1 views, the form XNNPACK delegates
-            mean_sq = (h * h).view(1, -1, h.shape[-1], 1).mean(dim=(2, 3), keepdim=True).view(1, -1, 1)
+        if h.dim() in (3, 4):
+            # [1, T, dim], or [1, T, heads, head_dim] (Qwen3's and Gemma 3's q/k norms): a 4-D mean over dims (2, 3)
+            # with -1 views, the form XNNPACK delegates; a mean over the last dim alone would end the delegated
+            # partition there (one more delegate call per layer and step).
+            mean_sq = (h * h).view(1, -1, h.shape[-1], 1).mean(dim=(2, 3), keepdim=True).view(1, -1, *h.shape[2:-1], 1)
         else:
             mean_sq = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(mean_sq + self.variance_epsilon)

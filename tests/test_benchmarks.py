@@ -112,9 +112,50 @@ def tiny_bench(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+def test_bandwidth_bounds_each_program_by_the_bytes_a_decode_step_reads(tiny_bench: Path, tmp_path: Path) -> None:
+    """``benchmarks.bandwidth`` on the tiny bench's two programs: read bandwidth before and after, the bytes per token
+    from the program's own storage, and decode as a fraction of the bound."""
+    out = tmp_path / "bw.json"
+    run_tool("bandwidth", "--preset", "tiny", tiny_bench / "llm-exporters" / "model.pte",
+             tiny_bench / "export_llm" / "model.pte", "--buffer-gb", 0.25, "--steps", 4, "--repeats", 1,
+             "--position", 8, "--out", out)
+    result = json.loads(out.read_text())
+    bandwidth = max(result["bandwidth_before_gb_s"], result["bandwidth_after_gb_s"])
+    assert bandwidth > 0 and len(result["bounds"]) == 2
+    kv = 2 * PRESETS["tiny"].layers * PRESETS["tiny"].kv_dim * 4 * 8 / 1e6
+    for bound in result["bounds"]:
+        assert bound["bandwidth_gb_s"] == bandwidth and bound["weights_mb"] > 0 and bound["kv_mb"] == round(kv, 2)
+        assert bound["bound_tok_s"] == pytest.approx(bandwidth * 1e9 / bound["bytes_per_token"], rel=0.01)
+        assert 0 < bound["fraction"] == pytest.approx(bound["decode_tok_s"] / bound["bound_tok_s"], abs=0.001)
+
+
+@pytest.mark.slow
+def test_lowering_time_compares_the_shape_only_quant_ops_on_the_same_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "lowering.json"
+    run_tool("lowering_time", "--preset", "tiny", "--max-seq-len", 32, "--out", out)
+    result = json.loads(out.read_text())
+    assert result["same_bytes"] and result["lower_s"]["bodies"][0] > 0 and result["lower_s"]["shape_only"][0] > 0
+
+
+@pytest.mark.slow
+def test_export_benchmarks_transformers_own_exporter_as_a_peer(tmp_path: Path) -> None:
+    """``--peers transformers`` on the real SmolLM2 cut to 2 layers: its two programs are exported, sized, loaded,
+    timed and scored through its own runner, and the stock runner's verdict is recorded (it cannot load them)."""
+    run_tool("export", "--preset", "smollm2", "--layers", 2, "--only", "transformers", "--peers", "transformers",
+             "--out", tmp_path, *SMALL, "--prefill-len", 8, "--decode-steps", 8, "--ppl-tokens", 32)
+    row = json.loads((tmp_path / "report.json").read_text())["results"]["transformers"]
+    assert row["pte_mb"] > 0 and row["rss_after_load_mb"] > 0 and row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
+    assert 1 < row["perplexity"] < float("inf")
+    assert row["stock_runner"].startswith("failed")
+    refused = run_tool("export", "--preset", "tiny", "--only", "transformers", "--peers", "transformers",
+                       "--out", tmp_path / "tiny", check=False)
+    assert refused.returncode != 0 and "--preset smollm2" in refused.stderr
+
+
+@pytest.mark.slow
 def test_export_benchmarks_ours_against_export_llm(tiny_bench: Path) -> None:
     report = json.loads((tiny_bench / "report.json").read_text())
-    assert report["preset"] == "tiny" and report["parameters"] == PRESETS["tiny"].parameters
+    assert report["preset"] == "tiny at max_seq_len 64" and report["parameters"] == PRESETS["tiny"].parameters
     assert set(report["results"]) == {"export_llm", "llm-exporters"}
     for row in report["results"].values():
         assert row["pte_mb"] > 0 and row["wall_s"] > 0 and row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
@@ -130,7 +171,7 @@ def test_export_benchmarks_ours_against_export_llm(tiny_bench: Path) -> None:
 def test_cost_curve_tabulates_and_plots_bench_reports(tiny_bench: Path, tmp_path: Path) -> None:
     plot = tmp_path / "cost.png"
     out = run_tool("cost_curve", "--bench-dir", tiny_bench.parent, "--preset", "tiny", "--plot", plot).stdout
-    assert "| tiny | 0M | 8da4w |" in out and plot.stat().st_size > 0
+    assert "| tiny at max_seq_len 64 | 0M | 8da4w |" in out and plot.stat().st_size > 0
     missing = run_tool("cost_curve", "--bench-dir", tmp_path, "--preset", "1b", check=False)
     assert missing.returncode != 0 and f"--preset 1b --out {tmp_path / '1b'}" in missing.stderr
 

@@ -134,6 +134,9 @@ def test_8da4w_program_matches_the_eager_quantized_model(exported, family_checkp
     result = export_family(exported, family_checkpoint, family, "8da4w", model_option="hf", methods="[decode]")
     assert result.manifest.model.family == family
     assert result.manifest.quantization.linear.torchao_config == "Int8DynamicActivationIntxWeightConfig"
+    if family in ("llama", "qwen3"):  # Qwen3's q/k norms stay inside the layer's partition: one per layer + lm_head
+        layers = json.loads((family_checkpoint(family) / "config.json").read_text())["num_hidden_layers"]
+        assert [m.delegated_partitions for m in result.manifest.methods.values()] == [layers + 1]
     eager = eager_model_of(result)
 
     def full_sequence(tokens: torch.Tensor) -> torch.Tensor:
