@@ -137,7 +137,7 @@ def test_lowering_time_compares_the_shape_only_quant_ops_on_the_same_bytes(tmp_p
     assert result["same_bytes"] and result["lower_s"]["bodies"][0] > 0 and result["lower_s"]["shape_only"][0] > 0
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # 76 s, nearly all of it transformers' exporter (a peer's code): pytest -m extended
 def test_export_benchmarks_transformers_own_exporter_as_a_peer(tmp_path: Path) -> None:
     """``--peers transformers`` on the real SmolLM2 cut to 2 layers: its two programs are exported, sized, loaded,
     timed and scored through its own runner, and the stock runner's verdict is recorded (it cannot load them)."""
