@@ -22,6 +22,7 @@ from exporters.manifest import QualityWarning, Remedy
 from exporters.quant.apply import quantize_model
 from exporters.quant.calibration import CalibrationText
 from exporters.quant.schemes import DATA_FREE, EIGHT_BIT_FORM, GROUP_SIZE_QUANTUM
+from exporters.runtime.memory import return_freed_memory
 from models.decoder import CausalLM
 
 MB = 1e6
@@ -91,6 +92,7 @@ def advise(quant: QuantConfig, threshold: float, ppl_increase: float, quantized:
         perplexity = score(model)
         extra = stored_bytes(model) - own_bytes
         del model
+        return_freed_memory()  # else each remedy's freed heap stays under the next one's peak
         found.append(Remedy(change=change.overrides, what=change.what, perplexity=round(perplexity, 4),
                             recovered=round((eager_perplexity - perplexity) / loss, 4) if loss > 0 else 0.0,
                             extra_mb=round(extra / MB, 3)))

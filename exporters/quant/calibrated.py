@@ -20,6 +20,7 @@ from exporters.quant.calibration import CalibrationText, LayerByLayer
 from exporters.quant.gptq import gptq
 from exporters.quant.schemes import IntScheme
 from models.decoder import CausalLM
+from models.mapped_pages import release_file_pages
 
 log = logging.getLogger("exporters")
 
@@ -104,6 +105,7 @@ def _solve(names: list[str], targets: dict[str, Target], shared: SharedInput) ->
             module.weight = nn.Parameter(scheme.weight(codes[row:row + rows], scales[row:row + rows], group, w.dtype),
                                          requires_grad=False)
             row += rows
+        release_file_pages(weights)  # the checkpoint's pages of the weights just replaced
 
 
 @torch.no_grad()

@@ -6,6 +6,8 @@ Linux's ``/proc`` gives a resettable peak (``clear_refs`` + ``VmHWM``), so an ex
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import subprocess
 import sys
@@ -91,3 +93,18 @@ def memory_after_load_mb(pte: Path, methods: list[str], weight_cache: bool = Tru
 def rss_after_load_mb(pte: Path, methods: list[str], weight_cache: bool = True) -> float:
     """RSS a fresh process gains by loading the program and ``methods`` (:func:`memory_after_load_mb`)."""
     return memory_after_load_mb(pte, methods, weight_cache)[0]
+
+
+def return_freed_memory() -> None:
+    """Hand memory the last stage freed back to the operating system.
+
+    Each stage drops what the next one does not need (fp32 weights after quantize, graphs after lower), but
+    glibc keeps freed heap pages mapped, so they still count in the process's RSS and stack up under the
+    next stage's peak. ``malloc_trim`` releases them (docs/DESIGN.md 2c). A no-op where the C library is not
+    glibc.
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

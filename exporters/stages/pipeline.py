@@ -14,8 +14,6 @@ the artifact. Artifacts are frozen; a stage returns a new one.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import logging
 import threading
 import time
@@ -23,6 +21,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Protocol, Sequence
+
+from exporters.runtime.memory import return_freed_memory
 
 if TYPE_CHECKING:
     from exporters.config import ExportConfig
@@ -81,21 +81,6 @@ class StageObserver(Protocol):
     def stage_started(self, name: str) -> None: ...
 
     def stage_finished(self, name: str, seconds: float) -> None: ...
-
-
-def return_freed_memory() -> None:
-    """Hand memory the last stage freed back to the operating system.
-
-    Each stage drops what the next one does not need (fp32 weights after quantize, graphs after lower), but
-    glibc keeps freed heap pages mapped, so they still count in the process's RSS and stack up under the
-    next stage's peak. ``malloc_trim`` releases them (docs/DESIGN.md 2c). A no-op where the C library is not
-    glibc.
-    """
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 @contextlib.contextmanager
