@@ -2,8 +2,9 @@
 
 The loader's tensors are views of the memory-mapped safetensors files (:mod:`models.checkpoint`). Once quantize has
 replaced a layer's stored weight, its pages stay resident (and counted in the process's RSS) until the kernel needs
-the memory or the last tensor of that file is freed, so an 8B export from a bf16 checkpoint held the stored
-weights (16 GB, file pages) beside the quantized ones (9 GB) at the end of quantize: 19.3 GB. ``MADV_PAGEOUT``
+the memory or the last tensor of that file is freed: an 8B export from a bf16 checkpoint peaked at 19.3 GB in
+quantize with the replaced layers' pages still resident beside the quantized ones (17.3 GB, in validate, with them
+given back). ``MADV_PAGEOUT``
 (Linux 5.4+) asks the kernel to reclaim them now. It is only a hint: a clean file page read again is read from the
 file, so releasing a page still in use costs a re-read, never a wrong value. Anonymous memory is left alone (with
 swap, paging it out would write soon-freed tensors to disk).

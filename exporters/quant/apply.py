@@ -148,7 +148,7 @@ def _cast_all_but(model: CausalLM, dtype: torch.dtype, later: set[nn.Module]) ->
     (``.data``, as ``Module.to`` does: tied parameters stay one). Whether any was cast."""
     owned_later = {id(p) for m in later for p in m.parameters(recurse=False)}
     cast = [p for p in model.parameters() if id(p) not in owned_later and p.is_floating_point() and p.dtype != dtype]
-    for param in cast:
+    for param in cast:  # one at a time: each stored tensor is freed (or its file pages given back) as it is replaced
         stored = param.data
         param.data = stored.to(dtype)
         release_file_pages([stored])
