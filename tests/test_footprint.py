@@ -71,10 +71,6 @@ def test_the_estimated_peak_is_near_the_measured_one(tmp_path: Path) -> None:
     assert estimated_gb * 1000 == pytest.approx(peak_mb * 1.048576, rel=0.25), text
 
 
-def _resident_file_kb() -> int:
-    return int(next(line for line in open("/proc/self/status") if line.startswith("RssFile:")).split()[1])
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_PAGEOUT is Linux's")
 def test_replaced_checkpoint_weights_give_their_pages_back(tmp_path: Path) -> None:
     """Quantize releases the mapped checkpoint pages of each layer it replaced: they leave the RSS, and a page read
@@ -82,6 +78,7 @@ def test_replaced_checkpoint_weights_give_their_pages_back(tmp_path: Path) -> No
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from exporters.runtime.memory import resident_file_mb
     from models.mapped_pages import release_file_pages
 
     weight = torch.randn(4096, 4096).to(torch.bfloat16)  # 32 MB
@@ -89,9 +86,9 @@ def test_replaced_checkpoint_weights_give_their_pages_back(tmp_path: Path) -> No
     with safe_open(str(tmp_path / "w.safetensors"), framework="pt", backend="mmap") as fh:
         mapped = fh.get_tensor("w")
     assert torch.equal(mapped, weight)  # every page read: resident now
-    before = _resident_file_kb()
+    before = resident_file_mb()
     asked = release_file_pages([mapped])
     assert asked >= 32 * 2**20 - 2 * 4096
-    assert before - _resident_file_kb() > 24 * 1024  # most of the 32 MB left the RSS
+    assert before - resident_file_mb() > 24  # most of the 32 MB left the RSS
     assert torch.equal(mapped, weight)  # read again from the file
     assert release_file_pages([weight]) == 0  # anonymous memory

@@ -42,6 +42,11 @@ def current_rss_mb() -> float:
     return _proc_mb("VmRSS")
 
 
+def resident_file_mb() -> float:
+    """The part of the RSS that maps files (a memory-mapped checkpoint's pages: models.mapped_pages gives them back)."""
+    return _proc_mb("RssFile")
+
+
 def current_pss_mb() -> float:
     """Proportional set size: a file page mapped twice (a data file's tensor loaded by two methods, each through
     its own mapping) counts once, where RSS counts it per mapping."""
