@@ -156,7 +156,6 @@ def xnnpack_preprocess_copies_one_at_a_time() -> Iterator[None]:
     """Within this block, XNNPACK's preprocess gets its own deep copy of each partition made just before it runs and
     dropped after, instead of copies of every partition of every method made up front."""
     import copy
-    import gc
 
     from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 
@@ -167,8 +166,7 @@ def xnnpack_preprocess_copies_one_at_a_time() -> Iterator[None]:
         try:
             return preprocess(copied, compile_specs)
         finally:
-            del copied
-            gc.collect()  # a graph is a web of cycles: without a collection its copied weights outlive it
+            release_weights_of_a_copy(copied, edge_program)
 
     XnnpackBackend.copy_exported_program_for_preprocess = classmethod(  # type: ignore[assignment]
         lambda cls, edge_program, compile_specs: edge_program)
@@ -178,6 +176,99 @@ def xnnpack_preprocess_copies_one_at_a_time() -> Iterator[None]:
     finally:
         XnnpackBackend.preprocess = staticmethod(preprocess)  # type: ignore[assignment]
         del XnnpackBackend.copy_exported_program_for_preprocess
+
+
+def release_weights_of_a_copy(copied: Any, original: Any) -> None:
+    """Give back the memory of the weights of ``copied``, a deep copy of ``original`` no one else holds, now rather
+    than when the cycle collector next finds its graph (a graph is a web of cycles). A full ``gc.collect()`` per
+    partition did the same at half a second each: 50 of SmolLM2's 200 s of lowering (63 partitions). A tensor
+    that still shares memory with the original is left alone; anything that read a released one afterwards would
+    fail loudly (its storage is empty), and nothing does: preprocess hands the weights on as ``bytes`` copies."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def real_tensors(program: Any) -> list[torch.Tensor]:
+        return [t for t in [*program.state_dict.values(), *program.constants.values()]
+                if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.device.type == "cpu"]
+
+    kept = {t.untyped_storage().data_ptr() for t in real_tensors(original)}
+    for tensor in real_tensors(copied):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in kept and storage.resizable():
+            storage.resize_(0)
+
+
+# XNNPACK preprocess passes that act only on graphs holding one of these ops (``node.target.__name__``), read from
+# each pass's ``call`` in executorch 1.5.1 (``backends/xnnpack/_passes``, ``backends/transforms``).
+_XNNPACK_PASS_OPS: dict[str, frozenset[str]] = {
+    "FuseBatchNormPass": frozenset({"aten.native_batch_norm.default", "aten._native_batch_norm_legit_no_training.default"}),
+    "DecomposeBatchNorm": frozenset({"aten.native_batch_norm.default",
+                                     "aten._native_batch_norm_legit_no_training.default"}),
+    "FuseActivationPass": frozenset({"aten.relu.default", "aten.hardtanh.default"}),
+    "DecomposeConcatenate": frozenset({"aten.cat.default"}),
+    "RemoveGetItemPass": frozenset({"aten.max_pool2d_with_indices.default", "aten.max.dim"}),
+    "InsertPadQDQPass": frozenset({"aten.constant_pad_nd.default"}),
+    "Conv1dUnsqueezePass": frozenset({"aten.convolution.default"}),
+    "PReLUReshapePass": frozenset({"aten._prelu_kernel.default"}),
+}
+
+
+def _target_names(graph: Any) -> set[str]:
+    return {getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"}
+
+
+@functools.cache
+def _xnnpack_pattern_pass_ops() -> dict[str, list[frozenset[str]]]:
+    """The two XNNPACK passes that rewrite subgraphs matching pattern graphs: each pattern's ops. A pattern
+    matches only where every one of its ops is in the graph (``SubgraphMatcher`` compares targets)."""
+    from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa
+
+    return {"ConvertToUpsampleBilinear2d": [frozenset(_target_names(g.graph)) for g in bilinear_2d.get_graphs()],
+            "ConvertToSDPAPass": [frozenset(_target_names(g.graph)) for g in sdpa.get_graphs()]}
+
+
+@contextlib.contextmanager
+def xnnpack_passes_only_where_they_apply() -> Iterator[None]:
+    """Within this block, XNNPACK's preprocess skips each of its passes whose ops are not in the partition's graph.
+
+    ``XNNPACKPassManager.transform`` runs all 17 passes on every partition, and each ends by retracing the whole
+    partition through fake tensors (``ExportPass.call``) even when it changed nothing: about 2.5 s per pass over
+    SmolLM2's 63 partitions, for batch norm, convolution, PReLU, pad, max-pool, ReLU, concatenation, bilinear
+    upsampling and SDPA rewrites on decoder layers that hold none of them. A pass is skipped only when the graph
+    as it stands before that pass lacks every op the pass acts on (``_XNNPACK_PASS_OPS``), or, for the two
+    pattern passes, lacks an op of each of their patterns; the passes that always apply run as before."""
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+    from executorch.backends.xnnpack._passes.xnnpack_pass import XNNPACKPass
+    from executorch.exir.pass_base import ExportPass
+    from executorch.exir.program._program import _transform
+
+    transform = XNNPACKPassManager.transform
+
+    def applies(pass_: type, graph: Any) -> bool:
+        name = pass_.__name__
+        if name in _XNNPACK_PASS_OPS:
+            return bool(_XNNPACK_PASS_OPS[name] & _target_names(graph))
+        patterns = _xnnpack_pattern_pass_ops()  # traced once, on the first XNNPACK partition
+        return name not in patterns or any(ops <= _target_names(graph) for ops in patterns[name])
+
+    def transform_where_they_apply(self: Any) -> Any:
+        ep = self.exported_program
+        for pass_ in self.passes:
+            if not applies(pass_, ep.graph):
+                continue
+            if issubclass(pass_, XNNPACKPass):
+                ep = _transform(ep, pass_(ep))
+            elif issubclass(pass_, ExportPass):
+                ep = _transform(ep, pass_())
+            else:  # what XNNPACKPassManager.transform says of anything else
+                raise RuntimeError(f"Expecting ExportPass or ExportPass(), but got pass: {pass_} with type: {type(pass_)}")
+        return ep
+
+    XNNPACKPassManager.transform = transform_where_they_apply  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        XNNPACKPassManager.transform = transform  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

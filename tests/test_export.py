@@ -208,8 +208,9 @@ def test_an_alias_is_written_as_executorch_plans_and_emits_it(tmp_path: Path) ->
 @pytest.mark.slow
 def test_lowering_shortcuts_leave_the_program_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lowering with torchao's quant ops shape-only on fake tensors, XNNPACK's partitions copied one at a time for
-    preprocessing, and each method's packed weights held once (exporters.internals) writes the bytes ExecuTorch
-    writes without them, and puts the ops back."""
+    preprocessing (their weights released after), only the XNNPACK passes whose ops a partition holds, and each
+    method's packed weights held once (exporters.internals) writes the bytes ExecuTorch writes without them, and
+    puts the ops and passes back."""
     import contextlib
 
     from exporters.export import run_stages
@@ -223,11 +224,18 @@ def test_lowering_shortcuts_leave_the_program_unchanged(tmp_path: Path, monkeypa
                 patch.setattr(lower, "torchao_quant_ops_shape_only", contextlib.nullcontext)
                 patch.setattr(lower, "xnnpack_preprocess_copies_one_at_a_time", contextlib.nullcontext)
                 patch.setattr(lower, "named_data_stored_once", contextlib.nullcontext)
+                patch.setattr(lower, "xnnpack_passes_only_where_they_apply", contextlib.nullcontext)
             lowered, _ = run_stages(compose_config("backend=xnnpack", "quant=8da4w_emb4w", "validate=false"),
                                     tmp_path / str(shortcuts), stop_after="lower")
         return to_executorch(lowered.edge, lowered.methods.aliases).buffer
 
     assert program(shortcuts=True) == program(shortcuts=False)
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+
+    assert XNNPACKPassManager.transform.__name__ == "transform"
+    assert not hasattr(XnnpackBackend, "copy_exported_program_for_preprocess") or \
+        XnnpackBackend.copy_exported_program_for_preprocess.__qualname__.startswith("BackendDetails")
     op = torch.ops.torchao.dequantize_affine.default  # torchao's own body is the kernel again
     codes, scale = torch.tensor([[2, -4]], dtype=torch.int8), torch.tensor([[0.5]])
     assert op(codes, [1, 2], scale, None, torch.int8).tolist() == [[1.0, -2.0]]

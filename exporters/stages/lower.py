@@ -13,7 +13,8 @@ from typing import Any
 
 from exporters.config import BackendConfig, WeightsPlacement
 from exporters.internals import (lowering_forgets_graphs, named_data_stored_once, torchao_quant_ops_shape_only,
-                                 xnnpack_keys_by_name, xnnpack_preprocess_copies_one_at_a_time)
+                                 xnnpack_keys_by_name, xnnpack_passes_only_where_they_apply,
+                                 xnnpack_preprocess_copies_one_at_a_time)
 from exporters.program.backends import partitioners
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
 from exporters.program.constants import constant_methods
@@ -84,10 +85,11 @@ class LowerStage(Stage):
         # bytes whatever the weights.
         naming = xnnpack_keys_by_name(structure_namespace(programs)) if external else contextlib.nullcontext()
         # Lowering's passes propagate shapes through torchao's quant ops without running their bodies; XNNPACK's
-        # preprocess copies one partition at a time, and a weight packed for several methods is held once; and nothing
-        # keeps a lowered graph (and through it the whole program) alive afterwards (exporters.internals).
-        with (naming, torchao_quant_ops_shape_only(), xnnpack_preprocess_copies_one_at_a_time(), named_data_stored_once(),
-              lowering_forgets_graphs()):
+        # preprocess copies one partition at a time and runs only the passes whose ops the partition holds, and a
+        # weight packed for several methods is held once; and nothing keeps a lowered graph (and through it the whole
+        # program) alive afterwards (exporters.internals).
+        with (naming, torchao_quant_ops_shape_only(), xnnpack_preprocess_copies_one_at_a_time(),
+              xnnpack_passes_only_where_they_apply(), named_data_stored_once(), lowering_forgets_graphs()):
             edge = to_edge_transform_and_lower(
                 programs,
                 transform_passes=[tag_weights_by_data_file()] if external else None,
