@@ -38,7 +38,12 @@ are the lines to re-read; each has a test that fails if the internal changes beh
   +9 GB at 8B). Sharing the weights with those copies (as ExecuTorch's CUDA backend does in its low-memory mode) is
   not safe for XNNPACK: its preprocess writes into some of them (a mixed 4/8-bit program came out wrong). Within this
   block each partition is still deep-copied, but just before its own preprocess, and dropped after it: one
-  partition's copy alive at a time. Test: ``tests/test_export.py::test_lowering_shortcuts_leave_the_program_unchanged``.
+  partition's copy alive at a time; after its preprocess the copy's weights are released at once (their storage
+  emptied), not left to the cycle collector. Test: ``tests/test_export.py::test_lowering_shortcuts_leave_the_program_unchanged``.
+- :func:`xnnpack_passes_only_where_they_apply`: XNNPACK's ``XNNPACKPassManager.transform``
+  (``backends/xnnpack/_passes/__init__.py``) runs its 17 passes on every partition, and each retraces the whole
+  partition even when it changes nothing. Within this block a pass is skipped where the partition holds none of the
+  ops it acts on (a table read from each pass's ``call``, or its pattern graphs' ops). Test: the same.
 - :func:`named_data_stored_once`: XNNPACK's preprocess (``backends/xnnpack/operators/node_visitor.py``) hands each
   packed weight to a per-partition ``NamedDataStore`` as a fresh ``bytes``, so the same weight lowered for ``prefill``
   and for ``decode_one_token`` is held twice (under one key) until emit merges the stores: a second copy of the

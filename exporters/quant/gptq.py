@@ -52,13 +52,14 @@ class IntGrid:
 
 
 def best_scales(w: torch.Tensor, importance: torch.Tensor, grid: IntGrid) -> torch.Tensor:
-    """Per row of ``w`` [rows, cols] the candidate scale with the least rounding error, each input's squared
-    error weighed by ``importance`` [cols] (its activations' energy); returns [rows, 1], already rounded."""
-    peak = w.abs().amax(dim=1, keepdim=True) / (grid.qmax + 0.5)
+    """Per row and group of ``w`` [rows, groups, group] the candidate scale with the least rounding error, each
+    input's squared error weighed by ``importance`` [groups, group] (its activations' energy); returns
+    [rows, groups, 1], already rounded. Every group at once: one pass over the candidates, not one per group."""
+    peak = w.abs().amax(dim=-1, keepdim=True) / (grid.qmax + 0.5)
     best, best_err = None, None
     for shrink in SHRINK:
         scale = grid.round_scale(peak * shrink)
-        err = ((w - grid.codes(w, scale) * scale) ** 2 * importance).sum(dim=1, keepdim=True)
+        err = ((w - grid.codes(w, scale) * scale) ** 2 * importance).sum(dim=-1, keepdim=True)
         if best is None:
             best, best_err = scale, err
         else:
@@ -97,9 +98,9 @@ def inverse_hessian_factor(hessian: torch.Tensor) -> torch.Tensor:
 
 def static_scales(w: torch.Tensor, importance: torch.Tensor, grid: IntGrid) -> torch.Tensor:
     """Every group's scale [rows, groups], chosen from the weights before any error is compensated."""
-    group = grid.group_size or w.shape[1]
-    return torch.cat([best_scales(w[:, g:g + group], importance[g:g + group], grid)
-                      for g in range(0, w.shape[1], group)], dim=1)
+    rows, cols = w.shape
+    group = grid.group_size or cols
+    return best_scales(w.reshape(rows, cols // group, group), importance.reshape(cols // group, group), grid)[..., 0]
 
 
 @torch.no_grad()
@@ -130,18 +131,22 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, tokens: int, grid: IntGrid
     del h
 
     codes = torch.empty((rows, cols), dtype=torch.int8)
-    column_scale = scales[:, order // group]  # [rows, cols]: each (permuted) column's group scale
+    column_scale = scales[:, order // group].T.contiguous()  # [cols, rows]: each (permuted) column's group scale
     for start in range(0, cols, BLOCK_COLUMNS):
         end = min(start + BLOCK_COLUMNS, cols)
-        w_block = w[:, start:end].clone()
+        # Columns as rows ([cols, rows], contiguous): each step below reads and writes whole rows.
+        w_block = w[:, start:end].T.contiguous()
         u_block = u[start:end, start:end]
-        errors = torch.empty_like(w_block)
+        diagonal = u_block.diagonal().tolist()
+        q_block, update = torch.empty_like(w_block), torch.empty_like(w_block)  # no allocation per column
         for i in range(end - start):
-            scale = column_scale[:, start + i:start + i + 1]
-            q = grid.codes(w_block[:, i:i + 1], scale)
-            codes[:, order[start + i]] = q[:, 0].to(torch.int8)
-            err = (w_block[:, i:i + 1] - q * scale) / u_block[i, i]
-            w_block[:, i:] -= err @ u_block[i:i + 1, i:]
-            errors[:, i:i + 1] = err
-        w[:, end:] -= errors @ u[start:end, end:]
+            column, scale = w_block[i], column_scale[start + i]
+            q = q_block[i]
+            torch.clamp(torch.round(column / scale), grid.qmin, grid.qmax, out=q)
+            err = (column - q * scale) / diagonal[i]
+            torch.mul(u_block[i, i:, None], err, out=update[i:])
+            w_block[i:] -= update[i:]
+            w_block[i] = err  # the column is rounded: its row now holds its error, for the update below
+        codes[:, order[start:end]] = q_block.T.to(torch.int8)
+        w[:, end:] -= w_block.T.contiguous() @ u[start:end, end:]  # [rows, block] as the errors were stored before
     return codes, scales
