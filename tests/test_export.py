@@ -205,6 +205,23 @@ def test_an_alias_is_written_as_executorch_plans_and_emits_it(tmp_path: Path) ->
     assert ours == edge.to_executorch(backend_config()).buffer
 
 
+def test_the_xnnpack_passes_lowering_may_skip_are_the_ones_that_were_read() -> None:
+    """Lowering skips an XNNPACK pass where a partition lacks the ops read from that pass's source; a pass of
+    another ExecuTorch that is renamed or changed in any way fails here until its ops are read again."""
+    import hashlib
+    import inspect
+
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+
+    from exporters.internals import _XNNPACK_PASS_OPS, _XNNPACK_SKIPPED_PASS_SOURCES, _xnnpack_pattern_pass_ops
+
+    passes = {p.__name__: p for p in XNNPACKPassManager(None).passes}  # type: ignore[arg-type]
+    skippable = set(_XNNPACK_PASS_OPS) | set(_xnnpack_pattern_pass_ops())
+    assert skippable == set(_XNNPACK_SKIPPED_PASS_SOURCES) and skippable <= set(passes)
+    read = {name: hashlib.sha256(inspect.getsource(passes[name]).encode()).hexdigest()[:12] for name in skippable}
+    assert read == _XNNPACK_SKIPPED_PASS_SOURCES
+
+
 @pytest.mark.slow
 def test_lowering_shortcuts_leave_the_program_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lowering with torchao's quant ops shape-only on fake tensors, XNNPACK's partitions copied one at a time for
