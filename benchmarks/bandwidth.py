@@ -23,7 +23,6 @@ bandwidth each sees.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -58,13 +57,28 @@ def kv_bytes_per_position(p: Preset) -> int:
     return 2 * p.layers * p.kv_dim * 4
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """What one decode step of a program reads, and how fast the program decodes."""
+
+    program: str
+    weights: int  # delegate weights, read once per step
+    token_rows: int  # one row of each table read by token (the embedding)
+    kv: int  # the KV cache at the position
+    decode_tok_s: float
+
+    @property
+    def per_token(self) -> int:
+        return self.weights + self.token_rows + self.kv
+
+
 @dataclass
 class Bound:
     program: str
     bandwidth_gb_s: float
-    weights_mb: float  # delegate weights, read once per step
-    token_rows_kb: float  # one row of each table read by token (the embedding)
-    kv_mb: float  # the KV cache at the position
+    weights_mb: float
+    token_rows_kb: float
+    kv_mb: float
     bytes_per_token_mb: float
     bound_tok_s: float
     decode_tok_s: float
@@ -74,26 +88,25 @@ class Bound:
     def fraction(self) -> float:
         return self.decode_tok_s / self.bound_tok_s
 
-    def at_bandwidth(self, bandwidth: float) -> "Bound":
-        """The same program's bound at another measured bandwidth (bytes/s)."""
-        return dataclasses.replace(self, bandwidth_gb_s=round(bandwidth / GB, 2),
-                                   bound_tok_s=round(bandwidth / self.bytes_per_token, 1))
+    @classmethod
+    def of(cls, t: Traffic, bandwidth: float) -> "Bound":
+        """``t``'s bound at ``bandwidth`` (bytes/s): the tokens per second that reading its bytes would allow."""
+        return cls(t.program, round(bandwidth / GB, 2), round(t.weights / 1e6, 1), round(t.token_rows / 1e3, 1),
+                   round(t.kv / 1e6, 2), round(t.per_token / 1e6, 1), round(bandwidth / t.per_token, 1),
+                   t.decode_tok_s, t.per_token)
 
 
-def bound_of(pte: Path, p: Preset, position: int, bandwidth: float, steps: int, repeats: int) -> Bound:
+def traffic_of(pte: Path, p: Preset, position: int, steps: int, repeats: int) -> Traffic:
     from exporters.program.contents import storage_breakdown
     from exporters.runtime.driver import Driver
     from exporters.runtime.programs import LoadedProgram
     from exporters.runtime.speed import measure_speed
 
     storage = storage_breakdown(pte)
-    weights = storage["named_data_bytes"]
-    rows = storage["constant_buffer_bytes"] / p.vocab  # the non-delegated tables are read one row per token
-    kv = kv_bytes_per_position(p) * position
-    per_token = weights + rows + kv
     speed = measure_speed(Driver.of(LoadedProgram(pte, weight_cache=True)), position, steps, repeats, p.vocab)
-    return Bound(str(pte), round(bandwidth / GB, 2), round(weights / 1e6, 1), round(rows / 1e3, 1), round(kv / 1e6, 2),
-                 round(per_token / 1e6, 1), round(bandwidth / per_token, 1), speed.decode_tokens_per_s, round(per_token))
+    return Traffic(str(pte), weights=storage["named_data_bytes"],
+                   token_rows=round(storage["constant_buffer_bytes"] / p.vocab),
+                   kv=kv_bytes_per_position(p) * position, decode_tok_s=speed.decode_tokens_per_s)
 
 
 def main() -> None:
@@ -113,10 +126,9 @@ def main() -> None:
     # This shared machine's bandwidth drifts (46-70 GB/s seen on one day): read it before and after the programs
     # run and bound them by the higher, so a slow moment cannot flatter a fraction.
     before = read_bandwidth(args.buffer_gb, args.threads, args.repeats)
-    bounds = [bound_of(pte, p, args.position, before, args.steps, args.repeats) for pte in args.programs]
+    traffic = [traffic_of(pte, p, args.position, args.steps, args.repeats) for pte in args.programs]
     after = read_bandwidth(args.buffer_gb, args.threads, args.repeats)
-    bandwidth = max(before, after)
-    bounds = [b.at_bandwidth(bandwidth) for b in bounds]
+    bounds = [Bound.of(t, max(before, after)) for t in traffic]
     print(f"read bandwidth, {args.threads} threads: {before / GB:.2f} GB/s before the programs ran, {after / GB:.2f} "
           "after; the bound uses the higher")
     print(f"\n{args.preset}, decode at position {args.position}\n")

@@ -215,6 +215,10 @@ _XNNPACK_PASS_OPS: dict[str, frozenset[str]] = {
     "InsertPadQDQPass": frozenset({"aten.constant_pad_nd.default"}),
     "Conv1dUnsqueezePass": frozenset({"aten.convolution.default"}),
     "PReLUReshapePass": frozenset({"aten._prelu_kernel.default"}),
+    "DimOrderOpsRevertPass": frozenset({"dim_order_ops._to_dim_order_copy.default",  # MemoryFormatOpsMap's keys
+                                        "dim_order_ops._empty_dim_order.default",
+                                        "dim_order_ops._clone_dim_order.default"}),
+    "RemoveRedundantCopyPass": frozenset({"aten._to_copy.default"}),
 }
 
 # The sha256 (first 12 hex digits) of each skippable pass's class source as read for the tables above: a pass that
@@ -224,6 +228,7 @@ _XNNPACK_SKIPPED_PASS_SOURCES: dict[str, str] = {
     "ConvertToUpsampleBilinear2d": "711c5e3e00df", "DecomposeBatchNorm": "aa0abaea1b71",
     "DecomposeConcatenate": "03f83199646f", "FuseActivationPass": "751d5edc43de", "FuseBatchNormPass": "d20f5c6a6f37",
     "InsertPadQDQPass": "3b29387c0a22", "PReLUReshapePass": "063a4ac4abd8", "RemoveGetItemPass": "c58434b5a108",
+    "DimOrderOpsRevertPass": "04efcf31f4ef", "RemoveRedundantCopyPass": "61192c6844c1",
 }
 
 
@@ -247,10 +252,12 @@ def xnnpack_passes_only_where_they_apply() -> Iterator[None]:
 
     ``XNNPACKPassManager.transform`` runs all 17 passes on every partition, and each ends by retracing the whole
     partition through fake tensors (``ExportPass.call``) even when it changed nothing: about 2.5 s per pass over
-    SmolLM2's 63 partitions, for batch norm, convolution, PReLU, pad, max-pool, ReLU, concatenation, bilinear
-    upsampling and SDPA rewrites on decoder layers that hold none of them. A pass is skipped only when the graph
+    SmolLM2's 63 partitions, for batch norm, convolution, PReLU, pad, max-pool, ReLU, concatenation, dim-order,
+    copy, bilinear upsampling and SDPA rewrites on decoder layers that hold none of them. A pass is skipped only when the graph
     as it stands before that pass lacks every op the pass acts on (``_XNNPACK_PASS_OPS``), or, for the two
-    pattern passes, lacks an op of each of their patterns; the passes that always apply run as before."""
+    pattern passes, lacks an op of each of their patterns; the passes that always apply run as before (on SmolLM2's
+    layers: removing clones, converting to linear, quantization metadata, constant propagation, channels-last
+    tagging)."""
     from executorch.backends.xnnpack._passes import XNNPACKPassManager
     from executorch.backends.xnnpack._passes.xnnpack_pass import XNNPACKPass
     from executorch.exir.pass_base import ExportPass

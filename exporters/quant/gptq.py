@@ -96,11 +96,18 @@ def inverse_hessian_factor(hessian: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("GPTQ: the calibration inputs' Hessian could not be factorized even with 10^5x damping")
 
 
+# Rows whose groups' scales are chosen at once: bounds the temporaries (a few copies of [rows, cols]) to a few MB
+# whatever the matrix (an 8B lm_head is 128256 rows).
+SCALE_ROWS = 4096
+
+
 def static_scales(w: torch.Tensor, importance: torch.Tensor, grid: IntGrid) -> torch.Tensor:
     """Every group's scale [rows, groups], chosen from the weights before any error is compensated."""
     rows, cols = w.shape
     group = grid.group_size or cols
-    return best_scales(w.reshape(rows, cols // group, group), importance.reshape(cols // group, group), grid)[..., 0]
+    weights = importance.reshape(cols // group, group)
+    return torch.cat([best_scales(chunk.reshape(-1, cols // group, group), weights, grid)[..., 0]
+                      for chunk in w.split(SCALE_ROWS)])
 
 
 @torch.no_grad()
