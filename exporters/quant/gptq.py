@@ -138,7 +138,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, tokens: int, grid: IntGrid
     del h
 
     codes = torch.empty((rows, cols), dtype=torch.int8)
-    column_scale = scales[:, order // group].T.contiguous()  # [cols, rows]: each (permuted) column's group scale
+    column_scale = scales.T[order // group]  # [cols, rows], one allocation: each (permuted) column's group scale
     for start in range(0, cols, BLOCK_COLUMNS):
         end = min(start + BLOCK_COLUMNS, cols)
         # Columns as rows ([cols, rows], contiguous): each step below reads and writes whole rows.
