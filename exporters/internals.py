@@ -270,7 +270,10 @@ def xnnpack_passes_only_where_they_apply() -> Iterator[None]:
         if name in _XNNPACK_PASS_OPS:
             return bool(_XNNPACK_PASS_OPS[name] & _target_names(graph))
         patterns = _xnnpack_pattern_pass_ops()  # traced once, on the first XNNPACK partition
-        return name not in patterns or any(ops <= _target_names(graph) for ops in patterns[name])
+        if name not in patterns:
+            return True
+        present = _target_names(graph)
+        return any(ops <= present for ops in patterns[name])
 
     def transform_where_they_apply(self: Any) -> Any:
         ep = self.exported_program
