@@ -47,8 +47,8 @@ class IntGrid:
         scale = scale.clamp_min(torch.finfo(torch.bfloat16).tiny if self.bf16_scales else 1e-12)
         return scale.to(torch.bfloat16).float() if self.bf16_scales else scale
 
-    def codes(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return torch.clamp(torch.round(w / scale), self.qmin, self.qmax)
+    def codes(self, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.clamp(torch.round(w / scale), self.qmin, self.qmax, out=out)
 
 
 def best_scales(w: torch.Tensor, importance: torch.Tensor, grid: IntGrid) -> torch.Tensor:
@@ -148,8 +148,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, tokens: int, grid: IntGrid
         q_block, update = torch.empty_like(w_block), torch.empty_like(w_block)  # no allocation per column
         for i in range(end - start):
             column, scale = w_block[i], column_scale[start + i]
-            q = q_block[i]
-            torch.clamp(torch.round(column / scale), grid.qmin, grid.qmax, out=q)
+            q = grid.codes(column, scale, out=q_block[i])
             err = (column - q * scale) / diagonal[i]
             torch.mul(u_block[i, i:, None], err, out=update[i:])
             w_block[i:] -= update[i:]
