@@ -52,6 +52,12 @@ class DType(Choice):
     fp16 = "fp16"
     bf16 = "bf16"
 
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return getattr(torch, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[self.value])
+
 
 class Algorithm(Choice):
     """How integer codes and scales are chosen (``exporters.quant``): from the weights alone (half-quadratic scale
@@ -60,6 +66,15 @@ class Algorithm(Choice):
     hqq = "hqq"
     affine = "affine"
     gptq = "gptq"
+
+    @property
+    def torchao_name(self) -> str | None:
+        """A data-free algorithm's value of torchao's ``IntxChooseQParamsAlgorithm``; None for a calibrated one."""
+        return {"hqq": "hqq_scale_only", "affine": "affine"}.get(self.value)
+
+    @property
+    def data_free(self) -> bool:
+        return self.torchao_name is not None
 
 
 class Pt2eQuantizer(Choice):
@@ -87,6 +102,14 @@ class KvDType(Choice):
 
     fp32 = "fp32"
     int8 = "int8"  # codes with an fp32 scale and int8 zero point per token and head: 0.27x the bytes at head_dim 64
+
+
+def exhaustive(choice: type[Choice], registry: Any, where: str) -> None:
+    """A registry keyed by a closed set has exactly its members (checked at import: a value added to one and not
+    the other is a programming error, found before any config is composed)."""
+    keys, members = {str(k) for k in registry}, {str(m) for m in choice}
+    if keys != members:
+        raise AssertionError(f"{where} and {choice.__name__} differ: {sorted(keys ^ members)}")
 
 
 class LayoutName(Choice):
@@ -221,6 +244,9 @@ class BackendConfig:
     # Where this backend's weights can be written (export.weights): "external" needs a delegate that hands its
     # weights to ExecuTorch's named data store (XNNPACK), or none (portable).
     supported_weights: List[WeightsPlacement] = field(default_factory=lambda: [WeightsPlacement.program])
+    # With export.weights=external, each LoRA adapter's weights can go to a data file of its own: needs a delegate
+    # that names its weights (XNNPACK); without one, ExecuTorch folds each method's constants under per-method names.
+    adapter_data_files: bool = True
 
 
 @dataclass
@@ -257,6 +283,10 @@ class ExportSection:
     # architecture and quant (exporters/footprint.py) and the export refused above this. null = the memory this
     # machine has available when the export starts.
     memory_limit_gb: Optional[float] = None
+    # Shortcuts through private ExecuTorch and torchao internals (exporters/internals.py) in quantize, lower and
+    # emit: faster and leaner, the same program bytes. false: the libraries' stock path. With versions other than
+    # the checked ones (exporters/versions.py) the stock path is taken anyway, with a warning.
+    shortcuts: bool = True
     # Token count of prefill on static-shape backends.
     prefill_chunk: int = 32
     output_name: str = "model.pte"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -23,6 +24,9 @@ from exporters.quant.tied import TiedEmbedding
 from exporters.quant.tied import plan_tied_embedding as tie_plan
 from exporters.quant.schemes import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, layer_scheme
 from models.decoder import CausalLM
+
+if TYPE_CHECKING:
+    from exporters.plan import ExportPlan
 
 GB = 1e9
 # RSS of the exporter with torch, torchao and ExecuTorch imported, before any weight (measured: 0.4-0.5 GB).
@@ -126,6 +130,11 @@ class MemoryBudget:
     tied_storage: TiedEmbeddingStorage
     validating: bool
     limit_gb: float | None  # export.memory_limit_gb; None: the memory available when the export starts
+
+    @staticmethod
+    def of(plan: "ExportPlan") -> "MemoryBudget":
+        quant = plan.decoder.quant
+        return MemoryBudget(quant.config, quant.tied_storage, plan.validation is not None, plan.memory_limit_gb)
 
     def check(self, shapes: CausalLM, stored_bytes: int) -> Footprint:
         """``shapes``' footprint (a model on the meta device), refused if it does not fit."""

@@ -1,7 +1,8 @@
 """Every use of a private ExecuTorch or torchao internal, in one place, with the versions it was checked against.
 
-Checked with executorch 1.5.1 (and 1.4.1 before it) and torchao 0.18.0 (pyproject.toml pins both). When either pin moves, these
-are the lines to re-read; each has a test that fails if the internal changes behaviour:
+Checked with the versions in ``exporters.versions.CHECKED`` (pyproject.toml pins them); with any other installed,
+lowering takes the stock path (``exporters.versions.shortcuts_allowed``). When a pin moves, these are the lines to
+re-read; each has a test that fails if the internal changes behaviour:
 
 - :func:`read_program_header`: ExecuTorch has no public reader of a ``.pte``'s flatbuffer alone (its public
   ``deserialize_pte_binary`` copies every weight segment: docs/DESIGN.md 2c).
@@ -79,7 +80,7 @@ import functools
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-CHECKED_WITH = {"executorch": "1.5.1", "torchao": "0.18.0"}
+from exporters.versions import CHECKED as CHECKED_WITH
 
 
 def read_program_header(path: Path) -> Any:

@@ -18,11 +18,11 @@ from omegaconf import DictConfig, open_dict
 
 from exporters import console
 from exporters.export import export
+from exporters.plan import plan_export
 from exporters.config import CONF_DIR, register_configs
 from exporters.errors import REPORTED_ERRORS
 from exporters.sweeps.job import run_sweep_job
 from exporters.sweeps.search import objective
-from models.lora import check_adapter_overrides
 
 log = logging.getLogger("exporters")
 
@@ -43,9 +43,8 @@ def run(cfg: DictConfig) -> float | None:
         return objective(row, cfg.search)
     logging.captureWarnings(True)  # warnings become records: llm.log gets them, the console filter drops them
     try:
-        check_adapter_overrides(list(hydra_cfg.overrides.task))
         with console.native_stderr_to(console.log_file()):
-            result = export(cfg, output_dir)
+            result = export(plan_export(cfg, overrides=list(hydra_cfg.overrides.task)), output_dir)
     except REPORTED_ERRORS as e:
         log.error("export failed: %s", e)
         sys.exit(2)

@@ -11,17 +11,18 @@ import pytest
 
 from exporters.config import TiedEmbeddingStorage
 from exporters.export import build_stages, checked_config
+from exporters.plan import plan_export
 from exporters.quant.tied import TiedEmbedding, plan_tied_embedding
 from exporters.stages.pipeline import ExportContext, check_order, run_pipeline
 from tests.helpers import REPO_ROOT, compose_config
 
 
 def test_every_stage_declares_what_must_run_before_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    stages = build_stages(checked_config(compose_config("bench=true")), tmp_path)
+    stages = build_stages(plan_export(compose_config("bench=true")))
     assert [s.name for s in stages] == ["load", "baseline", "quantize", "capture", "lower", "emit", "validate",
                                         "advise", "finalize", "bench"]
     check_order(stages)
-    pt2e = build_stages(checked_config(compose_config("quant=pt2e_xnnpack_static")), tmp_path)
+    pt2e = build_stages(plan_export(compose_config("quant=pt2e_xnnpack_static")))
     assert [s.name for s in pt2e][2:4] == ["quantize", "pt2e"]
     check_order(pt2e)
     with pytest.raises(ValueError, match="stage advise must run after validate"):
@@ -33,17 +34,17 @@ def test_every_stage_declares_what_must_run_before_it(tmp_path) -> None:  # type
 
 
 def test_stages_that_would_do_nothing_are_not_in_the_pipeline(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    names = [s.name for s in build_stages(checked_config(compose_config("validate=false")), tmp_path)]
+    names = [s.name for s in build_stages(plan_export(compose_config("validate=false")))]
     assert names == ["load", "quantize", "capture", "lower", "emit", "finalize"]
-    no_warning = build_stages(checked_config(compose_config("validation.warn_ppl_increase=null")), tmp_path)
+    no_warning = build_stages(plan_export(compose_config("validation.warn_ppl_increase=null")))
     assert "advise" not in [s.name for s in no_warning]
 
 
 def test_stopping_after_a_stage_it_does_not_have_is_refused_before_anything_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    cfg = checked_config(compose_config("validate=false"))
-    ctx = ExportContext(config=cfg, resolved_config={}, output_dir=tmp_path)
+    plan = plan_export(compose_config("validate=false"))
+    ctx = ExportContext(plan=plan, output_dir=tmp_path)
     with pytest.raises(ValueError, match="stop_after='validate' is not a stage of this export"):
-        run_pipeline(build_stages(cfg, tmp_path), ctx, stop_after="validate")
+        run_pipeline(build_stages(plan), ctx, stop_after="validate")
     assert not ctx.timings and not list(tmp_path.iterdir())
 
 

@@ -136,14 +136,15 @@ def test_sweep_rows_count_what_an_app_ships(exported) -> None:  # type: ignore[n
 def test_the_bench_measures_the_pair_with_and_without_the_weight_cache(exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import dataclasses
 
-    from exporters.config import BenchmarkConfig
+    from exporters.plan import plan_export
     from exporters.stages.bench import BenchStage
 
     result = exported(EXTERNAL)
     run = tmp_path / "run"
     shutil.copytree(result.pte_path.parent, run, ignore=shutil.ignore_patterns("checkpoint", "release"))
     moved = dataclasses.replace(result, pte_path=run / "model.pte", manifest_path=run / MANIFEST_FILE)
-    benched = BenchStage(BenchmarkConfig(prompt_tokens=8, steps=4, repeats=1), 128).run(moved, None)  # type: ignore[arg-type]
+    plan = plan_export(compose_config("bench=true", "benchmark.prompt_tokens=8", "benchmark.steps=4", "benchmark.repeats=1"))
+    benched = BenchStage(plan).run(moved, None)  # type: ignore[arg-type]
     bench = benched.manifest.bench
     assert bench is not None and bench.decode_tokens_per_s > 0
     assert bench.rss_after_load_mb > 0 and bench.rss_after_load_without_weight_cache_mb > 0

@@ -18,7 +18,7 @@ from exporters.program import backends
 from exporters.program.backends import BackendExtra, check_loadable, runtime_precision
 from exporters.program.contents import delegate_ids
 from exporters.runtime.generator import Generator, SamplingConfig
-from exporters.stages.validate import Tolerance
+from exporters.plan import Tolerance
 from tests.helpers import compose_config, eager_model_of
 
 # The 2-layer cut of SmolLM2 has a perplexity of 7e7 on the validation text, where a relative drift is

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from exporters.errors import ValidationFailed
-from exporters.export import build_stages, checked_config
+from exporters.export import build_stages
+from exporters.plan import plan_export
 from exporters.manifest import Manifest, ValidationReport
 from exporters.stages.pipeline import ExportContext, Stage, run_pipeline
 from models.errors import ModelError
@@ -79,11 +80,11 @@ class Tamper(Stage):
 
 def export_broken(checkpoint: Path, out: Path, *overrides: str, tamper: Tamper | None = None) -> ValidationReport:
     """Export with ``tamper`` inserted after capture; the export must fail validation. Returns its report."""
-    cfg = checked_config(compose_config("model=llama", f"model.checkpoint={checkpoint}", *overrides))
-    stages = build_stages(cfg, out)
+    plan = plan_export(compose_config("model=llama", f"model.checkpoint={checkpoint}", *overrides))
+    stages = build_stages(plan)
     if tamper is not None:
         stages.insert(next(i for i, s in enumerate(stages) if s.name == "capture") + 1, tamper)
-    ctx = ExportContext(config=cfg, resolved_config={"overrides": list(overrides)}, output_dir=out)
+    ctx = ExportContext(plan=plan, output_dir=out)
     with pytest.raises(ValidationFailed, match="does not match the eager model"):
         run_pipeline(stages, ctx)
     assert not (out / "model.pte").exists() and (out / "model.rejected.pte").exists()

@@ -13,6 +13,7 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from exporters.versions import EXECUTORCH
 from exporters.errors import UserError, check_choice, listed
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ class BackendExtra:
 EXTRAS: dict[str, BackendExtra] = {
     "openvino": BackendExtra(
         "openvino", {"openvino": "2025.", "nncf": "3."}, "OpenvinoBackend",
-        "ExecuTorch 1.5.1's OpenVINO runtime is built against the 2025 C API (openvino 2026 crashes when a "
+        f"ExecuTorch {EXECUTORCH}'s OpenVINO runtime is built against the 2025 C API (openvino 2026 crashes when a "
         "method runs), and its partitioner's package imports nncf"),
 }
 

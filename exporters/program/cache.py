@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from exporters.config import Attention, KvDType
 from exporters.errors import UserError
 from exporters.manifest import KvCacheEntry
-from exporters.program.methods import context_len, tokens_per_call
+from exporters.plan.lengths import Lengths
 from models.decoder import CausalLM
 
 if TYPE_CHECKING:
@@ -42,8 +42,8 @@ def check_attention_sink(ex: ExportSection, backend: BackendConfig) -> None:
     sink = ex.attention_sink
     if sink == 0:
         return
-    context = context_len(ex)
-    call = tokens_per_call(ex.max_seq_len, context)
+    lengths = Lengths.of_section(ex, backend.dynamic_shapes)
+    context, call = lengths.context, lengths.call_tokens
     if not backend.dynamic_shapes:
         raise UserError(
             f"export.attention_sink={sink} with backend={backend.name}: a ring-buffer cache has not been validated on "

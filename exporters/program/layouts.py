@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection
 
+from exporters.versions import EXECUTORCH, STOCK_RUNNER_RELEASES
 from exporters.errors import UserError
 from exporters.manifest import LayoutEntry, RunnerEntry
 
@@ -74,9 +75,9 @@ class RunnerOutcome:
 # The releases we claim, oldest first (each rule read from that release's llm_runner_helper.cpp).
 STOCK_RUNNERS: tuple[StockRunner, ...] = (
     # 1.4.x: one method, "forward", for the prompt and every generated token.
-    StockRunner("1.4.1", prompt_methods=("forward",), decode_method=None),
+    StockRunner(STOCK_RUNNER_RELEASES[0], prompt_methods=("forward",), decode_method=None),
     # 1.5.x: "forward", else "prefill", for the prompt; "decode" for the tokens whenever it exists.
-    StockRunner("1.5.1", prompt_methods=("forward", "prefill"), decode_method="decode"),
+    StockRunner(STOCK_RUNNER_RELEASES[1], prompt_methods=("forward", "prefill"), decode_method="decode"),
 )
 
 
@@ -104,7 +105,7 @@ LAYOUTS: dict[str, Layout] = {
     # ExecuTorch's two-method naming (prefill/decode). Needs a runtime that shares memory arenas
     # between methods; ExecuTorch 1.5.1's stock runner does not and prints wrong text with it.
     "split": Layout("split", {"prefill": "prefill", "decode": "decode", "forward": "forward"},
-                    "apps whose runtime shares memory arenas between methods (not ExecuTorch 1.5.1's stock runner)"),
+                    f"apps whose runtime shares memory arenas between methods (not ExecuTorch {EXECUTORCH}'s stock runner)"),
 }
 
 # Every name a method of some layout has -> its kind (how a loaded program's methods are recognised).

@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from exporters.versions import EXECUTORCH
 from exporters.errors import UserError, listed
 from exporters.program.files import sha256_of
 
@@ -50,10 +51,10 @@ def check_weights(export: "ExportSection", backend: "BackendConfig", adapters: S
             f"blobs, which ExecuTorch cannot move to a data file; it supports export.weights="
             f"{listed(backend.supported_weights)}. Use export.weights=program, or backend=xnnpack / portable for "
             "a .ptd. Nothing was exported.")
-    if adapters and export.weights == "external" and backend.name == "portable":
+    if adapters and export.weights == "external" and not backend.adapter_data_files:
         raise UserError(
-            f"export.weights=external with model.adapters ({', '.join(adapters)}) on backend=portable: ExecuTorch "
-            "1.5.1 folds each method's transposed weights into new constants named per method "
+            f"export.weights=external with model.adapters ({', '.join(adapters)}) on backend={backend.name}: ExecuTorch "
+            f"{EXECUTORCH} folds each method's transposed weights into new constants named per method "
             "(_prop_tensor_constant<N>), and an adapter's methods number theirs differently from the base's, so "
             "two different tensors get one name in the data file. Use backend=xnnpack (each adapter in its own "
             ".ptd), or export.weights=program. Nothing was exported.")
@@ -233,7 +234,7 @@ def runtime_needs(backend: str, program: str, data: str | None,
     if data is None:
         load = f"{program} alone: it holds its weights."
     elif not adapter_data:
-        load = (f"{program} together with {data}, which holds its weights (given alone, ExecuTorch 1.5.1 fails "
+        load = (f"{program} together with {data}, which holds its weights (given alone, ExecuTorch {EXECUTORCH} fails "
                 f"in load_method). C++: Module(\"{program}\", \"{data}\"); llama_main --model_path={program} "
                 f"--data_paths={data}; Python: Runtime.get().load_program(\"{program}\", data_path=\"{data}\"), "
                 f"TextLLMRunner(\"{program}\", tokenizer, data_path=\"{data}\").")
@@ -242,7 +243,7 @@ def runtime_needs(backend: str, program: str, data: str | None,
         load = (f"{program} together with {data} (the base's weights) and, for an adapter's methods, that adapter's "
                 f"data file ({', '.join(f'{n}: {f}' for n, f in adapter_data.items())}); the base's methods need "
                 f"{data} alone. C++: Module(\"{program}\", {{\"{data}\", \"{file}\"}}) for the base and {name}; "
-                f"llama_main --model_path={program} --data_paths={data},{file} (comma-separated). ExecuTorch 1.5.1's "
+                f"llama_main --model_path={program} --data_paths={data},{file} (comma-separated). ExecuTorch {EXECUTORCH}'s "
                 "Python runtime takes one data file: exporters.runtime.programs.LoadedProgram merges them into one "
                 "temporary file. Swap an adapter by replacing its data file with one exported under the same name, "
                 "ranks and targets (the program is then the same bytes).")

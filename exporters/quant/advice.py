@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -24,6 +24,9 @@ from exporters.quant.calibration import CalibrationText
 from exporters.quant.schemes import DATA_FREE, EIGHT_BIT_FORM, GROUP_SIZE_QUANTUM
 from exporters.runtime.memory import return_freed_memory
 from models.decoder import CausalLM
+
+if TYPE_CHECKING:
+    from exporters.plan import QuantPlan
 
 MB = 1e6
 
@@ -74,21 +77,23 @@ def stored_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def advise(quant: QuantConfig, threshold: float, ppl_increase: float, quantized: CausalLM,
+def advise(plan: QuantPlan, threshold: float, ppl_increase: float, quantized: CausalLM,
            eager_perplexity: float, baseline_perplexity: float, build: Callable[[], CausalLM],
            score: Callable[[CausalLM], float],
            calibration: Callable[[CausalLM], Callable[[], CalibrationText]]) -> QualityWarning:
-    """Each remedy of ``quant`` measured on a fresh model from ``build``: quantized, ``score``d (its perplexity on
-    the validation windows) and weighed against ``quantized`` (the export's eager model, of perplexity
-    ``eager_perplexity``). ``calibration(model)`` reads the text GPTQ needs."""
+    """Each remedy of ``plan``'s quant config measured on a fresh model from ``build``: quantized as the export was
+    (the same tied-embedding storage), ``score``d (its perplexity on the validation windows) and weighed against
+    ``quantized`` (the export's eager model, of perplexity ``eager_perplexity``). ``calibration(model)`` reads the
+    text GPTQ needs."""
     started = time.perf_counter()
+    quant = plan.config
     own_bytes = stored_bytes(quantized)
     loss = eager_perplexity - baseline_perplexity
     found = []
     for change in changes(quant):
         variant = dataclasses.replace(quant, **change.fields)
         model = build()
-        quantize_model(model, variant, calibration=calibration(model))
+        quantize_model(model, variant, plan.tied_storage, calibration=calibration(model), shortcuts=plan.shortcuts)
         perplexity = score(model)
         extra = stored_bytes(model) - own_bytes
         del model

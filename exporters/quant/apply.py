@@ -6,6 +6,8 @@ with ("eager"). The model is changed in place: a copy would double the peak memo
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 from dataclasses import asdict, dataclass, is_dataclass
@@ -84,14 +86,15 @@ def _plan(role: str, table: dict[str, IntScheme], scheme: str, group_size: int, 
     return RolePlan(chosen, modules, table, record)
 
 
-def _apply_data_free(role: str, plan: RolePlan, algorithm: str, dtype: torch.dtype) -> None:
+def _apply_data_free(role: str, plan: RolePlan, algorithm: str, dtype: torch.dtype, shortcuts: bool = True) -> None:
     """torchao's ``quantize_`` on the plan's modules one at a time, its scales chosen from the weights alone. Each is
-    cast to ``dtype`` just before: only one layer is ever held in ``dtype`` beside the stored (often bf16) weights."""
+    cast to ``dtype`` just before: only one layer is ever held in ``dtype`` beside the stored (often bf16) weights.
+    ``shortcuts``: HQQ's scales chosen a block of rows at a time (exporters.quant.hqq; the same bits as torchao's)."""
     from torchao.quantization import quantize_
 
     step = _progress(role, len(plan.modules))
     configs = {choice: plan.table[choice[0]].torchao_config(choice[1], algorithm) for choice in set(plan.chosen.values())}
-    with hqq_by_rows():
+    with hqq_by_rows() if shortcuts else contextlib.nullcontext():
         for name, module in plan.modules.items():
             stored = [p.data for p in module.parameters(recurse=False)]
             module.to(dtype)
@@ -157,7 +160,8 @@ def _cast_all_but(model: CausalLM, dtype: torch.dtype, later: set[nn.Module]) ->
 
 def quantize_model(model: CausalLM, cfg: QuantConfig,
                    tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared,
-                   calibration: Callable[[], CalibrationText] | None = None) -> AppliedQuantization:
+                   calibration: Callable[[], CalibrationText] | None = None,
+                   shortcuts: bool = True) -> AppliedQuantization:
     """Cast to ``cfg.dtype`` and quantize linears, the embedding and ``lm_head`` in place.
 
     The checkpoint's own dtype (often bf16) is kept through loading; with a data-free algorithm each layer is cast
@@ -217,25 +221,25 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
                                                 tokens=text.tokens, windows=len(text.windows),
                                                 seconds=round(time.perf_counter() - started, 1))
     elif "linear" in computing:
-        _apply_data_free("linear", computing["linear"], cfg.algorithm, dtype)
+        _apply_data_free("linear", computing["linear"], cfg.algorithm, dtype, shortcuts)
     applied.linear = computing["linear"].record if "linear" in computing else None
     if cfg.adapters and adapters:  # one scale per row: an adapter's rank (lora_B's width) is too small for groups
         adapter_algorithm = cfg.algorithm if cfg.algorithm in DATA_FREE else "hqq"  # calibration runs the base
         adapter_plan = _plan("adapters", LINEAR_SCHEMES, cfg.adapters, 0, adapter_algorithm, adapters, in_features,
                              applied.notes)
-        _apply_data_free("adapters", adapter_plan, adapter_algorithm, dtype)
+        _apply_data_free("adapters", adapter_plan, adapter_algorithm, dtype, shortcuts)
         applied.adapters = adapter_plan.record
     if cfg.embedding:
         embedding = _plan("embedding", EMBEDDING_SCHEMES, cfg.embedding, cfg.embedding_group_size,
                           cfg.embedding_algorithm, {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)},
                           lambda m: m.embedding_dim, applied.notes)
-        _apply_data_free("embedding", embedding, cfg.embedding_algorithm, dtype)
+        _apply_data_free("embedding", embedding, cfg.embedding_algorithm, dtype, shortcuts)
         applied.embedding = embedding.record
     if plan is tied.TiedEmbedding.QUANTIZED_ONCE:
         head.weight = embed.weight  # one quantized tensor serves both
     elif "lm_head" in computing:
         if cfg.algorithm in DATA_FREE:
-            _apply_data_free("lm_head", computing["lm_head"], cfg.algorithm, dtype)
+            _apply_data_free("lm_head", computing["lm_head"], cfg.algorithm, dtype, shortcuts)
         applied.lm_head = computing["lm_head"].record
     model.tied_head = plan is tied.TiedEmbedding.SHARED
     if recast:

@@ -14,16 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from exporters.config import Algorithm, DType
 from exporters.errors import UserError, check_choice, listed
 from exporters.quant.gptq import IntGrid
 
 if TYPE_CHECKING:
     from exporters.config import BackendConfig, QuantConfig
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# Algorithms that choose scales from the weights alone (``quant.algorithm``, exporters.config.Algorithm): torchao's
-# IntxChooseQParamsAlgorithm values. The others need a calibration text (exporters.quant.calibrated).
-DATA_FREE: dict[str, str] = {"hqq": "hqq_scale_only", "affine": "affine"}
+# Both derived from the closed sets of the schema (exporters.config), where each value is defined once.
+DTYPES: dict[str, torch.dtype] = {str(d): d.torch_dtype for d in DType}
+# Algorithms that choose scales from the weights alone (``quant.algorithm``): torchao's IntxChooseQParamsAlgorithm
+# values. The others need a calibration text (exporters.quant.calibrated).
+DATA_FREE: dict[str, str] = {str(a): a.torchao_name for a in Algorithm if a.torchao_name is not None}
 # Group sizes a layer may fall back to must be multiples of this (XNNPACK's blockwise kernels need it;
 # its 4-bit kernels treat one scale per row as one group of the whole width, so that width too).
 GROUP_SIZE_QUANTUM = 32

@@ -13,6 +13,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
+from exporters.versions import STOCK_RUNNER_RELEASES
 from exporters.errors import UserError
 from exporters.program.files import sha256_of
 from exporters.manifest import MANIFEST_FILE, Manifest, ValidationReport
@@ -93,7 +94,7 @@ def _context_text(m: Manifest) -> str:
         return ""
     end = (f"The program has an attention sink (`attention_sink_size` = {kv.attention_sink}): keep calling it with the "
            "true, growing positions past the end of the cache; it keeps the first positions and the most recent ones. "
-           "ExecuTorch's stock runners (1.4.1, 1.5.1) do this across `generate()` calls, each producing at most "
+           f"ExecuTorch's stock runners ({', '.join(STOCK_RUNNER_RELEASES)}) do this across `generate()` calls, each producing at most "
            "`get_max_context_len` tokens." if kv.attention_sink else
            "Stop at `get_max_context_len` positions (or start a new conversation at position 0): the program refuses "
            "positions past its cache." + (" ExecuTorch's stock runners do not stop there for this program "

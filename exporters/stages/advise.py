@@ -10,14 +10,18 @@ from __future__ import annotations
 import logging
 import math
 
-from exporters.config import Attention, ModelConfig, QuantConfig
+from typing import TYPE_CHECKING
+
+from exporters.config import KvDType
 from exporters.quant.advice import advise, changes
 from exporters.runtime.quality import full_sequence, perplexity, window_logits
 from exporters.stages.artifacts import WrittenProgram
 from exporters.stages.pipeline import ExportContext, Stage
 from exporters.stages.quantize import read_calibration
-from models.checkpoint import build_model
 from models.decoder import CausalLM
+
+if TYPE_CHECKING:
+    from exporters.plan import ExportPlan
 
 log = logging.getLogger("exporters")
 
@@ -26,13 +30,10 @@ class AdviseStage(Stage):
     name = "advise"
     after = ("validate",)
 
-    def __init__(self, quant: QuantConfig, threshold: float, model_cfg: ModelConfig, max_context_len: int,
-                 attention: Attention) -> None:
-        self.quant = quant
-        self.threshold = threshold
-        self.model_cfg = model_cfg
-        self.max_context_len = max_context_len
-        self.attention = attention
+    def __init__(self, plan: ExportPlan) -> None:
+        super().__init__(plan)
+        assert plan.validation is not None and plan.validation.advise_threshold is not None
+        self.threshold = plan.validation.advise_threshold
         self.increase: float | None = None
 
     def run(self, written: WrittenProgram, ctx: ExportContext) -> WrittenProgram:
@@ -45,23 +46,24 @@ class AdviseStage(Stage):
         self.increase = report.perplexity / report.baseline_perplexity - 1
         if self.increase <= self.threshold:
             return written
-        cfg, text = self.model_cfg, baseline.text
+        component, text = self.plan.decoder, baseline.text
+        quant = component.quant
 
-        def build() -> CausalLM:
-            return build_model(checkpoint, self.max_context_len, family=cfg.family, random_init=cfg.random_init,
-                               seed=cfg.seed, attention=self.attention)
+        def build() -> CausalLM:  # the model load built, fresh: the same recipe
+            return component.build.build(checkpoint)
 
-        def score(model: CausalLM) -> float:
-            return perplexity(text.nll(window_logits(full_sequence(model), text)), text.scored_tokens)
+        def score(model: CausalLM) -> float:  # as the baseline and the eager side were scored: an fp32 cache
+            with model.kv_dtype_as(KvDType.fp32):
+                return perplexity(text.nll(window_logits(full_sequence(model), text)), text.scored_tokens)
 
-        remedies = len(changes(self.quant))
+        remedies = len(changes(quant.config))
         if remedies:
             log.info("  advise: perplexity %+.1f%% over unquantized; measuring %d remedies ...", 100 * self.increase,
                      remedies)
         ctx.quality_warning = advise(
-            self.quant, self.threshold, self.increase, written.model, report.eager_perplexity,
+            quant, self.threshold, self.increase, written.model, report.eager_perplexity,
             report.baseline_perplexity, build, score,
-            lambda model: lambda: read_calibration(self.quant.calibration, cfg.source, model, ctx))
+            lambda model: lambda: read_calibration(quant.config.calibration, component.build.source, model, ctx))
         return written
 
     def describe(self, written: WrittenProgram, ctx: ExportContext) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from exporters.manifest import DataFile, Manifest, Signature
-from exporters.program.methods import MethodSpec
+from exporters.program.methods import MethodTable
 from exporters.runtime.quality import TextWindows, perplexity
 from models.decoder import CausalLM
 
@@ -61,31 +61,10 @@ class EagerModel:
 
 
 @dataclass(frozen=True)
-class ProgramMethods:
-    """The LLM methods of the program: what each computes, its signature, and which share a lowered graph."""
+class ProgramMethods(MethodTable):
+    """The plan's method table, with each method's signature as captured."""
 
-    specs: dict[str, MethodSpec]
-    signatures: dict[str, Signature]
-    # Methods that compute exactly what another one does (forward and prefill): captured and lowered once,
-    # emitted under both names. method name -> the captured method it shares.
-    aliases: dict[str, str]
-    # method name -> the adapter it applies (None: the base model); absent names are base methods.
-    adapter_of: dict[str, str | None] = field(default_factory=dict)
-
-    def of_adapter(self, adapter: str | None) -> dict[str, MethodSpec]:
-        """The specs of the methods that compute with ``adapter`` (None: the base)."""
-        return {n: s for n, s in self.specs.items() if self.adapter_of.get(n) == adapter}
-
-    @property
-    def adapters(self) -> list[str]:
-        return list(dict.fromkeys(a for a in self.adapter_of.values() if a is not None))
-
-    def summary(self) -> str:
-        base = ", ".join(f"{n}{'(dynamic)' if s.dynamic else ''}{f' = {self.aliases[n]}' if n in self.aliases else ''}"
-                         for n, s in self.of_adapter(None).items())
-        adapters = self.adapters
-        return base + (f"; the same for adapter(s) {', '.join(adapters)} ({len(self.specs) - len(self.of_adapter(None))} "
-                       "methods)" if adapters else "")
+    signatures: dict[str, Signature] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

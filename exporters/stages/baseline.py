@@ -16,15 +16,6 @@ from models.lora import active_adapter
 from models.tiny import CORPUS
 
 
-def prompt_length(requested: int, max_context_len: int, static_chunk: int | None) -> int:
-    """Prompt tokens per window: at most half the context, so each window has tokens left to decode; on
-    static-shape backends a whole number of prefill chunks (no padding)."""
-    tokens = min(requested, max(1, max_context_len // 2))
-    if static_chunk is None:
-        return tokens
-    return max(static_chunk, tokens - tokens % static_chunk)
-
-
 def validation_text(cfg: ValidationConfig, source: Source) -> tuple[str, str]:
     """The text to score and where it came from: ``validation.text_file``; else, for a tiny model, the text
     it was trained on (scored on English it never saw, its perplexity would mean nothing); else the shipped
@@ -38,18 +29,14 @@ class BaselineStage(Stage):
     name = "baseline"
     after = ("load",)
 
-    def __init__(self, validation_cfg: ValidationConfig, prompt_tokens: int, source: Source) -> None:
-        self.cfg = validation_cfg
-        self.prompt_tokens = prompt_tokens
-        self.source = source
-
     def run(self, loaded: EagerModel, ctx: ExportContext) -> EagerModel:
-        assert ctx.checkpoint is not None
-        text, source = validation_text(self.cfg, self.source)
+        assert ctx.checkpoint is not None and self.plan.validation is not None
+        validation = self.plan.validation
+        text, source = validation_text(validation.config, self.plan.decoder.build.source)
         model = loaded.model
         ids = text_ids(ctx.checkpoint, model.args.vocab_size, text)
-        windows = make_windows(ids, ctx.checkpoint.bos_id, model.args.max_context_len, self.prompt_tokens,
-                               self.cfg.max_tokens, source)
+        windows = make_windows(ids, ctx.checkpoint.bos_id, model.args.max_context_len, validation.prompt_tokens,
+                               validation.config.max_tokens, source)
         nll = {}
         for adapter in [None, *(a.name for a in ctx.adapters)]:  # the base, then each adapter applied to it
             with active_adapter(model, adapter), model.kv_dtype_as(KvDType.fp32):

@@ -30,17 +30,15 @@ class BenchStage(Stage):
     name = "bench"
     after = ("finalize",)
 
-    def __init__(self, settings: BenchmarkConfig, max_context_len: int) -> None:
-        self.settings = settings
-        self.max_context_len = max_context_len
-
     def run(self, result: ExportResult, ctx: ExportContext) -> ExportResult:
         start = time.perf_counter()
         program = LoadedProgram(result.pte_path)
         driver = Driver.of(program)
-        prompt_tokens, steps = bench_lengths(self.settings, self.max_context_len)
+        settings = self.plan.bench
+        assert settings is not None
+        prompt_tokens, steps = bench_lengths(settings, self.plan.lengths.context)
         vocab_size = int(program.constant("get_vocab_size"))
-        speed = measure_speed(driver, prompt_tokens, steps, self.settings.repeats, vocab_size)
+        speed = measure_speed(driver, prompt_tokens, steps, settings.repeats, vocab_size)
         del program, driver
         loaded = [speed.prompt_method, speed.step_method]
         rss, pss = memory_after_load_mb(result.pte_path, loaded)

@@ -13,9 +13,7 @@ from typing import Any
 import torch
 
 from exporters.manifest import Signature, TensorSpec
-from exporters.program.adapters import adapter_method
-from exporters.program.layouts import Layout
-from exporters.program.methods import MethodSpec, method_specs
+from exporters.program.methods import MethodSpec
 from exporters.quant.activations import share_activation_quantization
 from exporters.stages.artifacts import CapturedMethods, EagerModel, ProgramMethods
 from exporters.stages.pipeline import ExportContext, Stage
@@ -39,48 +37,14 @@ def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens
                      outputs=[_tensor_spec(o.meta["val"], f"output_{i}", dim_name) for i, o in enumerate(user_outputs)])
 
 
-def same_graph_aliases(specs: dict[str, MethodSpec], adapter_of: dict[str, str | None] | None = None) -> dict[str, str]:
-    """Methods whose graph is another's (same adapter, same inputs, same token bounds: prefill and forward) ->
-    that method.
-
-    Such a method is captured and lowered once and emitted under both names: lowering is most of an
-    export's time, and the emitter stores the identical delegate blobs and weights once anyway.
-    """
-    first: dict[tuple[Any, ...], str] = {}
-    aliases = {}
-    for name, spec in specs.items():
-        key = ((adapter_of or {}).get(name), spec.min_tokens, spec.max_tokens, spec.dynamic)
-        if key in first:
-            aliases[name] = first[key]
-        else:
-            first[key] = name
-    return aliases
-
-
 class CaptureStage(Stage):
     name = "capture"
     after = ("quantize",)
 
-    def __init__(self, methods: list[str], layout: Layout, max_tokens: int, dynamic_shapes: bool,
-                 prefill_chunk: int, keep_undelegated: bool = False) -> None:
-        self.methods = methods
-        self.layout = layout
-        # Backends this host's runtime cannot execute are validated on a second, untouched capture (lowering
-        # rewrites the programs it is given).
-        self.keep_undelegated = keep_undelegated
-        self.max_tokens = max_tokens  # of one prompt-method call (exporters.program.methods.tokens_per_call)
-        self.dynamic_shapes = dynamic_shapes
-        self.prefill_chunk = prefill_chunk
-
     def run(self, quantized: EagerModel, ctx: ExportContext) -> CapturedMethods:
         """Each method captured from the eager model, or from the PT2E-converted graph when there is one."""
-        base = method_specs(self.methods, self.layout, self.max_tokens, self.dynamic_shapes, self.prefill_chunk)
-        specs, adapter_of = dict(base), dict.fromkeys(base)
-        for adapter in ctx.adapters:
-            for name, spec in base.items():
-                specs[adapter_method(adapter.name, name)] = spec
-                adapter_of[adapter_method(adapter.name, name)] = adapter.name
-        aliases = same_graph_aliases(specs, adapter_of)
+        table = self.plan.decoder.methods
+        specs, aliases, adapter_of = table.specs, table.aliases, table.adapter_of
         model = quantized.model
         # quant.pt2e: every method comes from the one converted graph (same integer weights, same scales).
         source = model if quantized.graph is None else quantized.graph
@@ -98,10 +62,12 @@ class CaptureStage(Stage):
         for program in programs.values():
             share_activation_quantization(program)
         signatures = {name: signature(p) for name, p in programs.items()}
-        undelegated = capture_all(reference) if self.keep_undelegated else None
+        # Backends this host's runtime cannot execute are validated on a second, untouched capture (lowering
+        # rewrites the programs it is given).
+        undelegated = capture_all(reference) if self.plan.keep_undelegated else None
         for alias, source in aliases.items():
             signatures[alias] = signatures[source]
             if undelegated is not None:
                 undelegated[alias] = undelegated[source]
-        return CapturedMethods(model=model, methods=ProgramMethods(specs, signatures, aliases, adapter_of),
+        return CapturedMethods(model=model, methods=ProgramMethods(specs, adapter_of, aliases, signatures),
                                programs=programs, undelegated=undelegated)

@@ -91,26 +91,23 @@ class EmitStage(Stage):
     name = "emit"
     after = ("lower",)
 
-    def __init__(self, final_path: Path, weights: WeightsPlacement = WeightsPlacement.program) -> None:
-        self.final_path = final_path
-        self.weights = weights
-
     def run(self, lowered: LoweredProgram, ctx: ExportContext) -> WrittenProgram:
         edge, aliases = lowered.edge, lowered.methods.aliases
         kept = {f: getattr(lowered, f) for f in ("model", "methods", "constant_methods", "delegated_partitions",
                                                   "undelegated")}
         del lowered  # the only other reference to the edge programs: dropped with them after to_executorch
-        external = self.weights == WeightsPlacement.external
+        external = self.plan.weights == WeightsPlacement.external
         program = to_executorch(edge, aliases, external=external)
         # to_executorch consumed the edge programs: freeing them here keeps them out of serialization's peak.
         del edge
-        path = provisional_path(self.final_path)
+        final_path = ctx.output_dir / self.plan.output_name
+        path = provisional_path(final_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Streamed piece by piece: program.buffer would hold the whole file in memory once more.
         write_atomically(path, program.write_to_file)
         data = write_data_files(program, path, kept["methods"].adapters) if external else {}
         del program
         storage = storage_breakdown(path)
-        return WrittenProgram(**kept, path=path, final_path=self.final_path, size_bytes=storage["total_bytes"],
+        return WrittenProgram(**kept, path=path, final_path=final_path, size_bytes=storage["total_bytes"],
                               sha256=sha256_of(path), storage=storage, data=data.pop(None, None),
                               adapter_data=data)

@@ -16,7 +16,7 @@ from exporters.manifest import (MANIFEST_FILE, AdapterEntry, DataFile, Manifest,
 from exporters.program.adapters import adapter_method
 from exporters.program.cache import kv_cache_entry
 from exporters.program.files import sha256_of
-from exporters.program.layouts import Layout, layout_manifest
+from exporters.program.layouts import layout_manifest
 from exporters.program.weights import data_path_for, runtime_needs
 from exporters.runtime.driver import MethodRoles
 from exporters.runtime.memory import peak_rss_mb
@@ -74,9 +74,6 @@ class FinalizeStage(Stage):
     name = "finalize"
     after = ("emit",)
 
-    def __init__(self, layout: Layout) -> None:
-        self.layout = layout
-
     def run(self, written: WrittenProgram, ctx: ExportContext) -> ExportResult:
         report, ckpt, model = ctx.validation, ctx.checkpoint, written.model
         assert ckpt is not None and ctx.quantization is not None
@@ -114,7 +111,7 @@ class FinalizeStage(Stage):
                                   lowered_once_with=written.methods.aliases.get(name))
                 for name, spec in specs.items()
             },
-            layout=layout_manifest(self.layout, {name: spec.kind for name, spec in base.items()},
+            layout=layout_manifest(self.plan.layout, {name: spec.kind for name, spec in base.items()},
                                    roles.prompt, roles.step,
                                    all(spec.dynamic for spec in base.values() if spec.kind != "decode"),
                                    slides=written.constant_methods["get_max_seq_len"] <
@@ -132,9 +129,9 @@ class FinalizeStage(Stage):
             timings_s=timings,
             resources=Resources(wall_s=round(sum(timings.values()), 1), peak_rss_mb=round(peak_rss_mb())),
             versions=package_versions(),
-            config=ctx.resolved_config,
+            config=self.plan.resolved_config,
             data=data,
-            runtime=runtime_needs(ctx.config.backend.name, pte.name, data.file if data else None,
+            runtime=runtime_needs(self.plan.backend.name, pte.name, data.file if data else None,
                                   {n: a.data.file for n, a in adapters.items() if a.data is not None}),
             adapters=adapters,
             quality_warning=ctx.quality_warning,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import Any, Iterator
 
-from exporters.config import BackendConfig, WeightsPlacement
+from exporters.config import WeightsPlacement
 from exporters.internals import (lowering_forgets_graphs, named_data_stored_once, torchao_quant_ops_shape_only,
                                  xnnpack_keys_by_name, xnnpack_passes_only_where_they_apply,
                                  xnnpack_preprocess_copies_one_at_a_time)
@@ -61,15 +61,24 @@ def with_progress(found: list[Any], methods: list[str], backend: str) -> list[An
     return [Reporting(p) for p in found]
 
 
+@contextlib.contextmanager
+def lowering_shortcuts(enabled: bool) -> Iterator[None]:
+    """Lowering's shortcuts through private internals (exporters.internals), or ExecuTorch's stock path: the same
+    program bytes either way (tests/test_export.py). With them, lowering's passes propagate shapes through torchao's
+    quant ops without running their bodies; XNNPACK's preprocess copies one partition at a time and runs only the
+    passes whose ops the partition holds, and a weight packed for several methods is held once; and nothing keeps a
+    lowered graph (and through it the whole program) alive afterwards."""
+    if not enabled:
+        yield
+        return
+    with (torchao_quant_ops_shape_only(), xnnpack_preprocess_copies_one_at_a_time(),
+          xnnpack_passes_only_where_they_apply(), named_data_stored_once(), lowering_forgets_graphs()):
+        yield
+
+
 class LowerStage(Stage):
     name = "lower"
     after = ("capture",)
-
-    def __init__(self, backend_cfg: BackendConfig, max_seq_len: int,  # get_max_seq_len: the runner's call size
-                 weights: WeightsPlacement = WeightsPlacement.program) -> None:
-        self.cfg = backend_cfg
-        self.max_seq_len = max_seq_len
-        self.weights = weights
 
     def run(self, captured: CapturedMethods, ctx: ExportContext) -> LoweredProgram:
         from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
@@ -77,24 +86,20 @@ class LowerStage(Stage):
         assert ctx.checkpoint is not None
         model, methods, undelegated, programs = captured.model, captured.methods, captured.undelegated, captured.programs
         del captured  # to_edge_transform_and_lower rewrites the programs: nothing may use them after it
-        constants = constant_methods(model.args, ctx.checkpoint, methods.specs, self.max_seq_len,
-                                     self.cfg.dynamic_shapes, methods.adapters)
-        external = self.weights == WeightsPlacement.external
+        plan, backend = self.plan, self.plan.backend
+        constants = constant_methods(model.args, ctx.checkpoint, methods.specs, plan.lengths.max_seq_len,
+                                     backend.dynamic_shapes, methods.adapters)
+        external = plan.weights == WeightsPlacement.external
         # External weights: every constant is marked for its data file (the base's, or its adapter's) before
         # partitioning, and XNNPACK names its weights by tensor rather than by content, so the program is the same
         # bytes whatever the weights.
         naming = xnnpack_keys_by_name(structure_namespace(programs)) if external else contextlib.nullcontext()
-        # Lowering's passes propagate shapes through torchao's quant ops without running their bodies; XNNPACK's
-        # preprocess copies one partition at a time and runs only the passes whose ops the partition holds, and a
-        # weight packed for several methods is held once; and nothing keeps a lowered graph (and through it the whole
-        # program) alive afterwards (exporters.internals).
-        with (naming, torchao_quant_ops_shape_only(), xnnpack_preprocess_copies_one_at_a_time(),
-              xnnpack_passes_only_where_they_apply(), named_data_stored_once(), lowering_forgets_graphs()):
+        with naming, lowering_shortcuts(plan.shortcuts):
             edge = to_edge_transform_and_lower(
                 programs,
                 transform_passes=[tag_weights_by_data_file()] if external else None,
-                partitioner=with_progress(partitioners(self.cfg.partitioner, self.cfg.options), list(programs),
-                                          self.cfg.name),
+                partitioner=with_progress(partitioners(backend.partitioner, backend.options), list(programs),
+                                          backend.name),
                 constant_methods=constants,
                 # torchao's quantized ops are not core ATen; the backend consumes them.
                 compile_config=EdgeCompileConfig(_check_ir_validity=False),

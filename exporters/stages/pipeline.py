@@ -27,6 +27,7 @@ from exporters.runtime.memory import return_freed_memory
 if TYPE_CHECKING:
     from exporters.config import ExportConfig
     from exporters.footprint import Footprint
+    from exporters.plan import ExportPlan
     from exporters.manifest import AppliedQuantization, QualityWarning, ValidationReport
     from exporters.stages.artifacts import BaselineQuality
     from models.checkpoint import Checkpoint
@@ -46,8 +47,7 @@ StageName = Literal["load", "baseline", "quantize", "pt2e", "capture", "lower", 
 class ExportContext:
     """What one export knows besides the artifact in hand. Stages fill in the facts as they learn them."""
 
-    config: ExportConfig
-    resolved_config: dict[str, Any]  # the config as composed, for the manifest
+    plan: ExportPlan  # every decision of the export, resolved once from the checked config
     output_dir: Path
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, filled in by the pipeline
     checkpoint: Checkpoint | None = None  # load
@@ -59,13 +59,21 @@ class ExportContext:
     adapter_validation: dict[str, ValidationReport] = field(default_factory=dict)  # validate: one per adapter
     quality_warning: QualityWarning | None = None  # advise: the perplexity increase passed its threshold
 
+    @property
+    def config(self) -> ExportConfig:
+        return self.plan.config
+
 
 class Stage(ABC):
-    """One step of an export. Built from its own part of the config; ``run`` gets the previous artifact."""
+    """One step of an export. Built from the export plan (it reads its own part); ``run`` gets the previous
+    artifact."""
 
     name: ClassVar[StageName]
     # Stages that must have run earlier in the same pipeline (whichever others run between them).
     after: ClassVar[tuple[StageName, ...]] = ()
+
+    def __init__(self, plan: ExportPlan) -> None:
+        self.plan = plan
 
     @abstractmethod
     def run(self, artifact: Any, ctx: ExportContext) -> Any: ...

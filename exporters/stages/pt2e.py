@@ -7,7 +7,6 @@ captures the model once, has the backend's quantizer annotate, calibrate and con
 
 from __future__ import annotations
 
-from exporters.config import QuantConfig, Source
 from exporters.program.methods import METHOD_KINDS
 from exporters.quant.pt2e import PT2E_QUANTIZERS, quantize_graph, reference_graph
 from exporters.stages.artifacts import EagerModel
@@ -19,28 +18,21 @@ class Pt2eStage(Stage):
     name = "pt2e"
     after = ("quantize",)
 
-    def __init__(self, quant_cfg: QuantConfig, max_tokens: int, source: Source, reference: bool = True) -> None:
-        """``max_tokens``: most tokens one call of the prompt method takes. ``reference``: also make the copy
-        validation runs (exporters.quant.pt2e.reference_graph) (only with validation)."""
-        assert quant_cfg.pt2e is not None
-        self.cfg = quant_cfg
-        self.quantizer = quant_cfg.pt2e
-        self.max_tokens = max_tokens
-        self.source = source
-        self.reference = reference
-
     def run(self, quantized: EagerModel, ctx: ExportContext) -> EagerModel:
-        model = quantized.model
+        model, component = quantized.model, self.plan.decoder
+        quant = component.quant.config
+        assert quant.pt2e is not None
         # The graph calibrated is the prompt method with any number of tokens: it takes the single tokens of
         # decode too, so one calibration serves every method (on static-shape backends as well).
-        prompt = METHOD_KINDS["prefill"](self.max_tokens, True, 1)
-        text = (read_calibration(self.cfg.calibration, self.source, model, ctx)
-                if PT2E_QUANTIZERS[self.quantizer].calibrated else None)
-        graph, record = quantize_graph(model, prompt, self.quantizer, text)
+        prompt = METHOD_KINDS["prefill"](self.plan.lengths.call_tokens, True, 1)
+        text = (read_calibration(quant.calibration, component.build.source, model, ctx)
+                if PT2E_QUANTIZERS[quant.pt2e].calibrated else None)
+        graph, record = quantize_graph(model, prompt, quant.pt2e, text)
         assert ctx.quantization is not None
         ctx.quantization.pt2e = record
+        # The copy validation runs (exporters.quant.pt2e.reference_graph), only with validation.
         return EagerModel(model, quantized=True, graph=graph,
-                          reference_graph=reference_graph(graph) if self.reference else None)
+                          reference_graph=reference_graph(graph) if self.plan.validation else None)
 
     def describe(self, quantized: EagerModel, ctx: ExportContext) -> str:
         assert ctx.quantization is not None and ctx.quantization.pt2e is not None

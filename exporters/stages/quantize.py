@@ -7,7 +7,7 @@ artifact this stage returns is a new one that says so; the one it was handed is 
 
 from __future__ import annotations
 
-from exporters.config import CalibrationConfig, QuantConfig, Source, TiedEmbeddingStorage
+from exporters.config import CalibrationConfig, Source
 from exporters.quant.apply import quantize_model
 from exporters.quant.calibration import CalibrationText, calibration_text
 from exporters.stages.artifacts import EagerModel
@@ -30,15 +30,12 @@ class QuantizeStage(Stage):
     name = "quantize"
     after = ("load",)
 
-    def __init__(self, quant_cfg: QuantConfig, tied_embedding: TiedEmbeddingStorage, source: Source) -> None:
-        self.cfg = quant_cfg
-        self.tied_embedding = tied_embedding
-        self.source = source
-
     def run(self, loaded: EagerModel, ctx: ExportContext) -> EagerModel:
-        model = loaded.model
-        ctx.quantization = quantize_model(model, self.cfg, self.tied_embedding,
-                                          lambda: read_calibration(self.cfg.calibration, self.source, model, ctx))
+        model, component = loaded.model, self.plan.decoder
+        quant = component.quant
+        ctx.quantization = quantize_model(
+            model, quant.config, quant.tied_storage,
+            lambda: read_calibration(quant.config.calibration, component.build.source, model, ctx), quant.shortcuts)
         return EagerModel(model, quantized=True)
 
     def describe(self, quantized: EagerModel, ctx: ExportContext) -> str:

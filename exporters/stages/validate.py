@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from exporters.config import DType, KvCacheTolerance, KvDType, QuantConfig, quant_option
+from exporters.config import DType, KvDType
 from exporters.manifest import Checked, ValidationReport
+from exporters.plan.validation import Tolerance
 from exporters.program.methods import MethodSpec
 from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
@@ -28,37 +29,6 @@ from models.decoder import CausalLM
 from models.lora import active_adapter
 
 log = logging.getLogger("exporters")
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """How far the program may be from the eager quantized model (``quant.max_kl`` .. ``quant.max_ppl_drift``)."""
-
-    max_kl: float
-    min_top1: float
-    max_ppl_drift: float
-
-    @staticmethod
-    def of(quant: QuantConfig, runs_in: DType | None = None, kv: KvCacheTolerance | None = None) -> "Tolerance":
-        """``quant``'s tolerance; where the delegate computes in a coarser dtype than the program's (``runs_in``,
-        its device's choice), the looser of it and the tolerance calibrated for that dtype (``conf/quant/<dtype>``);
-        with a quantized KV cache, plus what ``kv`` allows it (the reference keeps an fp32 cache)."""
-        own = Tolerance(quant.max_kl, quant.min_top1, quant.max_ppl_drift)
-        if coarser(runs_in, quant.dtype):
-            floor = quant_option(str(runs_in))
-            own = Tolerance(max(own.max_kl, floor.max_kl), min(own.min_top1, floor.min_top1),
-                            max(own.max_ppl_drift, floor.max_ppl_drift))
-        if kv is None:
-            return own
-        return Tolerance(own.max_kl + kv.max_kl, own.min_top1 - (1 - kv.min_top1), own.max_ppl_drift + kv.max_ppl_drift)
-
-
-MANTISSA_BITS: dict[DType, int] = {DType.fp32: 23, DType.fp16: 10, DType.bf16: 7}
-
-
-def coarser(runs_in: DType | None, dtype: DType) -> bool:
-    """Whether the device computes in fewer mantissa bits than the program's ``dtype``."""
-    return runs_in is not None and MANTISSA_BITS[runs_in] < MANTISSA_BITS[dtype]
 
 
 @dataclass(frozen=True)
@@ -201,39 +171,28 @@ class ValidateStage(Stage):
     name = "validate"
     after = ("baseline", "emit")
 
-    def __init__(self, quant: QuantConfig, runs_here: bool = True, runs_in: DType | None = None,
-                 eager_from_graphs: bool = False, kv_tolerance: KvCacheTolerance | None = None) -> None:
-        """``runs_in``: the dtype the delegate computes in on this host when its device picks it (else None).
-        ``eager_from_graphs``: the eager side is the undelegated programs (PT2E), not the eager model.
-        ``kv_tolerance``: the program's KV cache is quantized; the eager side keeps an fp32 cache, and this is
-        added to quant's tolerance."""
-        self.runs_in = runs_in if coarser(runs_in, quant.dtype) else None
-        self.tolerance = Tolerance.of(quant, self.runs_in, kv_tolerance)
-        self.eager_kv_dtype = str(KvDType.fp32) if kv_tolerance is not None else None
-        self.runs_here = runs_here
-        self.eager_from_graphs = eager_from_graphs
-
     def run(self, written: WrittenProgram, ctx: ExportContext) -> WrittenProgram:
-        assert ctx.baseline is not None
+        plan = self.plan.validation
+        assert ctx.baseline is not None and plan is not None
         undelegated = None
         if written.undelegated is not None:
             undelegated = CapturedPrograms(written.undelegated, written.model.kv_cache_buffers())
-        if self.runs_here:
+        if plan.in_runtime:
             program: LoadedProgram | CapturedPrograms = LoadedProgram(written.path, data_paths=written.data_paths)
             checked: Checked = "runtime"
         else:
             assert undelegated is not None, "capture keeps undelegated programs for such backends"
             program, checked = undelegated, "undelegated programs"
-        eager_graphs = undelegated if self.eager_from_graphs else None
+        eager_graphs = undelegated if plan.eager_from_graphs else None
         methods = written.methods
         for adapter in [None, *methods.adapters]:  # the base methods, then each adapter's
             specs = methods.of_adapter(adapter)
             roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
             found = predictions(written.model, program, roles, specs, ctx.baseline.text, adapter, eager_graphs)
             scores = Scores.of(found, ctx.baseline.text)
-            failures = judge(scores, found.forward_kl, self.tolerance)
-            verdict = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, self.tolerance,
-                             self.runs_in, adapter, self.eager_kv_dtype)
+            failures = judge(scores, found.forward_kl, plan.tolerance)
+            verdict = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, plan.tolerance,
+                             plan.runs_in, adapter, str(plan.eager_kv_dtype) if plan.eager_kv_dtype else None)
             if adapter is None:
                 ctx.validation = verdict
             else:

@@ -42,7 +42,7 @@ def run_sweep_job(cfg: DictConfig, job_dir: Path, job_num: int, overrides: list[
     job_dir.mkdir(parents=True, exist_ok=True)
     for stale in (FAILED_FILE, MANIFEST_FILE, "result.json"):  # a folder reused by a re-run: only this run's
         (job_dir / stale).unlink(missing_ok=True)
-    request = {"config": OmegaConf.to_container(cfg, resolve=True), "output_dir": str(job_dir),
+    request = {"config": OmegaConf.to_container(cfg, resolve=True), "overrides": overrides, "output_dir": str(job_dir),
                "log_file": str(log_file) if log_file else None, "label": f"job {job_num}", "verbose": verbose}
     start = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-m", "exporters.sweeps.job", str(job_dir)], stdin=subprocess.PIPE)
@@ -98,6 +98,7 @@ def _child_main(request: dict[str, Any]) -> int:
     from exporters.config import ExportConfig, check_known_keys
     from exporters.errors import REPORTED_ERRORS
     from exporters.export import export
+    from exporters.plan import plan_export
 
     console.VERBOSE = bool(request["verbose"])
     _configure_child_logging(request["label"], request["log_file"])
@@ -105,7 +106,8 @@ def _child_main(request: dict[str, Any]) -> int:
     try:
         with console.native_stderr_to(request["log_file"]):
             check_known_keys(OmegaConf.create(request["config"]))  # before the merge, which would only crash on one
-            result = export(OmegaConf.merge(OmegaConf.structured(ExportConfig), request["config"]), out)
+            cfg = OmegaConf.merge(OmegaConf.structured(ExportConfig), request["config"])
+            result = export(plan_export(cfg, overrides=request["overrides"]), out)
     except REPORTED_ERRORS as e:
         log.error("export failed: %s", e)
         (out / FAILED_FILE).write_text(f"{e}\n")

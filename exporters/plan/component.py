@@ -1,0 +1,112 @@
+"""Components: the models a program holds, each with its own build, quantization, methods and state.
+
+Today's programs hold one component, the decoder; LoRA adapters are variants of it (its methods again with the
+adapter applied, over the same stored weights). The components that come next are each one more entry here and
+one more :class:`ComponentKind` (docs/ARCHITECTURE.md, "Components"): a draft decoder (speculative decoding), a
+vision encoder with a token embedding beside an embeddings-in text decoder, layers with convolution or recurrent
+state. Every stage that builds, quantizes, captures or validates a model reads its component; nothing re-derives
+a component's lengths, cache or methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from exporters.config import (Algorithm, Attention, Choice, KvDType, ModelConfig, QuantConfig, Source,
+                              TiedEmbeddingStorage)
+
+if TYPE_CHECKING:
+    from exporters.program.methods import MethodTable
+    from exporters.quant.tied import TiedEmbedding
+    from models.checkpoint import Checkpoint
+    from models.decoder import CausalLM
+
+
+class ComponentKind(Choice):
+    """What a component is. One kind today; ``draft`` (issue 41), ``vision_encoder`` and ``text_decoder`` (issue 42)
+    are the next values."""
+
+    decoder = "decoder"  # token ids in, logits out, a KV cache: the program's LLM methods
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """The state a component's methods share in the runtime: its KV cache (hybrid layers add theirs here)."""
+
+    positions: int  # KV-cache positions (get_max_context_len)
+    call_tokens: int  # most tokens one call writes (ring caches keep room for them)
+    kv_dtype: KvDType
+    attention_sink: int  # positions kept forever at the start of the cache (0: none)
+
+
+@dataclass(frozen=True)
+class ModelBuild:
+    """How a component's eager model is built: the one recipe load, advise, calibration and the memory estimate use."""
+
+    model: ModelConfig  # where the checkpoint comes from, its family, random weights, arch overrides, adapters
+    state: StatePlan
+    attention: Attention  # a preference: a model the kernel cannot compute gets ATen attention (models.checkpoint)
+
+    @property
+    def source(self) -> Source:
+        return self.model.source
+
+    def checkpoint(self, work_dir: Path) -> "Checkpoint":
+        """The checkpoint folder, opened (the tiny source writes one into ``work_dir`` first)."""
+        from models.sources import SOURCES
+
+        return SOURCES[self.model.source](self.model, work_dir)
+
+    def build(self, checkpoint: "Checkpoint", device: str = "cpu") -> "CausalLM":
+        """The decoder with ``checkpoint``'s weights (or seeded random ones); on ``device="meta"`` its shapes alone."""
+        from models.checkpoint import build_model
+
+        s = self.state
+        return build_model(checkpoint, s.positions, family=self.model.family, random_init=self.model.random_init,
+                           seed=self.model.seed, attention=self.attention, kv_dtype=s.kv_dtype,
+                           attention_sink=s.attention_sink, call_tokens=s.call_tokens, device=device)
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """How a component is quantized: the scheme of each layer role (``quant.*``), the tied-embedding storage, and
+    whether a calibration text is read."""
+
+    config: QuantConfig
+    tied_storage: TiedEmbeddingStorage
+    shortcuts: bool = True  # HQQ's scales chosen by blocks of rows (exporters.quant.hqq; torchao's own otherwise)
+
+    @property
+    def calibrated(self) -> bool:
+        """A calibration text is read: a calibrated algorithm, a size budget, or a PT2E quantizer with static
+        activations."""
+        from exporters.quant.pt2e import PT2E_QUANTIZERS
+
+        q = self.config
+        computes = bool(q.linear or q.lm_head)
+        return ((not Algorithm(q.algorithm).data_free and computes) or (q.size_budget is not None and computes)
+                or (q.pt2e is not None and PT2E_QUANTIZERS[q.pt2e].calibrated))
+
+    def tied_embedding(self, model: "CausalLM") -> "TiedEmbedding":
+        """The tied-embedding decision for ``model`` (it depends on the checkpoint's ``tie_word_embeddings``)."""
+        from exporters.quant.tied import plan_tied_embedding
+
+        return plan_tied_embedding(model, self.config, self.tied_storage)
+
+
+@dataclass(frozen=True)
+class Component:
+    """One model of the program, with its own methods and state, lowered with the others into one program."""
+
+    name: str
+    kind: ComponentKind
+    build: ModelBuild
+    quant: QuantPlan
+    methods: MethodTable  # its methods by program name, adapters' included
+
+    @property
+    def adapters(self) -> list[str]:
+        """Its variants: LoRA adapters, each applied by methods of its own over the component's stored weights."""
+        return list(self.build.model.adapters)
