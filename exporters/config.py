@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, get_type_hints
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from exporters.compat import RENAMED_KEYS
 from exporters.errors import UserError
 from exporters.sweeps.resolvers import RESOLVERS
 
@@ -385,10 +386,6 @@ def compose(*overrides: str, config_name: str = "config", return_hydra_config: b
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides),
                              return_hydra_config=return_hydra_config)
-
-
-#: Keys renamed since 0.1 -> their new name: a config that still uses one is told where it went.
-RENAMED_KEYS = {"quant.max_ppl_increase": "quant.max_ppl_drift", "quant.qparams": "quant.algorithm"}
 
 
 def unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") -> list[str]:  # type: ignore[assignment]

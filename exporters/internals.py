@@ -40,7 +40,7 @@ re-read; each has a test that fails if the internal changes behaviour:
   not safe for XNNPACK: its preprocess writes into some of them (a mixed 4/8-bit program came out wrong). Within this
   block each partition is still deep-copied, but just before its own preprocess, and dropped after it: one
   partition's copy alive at a time; after its preprocess the copy's weights are released at once (their storage
-  emptied), not left to the cycle collector. Test: ``tests/test_export.py::test_lowering_shortcuts_leave_the_program_unchanged``.
+  emptied), not left to the cycle collector. Test: ``tests/test_export.py::test_the_stock_path_writes_the_same_program_as_the_shortcuts``.
 - :func:`xnnpack_passes_only_where_they_apply`: XNNPACK's ``XNNPACKPassManager.transform``
   (``backends/xnnpack/_passes/__init__.py``) runs its 17 passes on every partition, and each retraces the whole
   partition even when it changes nothing. Within this block a pass is skipped where the partition holds none of the
@@ -50,7 +50,7 @@ re-read; each has a test that fails if the internal changes behaviour:
   and for ``decode_one_token`` is held twice (under one key) until emit merges the stores: a second copy of the
   program's weights through the rest of lowering (4.2 GB at 8B). Within this block a key already stored gives its
   bytes object to the next store, and the equal copy is dropped at once.
-  Test: ``tests/test_export.py::test_lowering_shortcuts_leave_the_program_unchanged``.
+  Test: ``tests/test_export.py::test_the_stock_path_writes_the_same_program_as_the_shortcuts``.
 - :func:`lowering_forgets_graphs`: two things in ExecuTorch keep every lowered graph alive after lowering, and
   through each graph module its program: the eager weights, every delegate and its packed weights (5 GB at 8B,
   under validation's peak). ``exir/backend/utils.py``'s ``is_same_node`` is an unbounded ``lru_cache`` keyed by the
@@ -65,7 +65,7 @@ re-read; each has a test that fails if the internal changes behaviour:
   returns empty tensors of the body's shapes and dtypes when its input is a fake tensor and nothing is being traced,
   and runs torchao's body (kept by torchao in inductor's decomposition table) otherwise; the body is registered
   again on the way out. Programs are the same bytes.
-  Test: ``tests/test_export.py::test_lowering_shortcuts_leave_the_program_unchanged``.
+  Test: ``tests/test_export.py::test_the_stock_path_writes_the_same_program_as_the_shortcuts``.
 - :func:`pt2e_annotation_key`: the node-meta key a PT2E quantizer writes its annotations under (torchao's
   ``quantizer.quantizer.Q_ANNOTATION_KEY``, not exported by ``torchao.quantization.pt2e.quantizer``);
   ``exporters.quant.pt2e.LinearsOnly`` removes the annotations of every node but the model's linear layers.

@@ -4,7 +4,7 @@ The finalize stage builds a :class:`Manifest`, the bench stage adds its numbers,
 sweep summary, bundles, generate, benchmarks) gets the same typed object back from :meth:`Manifest.read`.
 Serialization happens in one place (:meth:`Manifest.write`); pydantic turns the JSON back into these
 dataclasses, checks every closed set (``Literal``), and says which field is wrong when a file does not fit.
-Manifests written by 0.1 (no ``version``) are read too: :func:`upgrade` renames their fields.
+Manifests written by earlier versions are read too: ``exporters.compat.upgrade_manifest`` brings them up to date.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from exporters.compat import upgrade_manifest
 from exporters.errors import UserError
 from exporters.program.files import write_atomically
 
 MANIFEST_FILE = "manifest.json"
 #: 2: validation's reference_* fields became baseline_*, its tolerance max_ppl_increase became max_ppl_drift,
 #: ``checked`` a closed set, and quantization records ``tied_embedding``.
-MANIFEST_VERSION = 2
+#: 3: ``components``: the models the program holds (exporters.plan.Component), each with its methods and state.
+MANIFEST_VERSION = 3
 
 Status = Literal["ok", "failed validation"]
 RunnerResult = Literal["correct", "wrong text", "fails"]
@@ -396,6 +398,18 @@ class AdapterEntry:
 
 
 @dataclass
+class ComponentEntry:
+    """One model the program holds (``exporters.plan.Component``): what it is, its methods, its variants, its state."""
+
+    kind: str  # exporters.plan.ComponentKind: "decoder" (draft, vision_encoder, text_decoder come next)
+    methods: list[str]  # its methods in the program, each adapter's included
+    adapters: list[str]  # its variants: LoRA adapters applied by methods of their own over its stored weights
+    checkpoint: str
+    parameters: int | None
+    state: list[str]  # what its methods share in the runtime, each a section of this manifest ("kv_cache")
+
+
+@dataclass
 class Manifest:
     status: Status
     program: ProgramFile
@@ -417,6 +431,8 @@ class Manifest:
     # The quantization cost more perplexity than validation.warn_ppl_increase, and what would win it back.
     quality_warning: QualityWarning | None = None
     kv_cache: KvCacheEntry | None = None  # None in manifests written before it was recorded
+    # The models the program holds, by name (version 3; older manifests read as one "decoder").
+    components: dict[str, ComponentEntry] = field(default_factory=dict)
     version: int = MANIFEST_VERSION
 
     @property
@@ -450,7 +466,7 @@ class Manifest:
 
         path = path / MANIFEST_FILE if path.is_dir() else path
         try:
-            return TypeAdapter(cls).validate_python(upgrade(json.loads(path.read_bytes())))
+            return TypeAdapter(cls).validate_python(upgrade_manifest(json.loads(path.read_bytes())))
         except FileNotFoundError:
             raise UserError(f"{path} does not exist: point at a run folder of a finished export.") from None
         except json.JSONDecodeError as e:
@@ -459,21 +475,6 @@ class Manifest:
             raise UserError(f"{path} is not a manifest this version of llm-exporters writes "
                             f"({e.error_count()} problems, first: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}). "
                             "Re-export the model to get a current manifest.") from None
-
-
-def upgrade(data: dict[str, Any]) -> dict[str, Any]:
-    """A manifest as this version writes it, from the JSON of any earlier version."""
-    if data.get("version", 1) < 2 and isinstance(data.get("validation"), dict):
-        v = dict(data["validation"])
-        for old in ("perplexity", "dtype"):
-            if f"reference_{old}" in v:
-                v[f"baseline_{old}"] = v.pop(f"reference_{old}")
-        if v.get("checked", "runtime") != "runtime":  # 0.1 wrote a sentence here
-            v["checked"] = "undelegated programs"
-        if "max_ppl_increase" in v.get("tolerance", {}):
-            v["tolerance"] = {("max_ppl_drift" if k == "max_ppl_increase" else k): x for k, x in v["tolerance"].items()}
-        data = {**data, "validation": v}
-    return data
 
 
 def bundle_manifest(path: Path) -> dict[str, Any] | None:

@@ -9,6 +9,12 @@ transformers' ``LlamaForCausalLM`` on the same files.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -95,12 +101,55 @@ def fit_to_corpus(model: torch.nn.Module, ids: list[int], steps: int, seed: int,
         opt.step()
 
 
+def cache_dir() -> Path:
+    """Where trained tiny checkpoints are kept between runs: ``$LLM_EXPORTERS_CACHE/tiny``, else
+    ``$XDG_CACHE_HOME/llm-exporters/tiny`` (``~/.cache``)."""
+    root = os.environ.get("LLM_EXPORTERS_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "llm-exporters"
+    return Path(root).expanduser() / "tiny"
+
+
+def recipe_key(**recipe: Any) -> str:
+    """What decides a tiny checkpoint's bytes: the recipe, this module's code, and the libraries that train it
+    (training is deterministic on the CPU whatever the thread count: checked)."""
+    versions = {name: metadata.version(name) for name in ("torch", "transformers", "tokenizers", "sentencepiece")}
+    text = json.dumps({"recipe": recipe, "versions": versions}, sort_keys=True, default=str).encode()
+    return hashlib.sha256(text + Path(__file__).read_bytes()).hexdigest()[:20]
+
+
 def write_tiny_checkpoint(out_dir: str | Path, arch: dict[str, Any] | None = None, seed: int = 0,
                           family: str = "llama", train_steps: int = 150, tokenizer: str = "bpe") -> Path:
     """Write a seeded checkpoint of ``family`` (a key of ``FAMILIES``) to ``out_dir``, briefly fitted to
     ``CORPUS``. ``train_steps=0`` keeps the random initialisation. ``tokenizer="sentencepiece"`` writes
     a ``tokenizer.model`` (as Llama 2 / Gemma ship) instead of a byte-level BPE ``tokenizer.json``.
+
+    The training runs once per recipe: its files are kept in :func:`cache_dir` and copied from there (every tiny
+    export and sweep job would otherwise train again, most of a tiny export's time).
     """
+    from filelock import FileLock
+
+    key = recipe_key(arch=arch or {}, seed=seed, family=family, train_steps=train_steps, tokenizer=tokenizer)
+    cache = cache_dir()
+    cached = cache / key
+    out = Path(out_dir)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(cache / f"{key}.lock")):
+            if not cached.is_dir():
+                staging = Path(tempfile.mkdtemp(dir=cache, prefix=f".{key}."))
+                try:
+                    _train_tiny_checkpoint(staging, arch, seed, family, train_steps, tokenizer)
+                except BaseException:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    raise
+                os.replace(staging, cached)  # complete or absent: a reader never sees half a checkpoint
+    except OSError:  # no writable cache (a read-only home): train into the run folder itself
+        return _train_tiny_checkpoint(out, arch, seed, family, train_steps, tokenizer)
+    shutil.copytree(cached, out, dirs_exist_ok=True)
+    return out
+
+
+def _train_tiny_checkpoint(out_dir: Path, arch: dict[str, Any] | None, seed: int, family: str, train_steps: int,
+                           tokenizer: str) -> Path:
     import transformers
     from transformers import AutoConfig, GenerationConfig
 

