@@ -42,6 +42,7 @@ class Footprint:
     eager: int  # the quantized eager model
     program: int  # the program's weights
     peaks: dict[str, int]  # each stage's estimated peak RSS
+    advise: int | None = None  # the advise stage's, if the quality warning sets it off (not refused: it may not run)
 
     @property
     def peak_stage(self) -> str:
@@ -54,7 +55,9 @@ class Footprint:
     def describe(self) -> str:
         return (f"{self.parameters / 1e9:.2f}B parameters: {self.stored / GB:.1f} GB as stored, {self.eager / GB:.1f} GB "
                 f"quantized in memory, {self.program / GB:.1f} GB in the program; estimated peak RSS "
-                f"{self.peak / GB:.1f} GB (in {self.peak_stage})")
+                f"{self.peak / GB:.1f} GB (in {self.peak_stage})"
+                + (f", {self.advise / GB:.1f} GB if the quality warning's remedies are measured (advise)"
+                   if self.advise is not None and self.advise > self.peak else ""))
 
 
 def _quantized_bytes(rows: int, cols: int, scheme: str | None, group_size: int, table: dict, dtype_bytes: int,
@@ -69,9 +72,12 @@ def _quantized_bytes(rows: int, cols: int, scheme: str | None, group_size: int, 
 
 
 def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validating: bool,
-             tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared) -> Footprint:
+             tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared, calibrated: bool = False,
+             advising: bool = False) -> Footprint:
     """The footprint of exporting ``model`` (built on the meta device: only shapes are read) quantized by ``quant``,
-    its weights ``stored_bytes`` as loaded."""
+    its weights ``stored_bytes`` as loaded. ``calibrated``: a calibration text runs the model (GPTQ, a size budget), so
+    it is cast whole to ``quant.dtype`` first. ``advising``: the advise stage may quantize fresh copies of the model
+    beside the export's."""
     dtype_bytes = DTYPES[quant.dtype].itemsize
     head, embed = model.lm_head, model.model.embed_tokens
     # Whether lm_head ends up with a matrix of its own (exporters.quant.tied decides as quantization will).
@@ -114,12 +120,18 @@ def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validating:
         "lower": lowered,
         "emit": lowered,
     }
+    whole = parameters * dtype_bytes  # the model cast whole to quant.dtype
+    if calibrated:  # calibration runs the model: all of it in quant.dtype beside the stored weights
+        peaks["quantize"] = max(peaks["quantize"], BASE_BYTES + stored_bytes + whole)
     if validating:
         # The unquantized model scores the validation windows: their logits and softmax over the vocabulary.
         peaks["baseline"] = BASE_BYTES + stored_bytes + 4 * model.args.max_context_len * embed.num_embeddings * 4
         # The eager side (one dequantized lm_head at a time), then the program loaded beside the eager model.
         peaks["validate"] = BASE_BYTES + eager + max(program, head_dequantized)
-    return Footprint(parameters, stored_bytes, eager, program, peaks)
+    # Each remedy advise measures is a fresh model, cast whole where it is calibrated (GPTQ), beside the export's eager
+    # model. Advise runs only past the quality warning's threshold, so its peak is reported, not refused.
+    advise = BASE_BYTES + eager + stored_bytes + whole if validating and advising else None
+    return Footprint(parameters, stored_bytes, eager, program, peaks, advise)
 
 
 @dataclass(frozen=True)
@@ -130,15 +142,21 @@ class MemoryBudget:
     tied_storage: TiedEmbeddingStorage
     validating: bool
     limit_gb: float | None  # export.memory_limit_gb; None: the memory available when the export starts
+    calibrated: bool = False  # a calibration text runs the whole model (exporters.plan.QuantPlan.calibrated)
+    advising: bool = False  # the advise stage runs (validation.warn_ppl_increase)
 
     @staticmethod
     def of(plan: "ExportPlan") -> "MemoryBudget":
-        quant = plan.decoder.quant
-        return MemoryBudget(quant.config, quant.tied_storage, plan.validation is not None, plan.memory_limit_gb)
+        """What the plan's export holds: its quantization, validation and advise."""
+        quant, validation = plan.decoder.quant, plan.validation
+        return MemoryBudget(quant.config, quant.tied_storage, validation is not None, plan.memory_limit_gb,
+                            calibrated=quant.calibrated,
+                            advising=validation is not None and validation.advise_threshold is not None)
 
     def check(self, shapes: CausalLM, stored_bytes: int) -> Footprint:
         """``shapes``' footprint (a model on the meta device), refused if it does not fit."""
-        footprint = estimate(shapes, self.quant, stored_bytes, self.validating, self.tied_storage)
+        footprint = estimate(shapes, self.quant, stored_bytes, self.validating, self.tied_storage, self.calibrated,
+                             self.advising)
         check_fits(footprint, self.limit_gb)
         return footprint
 

@@ -42,9 +42,50 @@ SLOW_FIXTURES = {"exported", "real_exported", "default_export", "smollm2", "smol
                  "lora_adapters"}
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--durations-file", default=None, metavar="PATH",
+                     help="write each test file's seconds (setup, call and teardown of its tests) and the run's wall "
+                          "time as JSON: python -m benchmarks.tables renders docs' suite table from it")
+
+
+_DURATIONS: dict[str, dict[str, float]] = {}
+_OUTCOMES: dict[str, int] = {}
+_STARTED = [0.0]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import time
+
+    _STARTED[0] = time.perf_counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Seen by the controller for every worker's tests (pytest-xdist forwards the reports)."""
+    entry = _DURATIONS.setdefault(report.nodeid.split("::")[0], {"tests": 0, "seconds": 0.0})
+    entry["seconds"] += report.duration
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        entry["tests"] += 1
+        _OUTCOMES[report.outcome] = _OUTCOMES.get(report.outcome, 0) + 1
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import json
+    import time
+
+    path = session.config.getoption("--durations-file")
+    if path is None or os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes it, with every worker's tests
+        return
+    files = {name: {"tests": int(d["tests"]), "seconds": round(d["seconds"], 1)} for name, d in sorted(_DURATIONS.items())}
+    Path(path).write_text(json.dumps({
+        "wall_s": round(time.perf_counter() - _STARTED[0], 1), "workers": int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0))
+        or getattr(session.config.option, "numprocesses", None) or 1, "markers": session.config.option.markexpr,
+        "outcomes": dict(sorted(_OUTCOMES.items())), "files": files}, indent=1) + "\n")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        # An extended test is slow too: `-m "not slow"` replaces addopts' `-m 'not extended'`, and must skip it.
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("extended"):
             item.add_marker(pytest.mark.slow)
 
 

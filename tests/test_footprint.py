@@ -92,3 +92,26 @@ def test_replaced_checkpoint_weights_give_their_pages_back(tmp_path: Path) -> No
     assert before - resident_file_mb() > 24  # most of the 32 MB left the RSS
     assert torch.equal(mapped, weight)  # read again from the file
     assert release_file_pages([weight]) == 0  # anonymous memory
+
+
+def test_the_estimate_reads_the_plan_calibration_and_advise(tmp_path: Path) -> None:
+    """What the plan runs changes the estimate: a calibrated algorithm casts the whole model before quantize, and
+    advise's remedies (only past the warning) are reported beside the peak, not refused."""
+    from exporters.footprint import MemoryBudget
+    from exporters.plan import plan_export
+    from models.checkpoint import stored_bytes
+
+    def footprint(*overrides: str):  # type: ignore[no-untyped-def]
+        plan = plan_export(compose_config(*overrides))
+        build = plan.decoder.build
+        checkpoint = build.checkpoint(tmp_path / "_".join(overrides))
+        shapes = build.build(checkpoint, device="meta")
+        return MemoryBudget.of(plan).check(shapes, stored_bytes(checkpoint, shapes))
+
+    data_free, gptq = footprint("quant=8da4w"), footprint("quant=8da4w", "quant.algorithm=gptq")
+    assert gptq.peaks["quantize"] > data_free.peaks["quantize"]
+    whole = gptq.parameters * 4  # fp32
+    assert gptq.peaks["quantize"] >= whole + gptq.stored
+    assert data_free.advise is not None and data_free.advise > data_free.eager + data_free.stored
+    assert footprint("quant=8da4w", "validation.warn_ppl_increase=null").advise is None
+    assert "advise" not in data_free.peaks  # reported, not refused

@@ -314,3 +314,23 @@ def test_a_program_with_window_rings_matches_transformers_past_the_window(export
             logits = driver.decode_one_token(next_token, tokens.shape[1])[0]
             tokens = torch.cat([tokens, next_token], dim=1)
     assert tokens.shape[1] > 3 * window
+
+
+@pytest.mark.parametrize("backend,stored", [("xnnpack", "fp32"), ("openvino", "fp16")])
+def test_the_cache_record_names_the_dtype_it_stores(tmp_path: Path, backend: str, stored: str) -> None:
+    """quant.dtype=fp16: ExecuTorch's attention kernels keep an fp32 cache (xnnpack); ATen attention (OpenVINO)
+    keeps it in fp16, and the manifest's kv_cache and the console say so (2 bytes per element, not 4)."""
+    from exporters.plan import plan_export
+    from exporters.program.cache import kv_cache_entry
+    from exporters.quant.apply import quantize_model
+
+    plan = plan_export(compose_config("quant=fp16", f"backend={backend}", "export.layout=split",
+                                      "export.methods=[prefill,decode]"))
+    build = plan.decoder.build
+    model = build.build(build.checkpoint(tmp_path))
+    quantize_model(model, plan.decoder.quant.config)
+    entry = kv_cache_entry(model, plan.lengths.call_tokens)
+    a = model.args
+    elements = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim  # keys and values, per token
+    assert entry.dtype == stored and entry.bytes_per_token == elements * (4 if stored == "fp32" else 2)
+    assert f"positions of {stored}" in entry.describe()

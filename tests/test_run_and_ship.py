@@ -163,6 +163,8 @@ def test_bundle_holds_everything_and_verifies(tmp_path: Path, default_export) ->
     readme = (folder / "README.md").read_text()
     assert 'load_method("prefill")' in readme and 'load_method("decode_one_token")' in readme
     assert "share_memory_arenas=*/true" in readme and "| 1.5.1 | correct |" in readme
+    calls = default_export.manifest.kv_cache.tokens_per_call  # the cache less one: a prompt leaves room to generate
+    assert calls == default_export.manifest.methods["prefill"].tokens[1] and f"at most\n{calls} per call." in readme
     assert verify_bundle(folder) == [] and verify_bundle(archive) == []
     greedy = SamplingConfig(max_new_tokens=NEW_TOKENS)  # the bundle runs as the run folder does
     assert Generator(folder).generate(PROMPT, greedy).new_ids == Generator(default_export.pte_path).generate(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from exporters.config import Attention, KvDType
+from exporters.config import Attention, DType, KvDType
 from exporters.errors import UserError
 from exporters.manifest import KvCacheEntry
 from exporters.plan.lengths import Lengths
@@ -62,7 +62,11 @@ def kv_cache_entry(model: CausalLM, tokens_per_call: int) -> KvCacheEntry:
     """What the program's cache holds and costs, read from the model it was captured from."""
     a = model.args
     caches = model.kv_caches()
-    return KvCacheEntry(positions=a.max_context_len, tokens_per_call=tokens_per_call, dtype=str(a.kv_dtype),
+    # A float cache (kv_dtype fp32) keeps keys and values in the activations' dtype: fp16 under quant.dtype=fp16.
+    stored = caches[0].k_cache.dtype if caches else None
+    dtype = next((str(d) for d in DType if d.torch_dtype == stored), str(a.kv_dtype)) if a.kv_dtype == "fp32" \
+        else str(a.kv_dtype)
+    return KvCacheEntry(positions=a.max_context_len, tokens_per_call=tokens_per_call, dtype=dtype,
                         bytes_per_token=sum(c.bytes_per_slot() for c in caches), bytes=sum(c.bytes() for c in caches),
                         windows=list(a.layer_window), attention_sink=a.attention_sink,
                         slots=[c.geometry.slots for c in caches])

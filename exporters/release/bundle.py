@@ -164,7 +164,7 @@ def _readme(name: str, m: Manifest) -> str:
 ExecuTorch program exported by llm-exporters: model `{cfg['model']['name']}`
 ({m.model.family} family), quantization `{cfg['quant']['name']}`, backend `{cfg['backend']['name']}`,
 context {m.constant_methods.get('get_max_context_len', cfg['export']['max_seq_len'])} tokens, at most
-{cfg['export']['max_seq_len']} per call.
+{max(e.tokens[1] for e in m.methods.values())} per call.
 
 ## Run it
 

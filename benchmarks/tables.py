@@ -1,0 +1,106 @@
+"""Tables in the README and docs that come from measurements, written from the tools' JSON output, never retyped.
+
+A generated region in a Markdown file looks like this (the JSON path is relative to the top of the checkout):
+
+    <!-- generated: suite docs/results/suite.json -->
+    ...the table...
+    <!-- end generated -->
+
+    python -m benchmarks.tables            rewrite every region of README.md and docs/*.md from its JSON
+    python -m benchmarks.tables --check    exit 1 naming each region that differs (tests/test_docs_tables.py runs it)
+
+Each renderer takes one tool's JSON: ``suite`` the test suite's durations (``pytest --durations-file PATH``),
+``export`` a ``benchmarks.export`` report (``report.json``). Keep the JSON files in ``docs/results/``: they are the
+measurement, the table is a view of it. A new table is a renderer in :data:`RENDERERS` and a region in a doc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+REGION = re.compile(r"(<!-- generated: (?P<kind>\w+) (?P<source>\S+) -->\n)(?P<body>.*?)(<!-- end generated -->)",
+                    re.DOTALL)
+
+
+def render_suite(data: dict[str, Any]) -> str:
+    """The suite's time per test file, slowest first, with the run's wall time and what it ran."""
+    files = sorted(data["files"].items(), key=lambda kv: -kv[1]["seconds"])
+    busy = sum(f["seconds"] for _, f in files)
+    outcomes = ", ".join(f"{n} {k}" for k, n in data["outcomes"].items())
+    lines = [f"Wall time {data['wall_s'] / 60:.1f} min on {data['workers']} workers ({outcomes}; markers "
+             f"`{data['markers'] or 'none'}`); the files' own time adds up to {busy / 60:.1f} min of worker time.", "",
+             "| test file | tests | seconds | share |", "|---|---|---|---|"]
+    lines += [f"| `{name}` | {f['tests']} | {f['seconds']:.0f} | {f['seconds'] / busy:.0%} |" for name, f in files]
+    return "\n".join(lines) + "\n"
+
+
+def render_export(data: dict[str, Any]) -> str:
+    """A ``benchmarks.export`` report: each exporter's export and runtime numbers, and ours over export_llm's."""
+    results: dict[str, dict[str, Any]] = data["results"]
+    real = any("perplexity" in r for r in results.values())
+    lines = [f"{data['preset']} ({data['parameters'] / 1e6:.1f}M parameters), xnnpack {data['quant']} "
+             f"g{data['group_size']}, max_seq_len {data['max_seq_len']}", "",
+             "| exporter | export wall s | peak RSS GB | program MB | decode tok/s | prefill tok/s |"
+             + (" perplexity |" if real else ""), "|---|---|---|---|---|---|" + ("---|" if real else "")]
+    for name, r in results.items():
+        if "failed" in r:
+            lines.append(f"| {name} | failed after {r['wall_s']} s: {r['failed']} | {r['peak_rss_gb']} | | | |"
+                         + (" |" if real else ""))
+            continue
+        lines.append(f"| {name} | {r['wall_s']} | {r['peak_rss_gb']} | {r['pte_mb']} | {r['decode_tok_s']} | "
+                     f"{r['prefill_tok_s']} |" + (f" {r.get('perplexity', '—')} |" if real else ""))
+    ratios = data.get("ours_over_export_llm") or {}
+    if ratios:
+        lines.append("| ours / export_llm | " + " | ".join(str(ratios.get(k, "—")) for k in
+                     ("wall_s", "peak_rss_gb", "pte_mb", "decode_tok_s", "prefill_tok_s")) + " |"
+                     + (" |" if real else ""))
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"suite": render_suite, "export": render_export}
+
+
+def regenerate(text: str, root: Path = ROOT) -> tuple[str, list[str]]:
+    """``text`` with every generated region rendered from its JSON, and the regions that changed."""
+    changed: list[str] = []
+
+    def fill(match: re.Match[str]) -> str:
+        kind, source = match["kind"], match["source"]
+        if kind not in RENDERERS:
+            raise SystemExit(f"unknown table kind {kind!r} (known: {', '.join(RENDERERS)})")
+        body = RENDERERS[kind](json.loads((root / source).read_text()))
+        if body != match["body"]:
+            changed.append(f"{kind} from {source}")
+        return match.group(1) + body + match.group(5)
+
+    return REGION.sub(fill, text), changed
+
+
+def documents(root: Path = ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a region is stale")
+    args = parser.parse_args()
+    stale = []
+    for doc in documents():
+        text = doc.read_text()
+        new, changed = regenerate(text)
+        stale += [f"{doc.relative_to(ROOT)}: {c}" for c in changed]
+        if changed and not args.check:
+            doc.write_text(new)
+    for line in stale:
+        print(("stale: " if args.check else "rewrote: ") + line)
+    sys.exit(1 if stale and args.check else 0)
+
+
+if __name__ == "__main__":
+    main()
