@@ -89,6 +89,7 @@ def log_export_summary(result: Any) -> None:
         log.warning("WARNING: %s", m.quality_warning.describe())
     for release, o in m.layout.stock_runners.items():
         if o.result != "correct":
-            log.warning("ExecuTorch %s's stock runner would give %s with this program: %s. %s.",
-                        release, o.result, o.why, o.fix)
+            outcome = "would fail" if o.result == "fails" else f"would print {o.result}"
+            log.warning("ExecuTorch %s's stock runner %s with this program: %s. To run it there: %s.",
+                        release, outcome, o.why, o.fix)
 
