@@ -11,6 +11,7 @@ differs by model (SmolLM2's ``lm_head`` is its most sensitive layer; another mod
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -19,7 +20,7 @@ import torch
 
 from exporters.config import Algorithm, QuantConfig
 from exporters.manifest import QualityWarning, Remedy
-from exporters.quant.apply import quantize_model
+from exporters.quant.apply import progress_as, quantize_model
 from exporters.quant.calibration import CalibrationText
 from exporters.quant.schemes import DATA_FREE, EIGHT_BIT_FORM, GROUP_SIZE_QUANTUM
 from exporters.runtime.memory import return_freed_memory
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from exporters.plan import QuantPlan
 
 MB = 1e6
+
+log = logging.getLogger("exporters")
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,14 @@ def advise(plan: QuantPlan, threshold: float, ppl_increase: float, quantized: Ca
     own_bytes = stored_bytes(quantized)
     loss = eager_perplexity - baseline_perplexity
     found = []
-    for change in changes(quant):
+    remedies = changes(quant)
+    for i, change in enumerate(remedies, start=1):
+        log.info("  advise: remedy %d/%d, %s (%s): a fresh copy of the model, quantized and scored", i, len(remedies),
+                 change.what, change.overrides)
         variant = dataclasses.replace(quant, **change.fields)
         model = build()
-        quantize_model(model, variant, plan.tied_storage, calibration=calibration(model), shortcuts=plan.shortcuts)
+        with progress_as(f"advise, {change.what}"):
+            quantize_model(model, variant, plan.tied_storage, calibration=calibration(model), shortcuts=plan.shortcuts)
         perplexity = score(model)
         extra = stored_bytes(model) - own_bytes
         del model

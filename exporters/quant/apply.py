@@ -7,11 +7,12 @@ with ("eager"). The model is changed in place: a copy would double the peak memo
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import logging
 import time
 from dataclasses import asdict, dataclass, is_dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -41,16 +42,31 @@ def _describe(config: Any) -> dict[str, Any]:
     return {k: v if isinstance(v, (int, float, bool, str, type(None))) else str(v) for k, v in fields.items()}
 
 
+#: What the progress lines say is quantizing: the quantize stage, or another stage quantizing a copy (advise).
+PROGRESS_LABEL: contextvars.ContextVar[str] = contextvars.ContextVar("progress_label", default="quantize")
+
+
+@contextlib.contextmanager
+def progress_as(label: str) -> Iterator[None]:
+    """Within this block, quantization's progress lines start with ``label`` instead of ``quantize``."""
+    token = PROGRESS_LABEL.set(label)
+    try:
+        yield
+    finally:
+        PROGRESS_LABEL.reset(token)
+
+
 def _progress(role: str, total: int) -> Callable[[], None]:
     """Called once per quantized layer; logs at every quarter of ``total`` when there are many layers."""
     done = 0
+    label = PROGRESS_LABEL.get()
     marks = {max(1, round(total * k * PROGRESS_STEP)) for k in range(1, int(1 / PROGRESS_STEP))} if total >= 16 else set()
 
     def step() -> None:
         nonlocal done
         done += 1
         if done in marks:
-            log.info("  quantize: %s %d/%d layers", role, done, total)
+            log.info("  %s: %s %d/%d layers", label, role, done, total)
 
     return step
 
@@ -129,8 +145,8 @@ def _mix(model: CausalLM, cfg: QuantConfig, computing: dict[str, RolePlan], text
         stored[embed] = Precision(scheme, EMBEDDING_SCHEMES[scheme], group).bytes(*embed.weight.shape)
     uniform = weight_bytes(model, stored, dtype_bytes)
     started = time.perf_counter()
-    log.info("  quantize: measuring %d layers' KL at 4 and 8 bits for quant.size_budget=%s", len(candidates),
-             cfg.size_budget)
+    log.info("  %s: measuring %d layers' KL at 4 and 8 bits for quant.size_budget=%s", PROGRESS_LABEL.get(),
+             len(candidates), cfg.size_budget)
     sensitivity = measure_sensitivity(model, candidates, text, _progress("sensitivity", len(candidates)))
     upgraded = choose_upgrades(candidates, sensitivity, int((cfg.size_budget - 1.0) * uniform))
     for name in upgraded:
