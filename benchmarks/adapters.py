@@ -133,7 +133,8 @@ def export_llm_with(base_overrides: list[str], adapters: dict[str, Path], run_di
     in a YAML file (``--config``)."""
     from omegaconf import OmegaConf
 
-    config = OmegaConf.from_dotlist([*base_overrides, f"export.output_dir={run_dir}",
+    settings = [o for o in base_overrides if not o.startswith("hydra.")]  # --config is read without Hydra
+    config = OmegaConf.from_dotlist([*settings, f"export.output_dir={run_dir}",
                                      f"export.output_name={run_dir / 'model.pte'}"])
     config.multimethod = {"share_mutable_buffers": True, "methods": [
         {"method_name": "forward", "lora_config": None},

@@ -175,6 +175,8 @@ def export_llm_overrides(p: Preset, args: argparse.Namespace, out: Path, hf_dir:
         f"quantization.group_size={args.group_size}", f"export.max_seq_length={args.max_seq_len}",
         f"export.max_context_length={args.max_seq_len}", f"export.output_dir={out}",
         f"export.output_name={out / 'model.pte'}",
+        # export_llm is a Hydra app too: its run folder (log, composed config) beside its program, not outputs/<date>/.
+        f"hydra.run.dir={out / 'hydra'}",
     ]
 
 

@@ -53,11 +53,19 @@ class Footprint:
         return self.peaks[self.peak_stage]
 
     def describe(self) -> str:
-        return (f"{self.parameters / 1e9:.2f}B parameters: {self.stored / GB:.1f} GB as stored, {self.eager / GB:.1f} GB "
-                f"quantized in memory, {self.program / GB:.1f} GB in the program; estimated peak RSS "
+        return (f"{_count(self.parameters)} parameters: {_size(self.stored)} as stored, {_size(self.eager)} "
+                f"quantized in memory, {_size(self.program)} in the program; estimated peak RSS "
                 f"{self.peak / GB:.1f} GB (in {self.peak_stage})"
                 + (f", {self.advise / GB:.1f} GB if the quality warning's remedies are measured (advise)"
                    if self.advise is not None and self.advise > self.peak else ""))
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def _size(n: int) -> str:
+    return f"{n / GB:.1f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} KB"
 
 
 def _quantized_bytes(rows: int, cols: int, scheme: str | None, group_size: int, table: dict, dtype_bytes: int,
