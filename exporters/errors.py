@@ -13,6 +13,18 @@ class ValidationFailed(Exception):
     """The exported program ran but does not match the eager model within tolerance."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a stage: which stage it stopped (the pipeline raises it in place of the bare KeyboardInterrupt)."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__(stage)
+        self.stage = stage
+
+    def describe(self) -> str:
+        return (f"interrupted during the {self.stage} stage. No program was written (a provisional file is removed, "
+                "a finished earlier export in this folder is left as it was).")
+
+
 #: Exceptions the CLI reports as a one-paragraph message and a non-zero exit code.
 REPORTED_ERRORS = (UserError, ModelError, ValidationFailed)
 

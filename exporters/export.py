@@ -22,7 +22,7 @@ from exporters.stages.artifacts import ExportResult
 from exporters.stages.baseline import BaselineStage
 from exporters.stages.bench import BenchStage
 from exporters.stages.capture import CaptureStage
-from exporters.stages.emit import EmitStage
+from exporters.stages.emit import EmitStage, provisional_path
 from exporters.stages.finalize import FinalizeStage
 from exporters.stages.load import LoadStage
 from exporters.stages.lower import LowerStage
@@ -64,8 +64,20 @@ def run_stages(cfg: DictConfig | ExportConfig | ExportPlan, output_dir: str | Pa
     out.mkdir(parents=True, exist_ok=True)
     reset_peak_rss()  # the manifest's peak RSS is this export's, not the process's whole life
     ctx = ExportContext(plan=plan, output_dir=out)
-    artifact = run_pipeline(build_stages(plan), ctx, stop_after=stop_after, observer=observer)
+    try:
+        artifact = run_pipeline(build_stages(plan), ctx, stop_after=stop_after, observer=observer)
+    except BaseException:  # an error or Ctrl-C: no program that looks written (a rejected one is kept on purpose)
+        remove_provisional_files(out / plan.output_name)
+        raise
     return artifact, ctx
+
+
+def remove_provisional_files(final: Path) -> None:
+    """The program and data files emit wrote under their provisional name, before finalize accepted them."""
+    provisional = provisional_path(final)
+    for path in final.parent.glob(f"{provisional.stem}*"):
+        if path.suffix in (".pte", ".ptd"):
+            path.unlink(missing_ok=True)
 
 
 def export(cfg: DictConfig | ExportConfig | ExportPlan, output_dir: str | Path | None = None) -> ExportResult:

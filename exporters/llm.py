@@ -20,7 +20,7 @@ from exporters import console
 from exporters.export import export
 from exporters.plan import plan_export
 from exporters.config import CONF_DIR, register_configs
-from exporters.errors import REPORTED_ERRORS
+from exporters.errors import REPORTED_ERRORS, Interrupted
 from exporters.sweeps.job import run_sweep_job
 from exporters.sweeps.search import objective
 
@@ -48,6 +48,9 @@ def run(cfg: DictConfig) -> float | None:
     except REPORTED_ERRORS as e:
         log.error("export failed: %s", e)
         sys.exit(2)
+    except Interrupted as e:
+        log.error("export %s", e.describe())
+        sys.exit(130)
     console.log_export_summary(result)
     return None
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Protocol, Sequence
 
+from exporters.errors import Interrupted
 from exporters.runtime.memory import return_freed_memory
 
 if TYPE_CHECKING:
@@ -121,6 +122,25 @@ def check_order(stages: Sequence[Stage]) -> None:
         seen.add(stage.name)
 
 
+def _run_stage(stage: Stage, handed: list[Any], ctx: ExportContext, step: str, observer: StageObserver | None) -> Any:
+    """One stage, timed and logged. ``handed`` holds the only reference to its input, which the stage is given
+    (popped from the list): what the stage drops is freed."""
+    log.info("%s %s ...", step, stage.name)
+    if observer:
+        observer.stage_started(stage.name)
+    start = time.perf_counter()
+    with heartbeat(stage.name):
+        artifact = stage.run(handed.pop(), ctx)
+    return_freed_memory()
+    seconds = time.perf_counter() - start
+    ctx.timings[stage.name] = round(seconds, 3)
+    if observer:
+        observer.stage_finished(stage.name, seconds)
+    summary = stage.describe(artifact, ctx)
+    log.info("%s %s done in %.1f s%s", step, stage.name, seconds, f": {summary}" if summary else "")
+    return artifact
+
+
 def run_pipeline(stages: Sequence[Stage], ctx: ExportContext, artifact: Any = None,
                  stop_after: str | None = None, observer: StageObserver | None = None) -> Any:
     """Run ``stages`` in order (up to and including ``stop_after``, if given); the last artifact."""
@@ -130,20 +150,11 @@ def run_pipeline(stages: Sequence[Stage], ctx: ExportContext, artifact: Any = No
         raise ValueError(f"stop_after={stop_after!r} is not a stage of this export: {', '.join(names)}")
     todo = list(stages[:names.index(stop_after) + 1] if stop_after else stages)
     for index, stage in enumerate(todo, start=1):
-        log.info("[%d/%d] %s ...", index, len(todo), stage.name)
-        if observer:
-            observer.stage_started(stage.name)
-        start = time.perf_counter()
-        handed = [artifact]
-        artifact = None  # the stage gets the only reference: what it drops is freed
-        with heartbeat(stage.name):
-            artifact = stage.run(handed.pop(), ctx)
-        return_freed_memory()
-        seconds = time.perf_counter() - start
-        ctx.timings[stage.name] = round(seconds, 3)
-        if observer:
-            observer.stage_finished(stage.name, seconds)
-        summary = stage.describe(artifact, ctx)
-        log.info("[%d/%d] %s done in %.1f s%s", index, len(todo), stage.name, seconds,
-                 f": {summary}" if summary else "")
+        handed, artifact = [artifact], None
+        try:
+            artifact = _run_stage(stage, handed, ctx, f"[{index}/{len(todo)}]", observer)
+        except Interrupted:
+            raise
+        except KeyboardInterrupt:  # Ctrl-C: say which stage it stopped, not a page of traceback
+            raise Interrupted(stage.name) from None
     return artifact
