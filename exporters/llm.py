@@ -14,7 +14,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
 from exporters import console
 from exporters.export import export
@@ -34,9 +34,6 @@ def run(cfg: DictConfig) -> float | None:
     output_dir = cfg.export.output_dir or hydra_cfg.runtime.output_dir
     console.VERBOSE = bool(cfg.verbose) or bool(hydra_cfg.verbose)
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
-    if cfg.bench is None:
-        with open_dict(cfg):
-            cfg.bench = sweeping  # people sweep to compare: measure every job
     if sweeping:
         row = run_sweep_job(cfg, Path(output_dir), hydra_cfg.job.num, list(hydra_cfg.overrides.task),
                             console.log_file(), console.VERBOSE)

@@ -64,7 +64,7 @@ def test_the_converted_graph_quantizes_exactly_the_models_linear_layers(tmp_path
     assert quantized_linears(eager.graph) == len(linears)
     ops = {str(n.target) for n in eager.graph.graph.nodes if n.op == "call_function"}
     assert "quantized_decomposed.quantize_per_tensor.default" in ops  # static activations
-    record = ctx.quantization.pt2e
+    record = ctx.pt2e
     assert record.linears == len(linears) and record.activations == "static"
     assert record.calibration is not None and record.calibration.tokens > 0
     assert ctx.quantization.tied_embedding == "untied"
@@ -111,5 +111,5 @@ def test_coreml_quantizer_lowers_through_its_delegate(exported, quantizer: str) 
     result = exported(*_overrides(quantizer))
     m = result.manifest
     assert m.validation.passed and m.validation.checked == "undelegated programs"
-    assert m.quantization.pt2e.quantizer == quantizer and m.quantization.pt2e.linears == 2 * 7 + 1
+    assert m.quantization.pt2e.quantizer == quantizer and m.quantization.pt2e.linears == 7 * m.constant_methods["get_n_layers"] + 1  # each layer's and lm_head
     assert (m.quantization.pt2e.calibration is not None) == quantizer.startswith("coreml_8a")

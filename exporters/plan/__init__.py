@@ -71,9 +71,15 @@ class ExportPlan:
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def check_config(cfg: ExportConfig, overrides: Sequence[str] = ()) -> None:
+def bench_runs(cfg: ExportConfig, sweeping: bool) -> bool:
+    """``bench``: as set, else on in sweeps (people sweep to compare: every job measured) and off for one export."""
+    return cfg.bench if cfg.bench is not None else sweeping
+
+
+def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: bool = False) -> None:
     """Every rule that spans fields or needs a registry, each checked by the module that owns those keys;
-    ``overrides``: the command line's, for what composition hides (an adapter named twice)."""
+    ``overrides``: the command line's, for what composition hides (an adapter named twice); ``sweeping``: a job of
+    a sweep (``-m``)."""
     from exporters.program.backends import check_backend
     from exporters.program.cache import check_kv_cache
     from exporters.program.methods import check_methods
@@ -88,7 +94,7 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = ()) -> None:
     check_adapter_overrides(list(overrides))
     check_family(cfg.model.family)
     check_adapter_folders(cfg.model.adapters)
-    check_backend(cfg.backend, cfg.bench)
+    check_backend(cfg.backend, bench_runs(cfg, sweeping))
     check_quant(cfg.quant, cfg.backend)
     check_pt2e(cfg.quant, cfg.backend, list(cfg.model.adapters))
     check_methods(cfg.export, cfg.backend)
@@ -113,7 +119,7 @@ def _closed_sets() -> None:
     exhaustive(KvDType, KV_CACHES, "models.kv_cache.KV_CACHES")
 
 
-def resolve(cfg: ExportConfig, resolved_config: dict[str, Any]) -> ExportPlan:
+def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool = False) -> ExportPlan:
     """The plan of a config that passed :func:`check_config`."""
     from exporters.program.methods import MethodTable
 
@@ -144,18 +150,18 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any]) -> ExportPlan:
     return ExportPlan(
         config=cfg, resolved_config=resolved_config, lengths=lengths, backend=backend, layout=layout,
         weights=ex.weights, components=(decoder,), validation=validation,
-        bench=cfg.benchmark if cfg.bench else None,
+        bench=cfg.benchmark if bench_runs(cfg, sweeping) else None,
         keep_undelegated=cfg.validate and (pt2e or not backend.runs_here),
         shortcuts=shortcuts, memory_limit_gb=ex.memory_limit_gb, output_name=ex.output_name)
 
 
-def plan_export(cfg: DictConfig | ExportConfig, overrides: Sequence[str] = ()) -> ExportPlan:
+def plan_export(cfg: DictConfig | ExportConfig, overrides: Sequence[str] = (), sweeping: bool = False) -> ExportPlan:
     """Check ``cfg`` (composed by Hydra, or already typed) and resolve its plan, before any work. ``overrides``:
-    the command line it was composed from, when there is one."""
+    the command line it was composed from, when there is one; ``sweeping``: the export is a job of a sweep."""
     if isinstance(cfg, DictConfig):
         typed, resolved = to_typed(cfg), OmegaConf.to_container(cfg, resolve=True)
     else:
         typed, resolved = cfg, dataclasses.asdict(cfg)
     assert isinstance(resolved, dict)
-    check_config(typed, overrides)
-    return resolve(typed, resolved)
+    check_config(typed, overrides, sweeping)
+    return resolve(typed, resolved, sweeping)

@@ -124,7 +124,7 @@ class FinalizeStage(Stage):
                              attention=str(model.args.attention),
                              parameters=parameters,
                              converted_from=ckpt.converted_from),
-            quantization=ctx.quantization,
+            quantization=dataclasses.replace(ctx.quantization, pt2e=ctx.pt2e) if ctx.pt2e else ctx.quantization,
             validation=report,
             tokenizer_files=copied,
             timings_s=timings,

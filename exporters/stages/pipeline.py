@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from exporters.config import ExportConfig
     from exporters.footprint import Footprint
     from exporters.plan import ExportPlan
-    from exporters.manifest import AppliedQuantization, QualityWarning, ValidationReport
+    from exporters.manifest import AppliedQuantization, Pt2eRecord, QualityWarning, ValidationReport
     from exporters.stages.artifacts import BaselineQuality
     from models.checkpoint import Checkpoint
     from models.lora import LoraAdapter
@@ -56,6 +56,7 @@ class ExportContext:
     footprint: Footprint | None = None  # load: the export's estimated memory
     baseline: BaselineQuality | None = None  # baseline (with validation only)
     quantization: AppliedQuantization | None = None  # quantize
+    pt2e: Pt2eRecord | None = None  # pt2e: what the backend's quantizer did (finalize records it with quantize's)
     validation: ValidationReport | None = None  # validate (with validation only)
     adapter_validation: dict[str, ValidationReport] = field(default_factory=dict)  # validate: one per adapter
     quality_warning: QualityWarning | None = None  # advise: the perplexity increase passed its threshold

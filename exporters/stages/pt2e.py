@@ -28,12 +28,11 @@ class Pt2eStage(Stage):
         text = (read_calibration(quant.calibration, component.build.source, model, ctx)
                 if PT2E_QUANTIZERS[quant.pt2e].calibrated else None)
         graph, record = quantize_graph(model, prompt, quant.pt2e, text)
-        assert ctx.quantization is not None
-        ctx.quantization.pt2e = record
+        ctx.pt2e = record
         # The copy validation runs (exporters.quant.pt2e.reference_graph), only with validation.
         return EagerModel(model, quantized=True, graph=graph,
                           reference_graph=reference_graph(graph) if self.plan.validation else None)
 
     def describe(self, quantized: EagerModel, ctx: ExportContext) -> str:
-        assert ctx.quantization is not None and ctx.quantization.pt2e is not None
-        return ctx.quantization.pt2e.describe()
+        assert ctx.pt2e is not None
+        return ctx.pt2e.describe()

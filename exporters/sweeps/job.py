@@ -107,7 +107,7 @@ def _child_main(request: dict[str, Any]) -> int:
         with console.native_stderr_to(request["log_file"]):
             check_known_keys(OmegaConf.create(request["config"]))  # before the merge, which would only crash on one
             cfg = OmegaConf.merge(OmegaConf.structured(ExportConfig), request["config"])
-            result = export(plan_export(cfg, overrides=request["overrides"]), out)
+            result = export(plan_export(cfg, overrides=request["overrides"], sweeping=True), out)
     except REPORTED_ERRORS as e:
         log.error("export failed: %s", e)
         (out / FAILED_FILE).write_text(f"{e}\n")
