@@ -111,5 +111,6 @@ def test_coreml_quantizer_lowers_through_its_delegate(exported, quantizer: str) 
     result = exported(*_overrides(quantizer))
     m = result.manifest
     assert m.validation.passed and m.validation.checked == "undelegated programs"
-    assert m.quantization.pt2e.quantizer == quantizer and m.quantization.pt2e.linears == 7 * m.constant_methods["get_n_layers"] + 1  # each layer's and lm_head
+    linears = 7 * m.constant_methods["get_n_layers"] + 1  # each layer's seven and lm_head
+    assert m.quantization.pt2e.quantizer == quantizer and m.quantization.pt2e.linears == linears
     assert (m.quantization.pt2e.calibration is not None) == quantizer.startswith("coreml_8a")
