@@ -136,7 +136,7 @@ class TiedEmbeddingStorage(Choice):
 
 @dataclass
 class ArchOverrides:
-    """Architecture fields; ``null`` means "take it from the checkpoint's config.json"."""
+    """The config.json field of this name, set over the checkpoint's; null: the checkpoint's own."""
 
     hidden_size: Optional[int] = None
     intermediate_size: Optional[int] = None
@@ -153,6 +153,7 @@ class ArchOverrides:
 
 @dataclass
 class ModelConfig:
+    # The option's name (conf/model/<name>.yaml), used in run folder names and sweep summaries.
     name: str = MISSING
     # Model family (a key of models.families.FAMILIES): the checkpoint must be of this family, and
     # random_init without a checkpoint builds one. null = take the family from config.json.
@@ -160,11 +161,14 @@ class ModelConfig:
     # Which loader builds the checkpoint directory: "hf" reads model.checkpoint, "tiny" writes a
     # deterministic tiny checkpoint of model.family (with tokenizer) into the run folder first.
     source: Source = Source.hf
+    # A Hugging Face checkpoint folder or a GGUF file (model.source=hf).
     checkpoint: Optional[str] = None
     # Build the architecture with seeded random weights (benchmarks, size studies): needs config.json
     # from model.checkpoint, or every field of model.arch.
     random_init: bool = False
+    # Seed of random weights and of the tiny model's training.
     seed: int = 0
+    # Architecture fields set over config.json's (or, with random_init and no checkpoint, the whole architecture).
     arch: ArchOverrides = field(default_factory=ArchOverrides)
     # LoRA adapters as PEFT saves them (a folder with adapter_config.json + adapter_model.safetensors), by name:
     # model.adapters={chat: /path/a, summary: /path/b}. Each adds the base's methods with the adapter applied,
@@ -184,6 +188,7 @@ class CalibrationConfig:
 
 @dataclass
 class QuantConfig:
+    # The option's name (conf/quant/<name>.yaml), used in run folder names and sweep summaries.
     name: str = MISSING
     # Dtype of weights and activations left in floating point.
     dtype: DType = DType.fp32
@@ -196,6 +201,7 @@ class QuantConfig:
     lm_head_group_size: int = "${.group_size}"  # type: ignore[assignment]
     # Scheme of the token embedding (a key of exporters.quant.schemes.EMBEDDING_SCHEMES), or null.
     embedding: Optional[str] = None
+    # Elements per group of the embedding's scheme; 0 = one scale per row.
     embedding_group_size: int = 32
     # Scheme of LoRA adapters' A and B matrices (model.adapters), a key of LINEAR_SCHEMES, or null: kept in
     # the model's dtype (fp32 beside an 8da4w base). 8da8w stores them in 8 bits, one scale per row.
@@ -206,6 +212,7 @@ class QuantConfig:
     algorithm: Algorithm = Algorithm.hqq
     # The token embedding is a lookup (it has no inputs to calibrate with): "hqq" or "affine".
     embedding_algorithm: Algorithm = Algorithm.hqq
+    # The text calibrated algorithms and static activation scales learn from.
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     # Mixed precision: let the weights grow to this multiple of the uniform scheme's size (e.g. 1.05), spent on
     # 8 bits for the 4-bit linears (and lm_head) whose rounding costs the most KL per byte, measured on the
@@ -226,9 +233,11 @@ class QuantConfig:
 
 @dataclass
 class BackendConfig:
+    # The option's name (conf/backend/<name>.yaml), used in run folder names and sweep summaries.
     name: str = MISSING
     # Key of exporters.program.backends.PARTITIONERS; `options` are passed to it.
     partitioner: str = MISSING
+    # The partitioner's own settings (a free dict: the one place extra keys belong).
     options: Dict[str, Any] = field(default_factory=dict)
     # Whether prefill/forward get a dynamic token dimension (else a fixed export.prefill_chunk).
     dynamic_shapes: bool = True
@@ -290,6 +299,7 @@ class ExportSection:
     shortcuts: bool = True
     # Token count of prefill on static-shape backends.
     prefill_chunk: int = 32
+    # The program's file name in the run folder (a .ptd beside it takes the same stem).
     output_name: str = "model.pte"
     # Where to write; null = the Hydra run folder.
     output_dir: Optional[str] = None
@@ -352,17 +362,26 @@ class SweepConfig:
 
 @dataclass
 class ExportConfig:
+    # Which checkpoint, its family and architecture, its adapters (the model group: conf/model).
     model: ModelConfig = MISSING
+    # Dtype, schemes per layer role, algorithm, validation tolerances (the quant group: conf/quant).
     quant: QuantConfig = MISSING
+    # Partitioner, shapes, attention kernels and what its kernels run (the backend group: conf/backend).
     backend: BackendConfig = MISSING
+    # Lengths, methods and their names, cache, where the weights and the program are written.
     export: ExportSection = field(default_factory=ExportSection)
+    # Run the program in the ExecuTorch runtime against the eager model before calling it good (false: skip).
     validate: bool = True
+    # The validation text and its windows, the quality warning, the int8 cache's tolerance.
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     # Measure the program's speed and memory in the runtime after writing it (manifest "bench").
     # null = on in sweeps (-m), off for a single export.
     bench: Optional[bool] = None
+    # How the bench stage measures: prompt length, decode steps, repeats.
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    # Settings of sweeps (-m): memory per job for the local parallel launcher.
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    # The objective and bound of an Optuna search (--config-name search).
     search: SearchConfig = field(default_factory=SearchConfig)
     # Show library warnings, library logging and the ExecuTorch runtime's own output on the console.
     verbose: bool = False

@@ -54,6 +54,17 @@ def run(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     register_configs()  # the schema and the launcher resolvers, before Hydra composes
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:  # every field with what it does (Hydra's lists none)
+        from exporters.config import compose
+        from exporters.help import help_text
+
+        overrides = [a for a in sys.argv[1:] if a not in ("--help", "-h") and not a.startswith("-")]
+        try:
+            print(help_text(compose(*overrides)), end="")
+        except Exception as e:  # a bad override: say so as an export would
+            print(f"cannot compose {' '.join(overrides)}: {e}", file=sys.stderr)
+            sys.exit(2)
+        return
     run()
 
 
