@@ -82,8 +82,10 @@ PROBED_STEPS = (
     # validation: loading the program, then each side's predictions
     ("exporters.runtime.programs:LoadedProgram", ("__init__",)),
     ("exporters.stages.validate", ("window_logits", "driven")),
-    # advise: per remedy, a fresh model built, quantized (GPTQ's calibrated pass within it) and scored
-    ("exporters.stages.advise", ("build_model", "window_logits")),
+    # advise: per remedy, a fresh model built (the plan's ModelBuild, as load builds it), quantized (GPTQ's
+    # calibrated pass within it) and scored
+    ("exporters.plan.component:ModelBuild", ("build",)),
+    ("exporters.stages.advise", ("window_logits",)),
     ("exporters.quant.advice", ("quantize_model",)),
     ("exporters.quant.apply", ("quantize_calibrated",)),
 )

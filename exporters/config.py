@@ -275,7 +275,8 @@ class ExportSection:
     # goes on past max_context_len (each layer then attends to the sink and the last max_context_len - sink
     # positions; StreamingLLM). 0 = off: generation stops at the end of the cache.
     attention_sink: int = 0
-    # Methods to capture, each a key of exporters.program.methods.METHOD_KINDS.
+    # Methods to capture, each a key of exporters.program.methods.METHOD_KINDS: prefill (a prompt), decode (one
+    # token), forward (what the stock runners call), verify (speculative decoding's check of draft.tokens proposals).
     methods: List[str] = field(default_factory=lambda: ["prefill", "decode", "forward"])
     # How the methods are named (a key of exporters.program.layouts.LAYOUTS): "stock" runs correctly in every
     # ExecuTorch stock runner we test; "split" uses the prefill/decode names, which ExecuTorch 1.5.1's
@@ -303,6 +304,13 @@ class ExportSection:
     output_name: str = "model.pte"
     # Where to write; null = the Hydra run folder.
     output_dir: Optional[str] = None
+
+
+@dataclass
+class DraftConfig:
+    # Tokens proposed per speculative step (K): the verify method (export.methods) takes the last accepted token and
+    # K proposed ones in one call, and returns the logits of every position (docs/speculative.md).
+    tokens: int = 4
 
 
 @dataclass
@@ -370,6 +378,8 @@ class ExportConfig:
     backend: BackendConfig = MISSING
     # Lengths, methods and their names, cache, where the weights and the program are written.
     export: ExportSection = field(default_factory=ExportSection)
+    # Speculative decoding: how many tokens a step proposes for the verify method to check.
+    draft: DraftConfig = field(default_factory=DraftConfig)
     # Run the program in the ExecuTorch runtime against the eager model before calling it good (false: skip).
     validate: bool = True
     # The validation text and its windows, the quality warning, the int8 cache's tolerance.

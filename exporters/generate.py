@@ -23,6 +23,8 @@ USAGE = """usage: python -m exporters.generate <run folder or .pte> prompt="..."
 keys: prompt (required), max_new_tokens=128, temperature=0.0 (greedy), top_p=1.0, seed=0,
       chat=false (apply tokenizer_config.json's chat template), tokenizer=<tokenizer.json>,
       adapter=<name> (a LoRA adapter exported with model.adapters; unset: the base model),
+      speculative=auto (lookup: propose tokens from the text so far, checked by the program's verify method;
+      none: one token per call; auto: a draft model's when the program has one, else none),
       verbose=false (true: the runtime's own log lines too)
 """
 
@@ -37,6 +39,7 @@ class GenerateArgs:
     chat: bool = False
     tokenizer: Optional[str] = None
     adapter: Optional[str] = None
+    speculative: str = "auto"
     verbose: bool = False
 
 
@@ -65,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
             prompt = chat_prompt(generator.pte, args.prompt) if args.chat else args.prompt
             ids = generator.encode(prompt)
             generator.check_fits(ids)
+            generator.speculation(args.speculative)  # a bad value or a program without verify: said before the prompt
             sys.stdout.write(args.prompt if not args.chat else "")
             result = generator.generate(
                 prompt, SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed), prompt_ids=ids,
-                on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
+                on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()), speculative=args.speculative,
             )
     except REPORTED_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
@@ -78,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n\n[loaded {loaded} in {generator.load_seconds:.2f} s; "
           f"prompt {len(result.prompt_ids)} tokens at {result.prompt_tokens_per_s:.1f} tok/s; "
           f"generated {len(result.new_ids)} tokens at {result.generation_tokens_per_s:.1f} tok/s; "
-          f"stopped: {result.stop_reason}]", file=sys.stderr)
+          + (f"{result.speculation.describe()}; " if result.speculation else "")
+          + f"stopped: {result.stop_reason}]", file=sys.stderr)
     return 0
 
 

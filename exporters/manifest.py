@@ -148,6 +148,25 @@ def _size(n: int) -> str:
 
 
 @dataclass
+class SpeculativeCheck:
+    """The verify method (speculative decoding's check) against the eager model, and speculation against plain
+    decoding in the program itself, on the validation text's first prompt."""
+
+    verify_kl: float  # mean KL(eager || verify) over the K + 1 positions one verify call returns
+    verify_top1: float  # share of those positions whose greedy token agrees
+    tokens: int  # greedy tokens generated each way
+    identical: bool  # lookup-speculative greedy output == plain greedy output, token for token
+    proposer: str  # what proposed the tokens (lookup)
+    acceptance: float  # proposals kept / proposals checked
+    tokens_per_call: float  # tokens generated per call of the target after the prompt
+
+    def describe(self) -> str:
+        return (f"verify KL {self.verify_kl:.2g}; {self.proposer} speculation "
+                f"{'matches' if self.identical else 'DIFFERS FROM'} plain greedy decoding over {self.tokens} tokens "
+                f"({self.acceptance:.0%} of proposals kept, {self.tokens_per_call:.2f} tokens per call)")
+
+
+@dataclass
 class ValidationReport:
     """The program against the eager model it came from, on the validation text (``exporters.runtime.quality``)."""
 
@@ -178,6 +197,7 @@ class ValidationReport:
     # The program's KV cache is quantized (export.kv_dtype) and the eager side kept this cache dtype instead: the
     # measures include what the quantized cache costs, and the tolerance adds validation.int8_kv's.
     eager_kv_dtype: str | None = None
+    speculative: SpeculativeCheck | None = None  # the program has a verify method
 
     @property
     def ppl_increase(self) -> float:
@@ -204,7 +224,7 @@ class ValidationReport:
         return (f"{verdict}{where}: {self.scored_tokens} tokens of {self.text} through "
                 f"{self.methods['prompt']}+{self.methods['step']}, KL {self.kl_mean:.2g} (limit {t['max_kl']:.2g}), "
                 f"top-1 {self.top1_agreement:.1%} (min {t['min_top1']:.0%}), top-5 overlap {self.top5_overlap:.1%}, "
-                f"{self.quality()}")
+                f"{self.quality()}" + (f"; {self.speculative.describe()}" if self.speculative else ""))
 
 
 @dataclass

@@ -399,6 +399,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         # True while lm_head and the embedding are one unquantized matrix (exporters.quant.tied decides it).
         self.tied_head = args.tie_word_embeddings
+        self.every_position = False  # forward's default for full_logits (logits_of_every_position)
         if args.tie_word_embeddings:
             self.tie_weights()
         for name, _ in args.rope:
@@ -502,7 +503,21 @@ class CausalLM(nn.Module):
                   for g in dict.fromkeys(a.layer_geometry)}
         return [LayerInputs(ropes[rope], *caches[g]) for rope, g in zip(a.layer_rope, a.layer_geometry)]
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, full_logits: bool = False) -> torch.Tensor:
+    @contextmanager
+    def logits_of_every_position(self) -> Iterator[None]:
+        """Within this block ``forward`` returns every position's logits [1, T, V] unless told otherwise: how a
+        method that needs them (verify) is captured with only the tokens and the position as its inputs."""
+        self.every_position = True
+        try:
+            yield
+        finally:
+            self.every_position = False
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, full_logits: bool | None = None) -> torch.Tensor:
+        """Logits of the last token [1, V] (of every position [1, T, V] with ``full_logits``; None: as
+        :meth:`logits_of_every_position` says) for ``tokens`` [1, T] placed at ``input_pos``.."""
+        if full_logits is None:
+            full_logits = self.every_position
         seq_len = tokens.shape[1]
         call = self.args.max_call_tokens
         if isinstance(seq_len, int) and seq_len > call:  # eager only (a method takes at most `call`): in calls

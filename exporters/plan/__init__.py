@@ -97,8 +97,9 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: boo
     check_backend(cfg.backend, bench_runs(cfg, sweeping))
     check_quant(cfg.quant, cfg.backend)
     check_pt2e(cfg.quant, cfg.backend, list(cfg.model.adapters))
-    check_methods(cfg.export, cfg.backend)
-    check_kv_cache(cfg.export, cfg.backend, cfg.quant)
+    lengths = Lengths.of_config(cfg)
+    check_methods(cfg.export, cfg.backend, lengths, cfg.draft, cfg.quant)
+    check_kv_cache(cfg.export, cfg.backend, cfg.quant, lengths)
     check_weights(cfg.export, cfg.backend, list(cfg.model.adapters))
     check_validation(cfg.validation, enabled=cfg.validate)
     for name in ("prompt_tokens", "steps", "repeats"):
@@ -125,7 +126,7 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
 
     _closed_sets()
     ex, backend = cfg.export, BackendCapabilities.of(cfg.backend)
-    lengths = Lengths.of(ex.max_seq_len, ex.max_context_len, backend.dynamic_shapes, ex.prefill_chunk)
+    lengths = Lengths.of_config(cfg)
     shortcuts = shortcuts_allowed(ex.shortcuts)
     layout = LAYOUTS[ex.layout]
     decoder = Component(
@@ -134,8 +135,7 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
                          backend.attention),
         quant=QuantPlan(cfg.quant, ex.tied_embedding, shortcuts),
         # Aliases (forward = prefill) are emitted as renamed plans, a shortcut through the emitter's internals.
-        methods=MethodTable.of(ex.methods, layout, lengths.call_tokens, backend.dynamic_shapes, ex.prefill_chunk,
-                               list(cfg.model.adapters), share_graphs=shortcuts))
+        methods=MethodTable.of(ex.methods, layout, lengths, list(cfg.model.adapters), share_graphs=shortcuts))
     pt2e = cfg.quant.pt2e is not None
     validation = None
     if cfg.validate:

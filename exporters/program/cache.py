@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING
 from exporters.config import Attention, DType, KvDType
 from exporters.errors import UserError
 from exporters.manifest import KvCacheEntry
-from exporters.plan.lengths import Lengths
 from models.decoder import CausalLM
 
 if TYPE_CHECKING:
     from exporters.config import BackendConfig, ExportSection, QuantConfig
+    from exporters.plan.lengths import Lengths
 
 
-def check_kv_cache(ex: ExportSection, backend: BackendConfig, quant: QuantConfig) -> None:
+def check_kv_cache(ex: ExportSection, backend: BackendConfig, quant: QuantConfig, lengths: Lengths) -> None:
     """A quantized cache needs ExecuTorch's LLM kernels (``llama::custom_quantized_sdpa``), which only backends with
     ``attention: custom_ops`` put in their programs; an attention sink needs room for a window beside it."""
-    check_attention_sink(ex, backend)
+    check_attention_sink(ex, backend, lengths)
     if ex.kv_dtype == KvDType.fp32:
         return
     if backend.attention != Attention.custom_ops:
@@ -38,11 +38,10 @@ def check_kv_cache(ex: ExportSection, backend: BackendConfig, quant: QuantConfig
         )
 
 
-def check_attention_sink(ex: ExportSection, backend: BackendConfig) -> None:
+def check_attention_sink(ex: ExportSection, backend: BackendConfig, lengths: Lengths) -> None:
     sink = ex.attention_sink
     if sink == 0:
         return
-    lengths = Lengths.of_section(ex, backend.dynamic_shapes)
     context, call = lengths.context, lengths.call_tokens
     if not backend.dynamic_shapes:
         raise UserError(

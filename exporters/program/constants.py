@@ -27,6 +27,8 @@ def constant_methods(args: DecoderArgs, checkpoint: Checkpoint, specs: dict[str,
         values["get_eos_ids"] = list(checkpoint.eos_ids)
     for name, spec in specs.items():
         values[f"get_{name}_max_tokens"] = spec.max_tokens
+        if spec.kind == "verify":  # the proposals verify checks per call (the last accepted token comes first)
+            values["get_draft_tokens"] = spec.max_tokens - 1
     if args.attention_sink:  # export_llm's names: the sink, and the window each layer sees beside it
         values["attention_sink_size"] = args.attention_sink
         values["attention_sink_window_size"] = args.max_context_len - args.attention_sink

@@ -100,11 +100,12 @@ LAYOUTS: dict[str, Layout] = {
     # Correct in every stock runner above: they run the prompt and the tokens through forward; apps
     # that share the KV cache between methods (Module with share_memory_arenas=true, our generate)
     # run the prompt through prefill and each token through the faster one-token method.
-    "stock": Layout("stock", {"prefill": "prefill", "decode": "decode_one_token", "forward": "forward"},
+    "stock": Layout("stock", {"prefill": "prefill", "decode": "decode_one_token", "forward": "forward",
+                              "verify": "verify"},
                     "ExecuTorch's stock runners and apps that share memory arenas between methods"),
     # ExecuTorch's two-method naming (prefill/decode). Needs a runtime that shares memory arenas
     # between methods; ExecuTorch 1.5.1's stock runner does not and prints wrong text with it.
-    "split": Layout("split", {"prefill": "prefill", "decode": "decode", "forward": "forward"},
+    "split": Layout("split", {"prefill": "prefill", "decode": "decode", "forward": "forward", "verify": "verify"},
                     f"apps whose runtime shares memory arenas between methods (not ExecuTorch {EXECUTORCH}'s stock runner)"),
 }
 

@@ -20,17 +20,20 @@ from exporters.plan.lengths import Lengths
 from exporters.program.layouts import Layout, check_layout
 
 if TYPE_CHECKING:
-    from exporters.config import BackendConfig, ExportSection
+    from exporters.config import BackendConfig, DraftConfig, ExportSection, QuantConfig
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     """What a method computes and how many tokens a call takes: plain data, decided once in the export plan."""
 
-    kind: str  # prefill, decode or forward: what the method computes (its name depends on the layout)
+    kind: str  # prefill, decode, forward or verify: what the method computes (its name depends on the layout)
     min_tokens: int
     max_tokens: int
     dynamic: bool  # a token dimension of any length in [min_tokens, max_tokens] (else exactly max_tokens)
+    # The logits of every position [1, T, V] (verify), else of the last one [1, V]: captured within the model's
+    # logits_of_every_position, so the method's inputs stay the tokens and the position.
+    full_logits: bool = False
 
     @property
     def example_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,35 +64,43 @@ def _inputs(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(1, num_tokens, dtype=torch.int64), torch.tensor([0], dtype=torch.int64)
 
 
-def _many_tokens(kind: str, max_tokens: int, dynamic: bool, chunk: int) -> MethodSpec:
-    """Prompt processing: dynamic T in [1, max_tokens], or a fixed chunk on static-shape backends."""
-    return MethodSpec(kind, 1, max_tokens, True) if dynamic else MethodSpec(kind, chunk, chunk, False)
+def _many_tokens(kind: str, lengths: Lengths) -> MethodSpec:
+    """Prompt processing: dynamic T in [1, call_tokens], or a fixed chunk on static-shape backends."""
+    chunk = lengths.prefill_chunk
+    return MethodSpec(kind, 1, lengths.call_tokens, True) if chunk is None else MethodSpec(kind, chunk, chunk, False)
 
 
-def prefill(max_tokens: int, dynamic: bool, chunk: int) -> MethodSpec:
-    return _many_tokens("prefill", max_tokens, dynamic, chunk)
+def prefill(lengths: Lengths) -> MethodSpec:
+    return _many_tokens("prefill", lengths)
 
 
-def forward(max_tokens: int, dynamic: bool, chunk: int) -> MethodSpec:
+def forward(lengths: Lengths) -> MethodSpec:
     """What ExecuTorch's stock ``TextLLMRunner`` calls, for both prompt and generation."""
-    return _many_tokens("forward", max_tokens, dynamic, chunk)
+    return _many_tokens("forward", lengths)
 
 
-def decode(max_tokens: int, dynamic: bool, chunk: int) -> MethodSpec:
+def decode(lengths: Lengths) -> MethodSpec:
     return MethodSpec("decode", 1, 1, False)
 
 
-METHOD_KINDS: dict[str, Callable[[int, bool, int], MethodSpec]] = {
+def verify(lengths: Lengths) -> MethodSpec:
+    """Speculative decoding's check: the last accepted token and K proposed ones at their positions, the logits of
+    every position out, the cache written at all of them. A rejected token is rolled back by position alone: the
+    next call writes over its slot, and no query attends past its own position (docs/speculative.md)."""
+    return MethodSpec("verify", lengths.verify_tokens, lengths.verify_tokens, False, full_logits=True)
+
+
+METHOD_KINDS: dict[str, Callable[[Lengths], MethodSpec]] = {
     "prefill": prefill,
     "decode": decode,
     "forward": forward,
+    "verify": verify,
 }
 
 
-def method_specs(kinds: list[str], layout: Layout, max_tokens: int, dynamic: bool,
-                 chunk: int) -> dict[str, MethodSpec]:
-    """Program method name (as the layout names it) -> what that method is; ``max_tokens``: ``Lengths.call_tokens``."""
-    return {layout.name_of(kind): METHOD_KINDS[kind](max_tokens, dynamic, chunk) for kind in kinds}
+def method_specs(kinds: list[str], layout: Layout, lengths: Lengths) -> dict[str, MethodSpec]:
+    """Program method name (as the layout names it) -> what that method is."""
+    return {layout.name_of(kind): METHOD_KINDS[kind](lengths) for kind in kinds}
 
 
 def same_graph_aliases(specs: dict[str, MethodSpec], adapter_of: dict[str, str | None]) -> dict[str, str]:
@@ -101,7 +112,7 @@ def same_graph_aliases(specs: dict[str, MethodSpec], adapter_of: dict[str, str |
     first: dict[tuple[Any, ...], str] = {}
     aliases = {}
     for name, spec in specs.items():
-        key = (adapter_of.get(name), spec.min_tokens, spec.max_tokens, spec.dynamic)
+        key = (adapter_of.get(name), spec.min_tokens, spec.max_tokens, spec.dynamic, spec.full_logits)
         if key in first:
             aliases[name] = first[key]
         else:
@@ -121,11 +132,11 @@ class MethodTable:
     aliases: dict[str, str]
 
     @staticmethod
-    def of(kinds: Sequence[str], layout: Layout, call_tokens: int, dynamic: bool, chunk: int,
-           adapters: Sequence[str] = (), share_graphs: bool = True) -> "MethodTable":
+    def of(kinds: Sequence[str], layout: Layout, lengths: Lengths, adapters: Sequence[str] = (),
+           share_graphs: bool = True) -> "MethodTable":
         """The base methods as ``layout`` names them, then each adapter's (``<adapter>_<method>``);
         ``share_graphs=False`` captures every method on its own (the stock path: no renamed plans)."""
-        base = method_specs(list(kinds), layout, call_tokens, dynamic, chunk)
+        base = method_specs(list(kinds), layout, lengths)
         specs, adapter_of = dict(base), dict.fromkeys(base)
         for adapter in adapters:
             for name, spec in base.items():
@@ -154,7 +165,8 @@ class MethodTable:
                        "methods)" if adapters else "")
 
 
-def check_methods(ex: ExportSection, backend: BackendConfig) -> None:
+def check_methods(ex: ExportSection, backend: BackendConfig, lengths: Lengths, draft: DraftConfig,
+                  quant: QuantConfig) -> None:
     """The methods, their layout and their token bounds make a program something can run."""
     if not ex.methods:
         raise UserError("export.methods is empty: give at least one of " + ", ".join(sorted(METHOD_KINDS)) + ".")
@@ -169,7 +181,26 @@ def check_methods(ex: ExportSection, backend: BackendConfig) -> None:
             "export.max_context_len=null (the cache is then max_seq_len long)."
         )
     check_layout(ex.layout, ex.methods, backend.dynamic_shapes)
-    most = Lengths.of_section(ex, backend.dynamic_shapes).call_tokens
+    most = lengths.call_tokens
     if not backend.dynamic_shapes and not (1 <= ex.prefill_chunk <= most):
         raise UserError(f"export.prefill_chunk={ex.prefill_chunk} must be between 1 and {most} "
                         "(export.max_seq_len, and below the cache length).")
+    check_verify(ex, lengths, draft, quant)
+
+
+def check_verify(ex: ExportSection, lengths: Lengths, draft: DraftConfig, quant: QuantConfig) -> None:
+    """verify takes draft.tokens + 1 tokens in one call: no more than a call may write, which is what lets a ring
+    cache roll back a rejected token by position (its slots keep room for one call's tokens beyond its window)."""
+    if draft.tokens < 1:
+        raise UserError(f"draft.tokens={draft.tokens}: a speculative step proposes at least 1 token.")
+    if "verify" in ex.methods and draft.tokens > lengths.call_tokens - 1:
+        raise UserError(
+            f"draft.tokens={draft.tokens}: verify takes the last accepted token and draft.tokens proposals in one call, "
+            f"at most {lengths.call_tokens} tokens here (export.max_seq_len, below the cache length), so "
+            f"draft.tokens must be between 1 and {lengths.call_tokens - 1}. Lower draft.tokens or raise "
+            "export.max_seq_len.")
+    if "verify" in ex.methods and quant.pt2e is not None:
+        raise UserError(
+            f"export.methods has verify and quant.pt2e={quant.pt2e}: the backend's quantizer converts the prompt "
+            "method's graph, which returns the last position's logits only, and verify needs every position's. Use a "
+            "torchao scheme (quant=8da4w, ...) or leave verify out.")

@@ -62,8 +62,23 @@ methods by name:
 
 Validated in the ExecuTorch {tested} Python runtime; the runner outcomes follow each release's method choice
 and are tested with that release's runner by llm-exporters' test suite.
-
+{_speculative(m)}
 {_runtime_needs(m)}"""
+
+
+def _speculative(m: Manifest) -> str:
+    """How to speculate with the verify method, when the program has one."""
+    if "verify" not in m.methods:
+        return ""
+    k = m.constant_methods.get("get_draft_tokens")
+    check = m.validation.speculative if m.validation else None
+    measured = (f" Validated: {check.describe()}." if check else "")
+    return f"""
+Speculative decoding: `verify` takes the last accepted token and `get_draft_tokens` = {k} proposed tokens
+(int64[1, {k + 1 if k is not None else "K+1"}], their first position int64[1]) and returns the logits of every
+position; keep proposals left to right while each is the model's own choice, then continue from the first position
+not kept: the next call overwrites the rejected tokens' cache slots, so nothing else rolls back.{measured}
+"""
 
 
 def _runtime_needs(m: Manifest) -> str:

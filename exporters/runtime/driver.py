@@ -8,6 +8,7 @@ them (``executorch.runtime`` does; see ``exporters.program.layouts`` for the sto
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +30,8 @@ class MethodRoles:
     step: str  # runs one new token
     prompt_max_tokens: int  # tokens one call of the prompt method takes at most
     prompt_fixed: bool  # static shape: a call takes exactly prompt_max_tokens
+    verify: str | None = None  # checks speculative proposals: a fixed number of tokens, every position's logits
+    verify_tokens: int = 0  # the tokens one verify call takes (the last accepted one and the proposals)
 
     @staticmethod
     def choose(methods: dict[str, MethodShape]) -> "MethodRoles":
@@ -42,11 +45,14 @@ class MethodRoles:
                 "only), so nothing can generate or validate with them. Add decode to export.methods."
             )
         prompt = next((by_kind[k] for k in ("prefill", "forward") if k in by_kind), step)
-        return MethodRoles(prompt, step, 0, False).with_prompt(prompt, methods[prompt])
+        verify = by_kind.get("verify")
+        return MethodRoles(prompt, step, 0, False, verify, methods[verify].max_tokens if verify else 0).with_prompt(
+            prompt, methods[prompt])
 
     def with_prompt(self, name: str, shape: MethodShape) -> "MethodRoles":
         """The same roles with another method for the prompt."""
-        return MethodRoles(name, self.step, shape.max_tokens, shape.min_tokens == shape.max_tokens > 1)
+        return dataclasses.replace(self, prompt=name, prompt_max_tokens=shape.max_tokens,
+                                   prompt_fixed=shape.min_tokens == shape.max_tokens > 1)
 
 
 def program_context_len(program: Any) -> int:
@@ -70,7 +76,8 @@ def program_method_shapes(program: Any, adapter: str | None = None) -> dict[str,
         kind = KIND_OF_NAME[base]
         key = f"get_{name}_max_tokens"
         max_tokens = int(program.constant(key)) if key in names else (1 if kind == "decode" else context - 1)
-        shapes[name] = MethodShape(kind, 1 if kind == "decode" or dynamic else max_tokens, max_tokens)
+        fixed = kind == "verify" or not dynamic  # verify always takes exactly its tokens
+        shapes[name] = MethodShape(kind, 1 if kind == "decode" else max_tokens if fixed else 1, max_tokens)
     where = getattr(program, "path", "the program")
     if not shapes and adapter is not None:
         known = str(program.constant(ADAPTERS_CONSTANT)) if ADAPTERS_CONSTANT in names else ""
@@ -122,6 +129,14 @@ class Driver:
             logits = self.decode_one_token(tokens[:, p:p + 1], start + p)
         assert logits is not None, "prefill needs at least one token"
         return logits.reshape(-1, logits.shape[-1])[-1:]
+
+    def verify(self, tokens: list[int], position: int) -> torch.Tensor:
+        """Every position's logits [T, V] of ``tokens`` (exactly ``roles.verify_tokens``) placed at ``position``..,
+        through the verify method; the cache is written at each of those positions."""
+        assert self.roles.verify is not None and len(tokens) == self.roles.verify_tokens
+        logits = self.program.run(self.roles.verify, torch.tensor([tokens], dtype=torch.int64),
+                                  self._positions(position, len(tokens)))[0]
+        return logits.reshape(len(tokens), -1)
 
     def decode_one_token(self, token: torch.Tensor | int, position: int) -> torch.Tensor:
         """Logits after one token [1, 1] at ``position``. -> [1, V]"""

@@ -11,28 +11,19 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
 from exporters.runtime.driver import Driver, program_context_len
-from exporters.errors import UserError
+from exporters.errors import UserError, check_choice
 from exporters.manifest import program_in
 from exporters.program.weights import data_files_beside
 from exporters.runtime.programs import LoadedProgram
+from exporters.runtime.sampling import SamplingConfig, distribution, sample  # noqa: F401 (re-exported)
+from exporters.runtime.speculative import SPECULATIVE, SpeculationStats, StopReason, continue_text
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE, TextTokenizer, find_tokenizer, load_tokenizer
-
-
-StopReason = Literal["eos", "max_new_tokens", "context_full"]
-
-
-@dataclass
-class SamplingConfig:
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
 
 
 @dataclass
@@ -43,6 +34,7 @@ class GenerationResult:
     stop_reason: StopReason
     prompt_tokens_per_s: float
     generation_tokens_per_s: float
+    speculation: SpeculationStats | None = None  # speculative decoding's numbers, when it ran
 
 
 def resolve_program(path: str | Path) -> Path:
@@ -110,18 +102,6 @@ def chat_prompt(pte: Path, prompt: str) -> str:
     return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
 
 
-def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> int:
-    logits = logits.float().reshape(-1, logits.shape[-1])[-1]
-    if cfg.temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / cfg.temperature, dim=-1)
-    if cfg.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(0) - sorted_probs < cfg.top_p  # smallest set reaching top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-
-
 class Generator:
     """A loaded program plus its metadata; ``generate`` may be called repeatedly (the cache is rewritten)."""
 
@@ -158,35 +138,39 @@ class Generator:
                 f"export.max_context_len, or with export.attention_sink=4 to go on past the end of the cache."
             )
 
+    def speculation(self, speculative: str) -> bool:
+        """Whether generation speculates: ``lookup`` needs the program's verify method; ``auto`` speculates with a
+        draft model when the program holds one (none does yet), ``none`` never."""
+        check_choice("speculative", speculative, SPECULATIVE, "Use speculative=lookup, auto or none.")
+        if speculative == "lookup" and self.driver.roles.verify is None:
+            raise UserError(f"speculative=lookup needs the program's verify method, and {self.pte.name} has none: "
+                            "export with verify in export.methods (export.methods=[prefill,decode,forward,verify]), "
+                            "or use speculative=none.")
+        return speculative == "lookup"
+
     def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
-                 prompt_ids: list[int] | None = None) -> GenerationResult:
+                 prompt_ids: list[int] | None = None, speculative: str = "auto") -> GenerationResult:
+        """``speculative``: ``lookup`` proposes tokens from the text so far and checks them with the verify method
+        (exactly the target's output: exporters.runtime.speculative), ``none`` decodes one token per call."""
+        speculating = self.speculation(speculative)
         ids = prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(ids)
-        gen = torch.Generator().manual_seed(cfg.seed)
         stream = TextStream(self.tokenizer)
         start = time.perf_counter()
         logits = self.driver.prefill(torch.tensor([ids], dtype=torch.int64))
         prompt_s = time.perf_counter() - start
-        new_ids: list[int] = []
-        stop: StopReason = "max_new_tokens"
         start = time.perf_counter()
-        while len(new_ids) < cfg.max_new_tokens:
-            token = sample(logits, cfg, gen)
-            if token in self.eos_ids:
-                stop = "eos"
-                break
-            new_ids.append(token)
+
+        def emit(token: int) -> None:
             piece = stream.push(token)
             if piece and on_text:
                 on_text(piece)
-            position = len(ids) + len(new_ids) - 1
-            if position + 1 >= self.max_context_len and not self.endless:
-                stop = "context_full"
-                break
-            logits = self.driver.decode_one_token(token, position)
+
+        new_ids, stop, stats = continue_text(self.driver, ids, logits, cfg, self.eos_ids, self.max_context_len,
+                                             self.endless, speculating, emit)
         gen_s = time.perf_counter() - start
         return GenerationResult(
             text=stream.emitted, prompt_ids=ids, new_ids=new_ids, stop_reason=stop,
             prompt_tokens_per_s=len(ids) / prompt_s if prompt_s else float("inf"),
-            generation_tokens_per_s=len(new_ids) / gen_s if gen_s and new_ids else 0.0,
+            generation_tokens_per_s=len(new_ids) / gen_s if gen_s and new_ids else 0.0, speculation=stats,
         )

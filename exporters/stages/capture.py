@@ -8,6 +8,7 @@ the very same base weight tensors and the backend stores those once.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -52,8 +53,10 @@ class CaptureStage(Stage):
         reference = source if quantized.reference_graph is None else quantized.reference_graph
 
         def capture(name: str, spec: MethodSpec, module: torch.nn.Module = source) -> torch.export.ExportedProgram:
-            with torch.no_grad(), active_adapter(model, adapter_of[name]):
-                return torch.export.export(module, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes, strict=False)
+            every = model.logits_of_every_position() if spec.full_logits else contextlib.nullcontext()
+            with torch.no_grad(), active_adapter(model, adapter_of[name]), every:
+                return torch.export.export(module, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes,
+                                           strict=False)
 
         def capture_all(module: torch.nn.Module = source) -> dict[str, torch.export.ExportedProgram]:
             return {name: capture(name, spec, module) for name, spec in specs.items() if name not in aliases}

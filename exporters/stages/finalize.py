@@ -114,7 +114,7 @@ class FinalizeStage(Stage):
             },
             layout=layout_manifest(self.plan.layout, {name: spec.kind for name, spec in base.items()},
                                    roles.prompt, roles.step,
-                                   all(spec.dynamic for spec in base.values() if spec.kind != "decode"),
+                                   all(spec.dynamic for spec in base.values() if spec.kind in ("prefill", "forward")),
                                    slides=written.constant_methods["get_max_seq_len"] <
                                    written.constant_methods["get_max_context_len"],
                                    sink=model.args.attention_sink > 0),

@@ -7,7 +7,7 @@ captures the model once, has the backend's quantizer annotate, calibrate and con
 
 from __future__ import annotations
 
-from exporters.program.methods import METHOD_KINDS
+from exporters.program.methods import MethodSpec
 from exporters.quant.pt2e import PT2E_QUANTIZERS, quantize_graph, reference_graph
 from exporters.stages.artifacts import EagerModel
 from exporters.stages.pipeline import ExportContext, Stage
@@ -24,7 +24,7 @@ class Pt2eStage(Stage):
         assert quant.pt2e is not None
         # The graph calibrated is the prompt method with any number of tokens: it takes the single tokens of
         # decode too, so one calibration serves every method (on static-shape backends as well).
-        prompt = METHOD_KINDS["prefill"](self.plan.lengths.call_tokens, True, 1)
+        prompt = MethodSpec("prefill", 1, self.plan.lengths.call_tokens, True)
         text = (read_calibration(quant.calibration, component.build.source, model, ctx)
                 if PT2E_QUANTIZERS[quant.pt2e].calibrated else None)
         graph, record = quantize_graph(model, prompt, quant.pt2e, text)

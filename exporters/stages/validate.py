@@ -16,11 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from exporters.config import DType, KvDType
-from exporters.manifest import Checked, ValidationReport
+from exporters.manifest import Checked, SpeculativeCheck, ValidationReport
 from exporters.plan.validation import Tolerance
 from exporters.program.methods import MethodSpec
 from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
+from exporters.runtime.sampling import SamplingConfig
+from exporters.runtime.speculative import continue_text
 from exporters.runtime.quality import (Agreement, TextWindows, full_sequence, negative_log_likelihood, perplexity,
                                        window_logits)
 from exporters.stages.artifacts import BaselineQuality, WrittenProgram
@@ -123,9 +125,45 @@ def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, role
     return Predictions(eager, ours, forward_kl)
 
 
-def judge(scores: Scores, forward_kl: float | None, t: Tolerance) -> list[str]:
+#: Greedy tokens the speculative check generates each way (plain and lookup-speculative) from the first prompt.
+SPECULATIVE_TOKENS = 24
+
+
+def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
+                      text: TextWindows, adapter: str | None, context: int) -> SpeculativeCheck:
+    """The verify method on the first window after its prompt, against the eager model's logits at the same positions;
+    then greedy generation from that prompt with lookup speculation against without, in the program."""
+    window, prompt = text.windows[0], text.prompt_tokens
+    k = roles.verify_tokens - 1
+    driver = Driver(program, roles)
+    with torch.no_grad(), active_adapter(model, adapter), model.kv_dtype_as(KvDType.fp32):
+        eager = full_sequence(model)(window)  # [L, V]: row i follows token i
+    model.reset_cache()
+    checked = window[0, prompt:prompt + k + 1].tolist()  # the text's own next tokens, as if all were proposed
+    driver.prefill(window[:, :prompt])
+    ours = driver.verify((checked + checked[-1:] * k)[:k + 1], prompt).float()  # exactly k + 1 (a short window)
+    agreement = Agreement.of(eager[prompt:prompt + len(checked)], ours[:len(checked)])
+    ids = window[0, :prompt].tolist()
+    greedy = SamplingConfig(max_new_tokens=SPECULATIVE_TOKENS)
+    runs = {}
+    for speculating in (False, True):
+        first = driver.prefill(window[:, :prompt])
+        runs[speculating] = continue_text(driver, ids, first, greedy, set(), context, False, speculating)
+    stats = runs[True][2]
+    assert stats is not None
+    return SpeculativeCheck(verify_kl=float(agreement.kl.mean()), verify_top1=float(agreement.top1.double().mean()),
+                            tokens=len(runs[False][0]), identical=runs[True][0] == runs[False][0], proposer="lookup",
+                            acceptance=round(stats.acceptance, 4), tokens_per_call=round(stats.tokens_per_call, 4))
+
+
+def judge(scores: Scores, forward_kl: float | None, t: Tolerance,
+          speculative: SpeculativeCheck | None = None) -> list[str]:
     """Each measure outside its tolerance, with its value and limit (empty: the program passes)."""
     return [
+        *([f"verify differs from the eager model: KL {speculative.verify_kl:.3g} > {t.max_kl:.3g}"]
+          if speculative is not None and speculative.verify_kl > t.max_kl else []),
+        *(["speculative greedy decoding (lookup, verify) differs from plain greedy decoding"]
+          if speculative is not None and not speculative.identical else []),
         *([f"KL {scores.kl_mean:.3g} > {t.max_kl:.3g}"] if scores.kl_mean > t.max_kl else []),
         *([f"top-1 agreement {scores.top1:.1%} < {t.min_top1:.0%}"] if scores.top1 < t.min_top1 else []),
         *([f"perplexity {scores.perplexity:.4g} > eager {scores.eager_perplexity:.4g} x (1 + {t.max_ppl_drift:.3g})"]
@@ -137,7 +175,8 @@ def judge(scores: Scores, forward_kl: float | None, t: Tolerance) -> list[str]:
 
 def report(scores: Scores, failures: list[str], forward_kl: float | None, roles: MethodRoles, checked: Checked,
            baseline: BaselineQuality, t: Tolerance, runs_in: DType | None = None,
-           adapter: str | None = None, eager_kv_dtype: str | None = None) -> ValidationReport:
+           adapter: str | None = None, eager_kv_dtype: str | None = None,
+           speculative: SpeculativeCheck | None = None) -> ValidationReport:
     text, total = baseline.text, scores.agreement
     return ValidationReport(
         passed=not failures,
@@ -164,6 +203,7 @@ def report(scores: Scores, failures: list[str], forward_kl: float | None, roles:
         runs_in=str(runs_in) if runs_in is not None else None,
         per_window=scores.per_window,
         eager_kv_dtype=eager_kv_dtype,
+        speculative=speculative,
     )
 
 
@@ -190,9 +230,12 @@ class ValidateStage(Stage):
             roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
             found = predictions(written.model, program, roles, specs, ctx.baseline.text, adapter, eager_graphs)
             scores = Scores.of(found, ctx.baseline.text)
-            failures = judge(scores, found.forward_kl, plan.tolerance)
+            speculative = (speculative_check(written.model, program, roles, ctx.baseline.text, adapter,
+                                             self.plan.lengths.context) if roles.verify else None)
+            failures = judge(scores, found.forward_kl, plan.tolerance, speculative)
             verdict = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, plan.tolerance,
-                             plan.runs_in, adapter, str(plan.eager_kv_dtype) if plan.eager_kv_dtype else None)
+                             plan.runs_in, adapter, str(plan.eager_kv_dtype) if plan.eager_kv_dtype else None,
+                             speculative)
             if adapter is None:
                 ctx.validation = verdict
             else:

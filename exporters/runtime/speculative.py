@@ -1,0 +1,145 @@
+"""Speculative decoding over a program's ``verify`` method: propose K tokens cheaply, check them in one call.
+
+Each step feeds ``verify`` the last accepted token and K proposals at their positions and gets every position's
+logits back; proposals are accepted left to right while the target agrees, and the first disagreement is replaced by
+the target's own token (the "bonus" token when all K agree). Rejected tokens are rolled back by position alone:
+the next call writes over their cache slots, and no query attends past its own position.
+
+The output is exactly the target's: greedily, token for token what plain greedy decoding gives; with sampling, the
+standard accept/reject rule (a deterministic proposal ``d`` is kept with probability ``p(d)``, else a token is drawn
+from ``p`` without ``d``), so every token is distributed as the target's.
+
+Proposers: ``lookup`` (prompt-lookup decoding: the tokens that followed the latest earlier occurrence of the text's
+last n-gram) needs no second model. A draft model's methods (``draft``) come with the draft component.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Literal
+
+import torch
+
+from exporters.runtime.sampling import SamplingConfig, distribution, sample
+
+if TYPE_CHECKING:
+    from exporters.runtime.driver import Driver
+
+Speculative = Literal["auto", "lookup", "none"]
+SPECULATIVE: tuple[str, ...] = ("auto", "lookup", "none")
+StopReason = Literal["eos", "max_new_tokens", "context_full"]
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation did in one generation: proposals checked and kept, and calls of the target."""
+
+    steps: int = 0  # verify calls
+    proposed: int = 0  # proposals checked (K per verify call)
+    accepted: int = 0  # proposals kept
+    target_calls: int = 0  # verify and one-token calls of the target after the prompt
+    tokens: int = 0  # tokens generated
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_call(self) -> float:
+        return self.tokens / self.target_calls if self.target_calls else 0.0
+
+    def describe(self) -> str:
+        return (f"speculative: {self.accepted}/{self.proposed} proposals accepted ({self.acceptance:.0%}), "
+                f"{self.tokens_per_call:.2f} tokens per target call")
+
+
+def lookup_proposals(ids: list[int], k: int, max_ngram: int = 3) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens of ``ids`` (n from
+    ``max_ngram`` down to 1); none if no suffix occurred before."""
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        suffix = ids[-n:]
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == suffix:
+                follow = ids[start + n:start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+@dataclass
+class Acceptance:
+    """The accept/reject rule for one verify call: which proposals are kept and the token after them."""
+
+    kept: list[int] = field(default_factory=list)
+    next_token: int = -1
+
+
+def accept(logits: torch.Tensor, proposals: list[int], choose: Callable[[torch.Tensor], torch.Tensor],
+           generator: torch.Generator, greedy: bool) -> Acceptance:
+    """``logits`` [K+1, V]: row i follows the i-th token fed (the last accepted one, then the proposals).
+    ``choose(row)`` gives the target's distribution (after temperature and top-p) of one row."""
+    result = Acceptance()
+    for i, proposal in enumerate(proposals):
+        row = logits[i]
+        if greedy:
+            target = int(row.argmax())
+            if target != proposal:
+                result.next_token = target
+                return result
+        else:
+            p = choose(row)
+            if float(torch.rand((), generator=generator)) >= float(p[proposal]):
+                rest = p.clone()
+                rest[proposal] = 0.0
+                if float(rest.sum()) <= 0:  # p was all on the proposal: it cannot be rejected (kept above)
+                    rest = p
+                result.next_token = int(torch.multinomial(rest / rest.sum(), 1, generator=generator))
+                return result
+        result.kept.append(proposal)
+    last = logits[len(proposals)]
+    result.next_token = int(last.argmax()) if greedy else int(torch.multinomial(choose(last), 1, generator=generator))
+    return result
+
+
+def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: SamplingConfig, eos_ids: set[int],
+                  max_context_len: int, endless: bool, speculating: bool, emit: Callable[[int], None] = lambda t: None,
+                  ) -> tuple[list[int], StopReason, SpeculationStats | None]:
+    """Generate after the prompt ``ids`` whose last logits are ``logits``: one token per call of the step method, or
+    with ``speculating`` several per call of ``verify`` (lookup proposals). The new tokens (each also given to
+    ``emit`` as it is decided), why generation stopped, and speculation's numbers."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    new_ids: list[int] = []
+    stop: StopReason = "max_new_tokens"
+    stats = SpeculationStats() if speculating else None
+    k = driver.roles.verify_tokens - 1
+    pending = [sample(logits, cfg, gen)]  # tokens chosen, not yet emitted
+    while pending and len(new_ids) < cfg.max_new_tokens:
+        token = pending.pop(0)
+        if token in eos_ids:
+            stop = "eos"
+            break
+        new_ids.append(token)
+        emit(token)
+        position = len(ids) + len(new_ids) - 1
+        if position + 1 >= max_context_len and not endless:
+            stop = "context_full"
+            break
+        if pending:  # accepted proposals, already checked: emitted without another call
+            continue
+        proposals = lookup_proposals(ids + new_ids, k) if stats is not None else []
+        if stats is not None and proposals and (endless or position + k < max_context_len):
+            proposals = (proposals + proposals[-1:] * k)[:k]  # verify takes exactly k: repeat the last
+            checked = accept(driver.verify([token, *proposals], position), proposals,
+                             lambda row: distribution(row, cfg), gen, greedy=cfg.temperature <= 0)
+            stats.steps, stats.proposed, stats.accepted = stats.steps + 1, stats.proposed + k, \
+                stats.accepted + len(checked.kept)
+            stats.target_calls += 1
+            pending = [*checked.kept, checked.next_token]
+            continue
+        logits = driver.decode_one_token(token, position)
+        if stats is not None:
+            stats.target_calls += 1
+        pending = [sample(logits, cfg, gen)]
+    if stats is not None:
+        stats.tokens = len(new_ids)
+    return new_ids, stop, stats

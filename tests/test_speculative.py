@@ -1,0 +1,123 @@
+"""Speculative decoding over the verify method (issue 41): exact output, rollback by position in every cache kind,
+validation that rejects a wrong verify, and the accept/reject rule's distribution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from exporters.errors import UserError, ValidationFailed
+from exporters.export import checked_config
+from exporters.runtime.generator import Generator, SamplingConfig
+from exporters.runtime.speculative import accept, lookup_proposals
+from tests.helpers import compose_config
+
+VERIFY = "export.methods=[prefill,decode,forward,verify]"
+# A prompt that repeats itself, so lookup proposes and the tiny model (trained on it) accepts.
+PROMPT = "The cache holds the keys and values of every token. The cache holds the keys and values"
+
+
+def test_lookup_proposes_what_followed_the_latest_earlier_occurrence() -> None:
+    assert lookup_proposals([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == [7, 5, 1]  # the latest "1 2 3"
+    assert lookup_proposals([4, 5, 6, 4, 5], 4) == [6, 4, 5]  # the longest suffix that occurred before
+    assert lookup_proposals([1, 2, 3], 4) == []  # nothing repeats
+    assert lookup_proposals([8, 8], 2) == [8]
+
+
+def test_greedy_acceptance_keeps_proposals_while_the_target_agrees() -> None:
+    logits = torch.full((4, 6), -10.0)
+    for row, token in enumerate([2, 3, 5, 1]):
+        logits[row, token] = 10.0
+    gen = torch.Generator()
+    kept = accept(logits, [2, 3, 4], lambda r: torch.softmax(r, -1), gen, greedy=True)
+    assert kept.kept == [2, 3] and kept.next_token == 5  # the target's own token replaces the first miss
+    every = accept(logits, [2, 3, 5], lambda r: torch.softmax(r, -1), gen, greedy=True)
+    assert every.kept == [2, 3, 5] and every.next_token == 1  # all kept: the bonus token after them
+
+
+def test_sampled_acceptance_gives_exactly_the_targets_distribution() -> None:
+    """A proposal kept with probability p(d), else a token drawn from p without d: the first token is p-distributed
+    whatever is proposed (checked empirically against p over 40k draws)."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(p).repeat(2, 1)
+    gen = torch.Generator().manual_seed(0)
+    for proposal in (0, 3):
+        counts = torch.zeros(4)
+        for _ in range(40_000):
+            a = accept(logits, [proposal], lambda r: torch.softmax(r, -1), gen, greedy=False)
+            counts[a.kept[0] if a.kept else a.next_token] += 1
+        assert torch.allclose(counts / counts.sum(), p, atol=0.01), (proposal, counts / counts.sum())
+
+
+def test_draft_tokens_must_fit_one_call() -> None:
+    # a cache of 8 positions: calls of at most 7 tokens, so at most 6 proposals
+    with pytest.raises(UserError, match=r"draft.tokens=8: verify takes .* at most 7 tokens .* between 1 and 6"):
+        checked_config(compose_config(VERIFY, "export.max_seq_len=8", "draft.tokens=8"))
+    with pytest.raises(UserError, match="draft.tokens=0"):
+        checked_config(compose_config("draft.tokens=0"))
+    with pytest.raises(UserError, match="verify needs every position's"):
+        checked_config(compose_config("export.methods=[prefill,decode,verify]", "export.layout=split",
+                                      "quant=pt2e_xnnpack_dynamic"))
+    checked_config(compose_config("export.max_seq_len=4"))  # without verify, draft.tokens does not matter
+
+
+@pytest.mark.parametrize("cache", [[], ["export.kv_dtype=int8"],
+                                   ["export.max_seq_len=8", "export.max_context_len=32", "export.attention_sink=4"]],
+                         ids=["linear", "int8", "sink"])
+def test_speculative_greedy_is_plain_greedy_in_every_cache(exported, cache: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """Rejected proposals are written into the cache and rolled back by position alone: the next tokens are exactly
+    plain greedy decoding's, in a linear, an int8 and a ring (sink) cache, in the runtime."""
+    result = exported("quant=8da4w", VERIFY, *cache)
+    m = result.manifest
+    assert m.constant_methods["get_draft_tokens"] == 4 and m.methods["verify"].tokens == [5, 5]
+    assert m.methods["verify"].outputs[0].shape == [1, 5, m.constant_methods["get_vocab_size"]]
+    assert all(o.result == "correct" for o in m.layout.stock_runners.values())  # the plain methods serve them
+    check = m.validation.speculative
+    assert check is not None and check.identical and check.verify_kl <= m.validation.tolerance["max_kl"], check
+    generator = Generator(result.pte_path)
+    greedy = SamplingConfig(max_new_tokens=40 if not cache or "int8" in cache[0] else 60)
+    plain = generator.generate(PROMPT, greedy, speculative="none")
+    fast = generator.generate(PROMPT, greedy, speculative="lookup")
+    assert fast.new_ids == plain.new_ids and plain.speculation is None
+    assert fast.speculation is not None and fast.speculation.accepted > 0, fast.speculation
+    assert fast.speculation.tokens_per_call > 1
+
+
+def test_a_program_without_verify_says_how_to_get_one(exported) -> None:  # type: ignore[no-untyped-def]
+    generator = Generator(exported().pte_path)
+    with pytest.raises(UserError, match=r"speculative=lookup needs the program's verify method.*export.methods"):
+        generator.generate(PROMPT, SamplingConfig(max_new_tokens=4), speculative="lookup")
+    assert generator.generate(PROMPT, SamplingConfig(max_new_tokens=4), speculative="auto").speculation is None
+
+
+@pytest.mark.slow
+def test_a_wrong_verify_is_rejected(tmp_path: Path) -> None:
+    """Negative control: verify's logits shifted by one token after capture (the other methods untouched) must fail
+    validation, and the program is kept only as model.rejected.pte."""
+    from exporters.export import build_stages
+    from exporters.plan import plan_export
+    from exporters.stages.pipeline import ExportContext, Stage, run_pipeline
+
+    class ShiftVerify(Stage):
+        name = "tamper"  # type: ignore[assignment]
+        after = ("capture",)
+
+        def run(self, captured, ctx):  # type: ignore[no-untyped-def]
+            graph = captured.programs["verify"].graph_module.graph
+            output = next(n for n in graph.nodes if n.op == "output")
+            logits = output.args[0][-1]
+            with graph.inserting_before(output):
+                rolled = graph.call_function(torch.ops.aten.roll.default, (logits, [1], [-1]))
+            output.args = ((*output.args[0][:-1], rolled),)
+            graph.lint()
+            captured.programs["verify"].graph_module.recompile()
+            return captured
+
+    plan = plan_export(compose_config(VERIFY, "validation.warn_ppl_increase=null"))
+    stages = build_stages(plan)
+    stages.insert([s.name for s in stages].index("capture") + 1, ShiftVerify(plan))
+    with pytest.raises(ValidationFailed, match="verify differs from the eager model"):
+        run_pipeline(stages, ExportContext(plan=plan, output_dir=tmp_path))
+    assert (tmp_path / "model.rejected.pte").exists() and not (tmp_path / "model.pte").exists()
