@@ -3,6 +3,7 @@
     python -m benchmarks.export          ours against ExecuTorch's export_llm on the same model, same run
     python -m benchmarks.cost_curve      export cost against model size, from benchmarks.export reports
     python -m benchmarks.generate        how much of a program's decode speed exporters.generate delivers
+    python -m benchmarks.speculative     speculative decoding (lookup) against plain decoding, per task
     python -m benchmarks.eager_quality   perplexity of the eager model, unquantized and quantized (no export)
     python -m benchmarks.load_memory     peak memory of loading a checkpoint, against its size
     python -m benchmarks.profile_memory  each export stage's peak RSS, and each step of emit

@@ -85,6 +85,16 @@ def test_speculative_greedy_is_plain_greedy_in_every_cache(exported, cache: list
     assert fast.speculation.tokens_per_call > 1
 
 
+def test_the_speculative_benchmark_measures_each_task(exported) -> None:  # type: ignore[no-untyped-def]
+    """benchmarks.speculative on the same program: both modes' speed, acceptance and identity per task."""
+    from benchmarks.speculative import TASKS, measure
+
+    found = measure(exported("quant=8da4w", VERIFY).pte_path.parent, tokens=12, repeats=1)
+    assert set(found) == set(TASKS)
+    for row in found.values():
+        assert row["identical"] and row["decode_tok_s"] > 0 and row["lookup_tok_s"] > 0 and row["tokens_per_call"] >= 1
+
+
 def test_a_program_without_verify_says_how_to_get_one(exported) -> None:  # type: ignore[no-untyped-def]
     generator = Generator(exported().pte_path)
     with pytest.raises(UserError, match=r"speculative=lookup needs the program's verify method.*export.methods"):
