@@ -103,15 +103,19 @@ def accept(logits: torch.Tensor, proposals: list[int], choose: Callable[[torch.T
 
 def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: SamplingConfig, eos_ids: set[int],
                   max_context_len: int, endless: bool, speculating: bool, emit: Callable[[int], None] = lambda t: None,
+                  seen: Callable[[torch.Tensor], None] | None = None,
                   ) -> tuple[list[int], StopReason, SpeculationStats | None]:
     """Generate after the prompt ``ids`` whose last logits are ``logits``: one token per call of the step method, or
     with ``speculating`` several per call of ``verify`` (lookup proposals). The new tokens (each also given to
-    ``emit`` as it is decided), why generation stopped, and speculation's numbers."""
+    ``emit`` as it is decided), why generation stopped, and speculation's numbers. ``seen``: told the logits each
+    token was chosen from, without speculation (validation reads how close the top two were)."""
     gen = torch.Generator().manual_seed(cfg.seed)
     new_ids: list[int] = []
     stop: StopReason = "max_new_tokens"
     stats = SpeculationStats() if speculating else None
     k = driver.roles.verify_tokens - 1
+    if seen:
+        seen(logits)
     pending = [sample(logits, cfg, gen)]  # tokens chosen, not yet emitted
     while pending and len(new_ids) < cfg.max_new_tokens:
         token = pending.pop(0)
@@ -139,6 +143,8 @@ def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: Sam
         logits = driver.decode_one_token(token, position)
         if stats is not None:
             stats.target_calls += 1
+        if seen:
+            seen(logits)
         pending = [sample(logits, cfg, gen)]
     if stats is not None:
         stats.tokens = len(new_ids)

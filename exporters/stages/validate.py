@@ -129,10 +129,16 @@ def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, role
 SPECULATIVE_TOKENS = 24
 
 
+#: A divergence of speculative from plain greedy decoding is a tie when plain decoding's top two logits there were
+#: closer than this many times the largest difference between verify's and the one-token method's logits.
+TIE_FACTOR = 4.0
+
+
 def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
                       text: TextWindows, adapter: str | None, context: int) -> SpeculativeCheck:
-    """The verify method on the first window after its prompt, against the eager model's logits at the same positions;
-    then greedy generation from that prompt with lookup speculation against without, in the program."""
+    """The verify method on the first window after its prompt, against the eager model's logits at the same positions
+    and against the one-token method's (how far the batched kernels round from the single-token ones); then greedy
+    generation from that prompt with lookup speculation against without, in the program."""
     window, prompt = text.windows[0], text.prompt_tokens
     k = roles.verify_tokens - 1
     driver = Driver(program, roles)
@@ -141,19 +147,32 @@ def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms
     model.reset_cache()
     checked = window[0, prompt:prompt + k + 1].tolist()  # the text's own next tokens, as if all were proposed
     driver.prefill(window[:, :prompt])
-    ours = driver.verify((checked + checked[-1:] * k)[:k + 1], prompt).float()  # exactly k + 1 (a short window)
-    agreement = Agreement.of(eager[prompt:prompt + len(checked)], ours[:len(checked)])
+    ours = driver.verify((checked + checked[-1:] * k)[:k + 1], prompt).float()[:len(checked)]  # exactly k + 1
+    agreement = Agreement.of(eager[prompt:prompt + len(checked)], ours)
+    driver.prefill(window[:, :prompt])
+    stepwise = torch.cat([driver.decode_one_token(t, prompt + j) for j, t in enumerate(checked)]).float()
+    noise = float((stepwise - ours).abs().max())
     ids = window[0, :prompt].tolist()
     greedy = SamplingConfig(max_new_tokens=SPECULATIVE_TOKENS)
+    margins: list[float] = []
+
+    def margin(logits: torch.Tensor) -> None:
+        top = logits.float().reshape(-1).topk(2).values
+        margins.append(float(top[0] - top[1]))
+
     runs = {}
     for speculating in (False, True):
         first = driver.prefill(window[:, :prompt])
-        runs[speculating] = continue_text(driver, ids, first, greedy, set(), context, False, speculating)
-    stats = runs[True][2]
+        runs[speculating] = continue_text(driver, ids, first, greedy, set(), context, False, speculating,
+                                          seen=None if speculating else margin)
+    plain, fast, stats = runs[False][0], runs[True][0], runs[True][2]
     assert stats is not None
-    return SpeculativeCheck(verify_kl=float(agreement.kl.mean()), verify_top1=float(agreement.top1.double().mean()),
-                            tokens=len(runs[False][0]), identical=runs[True][0] == runs[False][0], proposer="lookup",
-                            acceptance=round(stats.acceptance, 4), tokens_per_call=round(stats.tokens_per_call, 4))
+    diverged = next((i for i, (a, b) in enumerate(zip(plain, fast)) if a != b), None)
+    return SpeculativeCheck(
+        verify_kl=float(agreement.kl.mean()), verify_top1=float(agreement.top1.double().mean()), tokens=len(plain),
+        identical=plain == fast, proposer="lookup", acceptance=round(stats.acceptance, 4),
+        tokens_per_call=round(stats.tokens_per_call, 4), kernel_noise=noise, diverged_at=diverged,
+        margin_there=None if diverged is None else margins[diverged], tie_factor=TIE_FACTOR)
 
 
 def judge(scores: Scores, forward_kl: float | None, t: Tolerance,
@@ -162,8 +181,10 @@ def judge(scores: Scores, forward_kl: float | None, t: Tolerance,
     return [
         *([f"verify differs from the eager model: KL {speculative.verify_kl:.3g} > {t.max_kl:.3g}"]
           if speculative is not None and speculative.verify_kl > t.max_kl else []),
-        *(["speculative greedy decoding (lookup, verify) differs from plain greedy decoding"]
-          if speculative is not None and not speculative.identical else []),
+        *([f"speculative greedy decoding (lookup, verify) differs from plain greedy decoding at token "
+           f"{speculative.diverged_at}, where plain decoding's top two logits were {speculative.margin_there:.3g} apart: "
+           f"more than {speculative.tie_factor:g} x the {speculative.kernel_noise:.3g} verify and decode differ by"]
+          if speculative is not None and not speculative.matches else []),
         *([f"KL {scores.kl_mean:.3g} > {t.max_kl:.3g}"] if scores.kl_mean > t.max_kl else []),
         *([f"top-1 agreement {scores.top1:.1%} < {t.min_top1:.0%}"] if scores.top1 < t.min_top1 else []),
         *([f"perplexity {scores.perplexity:.4g} > eager {scores.eager_perplexity:.4g} x (1 + {t.max_ppl_drift:.3g})"]
