@@ -155,9 +155,12 @@ def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms
     ids = window[0, :prompt].tolist()
     greedy = SamplingConfig(max_new_tokens=SPECULATIVE_TOKENS)
     margins: list[float] = []
+    plain_rows: list[torch.Tensor] = []
 
     def margin(logits: torch.Tensor) -> None:
-        top = logits.float().reshape(-1).topk(2).values
+        row = logits.float().reshape(-1)
+        plain_rows.append(row)
+        top = row.topk(2).values
         margins.append(float(top[0] - top[1]))
 
     runs = {}
@@ -167,6 +170,17 @@ def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms
                                           seen=None if speculating else margin)
     plain, fast, stats = runs[False][0], runs[True][0], runs[True][2]
     assert stats is not None
+    # The same tokens through verify calls alone (every proposal kept): the cache written by the batched kernels, as
+    # in speculation. Under dynamically quantized activations a last-bit difference in one cached entry can flip an
+    # int8 rounding later, so this trajectory, not one call, measures how far the two paths drift apart.
+    driver.prefill(window[:, :prompt])
+    for start in range(0, len(plain) - 1, k + 1):
+        fed = plain[start:start + k + 1]
+        if prompt + start + k >= context:
+            break
+        rows = driver.verify((fed + fed[-1:] * k)[:k + 1], prompt + start).float()
+        for j in range(min(len(fed), len(plain_rows) - start - 1)):
+            noise = max(noise, float((rows[j] - plain_rows[start + j + 1]).abs().max()))
     diverged = next((i for i, (a, b) in enumerate(zip(plain, fast)) if a != b), None)
     return SpeculativeCheck(
         verify_kl=float(agreement.kl.mean()), verify_top1=float(agreement.top1.double().mean()), tokens=len(plain),
