@@ -36,10 +36,16 @@ def is_gguf(path: str | Path) -> bool:
         return fh.read(4) == GGUF_MAGIC
 
 
-def cache_root() -> Path:
-    """Where converted GGUF checkpoints live: ``$LLM_EXPORTERS_CACHE`` or ``~/.cache/llm-exporters``."""
+def llm_exporters_cache() -> Path:
+    """The project's cache folder: ``$LLM_EXPORTERS_CACHE``, else ``$XDG_CACHE_HOME/llm-exporters`` (``~/.cache``):
+    converted GGUF checkpoints, trained tiny checkpoints, the Qwen2.5-Coder pair."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llm-exporters"
-    return Path(os.environ.get("LLM_EXPORTERS_CACHE", default)) / "gguf"
+    return Path(os.environ.get("LLM_EXPORTERS_CACHE", default))
+
+
+def cache_root() -> Path:
+    """Where converted GGUF checkpoints live."""
+    return llm_exporters_cache() / "gguf"
 
 
 def _families_by_model_type() -> dict[str, str]:

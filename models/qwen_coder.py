@@ -23,6 +23,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from models.errors import ModelError
+from models.gguf import llm_exporters_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +52,7 @@ MODELS: dict[str, SplitGguf] = {
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("LLM_EXPORTERS_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "llm-exporters"
-    return Path(root).expanduser() / "qwen2.5-coder"
+    return llm_exporters_cache() / "qwen2.5-coder"
 
 
 def _sha256(path: Path) -> str:

@@ -104,8 +104,9 @@ def fit_to_corpus(model: torch.nn.Module, ids: list[int], steps: int, seed: int,
 def cache_dir() -> Path:
     """Where trained tiny checkpoints are kept between runs: ``$LLM_EXPORTERS_CACHE/tiny``, else
     ``$XDG_CACHE_HOME/llm-exporters/tiny`` (``~/.cache``)."""
-    root = os.environ.get("LLM_EXPORTERS_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "llm-exporters"
-    return Path(root).expanduser() / "tiny"
+    from models.gguf import llm_exporters_cache
+
+    return llm_exporters_cache() / "tiny"
 
 
 def recipe_key(**recipe: Any) -> str:

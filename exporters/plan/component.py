@@ -19,7 +19,6 @@ from exporters.config import (Algorithm, Attention, Choice, KvDType, ModelConfig
 
 if TYPE_CHECKING:
     from exporters.program.methods import MethodTable
-    from exporters.quant.tied import TiedEmbedding
     from models.checkpoint import Checkpoint
     from models.decoder import CausalLM
 
@@ -88,12 +87,6 @@ class QuantPlan:
         computes = bool(q.linear or q.lm_head)
         return ((not Algorithm(q.algorithm).data_free and computes) or (q.size_budget is not None and computes)
                 or (q.pt2e is not None and PT2E_QUANTIZERS[q.pt2e].calibrated))
-
-    def tied_embedding(self, model: "CausalLM") -> "TiedEmbedding":
-        """The tied-embedding decision for ``model`` (it depends on the checkpoint's ``tie_word_embeddings``)."""
-        from exporters.quant.tied import plan_tied_embedding
-
-        return plan_tied_embedding(model, self.config, self.tied_storage)
 
 
 @dataclass(frozen=True)
