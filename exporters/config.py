@@ -308,9 +308,16 @@ class ExportSection:
 
 @dataclass
 class DraftConfig:
+    # A smaller model with the target's tokenizer (a Hugging Face folder or a GGUF file) whose methods draft_prefill
+    # and draft_decode_one_token go into the program beside the target's, with a KV cache of their own; the target
+    # then gets verify too. null = no draft (export.methods may still have verify: prompt-lookup speculation).
+    checkpoint: Optional[str] = None
     # Tokens proposed per speculative step (K): the verify method (export.methods) takes the last accepted token and
     # K proposed ones in one call, and returns the logits of every position (docs/speculative.md).
     tokens: int = 4
+    # How the draft is quantized: a preset of conf/quant (draft.quant=8da8w), its tolerances included; null = the
+    # target's quant.
+    quant: Optional[str] = None
 
 
 @dataclass
@@ -378,7 +385,7 @@ class ExportConfig:
     backend: BackendConfig = MISSING
     # Lengths, methods and their names, cache, where the weights and the program are written.
     export: ExportSection = field(default_factory=ExportSection)
-    # Speculative decoding: how many tokens a step proposes for the verify method to check.
+    # Speculative decoding: a draft model, how many tokens a step proposes for verify to check, the draft's quant.
     draft: DraftConfig = field(default_factory=DraftConfig)
     # Run the program in the ExecuTorch runtime against the eager model before calling it good (false: skip).
     validate: bool = True
@@ -415,6 +422,26 @@ def compose(*overrides: str, config_name: str = "config", return_hydra_config: b
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides),
                              return_hydra_config=return_hydra_config)
+
+
+def quant_option(name: str, where: str = "quant") -> "QuantConfig":
+    """The option ``conf/quant/<name>.yaml`` typed, as ``quant=<name>`` composes it (its defaults list names options
+    of the same group, merged first), without composing a whole config: the draft's quant (``draft.quant``), another
+    option's calibrated tolerances. ``where``: the key that named it, for the error."""
+    folder = CONF_DIR / "quant"
+    presets = sorted(p.stem for p in folder.glob("*.yaml"))
+    if name not in presets:
+        raise UserError(f"{where}={name} is not a preset of conf/quant: use one of {', '.join(presets)}, or null for "
+                        "the target's quant.")
+
+    def node(preset: str) -> Any:
+        raw = OmegaConf.load(folder / f"{preset}.yaml")
+        bases = [node(d) for d in raw.pop("defaults", []) if d != "_self_"]
+        return OmegaConf.merge(*bases, raw) if bases else raw
+
+    typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), node(name)))
+    assert isinstance(typed, QuantConfig)
+    return typed
 
 
 def unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") -> list[str]:  # type: ignore[assignment]
@@ -467,14 +494,6 @@ def check_known_keys(cfg: DictConfig) -> None:
         "(exporters/config.py) does not have, and it would be ignored: fix the name, or see every field with "
         "`python -m exporters.llm --cfg job`."
     )
-
-
-def quant_option(name: str) -> QuantConfig:
-    """``conf/quant/<name>.yaml`` alone, typed: another option's calibrated tolerances, without composing a config."""
-    path = CONF_DIR / "quant" / f"{name}.yaml"
-    typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), OmegaConf.load(path)))
-    assert isinstance(typed, QuantConfig)
-    return typed
 
 
 def to_typed(cfg: DictConfig) -> ExportConfig:

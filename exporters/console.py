@@ -74,6 +74,15 @@ def log_export_summary(result: Any) -> None:
             f"{a.validation.top1_agreement:.0%}), {a.validation.quality()}")
         + ("" if a.data is None else f"; its weights in {a.data.file} ({a.data.size_bytes / 1e6:.2f} MB)")
         for name, a in m.adapters.items())
+    others = "".join(
+        f"\n  {name}: {', '.join(c.methods)}; {c.family or 'unknown'} family, {(c.parameters or 0) / 1e6:.1f}M "
+        f"parameters, {c.quantization.describe() if c.quantization else 'not quantized'}; " + (
+            "not validated" if c.validation is None else
+            f"{'passed' if c.validation.passed else 'FAILED'} (KL {c.validation.kl_mean:.2g}, top-1 agreement "
+            f"{c.validation.top1_agreement:.0%}), {c.validation.quality()}")
+        for name, c in m.components.items() if c.kind != "decoder")
+    if validation is not None and validation.speculative is not None:
+        adapters = f"\n  speculative: {validation.speculative.describe()}" + adapters
     data = "" if m.data is None else f" + {m.data.file} {m.data.size_bytes / 1e6:.2f} MB (the weights)"
     log.info(
         "exported %s\n  size: %.2f MB%s  sha256: %s\n  methods: %s (layout %s)\n  KV cache: %s\n  constants: %s\n"
@@ -81,7 +90,7 @@ def log_export_summary(result: Any) -> None:
         "  manifest: %s",
         result.pte_path, m.program.size_bytes / 1e6, data, m.program.sha256[:16],
         ", ".join(m.layout.methods),  # the base's; each adapter's are on its own line
-        m.layout.name, m.kv_cache.describe() if m.kv_cache else "not recorded", ", ".join(m.constant_methods), runners, verdict, quality, adapters,
+        m.layout.name, m.kv_cache.describe() if m.kv_cache else "not recorded", ", ".join(m.constant_methods), runners, verdict, quality, others + adapters,
         m.resources.wall_s, m.resources.peak_rss_mb,
         "" if m.bench is None else "\n  runtime: " + m.bench.describe(), result.manifest_path,
     )

@@ -155,8 +155,8 @@ class SpeculativeCheck:
     verify_kl: float  # mean KL(eager || verify) over the K + 1 positions one verify call returns
     verify_top1: float  # share of those positions whose greedy token agrees
     tokens: int  # greedy tokens generated each way
-    identical: bool  # lookup-speculative greedy output == plain greedy output, token for token
-    proposer: str  # what proposed the tokens (lookup)
+    identical: bool  # speculative greedy output == plain greedy output, token for token
+    proposer: str  # what proposed the tokens: the program's draft model (draft), else the text's n-grams (lookup)
     acceptance: float  # proposals kept / proposals checked
     tokens_per_call: float  # tokens generated per call of the target after the prompt
     # Verify computes its positions in one batched call, decode one at a time: the largest difference of their logits
@@ -439,12 +439,17 @@ class AdapterEntry:
 class ComponentEntry:
     """One model the program holds (``exporters.plan.Component``): what it is, its methods, its variants, its state."""
 
-    kind: str  # exporters.plan.ComponentKind: "decoder" (draft, vision_encoder, text_decoder come next)
+    kind: str  # exporters.plan.ComponentKind: "decoder", "draft" (vision_encoder, text_decoder come next)
     methods: list[str]  # its methods in the program, each adapter's included
     adapters: list[str]  # its variants: LoRA adapters applied by methods of their own over its stored weights
     checkpoint: str
     parameters: int | None
     state: list[str]  # what its methods share in the runtime, each a section of this manifest ("kv_cache")
+    # A component other than the decoder (whose are the manifest's own "quantization" and "validation"): how it was
+    # quantized, and its methods against its own eager model.
+    quantization: AppliedQuantization | None = None
+    validation: ValidationReport | None = None
+    family: str | None = None
 
 
 @dataclass
@@ -489,8 +494,9 @@ class Manifest:
 
     @property
     def passed(self) -> bool:
-        """Validation passed for the base and every adapter (True when it did not run)."""
-        reports = [self.validation, *(a.validation for a in self.adapters.values())]
+        """Validation passed for the base, every adapter and every other component (True when it did not run)."""
+        reports = [self.validation, *(a.validation for a in self.adapters.values()),
+                   *(c.validation for c in self.components.values())]
         return all(r is None or r.passed for r in reports)
 
     def write(self, path: Path) -> None:

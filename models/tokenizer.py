@@ -23,6 +23,8 @@ class TextTokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def vocabulary(self) -> dict[str, int]: ...
+
 
 class HuggingFaceTokenizer:
     def __init__(self, path: Path) -> None:
@@ -35,6 +37,10 @@ class HuggingFaceTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def vocabulary(self) -> dict[str, int]:
+        """Every token (special ones included) -> its id."""
+        return dict(self._tok.get_vocab(with_added_tokens=True))
 
 
 class SentencePieceTokenizer:
@@ -55,6 +61,9 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._sp.Decode(ids)  # control tokens (bos/eos) decode to nothing
+
+    def vocabulary(self) -> dict[str, int]:
+        return {self._sp.IdToPiece(i): i for i in range(self._sp.GetPieceSize())}
 
 
 LOADERS = {".json": HuggingFaceTokenizer, ".model": SentencePieceTokenizer}

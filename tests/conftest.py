@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -180,6 +181,17 @@ def real_exported(smollm2_truncated: Path, exported: Callable[..., ExportResult]
     return get
 
 
+def _log_export(root: Path, digest: str, overrides: tuple[str, ...], seconds: float) -> None:
+    """One JSON line per export made (``--export-log``): which test made it, how long it took."""
+    path = os.environ.get("LLM_EXPORTERS_EXPORT_LOG")
+    if path:
+        import json
+
+        with FileLock(path + ".lock"), open(path, "a") as f:
+            f.write(json.dumps({"digest": digest, "seconds": round(seconds, 1), "overrides": list(overrides),
+                                "test": os.environ.get("PYTEST_CURRENT_TEST", "")}) + "\n")
+
+
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., ExportResult]:
     """``exported("quant=8da4w", "backend=xnnpack")``: each distinct program exported once per run (keyed by its
@@ -191,7 +203,10 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., ExportRe
         plan = plan_export(compose_config(*overrides))
         with made_once(root, plan.digest()[:24]) as (folder, todo):
             if todo:
-                return export(plan, folder)
+                started = time.perf_counter()
+                result = export(plan, folder)
+                _log_export(root, plan.digest()[:24], overrides, time.perf_counter() - started)
+                return result
             manifest = Manifest.read(folder)
             return ExportResult(pte_path=folder / manifest.program.file, manifest_path=folder / "manifest.json",
                                 manifest=manifest)

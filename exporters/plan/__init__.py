@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -26,6 +26,9 @@ from exporters.plan.lengths import Lengths
 from exporters.plan.validation import Tolerance, ValidationPlan, coarser, prompt_length
 from exporters.program.layouts import LAYOUTS, Layout
 from exporters.versions import shortcuts_allowed
+
+if TYPE_CHECKING:
+    from exporters.program.methods import MethodTable
 
 __all__ = ["BackendCapabilities", "Component", "ComponentKind", "ExportPlan", "Lengths", "ModelBuild", "QuantPlan",
            "StatePlan", "Tolerance", "ValidationPlan", "check_config", "plan_export"]
@@ -52,6 +55,20 @@ class ExportPlan:
     @property
     def decoder(self) -> Component:
         return next(c for c in self.components if c.kind == ComponentKind.decoder)
+
+    @property
+    def draft(self) -> Component | None:
+        """The draft model proposing tokens for the decoder's verify method (draft.checkpoint), if any."""
+        return next((c for c in self.components if c.kind == ComponentKind.draft), None)
+
+    @property
+    def methods(self) -> "MethodTable":
+        """Every method of the program: the decoder's (its adapters' included), then each other component's."""
+        table = self.decoder.methods
+        for component in self.components:
+            if not component.is_decoder:
+                table = table.with_component(component.methods)
+        return table
 
     @property
     def stage_names(self) -> list[str]:
@@ -82,6 +99,7 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: boo
     a sweep (``-m``)."""
     from exporters.program.backends import check_backend
     from exporters.program.cache import check_kv_cache
+    from exporters.program.draft import check_draft
     from exporters.program.methods import check_methods
     from exporters.program.weights import check_weights
     from exporters.quant.pt2e import check_pt2e
@@ -99,6 +117,7 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: boo
     check_pt2e(cfg.quant, cfg.backend, list(cfg.model.adapters))
     lengths = Lengths.of_config(cfg)
     check_methods(cfg.export, cfg.backend, lengths, cfg.draft, cfg.quant)
+    check_draft(cfg)
     check_kv_cache(cfg.export, cfg.backend, cfg.quant, lengths)
     check_weights(cfg.export, cfg.backend, list(cfg.model.adapters))
     check_validation(cfg.validation, enabled=cfg.validate)
@@ -122,20 +141,23 @@ def _closed_sets() -> None:
 
 def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool = False) -> ExportPlan:
     """The plan of a config that passed :func:`check_config`."""
-    from exporters.program.methods import MethodTable
+    from exporters.program.draft import draft_component
+    from exporters.program.methods import MethodTable, with_verify
 
     _closed_sets()
     ex, backend = cfg.export, BackendCapabilities.of(cfg.backend)
     lengths = Lengths.of_config(cfg)
     shortcuts = shortcuts_allowed(ex.shortcuts)
     layout = LAYOUTS[ex.layout]
+    state = StatePlan(lengths.context, lengths.call_tokens, ex.kv_dtype, ex.attention_sink)
     decoder = Component(
         name="decoder", kind=ComponentKind.decoder,
-        build=ModelBuild(cfg.model, StatePlan(lengths.context, lengths.call_tokens, ex.kv_dtype, ex.attention_sink),
-                         backend.attention),
+        build=ModelBuild(cfg.model, state, backend.attention),
         quant=QuantPlan(cfg.quant, ex.tied_embedding, shortcuts),
         # Aliases (forward = prefill) are emitted as renamed plans, a shortcut through the emitter's internals.
-        methods=MethodTable.of(ex.methods, layout, lengths, list(cfg.model.adapters), share_graphs=shortcuts))
+        methods=MethodTable.of(with_verify(ex.methods, cfg.draft), layout, lengths, list(cfg.model.adapters),
+                               share_graphs=shortcuts))
+    draft = draft_component(cfg.draft, cfg.quant, state, backend.attention, lengths, ex.tied_embedding, shortcuts)
     pt2e = cfg.quant.pt2e is not None
     validation = None
     if cfg.validate:
@@ -146,10 +168,13 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
             prompt_tokens=prompt_length(cfg.validation.prompt_tokens, lengths.context, lengths.prefill_chunk),
             tolerance=Tolerance.of(cfg.quant, runs_in, cfg.validation.int8_kv if quantized_kv else None),
             runs_in=runs_in, in_runtime=backend.runs_here, eager_from_graphs=pt2e,
-            eager_kv_dtype=KvDType.fp32 if quantized_kv else None)
+            eager_kv_dtype=KvDType.fp32 if quantized_kv else None,
+            component_tolerance={} if draft is None else {draft.name: Tolerance.of(
+                draft.quant.config, backend.runs_in if coarser(backend.runs_in, draft.quant.config.dtype) else None,
+                cfg.validation.int8_kv if quantized_kv else None)})
     return ExportPlan(
         config=cfg, resolved_config=resolved_config, lengths=lengths, backend=backend, layout=layout,
-        weights=ex.weights, components=(decoder,), validation=validation,
+        weights=ex.weights, components=(decoder,) if draft is None else (decoder, draft), validation=validation,
         bench=cfg.benchmark if bench_runs(cfg, sweeping) else None,
         keep_undelegated=cfg.validate and (pt2e or not backend.runs_here),
         shortcuts=shortcuts, memory_limit_gb=ex.memory_limit_gb, output_name=ex.output_name)

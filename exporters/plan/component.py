@@ -24,10 +24,10 @@ if TYPE_CHECKING:
 
 
 class ComponentKind(Choice):
-    """What a component is. One kind today; ``draft`` (issue 41), ``vision_encoder`` and ``text_decoder`` (issue 42)
-    are the next values."""
+    """What a component is; ``vision_encoder`` and ``text_decoder`` (issue 42) are the next values."""
 
     decoder = "decoder"  # token ids in, logits out, a KV cache: the program's LLM methods
+    draft = "draft"  # a smaller decoder with the target's tokenizer proposing tokens for verify (draft.checkpoint)
 
 
 @dataclass(frozen=True)
@@ -93,11 +93,17 @@ class QuantPlan:
 class Component:
     """One model of the program, with its own methods and state, lowered with the others into one program."""
 
-    name: str
+    name: str  # also the prefix of its methods' names and of its buffers' (draft_prefill, draft.layers.0...)
     kind: ComponentKind
     build: ModelBuild
     quant: QuantPlan
     methods: MethodTable  # its methods by program name, adapters' included
+
+    @property
+    def is_decoder(self) -> bool:
+        """The program's main model: its methods are unprefixed and its quantization and validation are the
+        manifest's top-level ones."""
+        return self.kind == ComponentKind.decoder
 
     @property
     def adapters(self) -> list[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from exporters.config import DType, KvCacheTolerance, KvDType, QuantConfig, ValidationConfig, quant_option
 
@@ -57,6 +57,8 @@ class ValidationPlan:
     in_runtime: bool  # the .pte runs in this host's runtime (else its undelegated programs stand in)
     eager_from_graphs: bool  # the eager side is the undelegated programs (PT2E: the model exists only as graphs)
     eager_kv_dtype: KvDType | None  # the eager side's cache when the program's is quantized (fp32), else None
+    # The other components' methods (the draft's) against their own eager models, each by its own quant's tolerance.
+    component_tolerance: dict[str, Tolerance] = field(default_factory=dict)
 
     @property
     def advise_threshold(self) -> float | None:

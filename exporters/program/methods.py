@@ -8,16 +8,18 @@ read it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch.export import Dim
 
+from exporters.config import LayoutName
 from exporters.errors import UserError, check_choice
 from exporters.program.adapters import adapter_method
 from exporters.plan.lengths import Lengths
-from exporters.program.layouts import Layout, check_layout
+from exporters.program.layouts import LAYOUTS, Layout, check_layout
 
 if TYPE_CHECKING:
     from exporters.config import BackendConfig, DraftConfig, ExportSection, QuantConfig
@@ -98,6 +100,11 @@ METHOD_KINDS: dict[str, Callable[[Lengths], MethodSpec]] = {
 }
 
 
+def with_verify(kinds: Sequence[str], draft: DraftConfig) -> list[str]:
+    """The decoder's method kinds: ``export.methods``, and verify when a draft model proposes tokens for it."""
+    return [*kinds, *(["verify"] if draft.checkpoint is not None and "verify" not in kinds else [])]
+
+
 def method_specs(kinds: list[str], layout: Layout, lengths: Lengths) -> dict[str, MethodSpec]:
     """Program method name (as the layout names it) -> what that method is."""
     return {layout.name_of(kind): METHOD_KINDS[kind](lengths) for kind in kinds}
@@ -130,6 +137,9 @@ class MethodTable:
     # Methods that compute exactly what another one does (forward and prefill): captured and lowered once,
     # emitted under both names. method name -> the method it shares.
     aliases: dict[str, str]
+    # The methods of the program's other components (the draft's), by method name -> component name; every method
+    # not here is the decoder's.
+    component_of: dict[str, str] = field(default_factory=dict)
 
     @staticmethod
     def of(kinds: Sequence[str], layout: Layout, lengths: Lengths, adapters: Sequence[str] = (),
@@ -144,9 +154,29 @@ class MethodTable:
                 adapter_of[adapter_method(adapter, name)] = adapter
         return MethodTable(specs, adapter_of, same_graph_aliases(specs, adapter_of) if share_graphs else {})
 
+    @staticmethod
+    def for_component(component: str, kinds: Sequence[str], lengths: Lengths) -> "MethodTable":
+        """Another component's methods (the draft's), named ``<component>_<stock name>``: ``draft_prefill``,
+        ``draft_decode_one_token``, whatever the decoder's layout."""
+        specs = {adapter_method(component, name): spec
+                 for name, spec in method_specs(list(kinds), LAYOUTS[LayoutName.stock], lengths).items()}
+        return MethodTable(specs, dict.fromkeys(specs), {}, dict.fromkeys(specs, component))
+
+    def with_component(self, other: "MethodTable") -> "MethodTable":
+        """This table and another component's (:meth:`for_component`): the program's methods."""
+        return dataclasses.replace(self, specs={**self.specs, **other.specs},
+                                   adapter_of={**self.adapter_of, **other.adapter_of},
+                                   aliases={**self.aliases, **other.aliases},
+                                   component_of={**self.component_of, **other.component_of})
+
     def of_adapter(self, adapter: str | None) -> dict[str, MethodSpec]:
-        """The specs of the methods that compute with ``adapter`` (None: the base)."""
-        return {n: s for n, s in self.specs.items() if self.adapter_of.get(n) == adapter}
+        """The specs of the decoder's methods that compute with ``adapter`` (None: the base)."""
+        return {n: s for n, s in self.specs.items()
+                if self.adapter_of.get(n) == adapter and n not in self.component_of}
+
+    def of_component(self, component: str) -> dict[str, MethodSpec]:
+        """The specs of another component's methods (the draft's)."""
+        return {n: s for n, s in self.specs.items() if self.component_of.get(n) == component}
 
     @property
     def adapters(self) -> list[str]:
@@ -161,8 +191,10 @@ class MethodTable:
         base = ", ".join(f"{n}{'(dynamic)' if s.dynamic else ''}{f' = {self.aliases[n]}' if n in self.aliases else ''}"
                          for n, s in self.of_adapter(None).items())
         adapters = self.adapters
-        return base + (f"; the same for adapter(s) {', '.join(adapters)} ({len(self.specs) - len(self.of_adapter(None))} "
-                       "methods)" if adapters else "")
+        others = "".join(f"; {c}: {', '.join(self.of_component(c))}" for c in dict.fromkeys(self.component_of.values()))
+        return base + (f"; the same for adapter(s) {', '.join(adapters)} "
+                       f"({len(self.specs) - len(self.of_adapter(None)) - len(self.component_of)} methods)"
+                       if adapters else "") + others
 
 
 def check_methods(ex: ExportSection, backend: BackendConfig, lengths: Lengths, draft: DraftConfig,
@@ -193,14 +225,16 @@ def check_verify(ex: ExportSection, lengths: Lengths, draft: DraftConfig, quant:
     cache roll back a rejected token by position (its slots keep room for one call's tokens beyond its window)."""
     if draft.tokens < 1:
         raise UserError(f"draft.tokens={draft.tokens}: a speculative step proposes at least 1 token.")
-    if "verify" in ex.methods and draft.tokens > lengths.call_tokens - 1:
+    verifies = "verify" in with_verify(ex.methods, draft)
+    if verifies and draft.tokens > lengths.call_tokens - 1:
         raise UserError(
             f"draft.tokens={draft.tokens}: verify takes the last accepted token and draft.tokens proposals in one call, "
             f"at most {lengths.call_tokens} tokens here (export.max_seq_len, below the cache length), so "
             f"draft.tokens must be between 1 and {lengths.call_tokens - 1}. Lower draft.tokens or raise "
             "export.max_seq_len.")
-    if "verify" in ex.methods and quant.pt2e is not None:
+    if verifies and quant.pt2e is not None:
         raise UserError(
-            f"export.methods has verify and quant.pt2e={quant.pt2e}: the backend's quantizer converts the prompt "
+            f"{'export.methods has verify' if 'verify' in ex.methods else 'draft.checkpoint adds verify'} and "
+            f"quant.pt2e={quant.pt2e}: the backend's quantizer converts the prompt "
             "method's graph, which returns the last position's logits only, and verify needs every position's. Use a "
             "torchao scheme (quant=8da4w, ...) or leave verify out.")

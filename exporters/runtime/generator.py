@@ -21,7 +21,9 @@ from exporters.manifest import program_in
 from exporters.program.weights import data_files_beside
 from exporters.runtime.programs import LoadedProgram
 from exporters.runtime.sampling import SamplingConfig, distribution, sample  # noqa: F401 (re-exported)
-from exporters.runtime.speculative import SPECULATIVE, SpeculationStats, StopReason, continue_text
+from exporters.runtime.speculative import (SPECULATIVE, DraftProposer, LookupProposer, Proposer, SpeculationStats,
+                                           StopReason, continue_text)
+from exporters.program.draft import DRAFT, DRAFT_METHODS
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE, TextTokenizer, find_tokenizer, load_tokenizer
 
@@ -120,6 +122,7 @@ class Generator:
         eos = self.program.constant("get_eos_ids") if "get_eos_ids" in names else []
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.driver = Driver.of(self.program, adapter)
+        self._draft: Driver | None = None  # the draft model's methods, loaded when speculation first uses them
         # Loaded now (XNNPACK packs each method's weights at load), so the rates measure running alone.
         self.driver.load()
         self.load_seconds = time.perf_counter() - start
@@ -138,21 +141,34 @@ class Generator:
                 f"export.max_context_len, or with export.attention_sink=4 to go on past the end of the cache."
             )
 
-    def speculation(self, speculative: str) -> bool:
-        """Whether generation speculates: ``lookup`` needs the program's verify method; ``auto`` speculates with a
-        draft model when the program holds one (none does yet), ``none`` never."""
-        check_choice("speculative", speculative, SPECULATIVE, "Use speculative=lookup, auto or none.")
-        if speculative == "lookup" and self.driver.roles.verify is None:
-            raise UserError(f"speculative=lookup needs the program's verify method, and {self.pte.name} has none: "
-                            "export with verify in export.methods (export.methods=[prefill,decode,forward,verify]), "
-                            "or use speculative=none.")
-        return speculative == "lookup"
+    def speculation(self, speculative: str) -> Proposer | None:
+        """What proposes tokens for the verify method: ``draft``, the program's draft model; ``lookup``, the text's
+        own n-grams; ``auto``, the draft when the program holds one, else nothing; ``none``, nothing (one token per
+        call). Refused when the program lacks what it needs."""
+        check_choice("speculative", speculative, SPECULATIVE, "Use speculative=auto, draft, lookup or none.")
+        drafts = DRAFT_METHODS <= set(self.program.method_names)
+        if speculative in ("lookup", "draft") and self.driver.roles.verify is None:
+            raise UserError(f"speculative={speculative} needs the program's verify method, and {self.pte.name} has "
+                            "none: export with a draft (draft.checkpoint=...) or verify in export.methods "
+                            "(export.methods=[prefill,decode,forward,verify]), or use speculative=none.")
+        if speculative == "draft" and not drafts:
+            raise UserError(f"speculative=draft needs a draft model in the program, and {self.pte.name} has none: "
+                            "export with draft.checkpoint=<a smaller model with the same tokenizer>, or use "
+                            "speculative=lookup (no draft) or none.")
+        if speculative == "lookup":
+            return LookupProposer()
+        if speculative == "draft" or (speculative == "auto" and drafts and self.driver.roles.verify is not None):
+            if self._draft is None:
+                self._draft = Driver.of(self.program, DRAFT)
+                self._draft.load()
+            return DraftProposer(self._draft)
+        return None
 
     def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
                  prompt_ids: list[int] | None = None, speculative: str = "auto") -> GenerationResult:
         """``speculative``: ``lookup`` proposes tokens from the text so far and checks them with the verify method
         (exactly the target's output: exporters.runtime.speculative), ``none`` decodes one token per call."""
-        speculating = self.speculation(speculative)
+        proposer = self.speculation(speculative)
         ids = prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(ids)
         stream = TextStream(self.tokenizer)
@@ -167,7 +183,7 @@ class Generator:
                 on_text(piece)
 
         new_ids, stop, stats = continue_text(self.driver, ids, logits, cfg, self.eos_ids, self.max_context_len,
-                                             self.endless, speculating, emit)
+                                             self.endless, proposer, emit)
         gen_s = time.perf_counter() - start
         return GenerationResult(
             text=stream.emitted, prompt_ids=ids, new_ids=new_ids, stop_reason=stop,

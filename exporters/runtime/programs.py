@@ -149,6 +149,14 @@ class LoadedProgram:
         return values[0] if len(values) == 1 else values
 
 
+def _has_buffer(module: torch.nn.Module, name: str) -> bool:
+    try:
+        module.get_buffer(name)
+        return True
+    except AttributeError:
+        return False
+
+
 class CapturedPrograms:
     """Runs captured (not yet delegated) programs eagerly, for backends this host cannot execute.
 
@@ -158,16 +166,18 @@ class CapturedPrograms:
 
     def __init__(self, programs: dict[str, Any], cache_buffers: list[str]) -> None:
         self._modules = {name: ep.module() for name, ep in programs.items()}
-        self._cache_buffers = cache_buffers
-        self._state: dict[str, torch.Tensor] | None = None
+        # Per method, the cache buffers it holds: a component's methods hold its own (draft.model.layers...).
+        self._buffers = {name: [b for b in cache_buffers if _has_buffer(module, b)]
+                         for name, module in self._modules.items()}
+        self._state: dict[str, torch.Tensor] = {}  # every buffer starts empty, at its first method's first call
 
     def run(self, method: str, *inputs: torch.Tensor) -> list[Any]:
         module = self._modules[method]
         with torch.no_grad():
-            if self._state is None:  # first call: every method starts from an empty cache
-                self._state = {n: torch.zeros_like(module.get_buffer(n)) for n in self._cache_buffers}
-            for name, value in self._state.items():
-                module.get_buffer(name).copy_(value)
+            for name in self._buffers[method]:
+                if name not in self._state:
+                    self._state[name] = torch.zeros_like(module.get_buffer(name))
+                module.get_buffer(name).copy_(self._state[name])
             out = module(*inputs)
-            self._state = {n: module.get_buffer(n).clone() for n in self._cache_buffers}
+            self._state.update({n: module.get_buffer(n).clone() for n in self._buffers[method]})
         return [out]

@@ -10,13 +10,15 @@ standard accept/reject rule (a deterministic proposal ``d`` is kept with probabi
 from ``p`` without ``d``), so every token is distributed as the target's.
 
 Proposers: ``lookup`` (prompt-lookup decoding: the tokens that followed the latest earlier occurrence of the text's
-last n-gram) needs no second model. A draft model's methods (``draft``) come with the draft component.
+last n-gram) needs no second model; ``draft`` runs the program's draft model (``draft_prefill``,
+``draft_decode_one_token``) greedily, K tokens ahead. Both propose deterministically, so the rule above is exact
+for either.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
 import torch
 
@@ -25,8 +27,8 @@ from exporters.runtime.sampling import SamplingConfig, distribution, sample
 if TYPE_CHECKING:
     from exporters.runtime.driver import Driver
 
-Speculative = Literal["auto", "lookup", "none"]
-SPECULATIVE: tuple[str, ...] = ("auto", "lookup", "none")
+Speculative = Literal["auto", "draft", "lookup", "none"]
+SPECULATIVE: tuple[str, ...] = ("auto", "draft", "lookup", "none")
 StopReason = Literal["eos", "max_new_tokens", "context_full"]
 
 
@@ -66,6 +68,47 @@ def lookup_proposals(ids: list[int], k: int, max_ngram: int = 3) -> list[int]:
     return []
 
 
+class Proposer(Protocol):
+    """Guesses the next tokens of a text; the target's verify method checks them."""
+
+    name: str
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens to follow ``ids`` (the whole text so far), or none."""
+        ...
+
+
+class LookupProposer:
+    """Prompt-lookup decoding: no model, the text's own n-grams."""
+
+    name = "lookup"
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        return lookup_proposals(ids, k)
+
+
+class DraftProposer:
+    """The program's draft model, greedily: it catches up on the text its cache has not seen (``draft_prefill``),
+    then proposes one token per ``draft_decode_one_token`` call. Its cache is rolled back by position, as the
+    target's: what it holds beyond the text's common prefix with what it was fed is overwritten."""
+
+    name = "draft"
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+        self.fed: list[int] = []  # the tokens its cache holds, position by position
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        same = next((i for i, (a, b) in enumerate(zip(self.fed, ids)) if a != b), min(len(self.fed), len(ids)))
+        start = min(same, len(ids) - 1)  # at least the last token is fed: its logits give the first proposal
+        logits = self.driver.prefill(torch.tensor([ids[start:]], dtype=torch.int64), start)
+        proposals = [int(logits.argmax())]
+        for j in range(k - 1):
+            proposals.append(int(self.driver.decode_one_token(proposals[-1], len(ids) + j).argmax()))
+        self.fed = ids + proposals[:-1]
+        return proposals
+
+
 @dataclass
 class Acceptance:
     """The accept/reject rule for one verify call: which proposals are kept and the token after them."""
@@ -102,17 +145,17 @@ def accept(logits: torch.Tensor, proposals: list[int], choose: Callable[[torch.T
 
 
 def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: SamplingConfig, eos_ids: set[int],
-                  max_context_len: int, endless: bool, speculating: bool, emit: Callable[[int], None] = lambda t: None,
-                  seen: Callable[[torch.Tensor], None] | None = None,
+                  max_context_len: int, endless: bool, proposer: Proposer | None,
+                  emit: Callable[[int], None] = lambda t: None, seen: Callable[[torch.Tensor], None] | None = None,
                   ) -> tuple[list[int], StopReason, SpeculationStats | None]:
     """Generate after the prompt ``ids`` whose last logits are ``logits``: one token per call of the step method, or
-    with ``speculating`` several per call of ``verify`` (lookup proposals). The new tokens (each also given to
-    ``emit`` as it is decided), why generation stopped, and speculation's numbers. ``seen``: told the logits each
-    token was chosen from, without speculation (validation reads how close the top two were)."""
+    with a ``proposer`` several per call of ``verify``. The new tokens (each also given to ``emit`` as it is
+    decided), why generation stopped, and speculation's numbers. ``seen``: told the logits each token was chosen
+    from, without speculation (validation reads how close the top two were)."""
     gen = torch.Generator().manual_seed(cfg.seed)
     new_ids: list[int] = []
     stop: StopReason = "max_new_tokens"
-    stats = SpeculationStats() if speculating else None
+    stats = SpeculationStats() if proposer is not None else None
     k = driver.roles.verify_tokens - 1
     if seen:
         seen(logits)
@@ -130,8 +173,9 @@ def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: Sam
             break
         if pending:  # accepted proposals, already checked: emitted without another call
             continue
-        proposals = lookup_proposals(ids + new_ids, k) if stats is not None else []
-        if stats is not None and proposals and (endless or position + k < max_context_len):
+        room = endless or position + k < max_context_len
+        proposals = proposer.propose(ids + new_ids, k) if proposer is not None and room else []
+        if stats is not None and proposals:
             proposals = (proposals + proposals[-1:] * k)[:k]  # verify takes exactly k: repeat the last
             checked = accept(driver.verify([token, *proposals], position), proposals,
                              lambda row: distribution(row, cfg), gen, greedy=cfg.temperature <= 0)

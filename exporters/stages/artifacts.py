@@ -26,6 +26,7 @@ class BaselineQuality:
     nll: float
     dtype: str  # the checkpoint's dtype it ran in (fp32, or bf16 for a bf16 checkpoint)
     adapter_nll: dict[str, float] = field(default_factory=dict)  # the unquantized base with each adapter applied
+    component_nll: dict[str, float] = field(default_factory=dict)  # each other component (the draft), unquantized
 
     @property
     def perplexity(self) -> float:
@@ -34,6 +35,10 @@ class BaselineQuality:
     def perplexity_of(self, adapter: str | None) -> float:
         """The unquantized model's perplexity with ``adapter`` applied (None: the base)."""
         return self.perplexity if adapter is None else perplexity(self.adapter_nll[adapter], self.text.scored_tokens)
+
+    def perplexity_of_component(self, component: str) -> float:
+        """Another component's (the draft's) unquantized perplexity on the same text."""
+        return perplexity(self.component_nll[component], self.text.scored_tokens)
 
     def summary(self) -> str:
         return (f"unquantized {self.dtype} perplexity {self.perplexity:.2f} on {self.text.scored_tokens} tokens of "
@@ -52,12 +57,19 @@ class EagerModel:
     # What the backend computes, as a graph PyTorch steps through many times faster (exporters.quant.pt2e.
     # reference_graph): what validation's undelegated programs are captured from.
     reference_graph: Any = None
+    # The program's other components' models (the draft), by component name, in the same state as ``model``.
+    components: dict[str, CausalLM] = field(default_factory=dict)
 
     def summary(self) -> str:
-        a = self.model.args
-        params = sum(p.numel() for p in self.model.parameters())
-        return (f"{params / 1e6:.2f}M parameters, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
-                f"vocab {a.vocab_size}{', tied embeddings' if a.tie_word_embeddings else ''}, {a.attention} attention")
+        return summary(self.model)
+
+
+def summary(model: CausalLM) -> str:
+    """A model's size and shape in one line."""
+    a = model.args
+    params = sum(p.numel() for p in model.parameters())
+    return (f"{params / 1e6:.2f}M parameters, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
+            f"vocab {a.vocab_size}{', tied embeddings' if a.tie_word_embeddings else ''}, {a.attention} attention")
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,7 @@ class CapturedMethods:
     programs: dict[str, Any]  # method name -> torch.export.ExportedProgram (aliases excluded); lower consumes them
     # Untouched copies for hosts whose runtime cannot execute the delegate (validation runs these instead).
     undelegated: dict[str, Any] | None = None
+    components: dict[str, CausalLM] = field(default_factory=dict)  # the other components' quantized eager models
 
     def summary(self) -> str:
         return self.methods.summary()
@@ -87,6 +100,7 @@ class LoweredProgram:
     constant_methods: dict[str, Any]
     delegated_partitions: dict[str, int]  # per method, aliases included
     undelegated: dict[str, Any] | None = None
+    components: dict[str, CausalLM] = field(default_factory=dict)
 
     def summary(self) -> str:
         return "delegated partitions per method: " + ", ".join(f"{k}={v}" for k, v in self.delegated_partitions.items())
@@ -108,6 +122,7 @@ class WrittenProgram:
     undelegated: dict[str, Any] | None = None
     data: DataFile | None = None  # export.weights=external: the .ptd beside ``path``, with the same stem
     adapter_data: dict[str, DataFile] = field(default_factory=dict)  # and each adapter's (<stem>.<adapter>.ptd)
+    components: dict[str, CausalLM] = field(default_factory=dict)  # the other components' quantized eager models
 
     @property
     def data_paths(self) -> list[Path]:

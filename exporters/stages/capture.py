@@ -38,14 +38,28 @@ def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens
                      outputs=[_tensor_spec(o.meta["val"], f"output_{i}", dim_name) for i, o in enumerate(user_outputs)])
 
 
+class Prefixed(torch.nn.Module):
+    """A component's model under its name: its buffers are named ``draft.layers.0...``, apart from the decoder's
+    (ExecuTorch shares a mutable buffer between the methods that name it alike)."""
+
+    def __init__(self, name: str, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.component = name
+        self.add_module(name, model)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.component)(tokens, input_pos)
+
+
 class CaptureStage(Stage):
     name = "capture"
     after = ("quantize",)
 
     def run(self, quantized: EagerModel, ctx: ExportContext) -> CapturedMethods:
         """Each method captured from the eager model, or from the PT2E-converted graph when there is one."""
-        table = self.plan.decoder.methods
+        table = self.plan.methods
         specs, aliases, adapter_of = table.specs, table.aliases, table.adapter_of
+        others = {name: Prefixed(name, m) for name, m in quantized.components.items()}
         model = quantized.model
         # quant.pt2e: every method comes from the one converted graph (same integer weights, same scales).
         source = model if quantized.graph is None else quantized.graph
@@ -53,6 +67,8 @@ class CaptureStage(Stage):
         reference = source if quantized.reference_graph is None else quantized.reference_graph
 
         def capture(name: str, spec: MethodSpec, module: torch.nn.Module = source) -> torch.export.ExportedProgram:
+            if name in table.component_of:  # another component's method: from its own model
+                module = others[table.component_of[name]]
             every = model.logits_of_every_position() if spec.full_logits else contextlib.nullcontext()
             with torch.no_grad(), active_adapter(model, adapter_of[name]), every:
                 return torch.export.export(module, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes,
@@ -72,5 +88,6 @@ class CaptureStage(Stage):
             signatures[alias] = signatures[source]
             if undelegated is not None:
                 undelegated[alias] = undelegated[source]
-        return CapturedMethods(model=model, methods=ProgramMethods(specs, adapter_of, aliases, signatures),
-                               programs=programs, undelegated=undelegated)
+        return CapturedMethods(model=model, methods=ProgramMethods(specs, adapter_of, aliases, table.component_of,
+                                                                   signatures),
+                               programs=programs, undelegated=undelegated, components=quantized.components)

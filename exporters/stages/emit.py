@@ -94,7 +94,7 @@ class EmitStage(Stage):
     def run(self, lowered: LoweredProgram, ctx: ExportContext) -> WrittenProgram:
         edge, aliases = lowered.edge, lowered.methods.aliases
         kept = {f: getattr(lowered, f) for f in ("model", "methods", "constant_methods", "delegated_partitions",
-                                                  "undelegated")}
+                                                  "undelegated", "components")}
         del lowered  # the only other reference to the edge programs: dropped with them after to_executorch
         external = self.plan.weights == WeightsPlacement.external
         program = to_executorch(edge, aliases, external=external)

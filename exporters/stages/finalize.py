@@ -8,7 +8,7 @@ import os
 import shutil
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exporters.errors import ValidationFailed
 from exporters.manifest import (MANIFEST_FILE, AdapterEntry, ComponentEntry, DataFile, Manifest, MethodEntry,
@@ -24,6 +24,9 @@ from exporters.stages.artifacts import ExportResult, WrittenProgram
 from exporters.stages.pipeline import ExportContext, Stage
 from models.families import family_of_config
 from models.lora import WEIGHTS_FILE
+
+if TYPE_CHECKING:
+    from exporters.plan import ExportPlan
 
 PACKAGES = ("torch", "executorch", "torchao", "transformers", "hydra-core", "tokenizers", "safetensors")
 
@@ -55,6 +58,29 @@ def adapter_entries(ctx: ExportContext, written: WrittenProgram) -> dict[str, Ad
     return entries
 
 
+def component_entries(plan: ExportPlan, ctx: ExportContext, written: WrittenProgram,
+                      parameters: int) -> dict[str, ComponentEntry]:
+    """Each model the program holds: the decoder (its quantization and validation are the manifest's own), then the
+    others with theirs."""
+    assert ctx.checkpoint is not None
+    entries = {}
+    for component in plan.components:
+        if component.is_decoder:
+            methods = [n for n in written.methods.specs if n not in written.methods.component_of]
+            entries[component.name] = ComponentEntry(
+                kind=str(component.kind), methods=methods, adapters=component.adapters,
+                checkpoint=str(ctx.checkpoint.path), parameters=parameters, state=["kv_cache"])
+            continue
+        model, checkpoint = written.components[component.name], ctx.component_checkpoints[component.name]
+        family = family_of_config(checkpoint.hf_config)
+        entries[component.name] = ComponentEntry(
+            kind=str(component.kind), methods=list(written.methods.of_component(component.name)), adapters=[],
+            checkpoint=str(checkpoint.path), parameters=sum(p.numel() for p in model.parameters()),
+            state=["kv_cache"], quantization=ctx.component_quantization.get(component.name),
+            validation=ctx.component_validation.get(component.name), family=family.name if family else None)
+    return entries
+
+
 def move_data_file(written: WrittenProgram, data: DataFile | None, adapter: str | None, pte: Path) -> DataFile | None:
     """The data file of the base (or of ``adapter``) renamed beside ``pte``, with its new name; without one, a file
     of that name left by an earlier export (it belonged to the program being replaced) is removed."""
@@ -82,7 +108,8 @@ class FinalizeStage(Stage):
         roles = MethodRoles.choose({n: spec.shape for n, spec in base.items()})
         adapters = adapter_entries(ctx, written)
         failed = [name for name, a in adapters.items() if a.validation is not None and not a.validation.passed]
-        ok = (report is None or report.passed) and not failed
+        failed_components = [name for name, v in ctx.component_validation.items() if not v.passed]
+        ok = (report is None or report.passed) and not failed and not failed_components
         pte = written.final_path if ok else rejected_path(written.final_path)
         # The data files first: a finished-looking program always has its weights.
         data = move_data_file(written, written.data, None, pte)
@@ -137,18 +164,15 @@ class FinalizeStage(Stage):
             adapters=adapters,
             quality_warning=ctx.quality_warning,
             kv_cache=kv_cache_entry(model, max(spec.max_tokens for spec in base.values())),
-            components={component.name: ComponentEntry(
-                kind=str(component.kind), methods=list(specs), adapters=component.adapters, checkpoint=str(ckpt.path),
-                parameters=parameters, state=["kv_cache"])
-                for component in self.plan.components},
+            components=component_entries(self.plan, ctx, written, parameters),
         )
         manifest_path = out_dir / MANIFEST_FILE
         manifest.write(manifest_path)
         if not ok:
-            assert report is not None
-            what = report.describe() if not report.passed else ""
+            what = report.describe() if report is not None and not report.passed else ""
             what += "".join(f"; adapter {n}'s methods: {adapters[n].validation.describe()}"  # type: ignore[union-attr]
                             for n in failed)
+            what += "".join(f"; the {n}'s methods: {ctx.component_validation[n].describe()}" for n in failed_components)
             raise ValidationFailed(
                 f"the exported program does not match the eager model: {what.removeprefix('; ')}. "
                 f"It was kept as {pte} for inspection, not as {written.final_path.name}; details per window are in "

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from exporters.footprint import MemoryBudget
-from exporters.stages.artifacts import EagerModel
+from exporters.program.draft import check_pair
+from exporters.stages.artifacts import EagerModel, summary
 from exporters.stages.pipeline import ExportContext, Stage
 from models.checkpoint import stored_bytes
 from models.families import family_of_config
 from models.lora import attach_adapters, read_adapter
 
 log = logging.getLogger("exporters")
+
+
+def parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 class LoadStage(Stage):
@@ -30,13 +37,23 @@ class LoadStage(Stage):
         shapes = build.build(checkpoint, device="meta")
         ctx.footprint = MemoryBudget.of(self.plan).check(shapes, stored_bytes(checkpoint, shapes))
         log.info("  load: %s", ctx.footprint.describe())
+        components = {}
+        draft = self.plan.draft
+        if draft is not None:  # the pair is checked before either model's weights are read
+            draft_checkpoint = draft.build.checkpoint(ctx.output_dir)
+            draft_shapes = draft.build.build(draft_checkpoint, device="meta")
+            check_pair(checkpoint, draft_checkpoint, parameters(shapes), parameters(draft_shapes))
+            ctx.component_checkpoints[draft.name] = draft_checkpoint
         model = build.build(checkpoint)
         ctx.adapters = [read_adapter(name, folder, model) for name, folder in build.model.adapters.items()]
         attach_adapters(model, ctx.adapters)
-        return EagerModel(model)
+        if draft is not None:
+            components[draft.name] = draft.build.build(ctx.component_checkpoints[draft.name])
+        return EagerModel(model, components=components)
 
     def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:
         assert ctx.checkpoint is not None
         family = family_of_config(ctx.checkpoint.hf_config)
         adapters = "".join(f"; adapter {a.describe()}" for a in ctx.adapters)
-        return f"{family.name if family else 'unknown'} family, {loaded.summary()}{adapters}"
+        others = "".join(f"; {name}: {summary(m)}" for name, m in loaded.components.items())
+        return f"{family.name if family else 'unknown'} family, {loaded.summary()}{adapters}{others}"

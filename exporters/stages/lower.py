@@ -85,6 +85,7 @@ class LowerStage(Stage):
 
         assert ctx.checkpoint is not None
         model, methods, undelegated, programs = captured.model, captured.methods, captured.undelegated, captured.programs
+        components = captured.components
         del captured  # to_edge_transform_and_lower rewrites the programs: nothing may use them after it
         plan, backend = self.plan, self.plan.backend
         constants = constant_methods(model.args, ctx.checkpoint, methods.specs, plan.lengths.max_seq_len,
@@ -107,4 +108,5 @@ class LowerStage(Stage):
         del programs
         # Aliases (forward = prefill) are not lowered: emit writes their source's execution plan under their name.
         return LoweredProgram(model=model, methods=methods, edge=edge, constant_methods=constants,
-                              delegated_partitions=count_delegates(edge, methods.aliases), undelegated=undelegated)
+                              delegated_partitions=count_delegates(edge, methods.aliases), undelegated=undelegated,
+                              components=components)

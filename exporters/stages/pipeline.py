@@ -52,13 +52,16 @@ class ExportContext:
     output_dir: Path
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, filled in by the pipeline
     checkpoint: Checkpoint | None = None  # load
+    component_checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # load: the other components' (draft)
     adapters: list[LoraAdapter] = field(default_factory=list)  # load: model.adapters, read and attached
     footprint: Footprint | None = None  # load: the export's estimated memory
     baseline: BaselineQuality | None = None  # baseline (with validation only)
     quantization: AppliedQuantization | None = None  # quantize
+    component_quantization: dict[str, AppliedQuantization] = field(default_factory=dict)  # quantize: the draft's
     pt2e: Pt2eRecord | None = None  # pt2e: what the backend's quantizer did (finalize records it with quantize's)
     validation: ValidationReport | None = None  # validate (with validation only)
     adapter_validation: dict[str, ValidationReport] = field(default_factory=dict)  # validate: one per adapter
+    component_validation: dict[str, ValidationReport] = field(default_factory=dict)  # validate: the draft's methods
     quality_warning: QualityWarning | None = None  # advise: the perplexity increase passed its threshold
 
     @property

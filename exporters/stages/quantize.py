@@ -31,13 +31,19 @@ class QuantizeStage(Stage):
     after = ("load",)
 
     def run(self, loaded: EagerModel, ctx: ExportContext) -> EagerModel:
-        model, component = loaded.model, self.plan.decoder
-        quant = component.quant
-        ctx.quantization = quantize_model(
-            model, quant.config, quant.tied_storage,
-            lambda: read_calibration(quant.config.calibration, component.build.source, model, ctx), quant.shortcuts)
-        return EagerModel(model, quantized=True)
+        models = {"decoder": loaded.model, **loaded.components}
+        for component in self.plan.components:
+            model, quant = models[component.name], component.quant
+            applied = quantize_model(
+                model, quant.config, quant.tied_storage,
+                lambda: read_calibration(quant.config.calibration, component.build.source, model, ctx), quant.shortcuts)
+            if component.is_decoder:
+                ctx.quantization = applied
+            else:
+                ctx.component_quantization[component.name] = applied
+        return EagerModel(loaded.model, quantized=True, components=loaded.components)
 
     def describe(self, quantized: EagerModel, ctx: ExportContext) -> str:
         assert ctx.quantization is not None
-        return ctx.quantization.describe()
+        return ctx.quantization.describe() + "".join(f"; {name}: {q.describe()}"
+                                                     for name, q in ctx.component_quantization.items())

@@ -22,7 +22,7 @@ from exporters.program.methods import MethodSpec
 from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
 from exporters.runtime.sampling import SamplingConfig
-from exporters.runtime.speculative import continue_text
+from exporters.runtime.speculative import DraftProposer, LookupProposer, continue_text
 from exporters.runtime.quality import (Agreement, TextWindows, full_sequence, negative_log_likelihood, perplexity,
                                        window_logits)
 from exporters.stages.artifacts import BaselineQuality, WrittenProgram
@@ -108,7 +108,7 @@ def driven(program: LoadedProgram | CapturedPrograms, roles: MethodRoles, text: 
 
 def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
                 specs: dict[str, MethodSpec], text: TextWindows, adapter: str | None = None,
-                eager_graphs: CapturedPrograms | None = None) -> Predictions:
+                eager_graphs: CapturedPrograms | None = None, side: str = "program") -> Predictions:
     """The eager model's and the program's predictions; ``adapter``: the eager side applies it (the program's
     side is in ``roles``: that adapter's methods). ``eager_graphs``: the eager side is these captured programs
     (PT2E: the quantized model exists only as graphs), driven like the program."""
@@ -119,7 +119,7 @@ def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, role
             with active_adapter(model, adapter), model.kv_dtype_as(KvDType.fp32):
                 eager = window_logits(full_sequence(model), text)
         # The undelegated programs standing in for a delegate that cannot run here may be the eager side itself.
-        ours = eager if program is eager_graphs else driven(program, roles, text, "program")
+        ours = eager if program is eager_graphs else driven(program, roles, text, side)
         forward_kl = forward_against_prefill(program, roles, specs, text)
     model.reset_cache()
     return Predictions(eager, ours, forward_kl)
@@ -135,10 +135,12 @@ TIE_FACTOR = 4.0
 
 
 def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
-                      text: TextWindows, adapter: str | None, context: int) -> SpeculativeCheck:
+                      text: TextWindows, adapter: str | None, context: int,
+                      draft_roles: MethodRoles | None = None) -> SpeculativeCheck:
     """The verify method on the first window after its prompt, against the eager model's logits at the same positions
     and against the one-token method's (how far the batched kernels round from the single-token ones); then greedy
-    generation from that prompt with lookup speculation against without, in the program."""
+    generation from that prompt with speculation (the draft's methods, ``draft_roles``; else lookup) against
+    without, in the program."""
     window, prompt = text.windows[0], text.prompt_tokens
     k = roles.verify_tokens - 1
     driver = Driver(program, roles)
@@ -163,11 +165,12 @@ def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms
         top = row.topk(2).values
         margins.append(float(top[0] - top[1]))
 
+    proposer = DraftProposer(Driver(program, draft_roles)) if draft_roles is not None else LookupProposer()
     runs = {}
     for speculating in (False, True):
         first = driver.prefill(window[:, :prompt])
-        runs[speculating] = continue_text(driver, ids, first, greedy, set(), context, False, speculating,
-                                          seen=None if speculating else margin)
+        runs[speculating] = continue_text(driver, ids, first, greedy, set(), context, False,
+                                          proposer if speculating else None, seen=None if speculating else margin)
     plain, fast, stats = runs[False][0], runs[True][0], runs[True][2]
     assert stats is not None
     # The same tokens through verify calls alone (every proposal kept): the cache written by the batched kernels, as
@@ -184,7 +187,7 @@ def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms
     diverged = next((i for i, (a, b) in enumerate(zip(plain, fast)) if a != b), None)
     return SpeculativeCheck(
         verify_kl=float(agreement.kl.mean()), verify_top1=float(agreement.top1.double().mean()), tokens=len(plain),
-        identical=plain == fast, proposer="lookup", acceptance=round(stats.acceptance, 4),
+        identical=plain == fast, proposer=proposer.name, acceptance=round(stats.acceptance, 4),
         tokens_per_call=round(stats.tokens_per_call, 4), kernel_noise=noise, diverged_at=diverged,
         margin_there=None if diverged is None else margins[diverged], tie_factor=TIE_FACTOR)
 
@@ -195,7 +198,7 @@ def judge(scores: Scores, forward_kl: float | None, t: Tolerance,
     return [
         *([f"verify differs from the eager model: KL {speculative.verify_kl:.3g} > {t.max_kl:.3g}"]
           if speculative is not None and speculative.verify_kl > t.max_kl else []),
-        *([f"speculative greedy decoding (lookup, verify) differs from plain greedy decoding at token "
+        *([f"speculative greedy decoding ({speculative.proposer}, verify) differs from plain greedy decoding at token "
            f"{speculative.diverged_at}, where plain decoding's top two logits were {speculative.margin_there:.3g} apart: "
            f"more than {speculative.tie_factor:g} x the {speculative.kernel_noise:.3g} verify and decode differ by"]
           if speculative is not None and not speculative.matches else []),
@@ -211,7 +214,8 @@ def judge(scores: Scores, forward_kl: float | None, t: Tolerance,
 def report(scores: Scores, failures: list[str], forward_kl: float | None, roles: MethodRoles, checked: Checked,
            baseline: BaselineQuality, t: Tolerance, runs_in: DType | None = None,
            adapter: str | None = None, eager_kv_dtype: str | None = None,
-           speculative: SpeculativeCheck | None = None) -> ValidationReport:
+           speculative: SpeculativeCheck | None = None, component: str | None = None) -> ValidationReport:
+    """``component``: the report of another component's methods (the draft's), against its own unquantized model."""
     text, total = baseline.text, scores.agreement
     return ValidationReport(
         passed=not failures,
@@ -231,7 +235,8 @@ def report(scores: Scores, failures: list[str], forward_kl: float | None, roles:
         max_rel_error=total.max_rel_error,
         perplexity=scores.perplexity,
         eager_perplexity=scores.eager_perplexity,
-        baseline_perplexity=baseline.perplexity_of(adapter),
+        baseline_perplexity=(baseline.perplexity_of(adapter) if component is None
+                             else baseline.perplexity_of_component(component)),
         baseline_dtype=baseline.dtype,
         forward_kl=forward_kl,
         tolerance={"max_kl": t.max_kl, "min_top1": t.min_top1, "max_ppl_drift": t.max_ppl_drift},
@@ -260,13 +265,27 @@ class ValidateStage(Stage):
             program, checked = undelegated, "undelegated programs"
         eager_graphs = undelegated if plan.eager_from_graphs else None
         methods = written.methods
+        others = {}  # the other components' methods (the draft's) against their own eager models
+        for name, component_model in written.components.items():
+            specs = methods.of_component(name)
+            roles = MethodRoles.choose({n: spec.shape for n, spec in specs.items()})
+            found = predictions(component_model, program, roles, specs, ctx.baseline.text, side=name)
+            scores = Scores.of(found, ctx.baseline.text)
+            tolerance = plan.component_tolerance[name]
+            failures = judge(scores, found.forward_kl, tolerance)
+            ctx.component_validation[name] = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline,
+                                                    tolerance, plan.runs_in, component=name)
+            others[name] = roles
+            log.info("  validate: %s %s", name, "passed" if not failures else "FAILED")
+        draft = self.plan.draft
         for adapter in [None, *methods.adapters]:  # the base methods, then each adapter's
             specs = methods.of_adapter(adapter)
             roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
             found = predictions(written.model, program, roles, specs, ctx.baseline.text, adapter, eager_graphs)
             scores = Scores.of(found, ctx.baseline.text)
             speculative = (speculative_check(written.model, program, roles, ctx.baseline.text, adapter,
-                                             self.plan.lengths.context) if roles.verify else None)
+                                             self.plan.lengths.context, others[draft.name] if draft else None)
+                           if roles.verify else None)
             failures = judge(scores, found.forward_kl, plan.tolerance, speculative)
             verdict = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, plan.tolerance,
                              plan.runs_in, adapter, str(plan.eager_kv_dtype) if plan.eager_kv_dtype else None,
@@ -281,4 +300,5 @@ class ValidateStage(Stage):
     def describe(self, written: WrittenProgram, ctx: ExportContext) -> str:
         assert ctx.validation is not None
         return ctx.validation.describe() + "".join(f"\n  adapter {name}: {v.describe()}"
-                                                   for name, v in ctx.adapter_validation.items())
+                                                   for name, v in ctx.adapter_validation.items()) + "".join(
+            f"\n  {name}: {v.describe()}" for name, v in ctx.component_validation.items())
