@@ -3,10 +3,11 @@
     python -m benchmarks.speculative outputs/smollm2-verify [--tokens 128] [--repeats 3] [--out bench/spec.json]
 
 For each task (a chat request whose answer repeats much of its prompt, a continuation of code, an open chat
-answer), on one loaded program, greedy: decode tok/s without speculation and with ``speculative=lookup``, proposals
-kept, tokens per call of the model, and whether the two outputs are the same tokens. A prompt longer than the
+answer), on one loaded program, greedy: decode tok/s without speculation, with ``speculative=lookup`` and, when the
+program holds a draft model, with ``speculative=draft``; proposals kept, tokens per call of the model, and whether
+each mode's output is the same tokens as plain decoding's. A prompt longer than the
 program's cache leaves room for (a tiny model's), only its end is kept. Medians over ``--repeats``
-after a warm-up, the two modes alternating which runs first. Writes JSON (``--out``) beside the printed table.
+after a warm-up, the modes taking turns to run first. Writes JSON (``--out``) beside the printed table.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import statistics
 from pathlib import Path
 
+from exporters.program.draft import DRAFT_METHODS
 from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt, chat_template
 
 TEXT = ("The ferry leaves the north pier at seven every morning. It carries workers, bicycles and crates of fish "
@@ -30,50 +32,55 @@ TASKS: dict[str, tuple[str, bool]] = {
 }
 
 
-def measure(run: Path, tokens: int, repeats: int) -> dict[str, dict[str, float | bool]]:
+def measure(run: Path, tokens: int, repeats: int) -> dict[str, dict[str, dict[str, float | bool]]]:
+    """task -> mode -> its numbers; the modes: none, lookup, and draft when the program holds a draft model."""
     gen = Generator(run)
-    gen.eos_ids = set()  # the same number of tokens in both modes, every time
+    gen.eos_ids = set()  # the same number of tokens in every mode, every time
+    modes = ["none", "lookup", *(["draft"] if DRAFT_METHODS <= set(gen.program.method_names) else [])]
     greedy = SamplingConfig(max_new_tokens=tokens)
-    found: dict[str, dict[str, float | bool]] = {}
+    found: dict[str, dict[str, dict[str, float | bool]]] = {}
     for task, (prompt, chat) in TASKS.items():
         text = chat_prompt(gen.pte, prompt) if chat and chat_template(gen.pte.parent) else prompt
         ids = gen.encode(text)
         room = gen.max_context_len - tokens - 1  # a short cache (a tiny model's) keeps the prompt's end
         if len(ids) > room:
             ids = ids[-room:]
-        rates: dict[str, list[float]] = {"none": [], "lookup": []}
-        outputs, stats = {}, None
+        rates: dict[str, list[float]] = {mode: [] for mode in modes}
+        outputs, stats = {}, {}
         for r in range(repeats + 1):
-            for mode in (("none", "lookup") if r % 2 else ("lookup", "none")):
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # each mode runs first in turn
                 result = gen.generate(text, greedy, prompt_ids=ids, speculative=mode)
-                outputs[mode] = result.new_ids
-                if mode == "lookup":
-                    stats = result.speculation
+                outputs[mode], stats[mode] = result.new_ids, result.speculation
                 if r:  # the first round warms up
                     rates[mode].append(result.generation_tokens_per_s)
-        assert stats is not None
-        plain, fast = statistics.median(rates["none"]), statistics.median(rates["lookup"])
-        found[task] = {"decode_tok_s": round(plain, 1), "lookup_tok_s": round(fast, 1),
-                       "speedup": round(fast / plain, 2), "acceptance": round(stats.acceptance, 3),
-                       "tokens_per_call": round(stats.tokens_per_call, 2),
-                       "identical": outputs["lookup"] == outputs["none"]}
+        plain = statistics.median(rates["none"])
+        found[task] = {}
+        for mode in modes:
+            rate, st = statistics.median(rates[mode]), stats[mode]
+            found[task][mode] = {"tok_s": round(rate, 1), "speedup": round(rate / plain, 2),
+                                 "acceptance": round(st.acceptance, 3) if st else None,
+                                 "tokens_per_call": round(st.tokens_per_call, 2) if st else 1.0,
+                                 "identical": outputs[mode] == outputs["none"]}
         print(f"{task}: {found[task]}", flush=True)
     return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("run", type=Path, help="a run folder (or .pte) exported with verify in export.methods")
+    parser.add_argument("run", type=Path, help="a run folder (or .pte) with a verify method (a draft, or verify in "
+                                               "export.methods)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     found = measure(args.run, args.tokens, args.repeats)
-    print("\n| task | decode tok/s | with lookup | speedup | proposals kept | tokens per call | same tokens |")
+    print("\n| task | mode | tok/s | speedup | proposals kept | tokens per call | same tokens as none |")
     print("|---|---|---|---|---|---|---|")
-    for task, r in found.items():
-        print(f"| {task} | {r['decode_tok_s']} | {r['lookup_tok_s']} | {r['speedup']}x | {r['acceptance']:.0%} | "
-              f"{r['tokens_per_call']} | {'yes' if r['identical'] else 'NO'} |")
+    for task, modes in found.items():
+        for mode, r in modes.items():
+            kept = "" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+            print(f"| {task} | {mode} | {r['tok_s']} | {r['speedup']}x | {kept} | {r['tokens_per_call']} | "
+                  f"{'yes' if r['identical'] else 'NO'} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"run": str(args.run), "tokens": args.tokens, "tasks": found}, indent=2) + "\n")

@@ -26,7 +26,7 @@ from exporters.quant.schemes import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, l
 from models.decoder import CausalLM
 
 if TYPE_CHECKING:
-    from exporters.plan import ExportPlan
+    from exporters.plan import Component, ExportPlan
 
 GB = 1e9
 # RSS of the exporter with torch, torchao and ExecuTorch imported, before any weight (measured: 0.4-0.5 GB).
@@ -51,6 +51,16 @@ class Footprint:
     @property
     def peak(self) -> int:
         return self.peaks[self.peak_stage]
+
+    def beside(self, other: "Footprint") -> "Footprint":
+        """This model's footprint with ``other`` held in the same export (the target and its draft: both alive from
+        load to finalize, each stage working on one then the other): weights add up, and so, conservatively, do the
+        stages' peaks."""
+        held = BASE_BYTES + other.eager
+        return Footprint(self.parameters + other.parameters, self.stored + other.stored, self.eager + other.eager,
+                         self.program + other.program,
+                         {s: peak + other.peaks.get(s, held) - BASE_BYTES for s, peak in self.peaks.items()},
+                         None if self.advise is None else self.advise + other.eager)
 
     def describe(self) -> str:
         return (f"{_count(self.parameters)} parameters: {_size(self.stored)} as stored, {_size(self.eager)} "
@@ -154,17 +164,22 @@ class MemoryBudget:
     advising: bool = False  # the advise stage runs (validation.warn_ppl_increase)
 
     @staticmethod
-    def of(plan: "ExportPlan") -> "MemoryBudget":
-        """What the plan's export holds: its quantization, validation and advise."""
-        quant, validation = plan.decoder.quant, plan.validation
+    def of(plan: "ExportPlan", component: "Component | None" = None) -> "MemoryBudget":
+        """What the plan's export holds for ``component`` (None: the decoder): its quantization, validation and
+        (the decoder's only) advise."""
+        component = plan.decoder if component is None else component
+        quant, validation = component.quant, plan.validation
         return MemoryBudget(quant.config, quant.tied_storage, validation is not None, plan.memory_limit_gb,
-                            calibrated=quant.calibrated,
-                            advising=validation is not None and validation.advise_threshold is not None)
+                            calibrated=quant.calibrated, advising=component.is_decoder and validation is not None
+                            and validation.advise_threshold is not None)
 
-    def check(self, shapes: CausalLM, stored_bytes: int) -> Footprint:
-        """``shapes``' footprint (a model on the meta device), refused if it does not fit."""
-        footprint = estimate(shapes, self.quant, stored_bytes, self.validating, self.tied_storage, self.calibrated,
-                             self.advising)
+    def estimate(self, shapes: CausalLM, stored_bytes: int) -> Footprint:
+        """``shapes``' footprint (a model on the meta device)."""
+        return estimate(shapes, self.quant, stored_bytes, self.validating, self.tied_storage, self.calibrated,
+                        self.advising)
+
+    def check(self, footprint: Footprint) -> Footprint:
+        """``footprint``, refused if it does not fit."""
         check_fits(footprint, self.limit_gb)
         return footprint
 

@@ -23,8 +23,9 @@ USAGE = """usage: python -m exporters.generate <run folder or .pte> prompt="..."
 keys: prompt (required), max_new_tokens=128, temperature=0.0 (greedy), top_p=1.0, seed=0,
       chat=false (apply tokenizer_config.json's chat template), tokenizer=<tokenizer.json>,
       adapter=<name> (a LoRA adapter exported with model.adapters; unset: the base model),
-      speculative=auto (lookup: propose tokens from the text so far, checked by the program's verify method;
-      none: one token per call; auto: a draft model's when the program has one, else none),
+      speculative=auto (draft: the program's draft model proposes tokens, its verify method checks them;
+      lookup: propose tokens from the text so far instead; none: one token per call;
+      auto: draft when the program has a draft model, else none),
       verbose=false (true: the runtime's own log lines too)
 """
 

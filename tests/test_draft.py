@@ -69,6 +69,16 @@ def test_speculative_greedy_with_the_draft_is_plain_greedy(draft_program) -> Non
         assert auto.speculation is not None and auto.speculation.proposed == fast.speculation.proposed
 
 
+def test_the_speculative_benchmark_measures_the_draft_too(draft_program) -> None:  # type: ignore[no-untyped-def]
+    from benchmarks.speculative import TASKS, measure
+
+    found = measure(draft_program.pte_path.parent, tokens=12, repeats=1)
+    assert set(found) == set(TASKS)
+    for modes in found.values():
+        assert set(modes) == {"none", "lookup", "draft"} and modes["draft"]["identical"]
+        assert modes["draft"]["tokens_per_call"] >= 1 and modes["none"]["speedup"] == 1.0
+
+
 def test_the_draft_writes_its_own_cache_not_the_targets(draft_program) -> None:  # type: ignore[no-untyped-def]
     """ExecuTorch shares a mutable buffer between methods that name it alike; the draft's are named under ``draft.``:
     running the draft between two target calls leaves the target's next logits bit for bit as they were."""

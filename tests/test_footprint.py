@@ -106,7 +106,8 @@ def test_the_estimate_reads_the_plan_calibration_and_advise(tmp_path: Path) -> N
         build = plan.decoder.build
         checkpoint = build.checkpoint(tmp_path / "_".join(overrides))
         shapes = build.build(checkpoint, device="meta")
-        return MemoryBudget.of(plan).check(shapes, stored_bytes(checkpoint, shapes))
+        budget = MemoryBudget.of(plan)
+        return budget.check(budget.estimate(shapes, stored_bytes(checkpoint, shapes)))
 
     data_free, gptq = footprint("quant=8da4w"), footprint("quant=8da4w", "quant.algorithm=gptq")
     assert gptq.peaks["quantize"] > data_free.peaks["quantize"]

@@ -78,7 +78,20 @@ Speculative decoding: `verify` takes the last accepted token and `get_draft_toke
 (int64[1, {k + 1 if k is not None else "K+1"}], their first position int64[1]) and returns the logits of every
 position; keep proposals left to right while each is the model's own choice, then continue from the first position
 not kept: the next call overwrites the rejected tokens' cache slots, so nothing else rolls back.{measured}
-"""
+{_draft(m)}"""
+
+
+def _draft(m: Manifest) -> str:
+    """The draft model's methods, when the program holds one."""
+    draft = m.components.get("draft")
+    if draft is None:
+        return ""
+    quant = draft.quantization.describe() if draft.quantization else "unquantized"
+    return (f"The draft model ({draft.family or 'unknown'} family, {(draft.parameters or 0) / 1e6:.0f}M parameters, "
+            f"{quant}) proposes them: `draft_prefill` takes the text its cache has not seen yet (int64[1, T], its "
+            "first position int64[1]) and `draft_decode_one_token` one token at a time, each returning the logits "
+            "of its last position; its KV cache is its own, rolled back by position like the target's. "
+            "`python -m exporters.generate <folder> prompt=... speculative=draft` does all this.\n")
 
 
 def _runtime_needs(m: Manifest) -> str:

@@ -35,8 +35,8 @@ class LoadStage(Stage):
         ctx.checkpoint = checkpoint
         # The export's memory, estimated from the shapes alone and checked before any weight is read.
         shapes = build.build(checkpoint, device="meta")
-        ctx.footprint = MemoryBudget.of(self.plan).check(shapes, stored_bytes(checkpoint, shapes))
-        log.info("  load: %s", ctx.footprint.describe())
+        budget = MemoryBudget.of(self.plan)
+        footprint = budget.estimate(shapes, stored_bytes(checkpoint, shapes))
         components = {}
         draft = self.plan.draft
         if draft is not None:  # the pair is checked before either model's weights are read
@@ -44,6 +44,10 @@ class LoadStage(Stage):
             draft_shapes = draft.build.build(draft_checkpoint, device="meta")
             check_pair(checkpoint, draft_checkpoint, parameters(shapes), parameters(draft_shapes))
             ctx.component_checkpoints[draft.name] = draft_checkpoint
+            footprint = footprint.beside(MemoryBudget.of(self.plan, draft).estimate(
+                draft_shapes, stored_bytes(draft_checkpoint, draft_shapes)))
+        ctx.footprint = budget.check(footprint)
+        log.info("  load: %s%s", ctx.footprint.describe(), " (target and draft)" if draft is not None else "")
         model = build.build(checkpoint)
         ctx.adapters = [read_adapter(name, folder, model) for name, folder in build.model.adapters.items()]
         attach_adapters(model, ctx.adapters)
