@@ -19,6 +19,7 @@ from pathlib import Path
 
 from exporters.program.draft import DRAFT_METHODS
 from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt, chat_template
+from exporters.runtime.memory import rss_after_load_mb
 
 TEXT = ("The ferry leaves the north pier at seven every morning. It carries workers, bicycles and crates of fish "
         "across the bay, and it returns at noon with the post, the newspapers and the school children.")
@@ -65,6 +66,18 @@ def measure(run: Path, tokens: int, repeats: int) -> dict[str, dict[str, dict[st
     return found
 
 
+def memory(run: Path) -> dict[str, float]:
+    """RSS (MB) a fresh process gains by loading the methods plain decoding calls, and those speculation calls too
+    (verify, and the draft's when the program has them): what speculation costs in memory."""
+    gen = Generator(run)
+    roles, names = gen.driver.roles, set(gen.program.method_names)
+    plain = [roles.prompt, roles.step]
+    speculative = plain + [roles.verify] if roles.verify else plain
+    if DRAFT_METHODS <= names:
+        speculative += sorted(DRAFT_METHODS)
+    return {"plain_mb": rss_after_load_mb(gen.pte, plain), "speculative_mb": rss_after_load_mb(gen.pte, speculative)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", type=Path, help="a run folder (or .pte) with a verify method (a draft, or verify in "
@@ -74,6 +87,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     found = measure(args.run, args.tokens, args.repeats)
+    rss = memory(args.run)
+    print(f"RSS after load: {rss['plain_mb']:.0f} MB with the plain methods, {rss['speculative_mb']:.0f} MB with "
+          "those speculation calls too")
     print("\n| task | mode | tok/s | speedup | proposals kept | tokens per call | same tokens as none |")
     print("|---|---|---|---|---|---|---|")
     for task, modes in found.items():
@@ -83,7 +99,7 @@ def main() -> None:
                   f"{'yes' if r['identical'] else 'NO'} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"run": str(args.run), "tokens": args.tokens, "tasks": found}, indent=2) + "\n")
+        args.out.write_text(json.dumps({"run": str(args.run), "tokens": args.tokens, "rss_after_load": rss, "tasks": found}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

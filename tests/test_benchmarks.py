@@ -43,6 +43,11 @@ def run_sweep(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return proc
 
 
+# The benchmark tools run end to end (an export or a sweep each, 40-200 s): kept out of the full run for its time
+# and run by `pytest -m extended`; the ones that only compose, read or tabulate stay in it.
+BENCHMARK_RUN = pytest.mark.extended
+
+
 # ---- presets ----------------------------------------------------------------------------------------------
 
 def test_preset_shapes_are_the_published_ones() -> None:
@@ -106,7 +111,7 @@ def tiny_bench(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.slow
+@BENCHMARK_RUN
 def test_bandwidth_bounds_each_program_by_the_bytes_a_decode_step_reads(tiny_bench: Path, tmp_path: Path) -> None:
     """``benchmarks.bandwidth`` on the tiny bench's two programs: read bandwidth before and after, the bytes per token
     from the program's own storage, and decode as a fraction of the bound."""
@@ -124,7 +129,7 @@ def test_bandwidth_bounds_each_program_by_the_bytes_a_decode_step_reads(tiny_ben
         assert 0 < bound["fraction"] == pytest.approx(bound["decode_tok_s"] / bound["bound_tok_s"], abs=0.001)
 
 
-@pytest.mark.slow
+@BENCHMARK_RUN
 def test_lowering_time_compares_the_shape_only_quant_ops_on_the_same_bytes(tmp_path: Path) -> None:
     out = tmp_path / "lowering.json"
     run_tool("lowering_time", "--preset", "tiny", "--max-seq-len", 32, "--out", out)
@@ -147,7 +152,7 @@ def test_export_benchmarks_transformers_own_exporter_as_a_peer(tmp_path: Path) -
     assert refused.returncode != 0 and "--preset smollm2" in refused.stderr
 
 
-@pytest.mark.slow
+@BENCHMARK_RUN
 def test_export_benchmarks_ours_against_export_llm(tiny_bench: Path) -> None:
     report = json.loads((tiny_bench / "report.json").read_text())
     assert report["preset"] == "tiny at max_seq_len 64" and report["parameters"] == PRESETS["tiny"].parameters
@@ -162,7 +167,7 @@ def test_export_benchmarks_ours_against_export_llm(tiny_bench: Path) -> None:
     assert "| ratio ours/export_llm |" in (tiny_bench / "report.md").read_text()
 
 
-@pytest.mark.slow
+@BENCHMARK_RUN
 def test_cost_curve_tabulates_and_plots_bench_reports(tiny_bench: Path, tmp_path: Path) -> None:
     plot = tmp_path / "cost.png"
     out = run_tool("cost_curve", "--bench-dir", tiny_bench.parent, "--preset", "tiny", "--plot", plot).stdout
@@ -173,7 +178,7 @@ def test_cost_curve_tabulates_and_plots_bench_reports(tiny_bench: Path, tmp_path
 
 # ---- tools over one export or one program -----------------------------------------------------------------
 
-@pytest.mark.slow
+@BENCHMARK_RUN
 def test_generate_measures_the_python_loop(tmp_path: Path) -> None:
     out = run_tool("generate", "--preset", "tiny", *SMALL, "--out", tmp_path, "--quant", "fp32",
                    "--prompt-len", 8, "--steps", 8, "--repeats", 1).stdout
@@ -199,7 +204,7 @@ def test_load_memory_measures_a_sharded_checkpoint() -> None:
     assert result["peak_rss_weights_resident"] >= result["rss_before_loading"] > 0
 
 
-@pytest.mark.slow
+@BENCHMARK_RUN
 def test_profile_memory_reports_each_stage_and_emit_step() -> None:
     out = run_tool("profile_memory", "--preset", "tiny", *SMALL).stdout
     stages = [line.split()[0] for line in out.splitlines() if "after returning freed heap" in line]
@@ -209,7 +214,7 @@ def test_profile_memory_reports_each_stage_and_emit_step() -> None:
     assert "not probed" not in out
 
 
-@pytest.mark.slow
+@BENCHMARK_RUN
 def test_profile_ops_profiles_in_this_runtime_and_says_when_another_is_missing(tmp_path: Path) -> None:
     """This project's runtime (ExecuTorch 1.5.1's pip wheel) has the event tracer: the tool exports the preset and
     profiles it here; a --runtime-python that does not exist is named."""
@@ -240,7 +245,7 @@ def test_pyspy_summary_summarizes_a_profile(tmp_path: Path) -> None:
     assert within.strip() == "LowerStage.run: 75.0% of all samples; 67% of them under _quantize_affine"
 
 
-@pytest.mark.slow
+@BENCHMARK_RUN
 def test_pyspy_summary_records_an_export_of_a_preset(tmp_path: Path) -> None:
     if not ((Path(sys.executable).parent / "py-spy").is_file() or shutil.which("py-spy")):
         pytest.skip("py-spy is not installed (pip install py-spy)")
@@ -251,7 +256,7 @@ def test_pyspy_summary_records_an_export_of_a_preset(tmp_path: Path) -> None:
 
 # ---- sweeps -----------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
+@BENCHMARK_RUN
 def test_sweep_launchers_compares_launchers(tmp_path: Path) -> None:
     """The serial launcher only: the launchers themselves are tests/test_sweeps.py's."""
     out = run_tool("sweep_launchers", "--out", tmp_path, "--launchers", "serial", "--preset", "tiny",
@@ -285,7 +290,7 @@ def test_size_table_is_the_134m_preset() -> None:
     assert (ex.max_seq_len, list(ex.methods), ex.layout) == (256, ["prefill", "decode"], "split")
 
 
-@pytest.mark.slow
+@BENCHMARK_RUN
 def test_quant_quality_sweep_writes_its_summary(tmp_path: Path) -> None:
     """One job of the preset (the sweep machinery itself is tests/test_sweeps.py's)."""
     run_sweep(tmp_path, "+experiment=quant_quality", "model=tiny", "validation.max_tokens=24", "export.max_seq_len=64",

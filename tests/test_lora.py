@@ -86,9 +86,16 @@ def test_our_decoder_with_an_adapter_computes_what_peft_computes(smollm2_truncat
     assert (pirate - minutes).abs().max() > 0.1, "the two adapters pull the base different ways"
 
 
+def with_adapters(real_exported, lora_adapters):  # type: ignore[no-untyped-def]
+    """The truncated SmolLM2 in fp32 with two real adapters: fp32, where the program computes what the eager model
+    computes to rounding, so greedy tokens can be compared; the default methods, so the base alone is the program
+    tests/test_quant_backends.py and tests/test_stock_runners.py read."""
+    return real_exported("quant=fp32", adapters_override(lora_adapters, "pirate", "minutes"))
+
+
 def test_one_program_holds_the_base_and_each_adapter_with_the_base_stored_once(real_exported, lora_adapters) -> None:  # type: ignore[no-untyped-def]
-    both = real_exported("quant=8da4w", adapters_override(lora_adapters, "pirate", "minutes"))
-    alone = real_exported("quant=8da4w")
+    both = with_adapters(real_exported, lora_adapters)
+    alone = real_exported("quant=fp32")
     m = both.manifest
     assert m.ok and m.passed and m.validation is not None and m.validation.checked == "runtime"
     for name in ("pirate", "minutes"):
@@ -111,10 +118,9 @@ def test_one_program_holds_the_base_and_each_adapter_with_the_base_stored_once(r
 
 
 def test_each_adapters_methods_generate_the_eager_adapters_tokens(real_exported, lora_adapters, smollm2_truncated) -> None:  # type: ignore[no-untyped-def]
-    """fp32, where the program computes what the eager model computes to rounding: greedy tokens are equal. (The
-    8da4w program above is held to 8da4w's tolerances by validation.)"""
-    result = real_exported("quant=fp32", "export.methods=[prefill,decode]", "export.layout=split",
-                           adapters_override(lora_adapters, "pirate", "minutes"))
+    """Greedy tokens of each adapter's methods equal the eager model's with that adapter. (Quantized adapter programs
+    are held to their scheme's tolerances by validation: test_adapters_can_be_stored_in_8_bits.)"""
+    result = with_adapters(real_exported, lora_adapters)
     eager = our_model(smollm2_truncated, lora_adapters)
     texts = {}
     for adapter in (None, "pirate", "minutes"):
@@ -131,7 +137,7 @@ def test_adapter_methods_that_ignore_the_adapter_fail_validation(smollm2_truncat
                                                                  monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Negative control: capture the adapter's methods from the base (as a broken exporter would)."""
     monkeypatch.setattr(capture, "active_adapter", lambda model, name: active_adapter(model, None))
-    cfg = compose_config("model=llama", f"model.checkpoint={smollm2_truncated}", "export.methods=[prefill,decode]",
+    cfg = compose_config("model=llama", f"model.checkpoint={smollm2_truncated}", "export.methods=[decode]",
                          "export.layout=split", adapters_override(lora_adapters, "pirate"))
     with pytest.raises(ValidationFailed, match=r"adapter pirate's methods: FAILED \(KL"):
         export(cfg, tmp_path)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # every test here exports, sweeps or builds
 REPO = Path(__file__).resolve().parent.parent
 # Three configs, one of which cannot work (xnnpack has no 4w linear kernel); small validation and bench.
 GRID = ["quant=fp32,fp16,4w"]
-QUICK = ["validation.max_tokens=24", "benchmark.prompt_tokens=16", "benchmark.steps=16", "benchmark.repeats=1"]
+QUICK = ["export.methods=[forward]", "validation.max_tokens=24", "benchmark.prompt_tokens=16", "benchmark.steps=16", "benchmark.repeats=1"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -101,6 +101,7 @@ def test_report_of_a_folder_that_is_no_sweep_says_so(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "holds no job folders" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.extended  # the launcher's own machinery on top of the joblib sweep's jobs: pytest -m extended
 def test_ray_sweep_on_a_local_cluster(short_tmp: Path) -> None:
     sweep = short_tmp / "sweep"
     run_sweep(sweep, "hydra/launcher=ray_cluster", *GRID)
@@ -108,6 +109,7 @@ def test_ray_sweep_on_a_local_cluster(short_tmp: Path) -> None:
     assert (sweep / ".ray").is_dir()  # Ray's temporary files stay in the sweep folder
 
 
+@pytest.mark.extended  # the launcher's own machinery on top of the joblib sweep's jobs: pytest -m extended
 def test_submitit_local_sweep(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     run_sweep(sweep, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=15", "quant=fp32,4w")
