@@ -88,11 +88,17 @@ class LookupProposer:
 
 
 class DraftProposer:
-    """The program's draft model, greedily: it catches up on the text its cache has not seen (``draft_prefill``),
-    then proposes one token per ``draft_decode_one_token`` call. Its cache is rolled back by position, as the
-    target's: what it holds beyond the text's common prefix with what it was fed is overwritten."""
+    """The program's draft model, greedily: it catches up on the text its cache has not seen, then proposes one token
+    per ``draft_decode_one_token`` call. Its cache is rolled back by position, as the target's: what it holds beyond
+    the text's common prefix with what it was fed is overwritten.
+
+    After a verify call the draft has not seen one or two tokens (the target's correction, or the last proposal and
+    the bonus token): those go through the one-token method, which costs less than a prompt call of two tokens
+    (Qwen2.5-Coder-0.5B 8da4w on 2 cores: 11 ms a token against 28 ms for two through ``draft_prefill``); a longer
+    text (the prompt) goes through ``draft_prefill``."""
 
     name = "draft"
+    ONE_BY_ONE = 2  # at most this many unseen tokens go through the one-token method
 
     def __init__(self, driver: Driver) -> None:
         self.driver = driver
@@ -101,7 +107,11 @@ class DraftProposer:
     def propose(self, ids: list[int], k: int) -> list[int]:
         same = next((i for i, (a, b) in enumerate(zip(self.fed, ids)) if a != b), min(len(self.fed), len(ids)))
         start = min(same, len(ids) - 1)  # at least the last token is fed: its logits give the first proposal
-        logits = self.driver.prefill(torch.tensor([ids[start:]], dtype=torch.int64), start)
+        if len(ids) - start <= self.ONE_BY_ONE:
+            for position in range(start, len(ids)):
+                logits = self.driver.decode_one_token(ids[position], position)
+        else:
+            logits = self.driver.prefill(torch.tensor([ids[start:]], dtype=torch.int64), start)
         proposals = [int(logits.argmax())]
         for j in range(k - 1):
             proposals.append(int(self.driver.decode_one_token(proposals[-1], len(ids) + j).argmax()))
