@@ -10,7 +10,7 @@ A generated region in a Markdown file looks like this (the JSON path is relative
     python -m benchmarks.tables --check    exit 1 naming each region that differs (tests/test_docs_tables.py runs it)
 
 Each renderer takes one tool's JSON: ``suite`` the test suite's durations (``pytest --durations-file PATH``),
-``export`` a ``benchmarks.export`` report (``report.json``). Keep the JSON files in ``docs/results/``: they are the
+``export`` a ``benchmarks.export`` report (``report.json``), ``speculative`` a ``benchmarks.speculative`` report. Keep the JSON files in ``docs/results/``: they are the
 measurement, the table is a view of it. A new table is a renderer in :data:`RENDERERS` and a region in a doc.
 """
 
@@ -63,7 +63,23 @@ def render_export(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"suite": render_suite, "export": render_export}
+def render_speculative(data: dict[str, Any]) -> str:
+    """A ``benchmarks.speculative`` report: each task's decode speed per mode, proposals kept, tokens per call."""
+    lines = [f"{data['tokens']} greedy tokens per run, medians of the repeats; RSS after load "
+             f"{data['rss_after_load']['plain_mb']:.0f} MB with the plain methods, "
+             f"{data['rss_after_load']['speculative_mb']:.0f} MB with verify and the draft's too.", "",
+             "| task | mode | tok/s | speedup | proposals kept | tokens per target call | same tokens as none |",
+             "|---|---|---|---|---|---|---|"]
+    for task, modes in data["tasks"].items():
+        for mode, r in modes.items():
+            kept = "" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+            lines.append(f"| {task} | {mode} | {r['tok_s']} | {r['speedup']}x | {kept} | {r['tokens_per_call']} | "
+                         f"{'yes' if r['identical'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"suite": render_suite, "export": render_export,
+                                                          "speculative": render_speculative}
 
 
 def regenerate(text: str, root: Path = ROOT) -> tuple[str, list[str]]:

@@ -240,11 +240,31 @@ def _target_names(graph: Any) -> set[str]:
 @functools.cache
 def _xnnpack_pattern_pass_ops() -> dict[str, list[frozenset[str]]]:
     """The two XNNPACK passes that rewrite subgraphs matching pattern graphs: each pattern's ops. A pattern
-    matches only where every one of its ops is in the graph (``SubgraphMatcher`` compares targets)."""
+    matches only where every one of its ops is in the graph (``SubgraphMatcher`` compares targets).
+
+    Tracing the pattern graphs takes seconds (3-5 s here), which every export process paid once: the ops are kept in
+    the cache folder per ExecuTorch version (the patterns are its code) and read back by later processes."""
+    import json
+    from importlib import metadata
+
+    from exporters.program.files import write_atomically
+    from models.gguf import llm_exporters_cache
+
+    path = llm_exporters_cache() / f"xnnpack-pattern-ops-{metadata.version('executorch')}.json"
+    try:
+        return {name: [frozenset(ops) for ops in patterns] for name, patterns in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        pass
     from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa
 
-    return {"ConvertToUpsampleBilinear2d": [frozenset(_target_names(g.graph)) for g in bilinear_2d.get_graphs()],
-            "ConvertToSDPAPass": [frozenset(_target_names(g.graph)) for g in sdpa.get_graphs()]}
+    found = {"ConvertToUpsampleBilinear2d": [frozenset(_target_names(g.graph)) for g in bilinear_2d.get_graphs()],
+             "ConvertToSDPAPass": [frozenset(_target_names(g.graph)) for g in sdpa.get_graphs()]}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps({k: [sorted(ops) for ops in v] for k, v in found.items()}).encode())
+    except OSError:  # a read-only cache folder: traced again next time
+        pass
+    return found
 
 
 @contextlib.contextmanager

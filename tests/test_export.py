@@ -305,3 +305,18 @@ def test_failed_load_writes_no_program(tmp_path: Path) -> None:
     with pytest.raises(ModelError):
         export(compose_config("model=llama", f"model.checkpoint={tmp_path / 'missing'}"), tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.pte"))
+
+
+def test_xnnpack_pattern_ops_are_traced_once_per_executorch_version(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The ops of XNNPACK's pattern graphs (which passes a partition needs) are traced by the first export process
+    and read back from the cache folder by the next ones: the same sets either way."""
+    from exporters import internals
+
+    monkeypatch.setenv("LLM_EXPORTERS_CACHE", str(tmp_path))
+    internals._xnnpack_pattern_pass_ops.cache_clear()
+    traced = internals._xnnpack_pattern_pass_ops()
+    assert list(tmp_path.glob("xnnpack-pattern-ops-*.json"))
+    internals._xnnpack_pattern_pass_ops.cache_clear()
+    assert internals._xnnpack_pattern_pass_ops() == traced and "aten.bmm.default" in set().union(
+        *traced["ConvertToSDPAPass"])
+    internals._xnnpack_pattern_pass_ops.cache_clear()
