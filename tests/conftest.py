@@ -182,7 +182,7 @@ def real_exported(smollm2_truncated: Path, exported: Callable[..., ExportResult]
 
 
 def _log_export(root: Path, digest: str, overrides: tuple[str, ...], seconds: float) -> None:
-    """One JSON line per export made (``--export-log``): which test made it, how long it took."""
+    """With ``LLM_EXPORTERS_EXPORT_LOG=<file>``, one JSON line per export made: which test made it, how long it took."""
     path = os.environ.get("LLM_EXPORTERS_EXPORT_LOG")
     if path:
         import json
