@@ -18,8 +18,10 @@ import statistics
 from pathlib import Path
 
 from exporters.program.draft import DRAFT_METHODS
-from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt, chat_template
+from exporters.runtime.driver import Driver
+from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt, chat_template, resolve_program
 from exporters.runtime.memory import rss_after_load_mb
+from exporters.runtime.programs import LoadedProgram
 
 TEXT = ("The ferry leaves the north pier at seven every morning. It carries workers, bicycles and crates of fish "
         "across the bay, and it returns at noon with the post, the newspapers and the school children.")
@@ -69,13 +71,14 @@ def measure(run: Path, tokens: int, repeats: int) -> dict[str, dict[str, dict[st
 def memory(run: Path) -> dict[str, float]:
     """RSS (MB) a fresh process gains by loading the methods plain decoding calls, and those speculation calls too
     (verify, and the draft's when the program has them): what speculation costs in memory."""
-    gen = Generator(run)
-    roles, names = gen.driver.roles, set(gen.program.method_names)
+    pte = resolve_program(run)
+    program = LoadedProgram(pte)
+    roles = Driver.of(program).roles  # the methods' roles, read from the program without loading any
     plain = [roles.prompt, roles.step]
     speculative = plain + [roles.verify] if roles.verify else plain
-    if DRAFT_METHODS <= names:
+    if DRAFT_METHODS <= set(program.method_names):
         speculative += sorted(DRAFT_METHODS)
-    return {"plain_mb": rss_after_load_mb(gen.pte, plain), "speculative_mb": rss_after_load_mb(gen.pte, speculative)}
+    return {"plain_mb": rss_after_load_mb(pte, plain), "speculative_mb": rss_after_load_mb(pte, speculative)}
 
 
 def main() -> None:

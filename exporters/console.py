@@ -56,6 +56,14 @@ def log_file() -> Path | None:
                 None)
 
 
+def _verdict(report: Any) -> str:
+    """An adapter's or another component's validation (a ``ValidationReport`` or None) in one phrase."""
+    if report is None:
+        return "not validated"
+    return (f"{'passed' if report.passed else 'FAILED'} (KL {report.kl_mean:.2g}, top-1 agreement "
+            f"{report.top1_agreement:.0%}), {report.quality()}")
+
+
 def log_export_summary(result: Any) -> None:
     """The closing lines of an export (an ``ExportResult``): what was written, how it runs, how good it is."""
     m = result.manifest
@@ -68,21 +76,15 @@ def log_export_summary(result: Any) -> None:
     runners = "; ".join(f"{release} {o.result.upper() if o.result != 'correct' else o.result}"
                         for release, o in m.layout.stock_runners.items())
     adapters = "".join(
-        f"\n  adapter {name}: {', '.join(a.methods.values())}; " + (
-            "not validated" if a.validation is None else
-            f"{'passed' if a.validation.passed else 'FAILED'} (KL {a.validation.kl_mean:.2g}, top-1 agreement "
-            f"{a.validation.top1_agreement:.0%}), {a.validation.quality()}")
+        f"\n  adapter {name}: {', '.join(a.methods.values())}; {_verdict(a.validation)}"
         + ("" if a.data is None else f"; its weights in {a.data.file} ({a.data.size_bytes / 1e6:.2f} MB)")
         for name, a in m.adapters.items())
     others = "".join(
         f"\n  {name}: {', '.join(c.methods)}; {c.family or 'unknown'} family, {(c.parameters or 0) / 1e6:.1f}M "
-        f"parameters, {c.quantization.describe() if c.quantization else 'not quantized'}; " + (
-            "not validated" if c.validation is None else
-            f"{'passed' if c.validation.passed else 'FAILED'} (KL {c.validation.kl_mean:.2g}, top-1 agreement "
-            f"{c.validation.top1_agreement:.0%}), {c.validation.quality()}")
+        f"parameters, {c.quantization.describe() if c.quantization else 'not quantized'}; {_verdict(c.validation)}"
         for name, c in m.components.items() if c.kind != "decoder")
-    if validation is not None and validation.speculative is not None:
-        adapters = f"\n  speculative: {validation.speculative.describe()}" + adapters
+    speculative = ("" if validation is None or validation.speculative is None
+                   else f"\n  speculative: {validation.speculative.describe()}")
     data = "" if m.data is None else f" + {m.data.file} {m.data.size_bytes / 1e6:.2f} MB (the weights)"
     log.info(
         "exported %s\n  size: %.2f MB%s  sha256: %s\n  methods: %s (layout %s)\n  KV cache: %s\n  constants: %s\n"
@@ -90,7 +92,8 @@ def log_export_summary(result: Any) -> None:
         "  manifest: %s",
         result.pte_path, m.program.size_bytes / 1e6, data, m.program.sha256[:16],
         ", ".join(m.layout.methods),  # the base's; each adapter's are on its own line
-        m.layout.name, m.kv_cache.describe() if m.kv_cache else "not recorded", ", ".join(m.constant_methods), runners, verdict, quality, others + adapters,
+        m.layout.name, m.kv_cache.describe() if m.kv_cache else "not recorded", ", ".join(m.constant_methods), runners, verdict, quality,
+        speculative + others + adapters,
         m.resources.wall_s, m.resources.peak_rss_mb,
         "" if m.bench is None else "\n  runtime: " + m.bench.describe(), result.manifest_path,
     )

@@ -117,7 +117,7 @@ def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validating:
             e = p = sum(t.numel() for t in module.parameters(recurse=False) if id(t) not in counted) * dtype_bytes
         counted.update(id(t) for t in module.parameters(recurse=False))
         eager, program = eager + e, program + p
-    parameters = sum(t.numel() for t in model.parameters())
+    parameters = model.parameter_count()
     vocab_matrices = embed.weight.numel() * (1 if tied else 2)
     stored_per_parameter = stored_bytes / parameters
     vocab_stored = int(vocab_matrices * stored_per_parameter)

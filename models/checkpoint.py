@@ -192,7 +192,7 @@ def stored_bytes(ckpt: Checkpoint, model: CausalLM) -> int:
     parameters in the dtype they are made in."""
     if ckpt.weight_files:
         return sum(f.stat().st_size for f in ckpt.weight_files)
-    return sum(p.numel() for p in model.parameters()) * RANDOM_INIT_DTYPE.itemsize
+    return model.parameter_count() * RANDOM_INIT_DTYPE.itemsize
 
 
 def load_weights(model: CausalLM, files: list[Path]) -> None:

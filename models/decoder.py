@@ -559,6 +559,10 @@ class CausalLM(nn.Module):
         return [f"model.layers.{i}.self_attn.kv_cache.{name}"
                 for i, cache in enumerate(self.kv_caches()) for name, _ in cache.named_buffers()]
 
+    def parameter_count(self) -> int:
+        """Its parameters, a tied matrix once (``parameters()`` yields each tensor once); shapes alone on meta."""
+        return sum(p.numel() for p in self.parameters())
+
     def kv_bytes_per_token(self) -> int:
         """Bytes one position of context takes in the cache, over every layer."""
         return sum(cache.bytes_per_slot() for cache in self.kv_caches())

@@ -119,21 +119,20 @@ def test_a_draft_as_large_as_its_target_is_warned_about(tiny_checkpoint: Path, t
     assert "costs more per proposal than verify saves" in caplog.text
 
 
+# Each case as a user writes it; {draft} stands for the tiny draft's folder.
 @pytest.mark.parametrize(("overrides", "match"), [
     (["draft.quant=8da8w"], "without draft.checkpoint: there is no draft"),
     (["draft.checkpoint=/nowhere/draft"], "does not exist"),
-    (["draft.quant=pt2e_xnnpack_dynamic"], "a PT2E quantizer converts one graph of the target"),
-    (["draft.quant=8da3w"], r"not a preset of conf/quant: use one of .*8da4w"),
-    (["quant=pt2e_xnnpack_dynamic", "export.layout=split", "export.methods=[prefill,decode]"],
+    (["draft.checkpoint={draft}", "draft.quant=pt2e_xnnpack_dynamic"], "a PT2E quantizer converts one graph of the target"),
+    (["draft.checkpoint={draft}", "draft.quant=8da3w"], r"not a preset of conf/quant: use one of .*8da4w"),
+    (["draft.checkpoint={draft}", "quant=pt2e_xnnpack_dynamic", "export.layout=split", "export.methods=[prefill,decode]"],
      "draft.checkpoint adds verify and quant.pt2e"),
-    (["draft.tokens=127"], "draft.tokens must be between 1 and 126"),
+    (["draft.checkpoint={draft}", "draft.tokens=127"], "draft.tokens must be between 1 and 126"),
 ])
 def test_draft_settings_that_cannot_work_are_refused_with_the_fix(tiny_draft: Path, overrides: list[str],
                                                                   match: str) -> None:
-    ckpt = [] if overrides[0].startswith("draft.quant=8da8w") or "/nowhere" in overrides[0] else \
-        [f"draft.checkpoint={tiny_draft}"]
     with pytest.raises(UserError, match=match):
-        checked_config(compose_config(*ckpt, *overrides))
+        checked_config(compose_config(*(o.format(draft=tiny_draft) for o in overrides)))
 
 
 def test_draft_with_adapters_is_refused(tiny_checkpoint: Path, tiny_draft: Path, tmp_path: Path) -> None:

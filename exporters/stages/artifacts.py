@@ -67,7 +67,7 @@ class EagerModel:
 def summary(model: CausalLM) -> str:
     """A model's size and shape in one line."""
     a = model.args
-    params = sum(p.numel() for p in model.parameters())
+    params = model.parameter_count()
     return (f"{params / 1e6:.2f}M parameters, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
             f"vocab {a.vocab_size}{', tied embeddings' if a.tie_word_embeddings else ''}, {a.attention} attention")
 

@@ -75,7 +75,7 @@ def component_entries(plan: ExportPlan, ctx: ExportContext, written: WrittenProg
         family = family_of_config(checkpoint.hf_config)
         entries[component.name] = ComponentEntry(
             kind=str(component.kind), methods=list(written.methods.of_component(component.name)), adapters=[],
-            checkpoint=str(checkpoint.path), parameters=sum(p.numel() for p in model.parameters()),
+            checkpoint=str(checkpoint.path), parameters=model.parameter_count(),
             state=["kv_cache"], quantization=ctx.component_quantization.get(component.name),
             validation=ctx.component_validation.get(component.name), family=family.name if family else None)
     return entries
@@ -124,7 +124,7 @@ class FinalizeStage(Stage):
             if src is not None:
                 copied.append(src.name)
         family = family_of_config(ckpt.hf_config)
-        parameters = sum(p.numel() for p in model.parameters())
+        parameters = model.parameter_count()
         timings = dict(ctx.timings)  # the stages before this one
         manifest = Manifest(
             status="ok" if ok else "failed validation",

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from exporters.footprint import MemoryBudget
 from exporters.program.draft import check_pair
 from exporters.stages.artifacts import EagerModel, summary
@@ -20,10 +18,6 @@ from models.families import family_of_config
 from models.lora import attach_adapters, read_adapter
 
 log = logging.getLogger("exporters")
-
-
-def parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 class LoadStage(Stage):
@@ -42,7 +36,7 @@ class LoadStage(Stage):
         if draft is not None:  # the pair is checked before either model's weights are read
             draft_checkpoint = draft.build.checkpoint(ctx.output_dir)
             draft_shapes = draft.build.build(draft_checkpoint, device="meta")
-            check_pair(checkpoint, draft_checkpoint, parameters(shapes), parameters(draft_shapes))
+            check_pair(checkpoint, draft_checkpoint, shapes.parameter_count(), draft_shapes.parameter_count())
             ctx.component_checkpoints[draft.name] = draft_checkpoint
             footprint = footprint.beside(MemoryBudget.of(self.plan, draft).estimate(
                 draft_shapes, stored_bytes(draft_checkpoint, draft_shapes)))
