@@ -78,6 +78,13 @@ class Algorithm(Choice):
         return self.torchao_name is not None
 
 
+class RotationKind(Choice):
+    """How a model is rotated before it is quantized (``exporters.quant.rotation``)."""
+
+    none = "none"
+    hadamard = "hadamard"  # randomized Hadamard rotations of the residual stream (R1) and of each head (R2), fused
+
+
 class Pt2eQuantizer(Choice):
     """A backend's own PT2E quantizer (``exporters.quant.pt2e.PT2E_QUANTIZERS``), named as ExecuTorch's export_llm
     names them (``quantization.pt2e_quantize``): <backend>_<activations>_<weights>."""
@@ -214,6 +221,18 @@ class QuantConfig:
     embedding_algorithm: Algorithm = Algorithm.hqq
     # The text calibrated algorithms and static activation scales learn from.
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    # Rotate the model before quantizing it, so a few outlier channels no longer set every group's scale
+    # (QuaRot, SpinQuant; docs/quality.md#rotations): "hadamard" fuses a randomized Hadamard rotation of the
+    # residual stream (R1, RMSNorm gains folded into the next linears) and of each head's values (R2) into the
+    # weights, at no run-time cost (a tied embedding stays one matrix: two small matrices then run at run time).
+    # In fp32 the rotated model computes what the plain one does. "none": the weights as the checkpoint has them.
+    rotation: RotationKind = RotationKind.none
+    # R4: a Hadamard transform of down_proj's input computed at run time (the SwiGLU product carries the worst
+    # outliers and no weight before it can absorb a rotation), down_proj's weights turned to match; a few small
+    # matmuls per layer and token (exporters.quant.hadamard).
+    online_hadamard: bool = False
+    # Seed of the rotations' random signs: another seed is another rotation, of the same quality on average.
+    rotation_seed: int = 0
     # Mixed precision: let the weights grow to this multiple of the uniform scheme's size (e.g. 1.05), spent on
     # 8 bits for the 4-bit linears (and lm_head) whose rounding costs the most KL per byte, measured on the
     # calibration text (exporters.quant.mixed). null: every layer gets the scheme above.

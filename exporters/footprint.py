@@ -90,11 +90,11 @@ def _quantized_bytes(rows: int, cols: int, scheme: str | None, group_size: int, 
 
 
 def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validating: bool,
-             tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared, calibrated: bool = False,
+             tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared, cast_whole: bool = False,
              advising: bool = False) -> Footprint:
     """The footprint of exporting ``model`` (built on the meta device: only shapes are read) quantized by ``quant``,
-    its weights ``stored_bytes`` as loaded. ``calibrated``: a calibration text runs the model (GPTQ, a size budget), so
-    it is cast whole to ``quant.dtype`` first. ``advising``: the advise stage may quantize fresh copies of the model
+    its weights ``stored_bytes`` as loaded. ``cast_whole``: the model is cast whole to ``quant.dtype`` before quantizing
+    (a calibration text runs it, a rotation turns it: ``exporters.plan.QuantPlan.cast_whole``). ``advising``: the advise stage may quantize fresh copies of the model
     beside the export's."""
     dtype_bytes = DTYPES[quant.dtype].itemsize
     head, embed = model.lm_head, model.model.embed_tokens
@@ -139,7 +139,7 @@ def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validating:
         "emit": lowered,
     }
     whole = parameters * dtype_bytes  # the model cast whole to quant.dtype
-    if calibrated:  # calibration runs the model: all of it in quant.dtype beside the stored weights
+    if cast_whole:  # calibration runs the model, a rotation turns it: all of it in quant.dtype beside the stored weights
         peaks["quantize"] = max(peaks["quantize"], BASE_BYTES + stored_bytes + whole)
     if validating:
         # The unquantized model scores the validation windows: their logits and softmax over the vocabulary.
@@ -160,7 +160,7 @@ class MemoryBudget:
     tied_storage: TiedEmbeddingStorage
     validating: bool
     limit_gb: float | None  # export.memory_limit_gb; None: the memory available when the export starts
-    calibrated: bool = False  # a calibration text runs the whole model (exporters.plan.QuantPlan.calibrated)
+    cast_whole: bool = False  # the model is cast whole before quantizing (exporters.plan.QuantPlan.cast_whole)
     advising: bool = False  # the advise stage runs (validation.warn_ppl_increase)
 
     @staticmethod
@@ -170,12 +170,12 @@ class MemoryBudget:
         component = plan.decoder if component is None else component
         quant, validation = component.quant, plan.validation
         return MemoryBudget(quant.config, quant.tied_storage, validation is not None, plan.memory_limit_gb,
-                            calibrated=quant.calibrated, advising=component.is_decoder and validation is not None
+                            cast_whole=quant.cast_whole, advising=component.is_decoder and validation is not None
                             and validation.advise_threshold is not None)
 
     def estimate(self, shapes: CausalLM, stored_bytes: int) -> Footprint:
         """``shapes``' footprint (a model on the meta device)."""
-        return estimate(shapes, self.quant, stored_bytes, self.validating, self.tied_storage, self.calibrated,
+        return estimate(shapes, self.quant, stored_bytes, self.validating, self.tied_storage, self.cast_whole,
                         self.advising)
 
     def check(self, footprint: Footprint) -> Footprint:

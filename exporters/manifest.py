@@ -272,6 +272,22 @@ class CalibrationRecord:
 
 
 @dataclass
+class RotationRecord:
+    """What quant.rotation / quant.online_hadamard rotated, with which matrices, and what runs at run time."""
+
+    residual: str | None  # R1: "randomized Hadamard 576x576 (36 x 16)"
+    heads: str | None  # R2
+    online: list[str] = field(default_factory=list)  # run-time matrices: where, and their size
+    seed: int = 0
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        fused = " and ".join(p for p in (self.residual and "residual stream", self.heads and "heads") if p)
+        online = f"{len(self.online)} run-time" if self.online else ""
+        return "rotated (" + ", ".join(p for p in (fused, online) if p) + ")"
+
+
+@dataclass
 class MixedPrecisionRecord:
     """quant.size_budget: each candidate layer's measured KL at its low and high precision, and the choice."""
 
@@ -323,12 +339,13 @@ class AppliedQuantization:
     calibration: CalibrationRecord | None = None  # with a calibrated quant.algorithm
     mixed: MixedPrecisionRecord | None = None  # with quant.size_budget
     pt2e: Pt2eRecord | None = None  # with quant.pt2e (set by the pt2e stage, after capture of the prompt graph)
+    rotation: RotationRecord | None = None  # with quant.rotation or quant.online_hadamard
     untied_embeddings: bool = False
     notes: list[str] = field(default_factory=list)
     tied_embedding: str = "not tied"  # exporters.quant.tied.TiedEmbedding
 
     def describe(self) -> str:
-        parts = [self.dtype]
+        parts = [self.dtype] + ([self.rotation.describe()] if self.rotation else [])
         for role in ("linear", "lm_head", "embedding", "adapters"):
             applied = getattr(self, role)
             if applied:

@@ -21,6 +21,7 @@ torch 2.13 (see docs/DESIGN.md). This module keeps everything ``torch.export`` a
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -323,6 +324,45 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh, "gelu_new": gelu_tanh}
 
 
+class Rotation(nn.Module):
+    """A constant orthogonal matrix applied at run time to ``x`` [1, T, n]: the parts of a rotation
+    (``quant.rotation``, ``exporters.quant.rotation``) that cannot be folded into weights.
+
+    The matrix is a Kronecker product ``M_1 x ... x M_k`` of small factors (one factor: any dense matrix), applied
+    as ``x`` viewed [T, f_1, ..., f_k], one factor per axis: n * (f_1 + ... + f_k) multiply-adds instead of n^2, each
+    a linear and a permute that XNNPACK delegates at any T. ``forward`` computes ``(M_1 x ... x M_k) x`` per token.
+    """
+
+    def __init__(self, factors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.orders = tuple(f.shape[0] for f in factors)
+        for i, factor in enumerate(factors):
+            self.register_buffer(f"matrix_{i}", factor, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = len(self.orders)
+        if k == 1:
+            return F.linear(x, self.matrix_0.to(x.dtype))
+        y = x.view(-1, *self.orders)
+        axes = (0, k, *range(1, k))  # the axis just transformed moves first, the next one comes last
+        for i in reversed(range(k)):
+            y = F.linear(y, getattr(self, f"matrix_{i}").to(x.dtype)).permute(axes)
+        return y.contiguous().view(1, -1, x.shape[-1])
+
+
+# Names (a module path, or a graph's flattened one) of the constants the model multiplies by: RoPE's rotate_half
+# and a Rotation's factors. They are exact in float and not weights: no quantizer touches them.
+CONSTANT_MATRIX = re.compile(r"(q_rotate|k_rotate|matrix_\d+)$")
+
+
+def is_constant_matrix(name: str) -> bool:
+    return CONSTANT_MATRIX.search(name) is not None
+
+
+def rotated(rotation: Rotation | None, x: torch.Tensor) -> torch.Tensor:
+    return x if rotation is None else rotation(x)
+
+
 class MLP(nn.Module):
     """Gated MLP: SwiGLU (Llama, Qwen, Phi-3) or GeGLU (Gemma), split or fused gate/up projections."""
 
@@ -339,13 +379,14 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.act_fn = ACTIVATIONS.get(args.hidden_act) or ACT2FN[args.hidden_act]
+        self.down_input_rotation: Rotation | None = None  # quant.online_hadamard (R4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj(rotated(self.down_input_rotation, self.act_fn(gate) * up))
 
 
 class DecoderLayer(nn.Module):
@@ -363,13 +404,16 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
+        # quant.rotation with sandwich norms: the normed block outputs rotated into the residual stream's basis.
+        self.output_rotation: Rotation | None = None
 
     def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), rope, positions, mask, slots)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(attn)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = x + rotated(self.output_rotation, self.post_attention_layernorm(attn))
+            mlp = self.mlp(self.pre_feedforward_layernorm(x))
+            return x + rotated(self.output_rotation, self.post_feedforward_layernorm(mlp))
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -400,6 +444,10 @@ class CausalLM(nn.Module):
         # True while lm_head and the embedding are one unquantized matrix (exporters.quant.tied decides it).
         self.tied_head = args.tie_word_embeddings
         self.every_position = False  # forward's default for full_logits (logits_of_every_position)
+        # quant.rotation kept the tied embedding unrotated: the residual stream is rotated after the embedding and
+        # back before the final norm (exporters.quant.rotation).
+        self.embed_rotation: Rotation | None = None
+        self.norm_rotation: Rotation | None = None
         if args.tie_word_embeddings:
             self.tie_weights()
         for name, _ in args.rope:
@@ -483,7 +531,11 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(tokens)
         if self.args.embed_scale is not None:  # rounded to the activation dtype first, as transformers does
             h = h * self.embed_scale[h.dtype]
-        return h
+        return rotated(self.embed_rotation, h)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The last layer's hidden states [1, T, hidden], normed as the head reads them."""
+        return self.model.norm(rotated(self.norm_rotation, h))
 
     def layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> list[LayerInputs]:
         """What each layer takes besides the hidden states, for tokens at ``positions`` [T]: its RoPE (cos, sin),
@@ -528,7 +580,7 @@ class CausalLM(nn.Module):
         h = self.embed(tokens)
         for layer, inputs in zip(self.model.layers, self.layer_inputs(positions, h.dtype)):
             h = layer(h, inputs.rope, positions, inputs.mask, inputs.slots)
-        h = self.model.norm(h)
+        h = self.final_norm(h)
         if not full_logits:  # the last token's hidden state [1, hidden]
             # A view when T is a static 1 (decode), which XNNPACK delegates; it has no select, so a
             # dynamic-length method keeps one portable op here.
@@ -543,7 +595,7 @@ class CausalLM(nn.Module):
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of every position from the last layer's hidden states ``h`` [1, T, hidden] (eager use:
         calibration and sensitivity run the layers one at a time)."""
-        return self.softcap(self.head(self.model.norm(h)))
+        return self.softcap(self.head(self.final_norm(h)))
 
     @torch.no_grad()
     def reset_cache(self) -> None:

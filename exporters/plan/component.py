@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from exporters.config import (Algorithm, Attention, Choice, KvDType, ModelConfig, QuantConfig, Source,
+from exporters.config import (Algorithm, Attention, Choice, KvDType, ModelConfig, QuantConfig, RotationKind, Source,
                               TiedEmbeddingStorage)
 
 if TYPE_CHECKING:
@@ -76,6 +76,12 @@ class QuantPlan:
     config: QuantConfig
     tied_storage: TiedEmbeddingStorage
     shortcuts: bool = True  # HQQ's scales chosen by blocks of rows (exporters.quant.hqq; torchao's own otherwise)
+
+    @property
+    def cast_whole(self) -> bool:
+        """The whole model is cast to ``quant.dtype`` before quantizing: calibration runs it, a rotation turns it."""
+        q = self.config
+        return self.calibrated or q.rotation != RotationKind.none or q.online_hadamard
 
     @property
     def calibrated(self) -> bool:

@@ -17,12 +17,13 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from exporters.config import QuantConfig, TiedEmbeddingStorage
+from exporters.config import QuantConfig, RotationKind, TiedEmbeddingStorage
 from exporters.manifest import AppliedQuantization, AppliedScheme, CalibrationRecord, MixedPrecisionRecord
 from exporters.quant import tied
 from exporters.quant.calibrated import Target, quantize_calibrated
 from exporters.quant.calibration import CalibrationText
 from exporters.quant.hqq import hqq_by_rows
+from exporters.quant.rotation import rotate
 from exporters.quant.mixed import (SENSITIVITY_TOKENS, Candidate, Precision, choose_upgrades, measure_sensitivity,
                                    weight_bytes)
 from exporters.quant.schemes import (DATA_FREE, DTYPES, EIGHT_BIT_FORM, EMBEDDING_SCHEMES, LINEAR_SCHEMES, IntScheme,
@@ -215,14 +216,19 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
     # quantizes as it reaches it, so the model is never whole in fp32 (an 8B model's fp32 weights are 32 GB).
     # Calibration and the size budget run the model, so they need all of it in dtype first.
     measured = calibrated or (cfg.size_budget is not None and bool(computing))
+    # A rotation turns every matrix in float64 and stores it in dtype: cast first, so it is never stored coarser.
+    rotating = cfg.rotation != RotationKind.none or cfg.online_hadamard
     later: set[nn.Module] = set()
-    if not measured:
+    if not (measured or rotating):
         later = {m for p in computing.values() for m in p.modules.values()}
         later |= {m for m in model.modules() if isinstance(m, nn.Embedding)} if cfg.embedding else set()
         later |= set(adapters.values()) if cfg.adapters else set()
     recast = _cast_all_but(model, dtype, later)
     if recast and measured:
         model.init_buffers()  # calibration runs the model: its caches in its dtype now
+    if rotating:  # before any scale is chosen: the rotated weights are what gets quantized (and calibrated)
+        applied.rotation = rotate(model, cfg.rotation == RotationKind.hadamard, cfg.online_hadamard,
+                                  keep_tied=tied.is_tied(model), seed=cfg.rotation_seed)
     text = None
     if calibrated or (cfg.size_budget is not None and computing):
         assert calibration is not None, f"quant={cfg.name} needs a calibration text"

@@ -134,7 +134,7 @@ def quantize_calibrated(model: CausalLM, targets: dict[str, Target], text: Calib
     if "lm_head" in targets:
         head = SharedInput(names=["lm_head"])
         for h in states:
-            head.add(model.model.norm(h))
+            head.add(model.final_norm(h))
         _solve(head.names, targets, head)
         solved.add("lm_head")
         step()

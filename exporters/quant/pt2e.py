@@ -23,6 +23,7 @@ import torch
 from exporters.config import Algorithm, Pt2eQuantizer
 from exporters.errors import UserError, listed
 from exporters.manifest import CalibrationRecord, Pt2eRecord
+from models.decoder import is_constant_matrix
 
 if TYPE_CHECKING:
     from exporters.config import BackendConfig, QuantConfig
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 
 # Single-token calls at the end of each calibration window: the decode method's inputs, after its prompt.
 DECODE_STEPS = 16
-# The decoder's RoPE rotation matrices (buffers read by F.linear), which are not weights to quantize.
-ROPE_ROTATIONS = ("q_rotate", "k_rotate")
 Activations = Literal["static", "dynamic", "none"]
 
 
@@ -61,14 +60,14 @@ class Pt2eRecipe:
 
 
 def is_model_weight(node: torch.fx.Node) -> bool:
-    """False for a linear that applies RoPE's constant rotation (``models.decoder.rotate_half_matrix``, exact in
-    float): quantizing its input would only add error to the queries and keys."""
+    """False for a linear that applies a constant matrix (RoPE's rotate_half, a rotation's online factor:
+    ``models.decoder.is_constant_matrix``), exact in float: quantizing its input would only add error."""
     if node.target != torch.ops.aten.linear.default:
         return True
     weight = node.args[1]
     while isinstance(weight, torch.fx.Node) and weight.op == "call_function" and weight.args:  # .to(dtype)
         weight = weight.args[0]
-    return not (isinstance(weight, torch.fx.Node) and str(weight.target).endswith(ROPE_ROTATIONS))
+    return not (isinstance(weight, torch.fx.Node) and is_constant_matrix(str(weight.target)))
 
 
 def linears_only(inner: Any, outputs: bool = True) -> Any:

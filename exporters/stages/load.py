@@ -11,6 +11,7 @@ import logging
 
 from exporters.footprint import MemoryBudget
 from exporters.program.draft import check_pair
+from exporters.quant.rotation import check_rotation
 from exporters.stages.artifacts import EagerModel, summary
 from exporters.stages.pipeline import ExportContext, Stage
 from models.checkpoint import stored_bytes
@@ -29,6 +30,7 @@ class LoadStage(Stage):
         ctx.checkpoint = checkpoint
         # The export's memory, estimated from the shapes alone and checked before any weight is read.
         shapes = build.build(checkpoint, device="meta")
+        check_rotation(shapes, self.plan.decoder.quant.config)
         budget = MemoryBudget.of(self.plan)
         footprint = budget.estimate(shapes, stored_bytes(checkpoint, shapes))
         components = {}
@@ -36,6 +38,7 @@ class LoadStage(Stage):
         if draft is not None:  # the pair is checked before either model's weights are read
             draft_checkpoint = draft.build.checkpoint(ctx.output_dir)
             draft_shapes = draft.build.build(draft_checkpoint, device="meta")
+            check_rotation(draft_shapes, draft.quant.config)
             check_pair(checkpoint, draft_checkpoint, shapes.parameter_count(), draft_shapes.parameter_count())
             ctx.component_checkpoints[draft.name] = draft_checkpoint
             footprint = footprint.beside(MemoryBudget.of(self.plan, draft).estimate(
