@@ -278,6 +278,10 @@ class RotationRecord:
     residual: str | None  # R1: "randomized Hadamard 576x576 (36 x 16)"
     heads: str | None  # R2
     online: list[str] = field(default_factory=list)  # run-time matrices: where, and their size
+    # Residual channels R1 left in place (their peak on the calibration text over MASSIVE_RATIO x the median
+    # channel's), largest first, and the largest peak ratio found.
+    massive_channels: list[int] = field(default_factory=list)
+    massive_ratio: float = 0.0
     seed: int = 0
     seconds: float = 0.0
 

@@ -13,8 +13,9 @@ import copy
 import pytest
 import torch
 
+from exporters.quant.calibration import CalibrationText
 from exporters.quant.hadamard import factors, hadamard, random_rotation
-from exporters.quant.rotation import rotate
+from exporters.quant.rotation import MASSIVE_RATIO, massive_channels, rotate
 from models.checkpoint import build_model, open_checkpoint
 from models.decoder import CausalLM, RMSNorm
 from tests.family_cases import FAMILY_CASES
@@ -63,13 +64,13 @@ def _logits(model: CausalLM, tokens: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _rotated_against_plain(model: CausalLM, **options: bool) -> float:
+def _rotated_against_plain(model: CausalLM, text: CalibrationText | None = None, **options: bool) -> float:
     tokens = torch.randint(0, model.args.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     plain = _logits(model, tokens)
     rotated = copy.deepcopy(model)
     tied = rotated.lm_head.weight is rotated.model.embed_tokens.weight
     rotate(rotated, residual_and_heads=options.get("residual", True), online_hadamard=options.get("online", True),
-           keep_tied=tied, seed=0)
+           keep_tied=tied, text=text, seed=0)
     assert not torch.equal(rotated.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight)
     return ((_logits(rotated, tokens) - plain).abs().max() / plain.abs().max()).item()
 
@@ -95,7 +96,68 @@ def test_an_untied_copy_of_a_tied_embedding_is_rotated_in_place(family_checkpoin
     assert ((_logits(model, tokens) - plain).abs().max() / plain.abs().max()).item() < 1e-5
 
 
+def test_massive_channels_stay_in_place_with_their_gains(family_checkpoint) -> None:
+    """A residual channel far above the others (planted here in the embedding, as SmolLM2's channel 507 reaches
+    300x the median channel's peak) is found on the text and left out of R1, its norm gains kept in the norms;
+    the rotated model still computes what the plain one does."""
+    model = _with_gains(build_model(open_checkpoint(family_checkpoint("qwen2")), 48))
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())  # untied: R1 fused
+    model.tied_head = False
+    model.model.embed_tokens.weight.data[:, 5] *= 4 * MASSIVE_RATIO / model.model.embed_tokens.weight[:, 5].abs().mean()
+    text = CalibrationText("test", "", [torch.arange(1, 33)[None]])
+    channels, ratio = massive_channels(model, text)
+    assert channels == [5] and ratio > MASSIVE_RATIO
+    gains = [layer.input_layernorm.weight[5].item() for layer in model.model.layers]
+    assert _rotated_against_plain(model, text) < 1e-5
+    rotated = copy.deepcopy(model)
+    record = rotate(rotated, residual_and_heads=True, online_hadamard=False, keep_tied=False, text=text)
+    assert record.massive_channels == [5] and "1 massive channel(s) kept in place" in (record.residual or "")
+    assert [layer.input_layernorm.weight[5].item() for layer in rotated.model.layers] == gains
+    assert torch.equal(rotated.model.layers[0].input_layernorm.weight[:5], torch.ones(5))
+
+
 @pytest.mark.parametrize("residual,online", [(True, False), (False, True)])
 def test_each_rotation_alone_is_exact(family_checkpoint, residual: bool, online: bool) -> None:
     model = _with_gains(build_model(open_checkpoint(family_checkpoint("phi3")), 48))
     assert _rotated_against_plain(model, residual=residual, online=online) < 1e-5
+
+
+def test_an_adapter_turns_with_its_layers(family_checkpoint) -> None:
+    """A LoRA adapter on every linear (random A and B, PEFT's own layers): with it active, the rotated model still
+    computes what the plain one does (A rotated as its layer's inputs, B as its outputs)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from models.lora import active_adapter
+
+    model = _with_gains(build_model(open_checkpoint(family_checkpoint("llama")), 48))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(0)
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False), model,
+                            adapter_name="style")
+    with active_adapter(model, "style"):
+        assert _rotated_against_plain(model) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_a_rotated_fp32_program_computes_what_transformers_does(exported, family_checkpoint, family: str) -> None:
+    """Through the ExecuTorch runtime: Gemma 2 (tied embedding and sandwich norms: R1 at run time, soft-capped
+    logits) and Phi-3 (fused projections, untied), with R4 at run time, against transformers' unrotated model on
+    prefill and every greedy decode step; validation's perplexity equals the unrotated baseline's."""
+    from exporters.runtime.programs import LoadedProgram
+    from tests.test_families import DECODE_STEPS, MAX_SEQ_LEN, prompt_ids, run_greedy, transformers_model
+
+    ckpt = family_checkpoint(family)
+    result = exported(f"model={family}", f"model.checkpoint={ckpt}", "backend=xnnpack", "quant=fp32",
+                      "quant.rotation=hadamard", "quant.online_hadamard=true", "export.methods=[prefill,decode]",
+                      "export.layout=split", f"export.max_seq_len={MAX_SEQ_LEN}")
+    rotation = result.manifest.quantization.rotation
+    assert rotation is not None and rotation.residual and rotation.heads
+    assert len(rotation.online) == (3 if family == "gemma2" else 1)  # post-norms, tied embedding, down_proj
+    validation = result.manifest.validation
+    assert abs(validation.perplexity / validation.baseline_perplexity - 1) < 1e-5
+    ref = transformers_model(ckpt)
+    with torch.no_grad():
+        steps = list(run_greedy(LoadedProgram(result.pte_path), lambda t: ref(t).logits[0, -1], prompt_ids(ckpt)))
+    assert len(steps) == DECODE_STEPS + 1
+    for i, (got, expected) in enumerate(steps):
+        assert (got - expected).abs().max().item() <= 1e-4 * max(1.0, expected.abs().max().item()), f"step {i}"

@@ -85,14 +85,14 @@ class QuantPlan:
 
     @property
     def calibrated(self) -> bool:
-        """A calibration text is read: a calibrated algorithm, a size budget, or a PT2E quantizer with static
-        activations."""
+        """A calibration text is read: a calibrated algorithm, a size budget, a PT2E quantizer with static
+        activations, or a rotation (which looks for massive activations in it)."""
         from exporters.quant.pt2e import PT2E_QUANTIZERS
 
         q = self.config
         computes = bool(q.linear or q.lm_head)
         return ((not Algorithm(q.algorithm).data_free and computes) or (q.size_budget is not None and computes)
-                or (q.pt2e is not None and PT2E_QUANTIZERS[q.pt2e].calibrated))
+                or (q.pt2e is not None and PT2E_QUANTIZERS[q.pt2e].calibrated) or q.rotation != RotationKind.none)
 
 
 @dataclass(frozen=True)

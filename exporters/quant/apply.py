@@ -224,15 +224,15 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
         later |= {m for m in model.modules() if isinstance(m, nn.Embedding)} if cfg.embedding else set()
         later |= set(adapters.values()) if cfg.adapters else set()
     recast = _cast_all_but(model, dtype, later)
-    if recast and measured:
-        model.init_buffers()  # calibration runs the model: its caches in its dtype now
-    if rotating:  # before any scale is chosen: the rotated weights are what gets quantized (and calibrated)
-        applied.rotation = rotate(model, cfg.rotation == RotationKind.hadamard, cfg.online_hadamard,
-                                  keep_tied=tied.is_tied(model), seed=cfg.rotation_seed)
+    if recast and (measured or rotating):
+        model.init_buffers()  # calibration runs the model (as finding massive activations does): caches in its dtype
     text = None
-    if calibrated or (cfg.size_budget is not None and computing):
+    if calibrated or (cfg.size_budget is not None and computing) or cfg.rotation != RotationKind.none:
         assert calibration is not None, f"quant={cfg.name} needs a calibration text"
         text = calibration()
+    if rotating:  # before any scale is chosen: the rotated weights are what gets quantized (and calibrated)
+        applied.rotation = rotate(model, cfg.rotation == RotationKind.hadamard, cfg.online_hadamard,
+                                  keep_tied=tied.is_tied(model), text=text, seed=cfg.rotation_seed)
     if cfg.size_budget is not None and text is not None:
         applied.mixed = _mix(model, cfg, computing, text, DTYPES[cfg.dtype].itemsize)
     if calibrated:
