@@ -2,8 +2,8 @@
 
 Validation says whether the program matches its eager quantized model; it passes just as well when that model
 has lost half its quality. Past ``validation.warn_ppl_increase`` over the unquantized model, each applicable
-change of the quant config (an 8-bit ``lm_head`` or embedding, GPTQ in place of a data-free algorithm, groups
-of 32) is applied to a fresh copy of the model and scored on the same validation windows: the share of the
+change of the quant config (an 8-bit ``lm_head`` or embedding, GPTQ in place of a data-free algorithm, rotations
+with GPTQ, groups of 32) is applied to a fresh copy of the model and scored on the same validation windows: the share of the
 loss it recovers and the bytes it adds, best recovery per MB first. Measured, not guessed: which remedy works
 differs by model (SmolLM2's ``lm_head`` is its most sensitive layer; another model's may be its embedding).
 """
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from exporters.config import Algorithm, QuantConfig
+from exporters.config import Algorithm, QuantConfig, RotationKind
 from exporters.manifest import QualityWarning, Remedy
 from exporters.quant.apply import progress_as, quantize_model
 from exporters.quant.calibration import CalibrationText
@@ -43,7 +43,7 @@ class Change:
 
     @property
     def overrides(self) -> str:
-        return " ".join(f"quant.{k}={v}" for k, v in self.fields.items())
+        return " ".join(f"quant.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.fields.items())
 
 
 def changes(quant: QuantConfig) -> list[Change]:
@@ -56,6 +56,9 @@ def changes(quant: QuantConfig) -> list[Change]:
         found.append(Change("8-bit embedding", {"embedding": EIGHT_BIT_FORM[quant.embedding]}))
     if quant.algorithm in DATA_FREE and (quant.linear or quant.lm_head):
         found.append(Change("GPTQ-calibrated linears", {"algorithm": Algorithm.gptq}))
+    if quant.algorithm not in DATA_FREE and quant.linear in EIGHT_BIT_FORM and quant.rotation == RotationKind.none:
+        # With data-free rounding a rotation wins nothing back at groups of 32 (docs/quality.md#rotations).
+        found.append(Change("Hadamard rotations", {"rotation": RotationKind.hadamard, "online_hadamard": True}))
     if quant.linear in EIGHT_BIT_FORM and quant.group_size > GROUP_SIZE_QUANTUM:
         found.append(Change(f"groups of {GROUP_SIZE_QUANTUM}", {
             "group_size": GROUP_SIZE_QUANTUM,
