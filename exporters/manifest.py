@@ -286,7 +286,8 @@ class RotationRecord:
     seconds: float = 0.0
 
     def describe(self) -> str:
-        fused = " and ".join(p for p in (self.residual and "residual stream", self.heads and "heads") if p)
+        kept = f" but {len(self.massive_channels)} massive channel(s)" if self.massive_channels else ""
+        fused = " and ".join(p for p in (self.residual and f"residual stream{kept}", self.heads and "heads") if p)
         online = f"{len(self.online)} run-time" if self.online else ""
         return "rotated (" + ", ".join(p for p in (fused, online) if p) + ")"
 

@@ -70,7 +70,7 @@ def _rotated_against_plain(model: CausalLM, text: CalibrationText | None = None,
     rotated = copy.deepcopy(model)
     tied = rotated.lm_head.weight is rotated.model.embed_tokens.weight
     rotate(rotated, residual_and_heads=options.get("residual", True), online_hadamard=options.get("online", True),
-           keep_tied=tied, text=text, seed=0)
+           keep_tied=tied, massive_in=text, seed=0)
     assert not torch.equal(rotated.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight)
     return ((_logits(rotated, tokens) - plain).abs().max() / plain.abs().max()).item()
 
@@ -110,7 +110,7 @@ def test_massive_channels_stay_in_place_with_their_gains(family_checkpoint) -> N
     gains = [layer.input_layernorm.weight[5].item() for layer in model.model.layers]
     assert _rotated_against_plain(model, text) < 1e-5
     rotated = copy.deepcopy(model)
-    record = rotate(rotated, residual_and_heads=True, online_hadamard=False, keep_tied=False, text=text)
+    record = rotate(rotated, residual_and_heads=True, online_hadamard=False, keep_tied=False, massive_in=text)
     assert record.massive_channels == [5] and "1 massive channel(s) kept in place" in (record.residual or "")
     assert [layer.input_layernorm.weight[5].item() for layer in rotated.model.layers] == gains
     assert torch.equal(rotated.model.layers[0].input_layernorm.weight[:5], torch.ones(5))

@@ -232,7 +232,8 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
         text = calibration()
     if rotating:  # before any scale is chosen: the rotated weights are what gets quantized (and calibrated)
         applied.rotation = rotate(model, cfg.rotation == RotationKind.hadamard, cfg.online_hadamard,
-                                  keep_tied=tied.is_tied(model), text=text, seed=cfg.rotation_seed)
+                                  keep_tied=tied.is_tied(model), massive_in=None if calibrated else text,
+                                  seed=cfg.rotation_seed)
     if cfg.size_budget is not None and text is not None:
         applied.mixed = _mix(model, cfg, computing, text, DTYPES[cfg.dtype].itemsize)
     if calibrated:
