@@ -80,8 +80,9 @@ class QuantPlan:
     @property
     def cast_whole(self) -> bool:
         """The whole model is cast to ``quant.dtype`` before quantizing: calibration runs it, a rotation turns it."""
-        q = self.config
-        return self.calibrated or q.rotation != RotationKind.none or q.online_hadamard
+        from exporters.quant.rotation import rotates
+
+        return self.calibrated or rotates(self.config)
 
     @property
     def calibrated(self) -> bool:

@@ -23,7 +23,7 @@ from exporters.quant import tied
 from exporters.quant.calibrated import Target, quantize_calibrated
 from exporters.quant.calibration import CalibrationText
 from exporters.quant.hqq import hqq_by_rows
-from exporters.quant.rotation import rotate
+from exporters.quant.rotation import rotate, rotates
 from exporters.quant.mixed import (SENSITIVITY_TOKENS, Candidate, Precision, choose_upgrades, measure_sensitivity,
                                    weight_bytes)
 from exporters.quant.schemes import (DATA_FREE, DTYPES, EIGHT_BIT_FORM, EMBEDDING_SCHEMES, LINEAR_SCHEMES, IntScheme,
@@ -217,7 +217,7 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
     # Calibration and the size budget run the model, so they need all of it in dtype first.
     measured = calibrated or (cfg.size_budget is not None and bool(computing))
     # A rotation turns every matrix in float64 and stores it in dtype: cast first, so it is never stored coarser.
-    rotating = cfg.rotation != RotationKind.none or cfg.online_hadamard
+    rotating = rotates(cfg)
     later: set[nn.Module] = set()
     if not (measured or rotating):
         later = {m for p in computing.values() for m in p.modules.values()}

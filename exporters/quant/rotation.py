@@ -37,7 +37,7 @@ import time
 import torch
 from torch import nn
 
-from exporters.config import QuantConfig
+from exporters.config import QuantConfig, RotationKind
 from exporters.errors import UserError
 from exporters.manifest import RotationRecord
 from exporters.quant.calibration import CalibrationText
@@ -144,6 +144,11 @@ def check_online_hadamard(intermediate_size: int) -> tuple[int, ...]:
             f"pieces of at most {ONLINE_LARGEST} (found {orders}), so it would cost about as much as down_proj itself. "
             "Use quant.online_hadamard=false (quant.rotation=hadamard still rotates the weights).")
     return orders
+
+
+def rotates(quant: QuantConfig) -> bool:
+    """Whether ``quant`` rotates the model (R1 and R2, or R4 alone)."""
+    return quant.rotation != RotationKind.none or quant.online_hadamard
 
 
 def check_rotation(shapes: CausalLM, quant: QuantConfig) -> None:
