@@ -34,6 +34,7 @@ the plain one does to float noise (tests/test_rotation.py, every family). LoRA a
 from __future__ import annotations
 
 import time
+
 import torch
 from torch import nn
 
