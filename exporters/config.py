@@ -225,7 +225,8 @@ class QuantConfig:
     # (QuaRot, SpinQuant; docs/quality.md#rotations): "hadamard" fuses a randomized Hadamard rotation of the
     # residual stream (R1, RMSNorm gains folded into the next linears) and of each head's values (R2) into the
     # weights, at no run-time cost (a tied embedding stays one matrix: two small matrices then run at run time).
-    # In fp32 the rotated model computes what the plain one does. "none": the weights as the checkpoint has them.
+    # In fp32 the rotated model computes what the plain one does. With data-free rounding (hqq, affine) residual
+    # channels with massive activations on the calibration text stay unrotated. "none": the checkpoint's weights.
     rotation: RotationKind = RotationKind.none
     # R4: a Hadamard transform of down_proj's input computed at run time (the SwiGLU product carries the worst
     # outliers and no weight before it can absorb a rotation), down_proj's weights turned to match; a few small
