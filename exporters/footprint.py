@@ -93,8 +93,9 @@ def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validating:
              tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared, cast_whole: bool = False,
              advising: bool = False) -> Footprint:
     """The footprint of exporting ``model`` (built on the meta device: only shapes are read) quantized by ``quant``,
-    its weights ``stored_bytes`` as loaded. ``cast_whole``: the model is cast whole to ``quant.dtype`` before quantizing
-    (a calibration text runs it, a rotation turns it: ``exporters.plan.QuantPlan.cast_whole``). ``advising``: the advise stage may quantize fresh copies of the model
+    its weights ``stored_bytes`` as loaded. ``cast_whole``: the model is cast whole to ``quant.dtype`` before
+    quantizing (a calibration text runs it, a rotation turns it: ``exporters.plan.QuantPlan.cast_whole``).
+    ``advising``: the advise stage may quantize fresh copies of the model
     beside the export's."""
     dtype_bytes = DTYPES[quant.dtype].itemsize
     head, embed = model.lm_head, model.model.embed_tokens
@@ -139,7 +140,7 @@ def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validating:
         "emit": lowered,
     }
     whole = parameters * dtype_bytes  # the model cast whole to quant.dtype
-    if cast_whole:  # calibration runs the model, a rotation turns it: all of it in quant.dtype beside the stored weights
+    if cast_whole:  # calibrating runs the model, rotating turns it: whole in quant.dtype beside the stored weights
         peaks["quantize"] = max(peaks["quantize"], BASE_BYTES + stored_bytes + whole)
     if validating:
         # The unquantized model scores the validation windows: their logits and softmax over the vocabulary.

@@ -3,8 +3,8 @@
 Validation says whether the program matches its eager quantized model; it passes just as well when that model
 has lost half its quality. Past ``validation.warn_ppl_increase`` over the unquantized model, each applicable
 change of the quant config (an 8-bit ``lm_head`` or embedding, GPTQ in place of a data-free algorithm, rotations
-with GPTQ, groups of 32) is applied to a fresh copy of the model and scored on the same validation windows: the share of the
-loss it recovers and the bytes it adds, best recovery per MB first. Measured, not guessed: which remedy works
+with GPTQ, groups of 32) is applied to a fresh copy of the model and scored on the same validation windows: the
+share of the loss it recovers and the bytes it adds, best recovery per MB first. Measured, not guessed: which remedy works
 differs by model (SmolLM2's ``lm_head`` is its most sensitive layer; another model's may be its embedding).
 """
 
