@@ -44,6 +44,16 @@ class CalibrationText:
     def tokens(self) -> int:
         return sum(w.shape[1] for w in self.windows)
 
+    def first(self, tokens: int) -> list[torch.Tensor]:
+        """The windows cut to the text's first ``tokens`` tokens (measurements that need only a sample)."""
+        windows, kept = [], 0
+        for w in self.windows:
+            if kept >= tokens:
+                break
+            windows.append(w[:, :tokens - kept])
+            kept += windows[-1].shape[1]
+        return windows
+
 
 def _fix(key: str) -> str:
     return (f"Give a longer plain-text file with {key}=<path> (a few thousand words of text like what the model "

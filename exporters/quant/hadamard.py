@@ -65,8 +65,7 @@ def factors(n: int) -> tuple[int, ...] | None:
     odd = n // power
     head: tuple[int, ...] = ()
     if odd > 1:
-        m = next((odd * 2 ** j for j in range(2, power.bit_length()) if (odd * 2 ** j) <= n and power % 2 ** j == 0
-                  and _paley(odd * 2 ** j) is not None), None)
+        m = next((odd * 2 ** j for j in range(2, power.bit_length()) if _paley(odd * 2 ** j) is not None), None)
         if m is None:
             return None
         head, power = (m,), n // m

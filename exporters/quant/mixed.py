@@ -97,13 +97,7 @@ def measure_sensitivity(model: CausalLM, candidates: dict[str, Candidate], text:
     The hidden states entering every layer are kept from one unrounded pass, so a layer's measurement runs the
     model from that layer on only.
     """
-    windows, kept = [], 0
-    for w in text.windows:
-        if kept >= SENSITIVITY_TOKENS:
-            break
-        windows.append(w[:, :SENSITIVITY_TOKENS - kept])
-        kept += windows[-1].shape[1]
-    run = LayerByLayer(model, windows)
+    run = LayerByLayer(model, text.first(SENSITIVITY_TOKENS))
     layers = len(model.model.layers)
 
     def run_from(first: int, states: list[torch.Tensor]) -> torch.Tensor:

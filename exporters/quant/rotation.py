@@ -41,7 +41,7 @@ from torch import nn
 from exporters.config import QuantConfig, RotationKind
 from exporters.errors import UserError
 from exporters.manifest import RotationRecord
-from exporters.quant.calibration import CalibrationText
+from exporters.quant.calibration import CalibrationText, LayerByLayer
 from exporters.quant.hadamard import ONLINE_LARGEST, factors, hadamard_factors, random_rotation
 from models.decoder import CausalLM, RMSNorm, Rotation
 
@@ -87,14 +87,15 @@ def _outputs(module: nn.Module, n: torch.Tensor, rows: slice = slice(None)) -> N
             _assign(linear.bias, b)
 
 
-def _fold_gain(norm: RMSNorm, readers: list[nn.Module], kept: torch.Tensor) -> None:
-    """Move ``norm``'s gain into the linears that read it (``W diag(g)``), but on the ``kept`` channels (which R1
-    leaves in place, so their gain commutes with it): the norm is left scaling the others by one."""
+def _fold_gain(norm: RMSNorm, readers: list[nn.Module], q: torch.Tensor, kept: torch.Tensor) -> None:
+    """The linears reading ``norm`` turned by R1 ``q`` with the norm's gain moved into them (``W diag(g) Q``, one
+    matmul), but on the ``kept`` channels (which R1 leaves in place, so their gain commutes with it): the norm is
+    left scaling the others by one."""
     offset = 1.0 if norm.unit_offset else 0.0
     gain = norm.weight.detach().double() + offset
     gain[kept] = 1.0
     for reader in readers:
-        _inputs(reader, torch.diag(gain))
+        _inputs(reader, gain[:, None] * q)
     weight = torch.full_like(norm.weight, 1.0 - offset)
     weight[kept] = norm.weight.detach()[kept]
     norm.weight.data = weight
@@ -105,24 +106,15 @@ def massive_channels(model: CausalLM, text: CalibrationText) -> tuple[list[int],
     """The residual channels whose peak |activation| (entering any layer, or the final norm) on up to
     MASSIVE_TOKENS of ``text`` exceeds MASSIVE_RATIO times the median channel's peak, largest first, and the
     largest ratio."""
+    run = LayerByLayer(model, text.first(MASSIVE_TOKENS))  # the layers alone: no logits over the vocabulary
     peaks = torch.zeros(model.args.hidden_size, dtype=torch.float64)
-
-    def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        peaks.copy_(torch.maximum(peaks, args[0].detach().abs().reshape(-1, peaks.numel()).amax(0).double()))
-
-    hooks = [m.register_forward_pre_hook(record) for m in (*model.model.layers, model.model.norm)]
-    try:
-        read = 0
-        for window in text.windows:
-            window = window[:, :MASSIVE_TOKENS - read]
-            model(window, torch.tensor([0]))
-            model.reset_cache()
-            read += window.shape[1]
-            if read >= MASSIVE_TOKENS:
-                break
-    finally:
-        for hook in hooks:
-            hook.remove()
+    states = run.embedded
+    for i in range(len(model.model.layers) + 1):
+        for h in states:
+            peaks = torch.maximum(peaks, h.detach().abs().reshape(-1, peaks.numel()).amax(0).double())
+        if i < len(model.model.layers):
+            states = run.layer(i, states)
+    model.reset_cache()
     ratio = peaks / peaks.median().clamp_min(1e-12)
     order = torch.argsort(ratio, descending=True)
     return [int(c) for c in order if ratio[c] > MASSIVE_RATIO], float(ratio[order[0]])
@@ -164,11 +156,9 @@ def _residual(model: CausalLM, q: torch.Tensor, kept: torch.Tensor, keep_tied: b
     body, a = model.model, model.args
     for layer in body.layers:
         qkv, gate_up = _readers(layer)
-        _fold_gain(layer.input_layernorm, qkv, kept)
+        _fold_gain(layer.input_layernorm, qkv, q, kept)
         _fold_gain(layer.pre_feedforward_layernorm if a.sandwich_norms else layer.post_attention_layernorm, gate_up,
-                   kept)
-        for reader in qkv + gate_up:
-            _inputs(reader, q)
+                   q, kept)
         if not a.sandwich_norms:
             _outputs(layer.self_attn.o_proj, q.T)
             _outputs(layer.mlp.down_proj, q.T)
@@ -182,8 +172,7 @@ def _residual(model: CausalLM, q: torch.Tensor, kept: torch.Tensor, keep_tied: b
         record.online.append(f"the tied embedding's output and the final norm's input ({q.shape[0]}x{q.shape[0]} each)")
     else:
         _inputs(body.embed_tokens, q)
-        _fold_gain(body.norm, [model.lm_head], kept)
-        _inputs(model.lm_head, q)
+        _fold_gain(body.norm, [model.lm_head], q, kept)
 
 
 def _heads(model: CausalLM, q2: torch.Tensor) -> None:
@@ -196,10 +185,10 @@ def _heads(model: CausalLM, q2: torch.Tensor) -> None:
         _inputs(attn.o_proj, q2)
 
 
-def _down_inputs(model: CausalLM, orders: tuple[int, ...]) -> None:
+def _down_inputs(model: CausalLM) -> None:
     """R4: every down_proj reads its input through one normalized Hadamard transform H; its weights become ``W H^T``."""
     parts = hadamard_factors(model.args.intermediate_size)
-    assert parts is not None and tuple(p.shape[0] for p in parts) == orders
+    assert parts is not None, "check_online_hadamard ran first"
     parts = [p / p.shape[0] ** 0.5 for p in parts]
     exact, stored = Rotation(parts), [p.float() for p in parts]  # float64 for the weights; one fp32 copy at run time
     for layer in model.model.layers:
@@ -239,7 +228,7 @@ def rotate(model: CausalLM, residual_and_heads: bool, online_hadamard: bool, kee
         q2, record.heads = random_rotation(a.head_dim, seed + 1)
         _heads(model, q2)
     if online_hadamard:
-        _down_inputs(model, orders)
+        _down_inputs(model)
         record.online.append(f"down_proj's input: Hadamard {a.intermediate_size} ({' x '.join(map(str, orders))})")
     record.seconds = round(time.perf_counter() - started, 1)
     return record
