@@ -88,13 +88,13 @@ def log_export_summary(result: Any) -> None:
     data = "" if m.data is None else f" + {m.data.file} {m.data.size_bytes / 1e6:.2f} MB (the weights)"
     log.info(
         "exported %s\n  size: %.2f MB%s  sha256: %s\n  methods: %s (layout %s)\n  KV cache: %s\n  constants: %s\n"
-        "  ExecuTorch stock runners: %s\n  validation: %s\n  quality: %s%s\n  export: %.0f s, peak RSS %.0f MB%s\n"
+        "  ExecuTorch stock runners: %s\n  validation: %s\n  quality: %s%s\n  export: %s%s\n"
         "  manifest: %s",
         result.pte_path, m.program.size_bytes / 1e6, data, m.program.sha256[:16],
         ", ".join(m.layout.methods),  # the base's; each adapter's are on its own line
         m.layout.name, m.kv_cache.describe() if m.kv_cache else "not recorded", ", ".join(m.constant_methods), runners, verdict, quality,
         speculative + others + adapters,
-        m.resources.wall_s, m.resources.peak_rss_mb,
+        m.resources.describe(),
         "" if m.bench is None else "\n  runtime: " + m.bench.describe(), result.manifest_path,
     )
     if m.quality_warning is not None:

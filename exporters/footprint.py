@@ -29,8 +29,17 @@ if TYPE_CHECKING:
     from exporters.plan import Component, ExportPlan
 
 GB = 1e9
+MIB = 2**20
 # RSS of the exporter with torch, torchao and ExecuTorch imported, before any weight (measured: 0.4-0.5 GB).
 BASE_BYTES = int(0.5 * GB)
+# What each stage adds beyond the weights it holds, measured stage by stage on the 134M, SmolLM2-135M and 1B presets
+# (benchmarks.profile_memory --validate; docs/DESIGN.md 10):
+QUANTIZE_BASE = 160 * MIB  # torchao's quantize_ and its temporaries
+LOWERED_BASE = 100 * MIB  # ExecuTorch's emit and runtime, from emit on
+LOWERED_PER_LAYER = 14 * MIB  # each decoder layer's graphs, delegates and records, from lowering on
+PREPROCESS_PER_VOCAB = 6.5  # bytes per vocabulary parameter while XNNPACK preprocesses (copies, repacks) its partition
+EMIT_PER_VOCAB = 2.0  # bytes per vocabulary parameter while emit serializes the program
+LOGITS_COPIES = 3.5  # [tokens, vocab] fp32 tensors alive at once while validation scores a text
 
 
 @dataclass(frozen=True)
@@ -89,18 +98,23 @@ def _quantized_bytes(rows: int, cols: int, scheme: str | None, group_size: int, 
     return eager, Precision(name, table[name], group).bytes(rows, cols)
 
 
-def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validating: bool,
+def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validation_tokens: int | None,
              tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared, cast_whole: bool = False,
-             advising: bool = False) -> Footprint:
+             advising: bool = False, random_init: bool = False) -> Footprint:
     """The footprint of exporting ``model`` (built on the meta device: only shapes are read) quantized by ``quant``,
-    its weights ``stored_bytes`` as loaded. ``cast_whole``: the model is cast whole to ``quant.dtype`` before
-    quantizing (a calibration text runs it, a rotation turns it: ``exporters.plan.QuantPlan.cast_whole``).
-    ``advising``: the advise stage may quantize fresh copies of the model
-    beside the export's."""
+    its weights ``stored_bytes`` as loaded. ``validation_tokens``: the tokens validation scores (None: no validation).
+    ``cast_whole``: the model is cast whole to ``quant.dtype`` before quantizing (a calibration text runs it, a
+    rotation turns it: ``exporters.plan.QuantPlan.cast_whole``). ``advising``: the advise stage may quantize fresh
+    copies of the model beside the export's. ``random_init``: the weights are made here, not read.
+
+    Each stage's peak is what it holds (the forms of the weights above) plus what it adds; the added terms were
+    measured stage by stage (``benchmarks.profile_memory``) and the whole is checked against the measured peak of
+    every benchmark preset (``benchmarks.memory_estimate``, docs/DESIGN.md 10)."""
     dtype_bytes = DTYPES[quant.dtype].itemsize
     head, embed = model.lm_head, model.model.embed_tokens
     # Whether lm_head ends up with a matrix of its own (exporters.quant.tied decides as quantization will).
-    tied = tie_plan(model, quant, tied_storage) in (TiedEmbedding.SHARED, TiedEmbedding.QUANTIZED_ONCE)
+    tying = tie_plan(model, quant, tied_storage)
+    tied = tying in (TiedEmbedding.SHARED, TiedEmbedding.QUANTIZED_ONCE)
     eager = program = largest_linear = 0
     counted: set[int] = set()
     for module in model.modules():
@@ -119,37 +133,48 @@ def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validating:
         counted.update(id(t) for t in module.parameters(recurse=False))
         eager, program = eager + e, program + p
     parameters = model.parameter_count()
-    vocab_matrices = embed.weight.numel() * (1 if tied else 2)
+    vocab = embed.weight.numel()  # parameters of one vocabulary matrix
+    vocab_matrices = vocab * (1 if tied else 2)
     stored_per_parameter = stored_bytes / parameters
     vocab_stored = int(vocab_matrices * stored_per_parameter)
     vocab_eager = _quantized_bytes(*embed.weight.shape, quant.embedding, quant.embedding_group_size,
                                    EMBEDDING_SCHEMES, dtype_bytes)[0] * (1 if tied else 2)
-    # The largest matrix torchao's eager linear dequantizes to fp32 at each call (with its temporaries, about twice).
-    head_dequantized = head.weight.numel() * 4 * 2 if not tied and quant.lm_head else 0
-    # Lowering holds the eager model (its weights are the graphs' constants) and the packed copies it makes, plus
-    # temporaries that follow the largest matrices (the vocabulary's: packing lm_head in lowering, then emit's constant
-    # propagation of the embedding): about 2.5 bytes per parameter of one of them (8B shape and its 2-layer cut).
-    lowered = BASE_BYTES + eager + program + int(2.5 * embed.weight.numel())
+    # torchao's eager linear dequantizes a quantized lm_head (its own, or the embedding quantized once) to fp32 at
+    # each call, with its temporaries about twice.
+    head_quantized = tying == TiedEmbedding.QUANTIZED_ONCE or (not tied and quant.lm_head is not None)
+    head_dequantized = vocab * 4 * 2 if head_quantized else 0
+    whole = parameters * dtype_bytes  # the model cast whole to quant.dtype
+    layers = len(model.model.layers)
+    # From lowering on the process holds ExecuTorch's modules and, per decoder layer, its graphs, delegates and their
+    # records (with the default methods).
+    lowered_held = BASE_BYTES + LOWERED_BASE + eager + layers * LOWERED_PER_LAYER
     peaks = {
-        "load": BASE_BYTES + stored_bytes,
+        # Random weights are made in place, the largest matrix through a temporary of its size.
+        "load": BASE_BYTES + stored_bytes + (vocab * int(stored_per_parameter) if random_init else 0),
         # The linears are cast and quantized one at a time beside the stored weights; then the embedding (and an
         # untied lm_head) beside the quantized linears, each cast to fp32 whole for its quantizer.
-        "quantize": BASE_BYTES + max(stored_bytes + largest_linear * 4 * 2,
-                                     eager - vocab_eager + vocab_stored + embed.weight.numel() * 4),
-        "lower": lowered,
-        "emit": lowered,
+        "quantize": BASE_BYTES + QUANTIZE_BASE + max(stored_bytes + largest_linear * 4 * 2,
+                                                     eager - vocab_eager + vocab_stored + vocab * 4),
+        # XNNPACK's preprocess copies the partition it packs and repacks it: the vocabulary matrices' dominate.
+        "lower": lowered_held - LOWERED_BASE + program + int(PREPROCESS_PER_VOCAB * vocab),
+        "emit": lowered_held + program + int(EMIT_PER_VOCAB * vocab),
     }
-    whole = parameters * dtype_bytes  # the model cast whole to quant.dtype
-    if cast_whole:  # calibrating runs the model, rotating turns it: whole in quant.dtype beside the stored weights
-        peaks["quantize"] = max(peaks["quantize"], BASE_BYTES + stored_bytes + whole)
-    if validating:
-        # The unquantized model scores the validation windows: their logits and softmax over the vocabulary.
-        peaks["baseline"] = BASE_BYTES + stored_bytes + 4 * model.args.max_context_len * embed.num_embeddings * 4
-        # The eager side (one dequantized lm_head at a time), then the program loaded beside the eager model.
-        peaks["validate"] = BASE_BYTES + eager + max(program, head_dequantized)
-    # Each remedy advise measures is a fresh model, cast whole where it is calibrated (GPTQ), beside the export's eager
-    # model. Advise runs only past the quality warning's threshold, so its peak is reported, not refused.
-    advise = BASE_BYTES + eager + stored_bytes + whole if validating and advising else None
+    # Calibrating runs the model and rotating turns it: whole in quant.dtype beside the stored weights and the
+    # quantized layers as they are made.
+    calibrated_quantize = stored_bytes + eager + whole
+    if cast_whole:
+        peaks["quantize"] = max(peaks["quantize"], BASE_BYTES + QUANTIZE_BASE + calibrated_quantize)
+    advise = None
+    if validation_tokens is not None:
+        logits = int(LOGITS_COPIES * validation_tokens * embed.num_embeddings * 4)  # [tokens, vocab] fp32 tensors
+        # The unquantized model scores the validation windows.
+        peaks["baseline"] = BASE_BYTES + stored_bytes + logits
+        # The program loaded beside the eager model, whose lm_head is dequantized at each call, and both sides' logits.
+        peaks["validate"] = lowered_held + program + head_dequantized + logits
+        # Each remedy advise measures is a fresh model quantized (calibrated, for GPTQ) beside the export's eager
+        # model. Advise runs only past the quality warning's threshold, so its peak is reported, not refused.
+        if advising:
+            advise = lowered_held + QUANTIZE_BASE + calibrated_quantize
     return Footprint(parameters, stored_bytes, eager, program, peaks, advise)
 
 
@@ -159,10 +184,11 @@ class MemoryBudget:
 
     quant: QuantConfig
     tied_storage: TiedEmbeddingStorage
-    validating: bool
+    validation_tokens: int | None  # the tokens validation scores (validation.max_tokens); None: no validation
     limit_gb: float | None  # export.memory_limit_gb; None: the memory available when the export starts
     cast_whole: bool = False  # the model is cast whole before quantizing (exporters.plan.QuantPlan.cast_whole)
     advising: bool = False  # the advise stage runs (validation.warn_ppl_increase)
+    random_init: bool = False  # the weights are made, not read (model.random_init)
 
     @staticmethod
     def of(plan: "ExportPlan", component: "Component | None" = None) -> "MemoryBudget":
@@ -170,14 +196,15 @@ class MemoryBudget:
         (the decoder's only) advise."""
         component = plan.decoder if component is None else component
         quant, validation = component.quant, plan.validation
-        return MemoryBudget(quant.config, quant.tied_storage, validation is not None, plan.memory_limit_gb,
-                            cast_whole=quant.cast_whole, advising=component.is_decoder and validation is not None
-                            and validation.advise_threshold is not None)
+        return MemoryBudget(quant.config, quant.tied_storage, None if validation is None else validation.config.max_tokens,
+                            plan.memory_limit_gb, cast_whole=quant.cast_whole,
+                            advising=component.is_decoder and validation is not None
+                            and validation.advise_threshold is not None, random_init=component.build.model.random_init)
 
     def estimate(self, shapes: CausalLM, stored_bytes: int) -> Footprint:
         """``shapes``' footprint (a model on the meta device)."""
-        return estimate(shapes, self.quant, stored_bytes, self.validating, self.tied_storage, self.cast_whole,
-                        self.advising)
+        return estimate(shapes, self.quant, stored_bytes, self.validation_tokens, self.tied_storage, self.cast_whole,
+                        self.advising, self.random_init)
 
     def check(self, footprint: Footprint) -> Footprint:
         """``footprint``, refused if it does not fit."""
@@ -196,9 +223,14 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def memory_limit(limit_gb: float | None) -> int:
+    """Bytes an export may use: ``export.memory_limit_gb``, or (None) the memory available now."""
+    return available_memory() if limit_gb is None else int(limit_gb * GB)
+
+
 def check_fits(footprint: Footprint, limit_gb: float | None) -> None:
     """Refuse an export whose estimated peak exceeds ``limit_gb`` (None: the memory available now)."""
-    limit = available_memory() if limit_gb is None else int(limit_gb * GB)
+    limit = memory_limit(limit_gb)
     if footprint.peak <= limit:
         return
     where = f"export.memory_limit_gb={limit_gb}" if limit_gb is not None else "the memory this machine has available"

@@ -402,7 +402,18 @@ class Resources:
     """The export itself (every stage before finalize): what a sweep compares configs by."""
 
     wall_s: float
-    peak_rss_mb: float
+    peak_rss_mb: float  # MiB (the kernel's VmHWM), every stage before finalize
+    peak_stage: str | None = None  # the stage in which the peak was reached
+    # The load stage's estimate (exporters/footprint.py) of the same peak, with advise's when advise ran, in MiB:
+    # benchmarks.memory_estimate holds the two within 15% on every benchmark preset.
+    estimated_peak_rss_mb: float | None = None
+    estimated_peak_stage: str | None = None
+
+    def describe(self) -> str:
+        where = f" (in {self.peak_stage})" if self.peak_stage else ""
+        estimated = ("" if self.estimated_peak_rss_mb is None else
+                     f"; estimated {self.estimated_peak_rss_mb:.0f} MB (in {self.estimated_peak_stage})")
+        return f"{self.wall_s:.0f} s, peak RSS {self.peak_rss_mb:.0f} MB{where}{estimated}"
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,11 @@ class Change:
     fields: dict[str, Any]
 
     @property
+    def casts_whole(self) -> bool:
+        """The remedy holds the model whole in its compute dtype (calibrating runs it, rotating turns it)."""
+        return self.fields.get("algorithm") == Algorithm.gptq or "rotation" in self.fields
+
+    @property
     def overrides(self) -> str:
         return " ".join(f"quant.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.fields.items())
 
@@ -86,11 +91,13 @@ def stored_bytes(model: torch.nn.Module) -> int:
 def advise(plan: QuantPlan, threshold: float, ppl_increase: float, quantized: CausalLM,
            eager_perplexity: float, baseline_perplexity: float, build: Callable[[], CausalLM],
            score: Callable[[CausalLM], float],
-           calibration: Callable[[CausalLM], Callable[[], CalibrationText]]) -> QualityWarning:
+           calibration: Callable[[CausalLM], Callable[[], CalibrationText]],
+           whole_does_not_fit: str | None = None) -> QualityWarning:
     """Each remedy of ``plan``'s quant config measured on a fresh model from ``build``: quantized as the export was
     (the same tied-embedding storage), ``score``d (its perplexity on the validation windows) and weighed against
     ``quantized`` (the export's eager model, of perplexity ``eager_perplexity``). ``calibration(model)`` reads the
-    text GPTQ needs."""
+    text GPTQ needs. ``whole_does_not_fit``: why the remedies that hold the model whole are not measured (the memory
+    estimate says they would not fit), else None."""
     started = time.perf_counter()
     quant = plan.config
     own_bytes = stored_bytes(quantized)
@@ -98,6 +105,10 @@ def advise(plan: QuantPlan, threshold: float, ppl_increase: float, quantized: Ca
     found = []
     remedies = changes(quant)
     for i, change in enumerate(remedies, start=1):
+        if change.casts_whole and whole_does_not_fit is not None:
+            log.warning("  advise: remedy %d/%d, %s (%s), not measured: %s", i, len(remedies), change.what,
+                        change.overrides, whole_does_not_fit)
+            continue
         log.info("  advise: remedy %d/%d, %s (%s): a fresh copy of the model, quantized and scored", i, len(remedies),
                  change.what, change.overrides)
         variant = dataclasses.replace(quant, **change.fields)

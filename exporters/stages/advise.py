@@ -13,6 +13,7 @@ import math
 from typing import TYPE_CHECKING
 
 from exporters.config import KvDType
+from exporters.footprint import GB, memory_limit
 from exporters.quant.advice import advise, changes
 from exporters.runtime.quality import full_sequence, perplexity, window_logits
 from exporters.stages.artifacts import WrittenProgram
@@ -60,10 +61,17 @@ class AdviseStage(Stage):
         if remedies:
             log.info("  advise: perplexity %+.1f%% over unquantized; measuring %d remedies ...", 100 * self.increase,
                      remedies)
+        # A remedy that holds the model whole is skipped rather than risk the kernel's out-of-memory killer ending the
+        # export, whose program is written but not yet accepted.
+        footprint, limit = ctx.footprint, memory_limit(self.plan.memory_limit_gb)
+        too_big = (None if footprint is None or footprint.advise is None or footprint.advise <= limit else
+                   f"it would need about {footprint.advise / GB:.1f} GB (estimated), above the {limit / GB:.1f} GB "
+                   "this export may use; an export with those overrides measures it")
         ctx.quality_warning = advise(
             quant, self.threshold, self.increase, written.model, report.eager_perplexity,
             report.baseline_perplexity, build, score,
-            lambda model: lambda: read_calibration(quant.config.calibration, component.build.source, model, ctx))
+            lambda model: lambda: read_calibration(quant.config.calibration, component.build.source, model, ctx),
+            too_big)
         return written
 
     def describe(self, written: WrittenProgram, ctx: ExportContext) -> str:

@@ -92,6 +92,22 @@ def move_data_file(written: WrittenProgram, data: DataFile | None, adapter: str 
     return dataclasses.replace(data, file=path.name)
 
 
+def resources(ctx: ExportContext) -> Resources:
+    """The export's wall time and peak RSS (every stage so far), the stage it was reached in, and the load stage's
+    estimate of it (with advise's remedies when advise ran)."""
+    peak = round(max([peak_rss_mb(), *ctx.peak_rss_mb.values()]))
+    stage = next((s for s, mb in ctx.peak_rss_mb.items() if mb >= peak - 1), None)
+    estimated = estimated_stage = None
+    if ctx.footprint is not None:
+        estimated, estimated_stage = ctx.footprint.peak, ctx.footprint.peak_stage
+        # Advise measures its remedies only past the quality warning (the warning is what it found).
+        if ctx.quality_warning is not None and ctx.footprint.advise is not None and ctx.footprint.advise > estimated:
+            estimated, estimated_stage = ctx.footprint.advise, "advise"
+        estimated = round(estimated / 2**20)
+    return Resources(wall_s=round(sum(ctx.timings.values()), 1), peak_rss_mb=peak, peak_stage=stage,
+                     estimated_peak_rss_mb=estimated, estimated_peak_stage=estimated_stage)
+
+
 def rejected_path(final: Path) -> Path:
     return final.with_name(final.stem + ".rejected" + final.suffix)
 
@@ -155,7 +171,7 @@ class FinalizeStage(Stage):
             validation=report,
             tokenizer_files=copied,
             timings_s=timings,
-            resources=Resources(wall_s=round(sum(timings.values()), 1), peak_rss_mb=round(peak_rss_mb())),
+            resources=resources(ctx),
             versions=package_versions(),
             config=self.plan.resolved_config,
             data=data,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Protocol, Sequence
 
 from exporters.errors import Interrupted
-from exporters.runtime.memory import return_freed_memory
+from exporters.runtime.memory import peak_rss_mb, return_freed_memory
 
 if TYPE_CHECKING:
     from exporters.config import ExportConfig
@@ -51,6 +51,9 @@ class ExportContext:
     plan: ExportPlan  # every decision of the export, resolved once from the checked config
     output_dir: Path
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, filled in by the pipeline
+    # stage -> the process's peak RSS (MiB) when it ended: the peak so far (VmHWM is monotone unless an observer
+    # resets it per stage, as benchmarks.profile_memory does). Filled in by the pipeline.
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
     checkpoint: Checkpoint | None = None  # load
     component_checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # load: the other components' (draft)
     adapters: list[LoraAdapter] = field(default_factory=list)  # load: model.adapters, read and attached
@@ -138,6 +141,7 @@ def _run_stage(stage: Stage, handed: list[Any], ctx: ExportContext, step: str, o
     return_freed_memory()
     seconds = time.perf_counter() - start
     ctx.timings[stage.name] = round(seconds, 3)
+    ctx.peak_rss_mb[stage.name] = round(peak_rss_mb())
     if observer:
         observer.stage_finished(stage.name, seconds)
     summary = stage.describe(artifact, ctx)

@@ -52,10 +52,11 @@ class Scores:
 
     @staticmethod
     def of(predictions: Predictions, text: TextWindows) -> "Scores":
-        per_window = []
+        per_window, parts = [], []
         nll_eager = nll_program = 0.0
         for i, (window, e, p) in enumerate(zip(text.windows, predictions.eager, predictions.program)):
             a = Agreement.of(e, p)
+            parts.append(a)
             targets = text.targets(window)
             nll_eager += negative_log_likelihood(e, targets)
             nll_program += negative_log_likelihood(p, targets)
@@ -63,7 +64,8 @@ class Scores:
                                "kl_max": float(a.kl.max()), "top1_agreement": float(a.top1.double().mean()),
                                "max_abs_error": a.max_abs_error})
         n = text.scored_tokens
-        return Scores(Agreement.of(torch.cat(predictions.eager), torch.cat(predictions.program)), per_window,
+        largest = max(float(e.abs().max()) for e in predictions.eager)
+        return Scores(Agreement.joined(parts, largest), per_window,
                       perplexity(nll_program, n), perplexity(nll_eager, n))
 
     @property
