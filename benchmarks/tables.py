@@ -10,7 +10,7 @@ A generated region in a Markdown file looks like this (the JSON path is relative
     python -m benchmarks.tables --check    exit 1 naming each region that differs (tests/test_docs_tables.py runs it)
 
 Each renderer takes one tool's JSON: ``suite`` the test suite's durations (``pytest --durations-file PATH``),
-``export`` a ``benchmarks.export`` report (``report.json``), ``speculative`` a ``benchmarks.speculative`` report. Keep the JSON files in ``docs/results/``: they are the
+``export`` a ``benchmarks.export`` report (``report.json``), ``speculative`` a ``benchmarks.speculative`` report, ``memory`` a ``benchmarks.memory_estimate`` report. Keep the JSON files in ``docs/results/``: they are the
 measurement, the table is a view of it. A new table is a renderer in :data:`RENDERERS` and a region in a doc.
 """
 
@@ -78,8 +78,21 @@ def render_speculative(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_memory(data: dict[str, Any]) -> str:
+    """A ``benchmarks.memory_estimate`` report: each export's measured peak RSS beside the load stage's estimate."""
+    lines = [f"Each export as the CLI runs it (validation on; advise where the quality warning set it off). The "
+             f"estimate must hold the measured peak within {data['tolerance']:.0%} (`tests/test_footprint.py`).", "",
+             "| preset | quant | measured peak MB | in stage | estimated MB | in stage | error |",
+             "|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        quant = " ".join([r["quant"], *r["overrides"]])
+        lines.append(f"| {r['preset']} | {quant} | {r['peak_mb']} | {r['peak_stage']} | {r['estimated_mb']:.0f} | "
+                     f"{r['estimated_stage']} | {r['error']:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"suite": render_suite, "export": render_export,
-                                                          "speculative": render_speculative}
+                                                          "speculative": render_speculative, "memory": render_memory}
 
 
 def regenerate(text: str, root: Path = ROOT) -> tuple[str, list[str]]:

@@ -20,6 +20,7 @@ from torch import nn
 from exporters.config import QuantConfig, TiedEmbeddingStorage
 from exporters.errors import UserError
 from exporters.quant.mixed import Precision
+from exporters.quant.rotation import rotates
 from exporters.quant.tied import TiedEmbedding
 from exporters.quant.tied import plan_tied_embedding as tie_plan
 from exporters.quant.schemes import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, layer_scheme
@@ -34,12 +35,13 @@ MIB = 2**20
 BASE_BYTES = int(0.5 * GB)
 # What each stage adds beyond the weights it holds, measured stage by stage on the 134M, SmolLM2-135M and 1B presets
 # (benchmarks.profile_memory --validate; docs/DESIGN.md 10):
-QUANTIZE_BASE = 160 * MIB  # torchao's quantize_ and its temporaries
+QUANTIZE_BASE = 100 * MIB  # torchao's quantize_ and its temporaries
 LOWERED_BASE = 100 * MIB  # ExecuTorch's emit and runtime, from emit on
 LOWERED_PER_LAYER = 14 * MIB  # each decoder layer's graphs, delegates and records, from lowering on
 PREPROCESS_PER_VOCAB = 6.5  # bytes per vocabulary parameter while XNNPACK preprocesses (copies, repacks) its partition
 EMIT_PER_VOCAB = 2.0  # bytes per vocabulary parameter while emit serializes the program
 LOGITS_COPIES = 3.5  # [tokens, vocab] fp32 tensors alive at once while validation scores a text
+ROTATION_COPIES = 3  # float64 copies of the largest matrix while a rotation turns it (its input, product, result)
 
 
 @dataclass(frozen=True)
@@ -162,8 +164,11 @@ def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validation_
     # Calibrating runs the model and rotating turns it: whole in quant.dtype beside the stored weights and the
     # quantized layers as they are made.
     calibrated_quantize = stored_bytes + eager + whole
+    # A rotation turns each matrix in float64 (exact products), the vocabulary's the largest.
+    turning = ROTATION_COPIES * max(vocab, largest_linear) * 8
     if cast_whole:
-        peaks["quantize"] = max(peaks["quantize"], BASE_BYTES + QUANTIZE_BASE + calibrated_quantize)
+        peaks["quantize"] = max(peaks["quantize"], BASE_BYTES + QUANTIZE_BASE + calibrated_quantize
+                                + (turning if rotates(quant) else 0))
     advise = None
     if validation_tokens is not None:
         logits = int(LOGITS_COPIES * validation_tokens * embed.num_embeddings * 4)  # [tokens, vocab] fp32 tensors
@@ -174,7 +179,10 @@ def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validation_
         # Each remedy advise measures is a fresh model quantized (calibrated, for GPTQ) beside the export's eager
         # model. Advise runs only past the quality warning's threshold, so its peak is reported, not refused.
         if advising:
-            advise = lowered_held + QUANTIZE_BASE + calibrated_quantize
+            from exporters.quant.advice import changes  # advice quantizes models: imported only when advising
+
+            rotating = any("rotation" in c.fields for c in changes(quant))
+            advise = lowered_held + QUANTIZE_BASE + calibrated_quantize + (turning if rotating else 0)
     return Footprint(parameters, stored_bytes, eager, program, peaks, advise)
 
 
@@ -196,8 +204,8 @@ class MemoryBudget:
         (the decoder's only) advise."""
         component = plan.decoder if component is None else component
         quant, validation = component.quant, plan.validation
-        return MemoryBudget(quant.config, quant.tied_storage, None if validation is None else validation.config.max_tokens,
-                            plan.memory_limit_gb, cast_whole=quant.cast_whole,
+        tokens = None if validation is None else validation.config.max_tokens
+        return MemoryBudget(quant.config, quant.tied_storage, tokens, plan.memory_limit_gb, cast_whole=quant.cast_whole,
                             advising=component.is_decoder and validation is not None
                             and validation.advise_threshold is not None, random_init=component.build.model.random_init)
 
