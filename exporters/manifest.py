@@ -388,13 +388,17 @@ class QualityWarning:
     ppl_increase: float
     remedies: list[Remedy] = field(default_factory=list)
     seconds: float = 0.0
+    # Remedies that apply but were not measured (their overrides -> why: the memory estimate said they would not fit).
+    unmeasured: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
         head = (f"perplexity {self.ppl_increase:+.1%} over the unquantized model (warning above "
                 f"{self.threshold:.0%}, validation.warn_ppl_increase)")
+        skipped = "".join(f"; not measured: {change} ({why})" for change, why in self.unmeasured.items())
         if not self.remedies:
-            return head + "; no measured remedy for this scheme: compare others in a sweep (docs/quality.md)"
-        return head + "; measured: " + "; ".join(r.describe() for r in self.remedies)
+            return (head + "; no measured remedy for this scheme: compare others in a sweep (docs/quality.md)"
+                    + skipped)
+        return head + "; measured: " + "; ".join(r.describe() for r in self.remedies) + skipped
 
 
 @dataclass

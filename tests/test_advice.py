@@ -77,3 +77,27 @@ def test_a_costly_scheme_warns_in_the_manifest_and_the_console_with_measured_rem
 def test_no_warning_under_the_threshold(exported) -> None:
     m = exported("quant=8da4w").manifest
     assert m.quality_warning is None and m.validation.perplexity / m.validation.baseline_perplexity - 1 < 0.2
+
+
+def test_remedies_that_would_not_fit_are_named_not_measured(exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Under a memory limit the export fits but a remedy holding the model whole (GPTQ) would not, that remedy is
+    skipped and named with why in the warning, rather than risk the out-of-memory killer ending the export after its
+    program was written; the others are measured as usual."""
+    from exporters.footprint import GB, MemoryBudget
+    from exporters.plan import plan_export
+    from models.checkpoint import stored_bytes as weight_bytes
+
+    overrides = ("quant=8da4w", "validation.warn_ppl_increase=0")
+    plan = plan_export(compose_config(*overrides))
+    checkpoint = plan.decoder.build.checkpoint(tmp_path)
+    shapes = plan.decoder.build.build(checkpoint, device="meta")
+    footprint = MemoryBudget.of(plan).estimate(shapes, weight_bytes(checkpoint, shapes))
+    assert footprint.advise is not None and footprint.advise > footprint.peak
+    limit = round((footprint.peak + footprint.advise) / 2 / GB, 4)  # the export fits, advise's whole model does not
+    warning = exported(*overrides, f"export.memory_limit_gb={limit}").manifest.quality_warning
+    assert warning is not None
+    whole = {c.overrides for c in changes(quant_option("8da4w")) if c.casts_whole}
+    assert whole == {"quant.algorithm=gptq"}
+    assert set(warning.unmeasured) == whole and "would need about" in warning.unmeasured["quant.algorithm=gptq"]
+    assert {r.change for r in warning.remedies} == {c.overrides for c in changes(quant_option("8da4w"))} - whole
+    assert "not measured: quant.algorithm=gptq" in warning.describe()

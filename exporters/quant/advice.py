@@ -102,12 +102,13 @@ def advise(plan: QuantPlan, threshold: float, ppl_increase: float, quantized: Ca
     quant = plan.config
     own_bytes = stored_bytes(quantized)
     loss = eager_perplexity - baseline_perplexity
-    found = []
+    found, unmeasured = [], {}
     remedies = changes(quant)
     for i, change in enumerate(remedies, start=1):
         if change.casts_whole and whole_does_not_fit is not None:
             log.warning("  advise: remedy %d/%d, %s (%s), not measured: %s", i, len(remedies), change.what,
                         change.overrides, whole_does_not_fit)
+            unmeasured[change.overrides] = whole_does_not_fit
             continue
         log.info("  advise: remedy %d/%d, %s (%s): a fresh copy of the model, quantized and scored", i, len(remedies),
                  change.what, change.overrides)
@@ -125,4 +126,4 @@ def advise(plan: QuantPlan, threshold: float, ppl_increase: float, quantized: Ca
     # Free ones first (by what they recover), then the most recovered per MB.
     found.sort(key=lambda r: (r.extra_mb > 0.01, -(r.recovered if r.extra_mb <= 0.01 else r.recovered / r.extra_mb)))
     return QualityWarning(threshold=threshold, ppl_increase=round(ppl_increase, 4), remedies=found,
-                          seconds=round(time.perf_counter() - started, 1))
+                          seconds=round(time.perf_counter() - started, 1), unmeasured=unmeasured)
