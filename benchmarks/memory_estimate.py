@@ -86,16 +86,13 @@ def estimated_stages(overrides: list[str]) -> dict[str, float]:
     return stages
 
 
-def estimated_peak(stages: dict[str, float], advised: bool) -> float:
-    """The estimate of an export's peak (MiB) from its stages' (advise's counts when advise ran)."""
-    return max(mb for stage, mb in stages.items() if stage != "advise" or advised)
-
-
 def with_estimate(row: dict, run: Run, root: Path) -> dict:
-    """``row`` (a measured run) with this code's estimate of it."""
+    """``row`` (a measured run) with this code's estimate of its peak: the largest stage's, advise's counted only when
+    advise ran (as the manifest's ``estimated_peak_rss_mb``)."""
     stages = estimated_stages(run.exporter_overrides(root))
-    estimated = estimated_peak(stages, row["advised"])
-    stage = max((s for s in stages if s != "advise" or row["advised"]), key=stages.__getitem__)
+    counted = {stage: mb for stage, mb in stages.items() if stage != "advise" or row["advised"]}
+    stage = max(counted, key=counted.__getitem__)
+    estimated = counted[stage]
     return {**row, "estimated_mb": estimated, "estimated_stage": stage,
             "error": round(estimated / row["peak_mb"] - 1, 3), "estimated_stages_mb": stages}
 
