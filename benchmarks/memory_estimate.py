@@ -70,16 +70,11 @@ def estimated_stages(overrides: list[str]) -> dict[str, float]:
     """Each stage's estimated peak (MiB) for the export ``overrides`` describe, as the load stage computes it (advise's
     too, when validation may set it off)."""
     from exporters.config import compose
-    from exporters.footprint import MemoryBudget
+    from exporters.footprint import planned_footprint
     from exporters.plan import plan_export
-    from models.checkpoint import stored_bytes
 
-    plan = plan_export(compose(*overrides))
-    build = plan.decoder.build
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = build.checkpoint(Path(tmp))
-        shapes = build.build(checkpoint, device="meta")
-        footprint = MemoryBudget.of(plan).estimate(shapes, stored_bytes(checkpoint, shapes))
+        footprint = planned_footprint(plan_export(compose(*overrides)), Path(tmp))
     stages = {stage: round(b / MIB) for stage, b in footprint.peaks.items()}
     if footprint.advise is not None:
         stages["advise"] = round(footprint.advise / MIB)

@@ -25,6 +25,7 @@ from exporters.quant.rotation import rotates
 from exporters.quant.tied import TiedEmbedding
 from exporters.quant.tied import plan_tied_embedding as tie_plan
 from exporters.quant.schemes import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, layer_scheme
+from models.checkpoint import stored_bytes
 from models.decoder import CausalLM
 
 if TYPE_CHECKING:
@@ -182,7 +183,7 @@ def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validation_
         if advising:
             from exporters.quant.advice import changes  # advice quantizes models: imported only when advising
 
-            rotating = any("rotation" in c.fields for c in changes(quant))
+            rotating = any(c.rotates for c in changes(quant))
             advise = lowered_held + QUANTIZE_BASE + calibrated_quantize + (turning if rotating else 0)
     return Footprint(parameters, stored_bytes, eager, program, peaks, advise)
 
@@ -219,6 +220,16 @@ class MemoryBudget:
         """``footprint``, refused if it does not fit."""
         check_fits(footprint, self.limit_gb)
         return footprint
+
+
+def planned_footprint(plan: "ExportPlan", work_dir: Path) -> Footprint:
+    """The decoder's footprint as the load stage estimates it, from ``plan`` alone: its checkpoint's config read
+    (a tiny or GGUF source written under ``work_dir``), its shapes built on the meta device; not checked against the
+    memory available."""
+    build = plan.decoder.build
+    checkpoint = build.checkpoint(work_dir)
+    shapes = build.build(checkpoint, device="meta")
+    return MemoryBudget.of(plan).estimate(shapes, stored_bytes(checkpoint, shapes))
 
 
 def available_memory() -> int:

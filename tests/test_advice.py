@@ -83,15 +83,11 @@ def test_remedies_that_would_not_fit_are_named_not_measured(exported, tmp_path: 
     """Under a memory limit the export fits but a remedy holding the model whole (GPTQ) would not, that remedy is
     skipped and named with why in the warning, rather than risk the out-of-memory killer ending the export after its
     program was written; the others are measured as usual."""
-    from exporters.footprint import GB, MemoryBudget
+    from exporters.footprint import GB, planned_footprint
     from exporters.plan import plan_export
-    from models.checkpoint import stored_bytes as weight_bytes
 
     overrides = ("quant=8da4w", "validation.warn_ppl_increase=0")
-    plan = plan_export(compose_config(*overrides))
-    checkpoint = plan.decoder.build.checkpoint(tmp_path)
-    shapes = plan.decoder.build.build(checkpoint, device="meta")
-    footprint = MemoryBudget.of(plan).estimate(shapes, weight_bytes(checkpoint, shapes))
+    footprint = planned_footprint(plan_export(compose_config(*overrides)), tmp_path)
     assert footprint.advise is not None and footprint.advise > footprint.peak
     limit = round((footprint.peak + footprint.advise) / 2 / GB, 4)  # the export fits, advise's whole model does not
     warning = exported(*overrides, f"export.memory_limit_gb={limit}").manifest.quality_warning

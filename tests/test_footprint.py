@@ -76,17 +76,12 @@ def test_replaced_checkpoint_weights_give_their_pages_back(tmp_path: Path) -> No
 def test_the_estimate_reads_the_plan_calibration_and_advise(tmp_path: Path) -> None:
     """What the plan runs changes the estimate: a calibrated algorithm casts the whole model before quantize, and
     advise's remedies (only past the warning) are reported beside the peak, not refused."""
-    from exporters.footprint import MemoryBudget
+    from exporters.footprint import MemoryBudget, planned_footprint
     from exporters.plan import plan_export
-    from models.checkpoint import stored_bytes
 
     def footprint(*overrides: str):  # type: ignore[no-untyped-def]
         plan = plan_export(compose_config(*overrides))
-        build = plan.decoder.build
-        checkpoint = build.checkpoint(tmp_path / "_".join(overrides))
-        shapes = build.build(checkpoint, device="meta")
-        budget = MemoryBudget.of(plan)
-        return budget.check(budget.estimate(shapes, stored_bytes(checkpoint, shapes)))
+        return MemoryBudget.of(plan).check(planned_footprint(plan, tmp_path / "_".join(overrides)))
 
     data_free, gptq = footprint("quant=8da4w"), footprint("quant=8da4w", "quant.algorithm=gptq")
     assert gptq.peaks["quantize"] > data_free.peaks["quantize"]

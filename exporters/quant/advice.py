@@ -42,9 +42,13 @@ class Change:
     fields: dict[str, Any]
 
     @property
+    def rotates(self) -> bool:
+        return "rotation" in self.fields
+
+    @property
     def casts_whole(self) -> bool:
         """The remedy holds the model whole in its compute dtype (calibrating runs it, rotating turns it)."""
-        return self.fields.get("algorithm") == Algorithm.gptq or "rotation" in self.fields
+        return self.fields.get("algorithm") == Algorithm.gptq or self.rotates
 
     @property
     def overrides(self) -> str:

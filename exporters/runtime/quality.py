@@ -148,16 +148,19 @@ class Agreement:
     top1: torch.Tensor  # [N] bool: same greedy token
     topk_overlap: torch.Tensor  # [N] share of the eager top-k the program also ranks top-k
     max_abs_error: float
-    max_rel_error: float  # max |program - eager| / max |eager|
+    eager_max: float  # max |eager|
+
+    @property
+    def max_rel_error(self) -> float:
+        """max |program - eager| / max |eager|"""
+        return self.max_abs_error / (self.eager_max or 1.0)
 
     @staticmethod
     def of(eager: torch.Tensor, program: torch.Tensor) -> "Agreement":
         """Row by row, :data:`SCORED_ROWS` at a time (each row's numbers do not depend on the others)."""
         program = program.reshape(eager.shape)
-        parts = [Agreement._rows(eager[i:i + SCORED_ROWS], program[i:i + SCORED_ROWS])
-                 for i in range(0, eager.shape[0], SCORED_ROWS)]
-        largest = max(float(eager[i:i + SCORED_ROWS].abs().max()) for i in range(0, eager.shape[0], SCORED_ROWS))
-        return Agreement.joined(parts, largest)
+        return Agreement.joined([Agreement._rows(eager[i:i + SCORED_ROWS], program[i:i + SCORED_ROWS])
+                                 for i in range(0, eager.shape[0], SCORED_ROWS)])
 
     @staticmethod
     def _rows(eager: torch.Tensor, program: torch.Tensor) -> "Agreement":
@@ -166,18 +169,15 @@ class Agreement:
         kl = (logp_e.exp() * (logp_e - logp_p)).sum(-1).clamp_min(0.0)
         top_e, top_p = eager.topk(TOP_K, -1).indices, program.topk(TOP_K, -1).indices
         overlap = (top_e.unsqueeze(-1) == top_p.unsqueeze(-2)).any(-1).double().mean(-1)
-        err = float((program - eager).abs().max())
-        return Agreement(kl=kl, top1=top_e[:, 0] == top_p[:, 0], topk_overlap=overlap, max_abs_error=err,
-                         max_rel_error=err / (float(eager.abs().max()) or 1.0))
+        return Agreement(kl=kl, top1=top_e[:, 0] == top_p[:, 0], topk_overlap=overlap,
+                         max_abs_error=float((program - eager).abs().max()), eager_max=float(eager.abs().max()))
 
     @staticmethod
-    def joined(parts: "Sequence[Agreement]", largest: float) -> "Agreement":
-        """The agreement over the positions of ``parts`` together; ``largest``: the eager side's largest magnitude
-        over all of them (each part's ``max_rel_error`` is relative to its own)."""
-        err = max(p.max_abs_error for p in parts)
+    def joined(parts: "Sequence[Agreement]") -> "Agreement":
+        """The agreement over the positions of ``parts`` together."""
         return Agreement(kl=torch.cat([p.kl for p in parts]), top1=torch.cat([p.top1 for p in parts]),
-                         topk_overlap=torch.cat([p.topk_overlap for p in parts]), max_abs_error=err,
-                         max_rel_error=err / (largest or 1.0))
+                         topk_overlap=torch.cat([p.topk_overlap for p in parts]),
+                         max_abs_error=max(p.max_abs_error for p in parts), eager_max=max(p.eager_max for p in parts))
 
 
 def window_logits(model_forward: Callable[[torch.Tensor], torch.Tensor], text: TextWindows) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exporters.errors import ValidationFailed
+from exporters.footprint import MIB
 from exporters.manifest import (MANIFEST_FILE, AdapterEntry, ComponentEntry, DataFile, Manifest, MethodEntry,
                                 ModelEntry, ProgramFile, Resources)
 from exporters.program.adapters import adapter_method
@@ -103,7 +104,7 @@ def resources(ctx: ExportContext) -> Resources:
         # Advise measures its remedies only past the quality warning (the warning is what it found).
         if ctx.quality_warning is not None and ctx.footprint.advise is not None and ctx.footprint.advise > estimated:
             estimated, estimated_stage = ctx.footprint.advise, "advise"
-        estimated = round(estimated / 2**20)
+        estimated = round(estimated / MIB)
     return Resources(wall_s=round(sum(ctx.timings.values()), 1), peak_rss_mb=peak, peak_stage=stage,
                      estimated_peak_rss_mb=estimated, estimated_peak_stage=estimated_stage)
 

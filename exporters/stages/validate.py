@@ -64,8 +64,7 @@ class Scores:
                                "kl_max": float(a.kl.max()), "top1_agreement": float(a.top1.double().mean()),
                                "max_abs_error": a.max_abs_error})
         n = text.scored_tokens
-        largest = max(float(e.abs().max()) for e in predictions.eager)
-        return Scores(Agreement.joined(parts, largest), per_window,
+        return Scores(Agreement.joined(parts), per_window,
                       perplexity(nll_program, n), perplexity(nll_eager, n))
 
     @property
