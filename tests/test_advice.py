@@ -17,6 +17,10 @@ from exporters.quant.advice import changes, stored_bytes
 from exporters.quant.apply import quantize_model
 from tests.helpers import compose_config
 
+# 8da4w over a threshold of 0 (the tiny model loses only a little), decode only: advise measures the eager model, so
+# the program's methods do not matter.
+COSTLY = ("quant=8da4w", "validation.warn_ppl_increase=0", "export.methods=[decode]", "export.layout=split")
+
 
 @pytest.mark.parametrize("quant,overrides", [
     ("8da4w", ["quant.lm_head=8da8w quant.lm_head_group_size=0", "quant.algorithm=gptq"]),
@@ -55,7 +59,7 @@ def test_stored_bytes_counts_integer_codes_at_their_width(tmp_path: Path) -> Non
 def test_a_costly_scheme_warns_in_the_manifest_and_the_console_with_measured_remedies(exported, caplog) -> None:
     """Over the threshold (0 here: the tiny model loses only a little), each remedy is measured on the eager
     model: its perplexity on the validation text, the share of the loss it wins back, the bytes it adds."""
-    result = exported("quant=8da4w", "validation.warn_ppl_increase=0")
+    result = exported(*COSTLY)
     m = Manifest.read(result.manifest_path)
     warning, v = m.quality_warning, m.validation
     assert warning is not None and warning.threshold == 0
@@ -86,11 +90,10 @@ def test_remedies_that_would_not_fit_are_named_not_measured(exported, tmp_path: 
     from exporters.footprint import GB, planned_footprint
     from exporters.plan import plan_export
 
-    overrides = ("quant=8da4w", "validation.warn_ppl_increase=0")
-    footprint = planned_footprint(plan_export(compose_config(*overrides)), tmp_path)
+    footprint = planned_footprint(plan_export(compose_config(*COSTLY)), tmp_path)
     assert footprint.advise is not None and footprint.advise > footprint.peak
     limit = round((footprint.peak + footprint.advise) / 2 / GB, 4)  # the export fits, advise's whole model does not
-    warning = exported(*overrides, f"export.memory_limit_gb={limit}").manifest.quality_warning
+    warning = exported(*COSTLY, f"export.memory_limit_gb={limit}").manifest.quality_warning
     assert warning is not None
     whole = {c.overrides for c in changes(quant_option("8da4w")) if c.casts_whole}
     assert whole == {"quant.algorithm=gptq"}

@@ -20,6 +20,7 @@ import torch
 from benchmarks.presets import PRESETS
 from exporters.config import compose, to_typed
 from exporters.sweeps.summary import read_rows
+from tests.conftest import shared_folder
 from tests.helpers import REPO_ROOT
 
 # Small exports: a short context, few tokens to validate and to time.
@@ -102,13 +103,13 @@ def test_presets_tool_writes_a_checkpoint_folder_and_its_overrides(tmp_path: Pat
 
 # ---- benchmarks.export and benchmarks.cost_curve ----------------------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_bench(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``benchmarks.export --preset tiny``: both exporters on the tiny shape, into ``<bench>/tiny``."""
-    out = tmp_path_factory.mktemp("bench") / "tiny"
-    run_tool("export", "--preset", "tiny", "--out", out, *SMALL, "--prefill-len", 8, "--decode-steps", 8,
-             "--repeats", 1)
-    return out
+    """``benchmarks.export --preset tiny``: both exporters on the tiny shape, into ``<bench>/tiny``, once for every
+    worker."""
+    return shared_folder(tmp_path_factory, "bench", lambda f: run_tool(
+        "export", "--preset", "tiny", "--out", f / "tiny", *SMALL, "--prefill-len", 8, "--decode-steps", 8,
+        "--repeats", 1)) / "tiny"
 
 
 @BENCHMARK_RUN

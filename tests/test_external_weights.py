@@ -25,8 +25,9 @@ from exporters.runtime.programs import LoadedProgram
 from tests.helpers import compose_config
 
 EXTERNAL = "export.weights=external"
-# The tiny architecture with seeded random weights: two checkpoints of the same shapes.
-SEEDED = ("model.random_init=true", "validate=false", EXTERNAL)
+# The tiny architecture with seeded random weights: two checkpoints of the same shapes. Decode only: which weights
+# a program reads is the point, not its methods (logits() below runs a prompt through decode_one_token then).
+SEEDED = ("model.random_init=true", "validate=false", EXTERNAL, "export.methods=[decode]", "export.layout=split")
 
 
 def logits(pte: Path, data: Path | None = None) -> torch.Tensor:

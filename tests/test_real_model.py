@@ -23,6 +23,7 @@ from exporters.plan import plan_export
 from exporters.manifest import Manifest, ValidationReport
 from exporters.stages.pipeline import ExportContext, Stage, run_pipeline
 from models.errors import ModelError
+from tests.conftest import shared_folder
 from tests.helpers import REAL_LAYERS, assert_matches_transformers, compose_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,8 +80,10 @@ class Tamper(Stage):
 
 
 def export_broken(checkpoint: Path, out: Path, *overrides: str, tamper: Tamper | None = None) -> ValidationReport:
-    """Export with ``tamper`` inserted after capture; the export must fail validation. Returns its report."""
-    plan = plan_export(compose_config("model=llama", f"model.checkpoint={checkpoint}", *overrides))
+    """Export with ``tamper`` inserted after capture; the export must fail validation. Returns its report. (64 tokens
+    scored: each fault here moves every position's distribution, so a short text shows it as a long one would.)"""
+    plan = plan_export(compose_config("model=llama", f"model.checkpoint={checkpoint}", "validation.max_tokens=64",
+                                      *overrides))
     stages = build_stages(plan)
     if tamper is not None:
         stages.insert(next(i for i, s in enumerate(stages) if s.name == "capture") + 1, tamper)
@@ -157,12 +160,13 @@ def test_a_wrong_rope_base_is_rejected(smollm2_truncated: Path, tmp_path: Path) 
 # --- GGUF files as a source ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2's GGUF cut to its first layers (tensors still Q4_1): what a user's .gguf looks like, small."""
     from models.smollm2 import gguf_file, truncated_gguf
 
-    return truncated_gguf(gguf_file(), tmp_path_factory.mktemp("gguf") / "smollm2-2l.Q4_1.gguf", REAL_LAYERS)
+    name = "smollm2-2l.Q4_1.gguf"
+    return shared_folder(tmp_path_factory, "gguf", lambda f: truncated_gguf(gguf_file(), f / name, REAL_LAYERS)) / name
 
 
 def test_a_gguf_file_exports_like_a_checkpoint_and_reports_quality(small_gguf: Path, tmp_path: Path) -> None:

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow  # every test here exports, sweeps or builds
 REPO = Path(__file__).resolve().parent.parent
 # Three configs, one of which cannot work (xnnpack has no 4w linear kernel); small validation and bench.
 GRID = ["quant=fp32,fp16,4w"]
-QUICK = ["export.methods=[forward]", "validation.max_tokens=24", "benchmark.prompt_tokens=16", "benchmark.steps=16", "benchmark.repeats=1"]
+QUICK = ["export.methods=[decode]", "export.layout=split", "validation.max_tokens=24", "benchmark.prompt_tokens=16",
+         "benchmark.steps=16", "benchmark.repeats=1"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
