@@ -14,15 +14,20 @@ class ValidationFailed(Exception):
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during a stage: which stage it stopped (the pipeline raises it in place of the bare KeyboardInterrupt)."""
+    """Ctrl-C or SIGTERM during a stage: which stage it stopped and by which signal (the pipeline raises it in place
+    of the bare KeyboardInterrupt). ``kept``: the program, when the stage came after finalize put it in place."""
 
-    def __init__(self, stage: str) -> None:
+    def __init__(self, stage: str, signal_name: str = "SIGINT", exit_code: int = 130, kept: str | None = None) -> None:
         super().__init__(stage)
-        self.stage = stage
+        self.stage, self.signal_name, self.exit_code, self.kept = stage, signal_name, exit_code, kept
 
     def describe(self) -> str:
-        return (f"interrupted during the {self.stage} stage. No program was written (a provisional file is removed, "
-                "a finished earlier export in this folder is left as it was).")
+        stopped = f"interrupted ({self.signal_name}) during the {self.stage} stage."
+        if self.kept:
+            return (f"{stopped} The program was already written and validated ({self.kept}, with its manifest); "
+                    f"only the {self.stage} stage's result is missing from the manifest.")
+        return (f"{stopped} Nothing was written: no program, data or temporary file is left, and a finished earlier "
+                "export in this folder is as it was.")
 
 
 #: Exceptions the CLI reports as a one-paragraph message and a non-zero exit code.

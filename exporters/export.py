@@ -8,14 +8,16 @@ named stage, for tests and profilers.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from exporters.config import ExportConfig
-from exporters.errors import UserError
+from exporters.errors import Interrupted, UserError
 from exporters.plan import ExportPlan, check_config, plan_export
+from exporters.run_folder import check_writable, held, is_no_room, no_room
 from exporters.runtime.memory import reset_peak_rss
 from exporters.stages.advise import AdviseStage
 from exporters.stages.artifacts import ExportResult
@@ -34,6 +36,9 @@ from exporters.stages.validate import ValidateStage
 __all__ = ["ExportResult", "build_stages", "check_config", "checked_config", "export", "plan_export", "run_stages"]
 
 log = logging.getLogger("exporters")
+
+#: What to do about an output folder that cannot be written.
+WRITABLE_FIX = "Choose a folder you can write: hydra.run.dir=<dir> on the command line, or export.output_dir=<dir>."
 
 #: Every stage by name; the plan says which run (exporters.plan.ExportPlan.stage_names).
 STAGES: dict[str, type[Stage]] = {stage.name: stage for stage in (
@@ -61,22 +66,32 @@ def run_stages(cfg: DictConfig | ExportConfig | ExportPlan, output_dir: str | Pa
     if target is None:
         raise UserError("no output folder: pass output_dir to export() or set export.output_dir.")
     out = Path(target)
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "the output folder", WRITABLE_FIX)
     reset_peak_rss()  # the manifest's peak RSS is this export's, not the process's whole life
     ctx = ExportContext(plan=plan, output_dir=out)
-    try:
-        artifact = run_pipeline(build_stages(plan), ctx, stop_after=stop_after, observer=observer)
-    except BaseException:  # an error or Ctrl-C: no program that looks written (a rejected one is kept on purpose)
-        remove_provisional_files(out / plan.output_name)
-        raise
+    with held(out):
+        try:
+            artifact = run_pipeline(build_stages(plan), ctx, stop_after=stop_after, observer=observer)
+        except BaseException as e:  # an error or a signal: no program that looks written (a rejected one is kept)
+            remove_provisional_files(out / plan.output_name)
+            if isinstance(e, Interrupted) and "finalize" in ctx.timings:  # bench: the program is in place
+                e.kept = str(out / plan.output_name)
+            if is_no_room(e):
+                name = Path(e.filename).name if e.filename else "the export's files"  # type: ignore[union-attr]
+                raise no_room(e, name, out, None) from None  # type: ignore[arg-type]
+            raise
     return artifact, ctx
 
 
 def remove_provisional_files(final: Path) -> None:
-    """The program and data files emit wrote under their provisional name, before finalize accepted them."""
+    """The program and data files emit wrote under their provisional name, before finalize accepted them, and the
+    temporary files of writes a signal or an error cut short (this process's: another's may still be writing)."""
     provisional = provisional_path(final)
     for path in final.parent.glob(f"{provisional.stem}*"):
         if path.suffix in (".pte", ".ptd"):
+            path.unlink(missing_ok=True)
+    for path in final.parent.glob(f".*.{os.getpid()}.*"):
+        if path.is_file():
             path.unlink(missing_ok=True)
 
 

@@ -125,6 +125,13 @@ def merge_data_files(paths: list[Path], out: Path) -> None:
         serializer.serialize(DataPayload(buffers=buffers, named_data=named)).write_to_file(fh)
 
 
+def tensor_data_bytes(manager: Any) -> int | None:
+    """The bytes of the data files an ``ExecutorchProgramManager`` will write (its private ``_tensor_data``, one
+    Cord per file); None where another ExecuTorch keeps them elsewhere (the caller then names no size)."""
+    cords = getattr(manager, "_tensor_data", None)
+    return sum(len(c) for c in cords.values()) if isinstance(cords, dict) else None
+
+
 def reserialize(manager: Any, config: Any) -> None:
     """Serialize an ``ExecutorchProgramManager`` again after its ``executorch_program`` was edited.
 

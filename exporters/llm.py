@@ -21,6 +21,7 @@ from exporters.export import export
 from exporters.plan import plan_export
 from exporters.config import CONF_DIR, register_configs
 from exporters.errors import REPORTED_ERRORS, Interrupted
+from exporters.interrupts import signal_of, sigterm_interrupts
 from exporters.sweeps.job import run_sweep_job
 from exporters.sweeps.search import objective
 
@@ -35,19 +36,20 @@ def run(cfg: DictConfig) -> float | None:
     console.VERBOSE = bool(cfg.verbose) or bool(hydra_cfg.verbose)
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     if sweeping:
-        row = run_sweep_job(cfg, Path(output_dir), hydra_cfg.job.num, list(hydra_cfg.overrides.task),
-                            console.log_file(), console.VERBOSE)
+        with sigterm_interrupts():
+            row = run_sweep_job(cfg, Path(output_dir), hydra_cfg.job.num, list(hydra_cfg.overrides.task),
+                                console.log_file(), console.VERBOSE)
         return objective(row, cfg.search)
     logging.captureWarnings(True)  # warnings become records: llm.log gets them, the console filter drops them
     try:
-        with console.native_stderr_to(console.log_file()):
+        with sigterm_interrupts(), console.native_stderr_to(console.log_file()):
             result = export(plan_export(cfg, overrides=list(hydra_cfg.overrides.task)), output_dir)
     except REPORTED_ERRORS as e:
         log.error("export failed: %s", e)
         sys.exit(2)
     except Interrupted as e:
         log.error("export %s", e.describe())
-        sys.exit(130)
+        sys.exit(e.exit_code)
     console.log_export_summary(result)
     return None
 
@@ -65,7 +67,10 @@ def main() -> None:
             print(f"cannot compose {' '.join(overrides)}: {e}", file=sys.stderr)
             sys.exit(2)
         return
-    run()
+    try:
+        run()
+    except KeyboardInterrupt as stop:  # a sweep interrupted (one export says so itself): its job said what was kept
+        sys.exit(128 + signal_of(stop).value)
 
 
 if __name__ == "__main__":

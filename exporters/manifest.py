@@ -530,6 +530,12 @@ class Manifest:
         return data
 
     @property
+    def files(self) -> set[str]:
+        """The files of this export in its run folder: the program, its data files, the tokenizer's, the manifest."""
+        data = [d.file for d in (self.data, *(a.data for a in self.adapters.values())) if d is not None]
+        return {self.program.file, *data, *self.tokenizer_files, MANIFEST_FILE}
+
+    @property
     def passed(self) -> bool:
         """Validation passed for the base, every adapter and every other component (True when it did not run)."""
         reports = [self.validation, *(a.validation for a in self.adapters.values()),

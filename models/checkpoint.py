@@ -47,6 +47,30 @@ class Checkpoint:
     eos_ids: list[int] = field(default_factory=list)
     # Where the folder came from when it was converted (a GGUF file: its path, quant type, dequantized).
     converted_from: dict[str, Any] | None = None
+    # Each weight file's (size, modification time) when the checkpoint was opened: check_unchanged compares.
+    weight_stats: dict[Path, tuple[int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.weight_stats:
+            self.weight_stats = {f: _stat(f) for f in self.weight_files if f.exists()}
+
+    def check_unchanged(self) -> None:
+        """Refuse weight files that changed since the checkpoint was opened (still being copied or downloaded, or
+        replaced): their tensors are read lazily, so the export would hold a mix of two versions."""
+        changed = [f for f, seen in self.weight_stats.items() if not f.exists() or _stat(f) != seen]
+        if changed:
+            f = changed[0]
+            now = f"{f.stat().st_size:,} bytes now" if f.exists() else "gone now"
+            raise ModelError(
+                f"{f} changed while the export read it ({self.weight_stats[f][0]:,} bytes when opened, {now}"
+                f"{f' and {len(changed) - 1} more file(s)' if len(changed) > 1 else ''}): the program would mix two "
+                "versions of the weights, so nothing was kept. Export again once the checkpoint is complete and "
+                "nothing writes to it.")
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -241,6 +265,30 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
             f"{files[0].parent}: tensor(s) this architecture does not use: {', '.join(sorted(unexpected)[:8])}. "
             "config.json's architecture does not match the weights."
         )
+    check_finite(loaded, files[0].parent)
     model.load_state_dict(loaded, strict=False, assign=True)
     if tied:
         model.tie_weights()
+
+
+# Elements checked at once: the check's temporary is this many bytes, however large the tensor.
+FINITE_CHUNK = 1 << 24
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """NaN or infinite weights named by tensor before anything is computed from them (quantizing them would hide
+    where they were, and validation would only see an infinite perplexity)."""
+    bad = {}
+    for name, tensor in tensors.items():
+        flat = tensor.reshape(-1)
+        count = sum(int((~torch.isfinite(flat[i:i + FINITE_CHUNK])).sum())
+                    for i in range(0, flat.numel(), FINITE_CHUNK))
+        if count:
+            bad[name] = count
+    if bad:
+        listed = ", ".join(f"{name} ({count:,} of {tensors[name].numel():,} values)" for name, count in
+                           list(bad.items())[:4])
+        raise ModelError(
+            f"{where}: NaN or infinite weights in {len(bad)} tensor(s): {listed}{' ...' if len(bad) > 4 else ''}. "
+            "The checkpoint is damaged, or was saved after training diverged: download it again or export another "
+            "checkpoint.")

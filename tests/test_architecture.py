@@ -162,23 +162,3 @@ def test_another_executorch_takes_the_stock_path_and_says_so_once(monkeypatch, c
     warned = [r for r in caplog.records if "stock path" in r.getMessage()]
     assert len(warned) == 1 and f"executorch 9.9.9 (checked: {versions.EXECUTORCH})" in warned[0].getMessage()
     versions._warn_unchecked.cache_clear()
-
-
-@pytest.mark.slow
-def test_ctrl_c_names_the_stage_it_stopped_and_leaves_no_program(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A KeyboardInterrupt inside a stage (here as validate starts, after emit wrote the provisional program) becomes
-    Interrupted(stage), and no .pte or .ptd is left in the run folder."""
-    from exporters.errors import Interrupted
-    from exporters.export import run_stages
-
-    class CtrlC:
-        def stage_started(self, name: str) -> None:
-            if name == "validate":
-                raise KeyboardInterrupt
-
-        def stage_finished(self, name: str, seconds: float) -> None: ...
-
-    with pytest.raises(Interrupted) as stopped:
-        run_stages(compose_config("validation.warn_ppl_increase=null"), tmp_path, observer=CtrlC())
-    assert stopped.value.stage == "validate" and "interrupted during the validate stage" in stopped.value.describe()
-    assert not list(tmp_path.glob("*.pte")) and not list(tmp_path.glob("*.ptd"))

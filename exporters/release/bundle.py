@@ -15,6 +15,7 @@ from pathlib import Path
 
 from exporters.versions import STOCK_RUNNER_RELEASES
 from exporters.errors import UserError
+from exporters.run_folder import check_writable
 from exporters.program.files import sha256_of
 from exporters.manifest import MANIFEST_FILE, Manifest, ValidationReport
 from exporters.program.weights import data_files_beside
@@ -231,6 +232,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     cfg = m.config
     name = f"{cfg['model']['name']}-{cfg['quant']['name']}-{cfg['backend']['name']}-{m.program.sha256[:12]}"
     out = out or run_dir / "release"
+    check_writable(out, "the bundle folder", "Choose a folder you can write: out=<dir>.")
     bundle = out / name
     if bundle.exists():
         shutil.rmtree(bundle)

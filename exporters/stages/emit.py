@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from exporters.config import WeightsPlacement
-from exporters.internals import reserialize
+from exporters.internals import reserialize, tensor_data_bytes
 from exporters.manifest import DataFile
 from exporters.program.contents import data_file_entries, storage_breakdown
 from exporters.program.files import sha256_of, write_atomically
 from exporters.program.weights import data_path_for, data_tag, external_constant_tag
+from exporters.run_folder import is_no_room, no_room
 from exporters.stages.artifacts import LoweredProgram, WrittenProgram
 from exporters.stages.pipeline import ExportContext, Stage
 
@@ -87,6 +88,25 @@ def write_data_files(manager: Any, pte: Path, adapters: list[str]) -> dict[str |
                             entries=data_file_entries(path)) for owner, path in paths.items()}
 
 
+class _Counter:
+    """A file that keeps nothing: counts the bytes written to it."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.size += len(data)
+        return len(data)
+
+
+def bytes_to_write(program: Any, external: bool) -> int | None:
+    """What the program and its data files take on disk (the program serialized once more, into a counter)."""
+    counter = _Counter()
+    program.write_to_file(counter)
+    data = tensor_data_bytes(program) if external else 0
+    return None if data is None else counter.size + data
+
+
 class EmitStage(Stage):
     name = "emit"
     after = ("lower",)
@@ -103,9 +123,15 @@ class EmitStage(Stage):
         final_path = ctx.output_dir / self.plan.output_name
         path = provisional_path(final_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Streamed piece by piece: program.buffer would hold the whole file in memory once more.
-        write_atomically(path, program.write_to_file)
-        data = write_data_files(program, path, kept["methods"].adapters) if external else {}
+        try:
+            # Streamed piece by piece: program.buffer would hold the whole file in memory once more.
+            write_atomically(path, program.write_to_file)
+            data = write_data_files(program, path, kept["methods"].adapters) if external else {}
+        except OSError as e:
+            if not is_no_room(e):
+                raise
+            files = final_path.name + (f" and its data file{'s' if kept['methods'].adapters else ''}" if external else "")
+            raise no_room(e, files, final_path.parent, bytes_to_write(program, external)) from None
         del program
         storage = storage_breakdown(path)
         return WrittenProgram(**kept, path=path, final_path=final_path, size_bytes=storage["total_bytes"],

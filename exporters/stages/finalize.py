@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exporters.errors import ValidationFailed
+from exporters.interrupts import held_back
 from exporters.footprint import MIB
 from exporters.manifest import (MANIFEST_FILE, AdapterEntry, ComponentEntry, DataFile, Manifest, MethodEntry,
                                 ModelEntry, ProgramFile, Resources)
@@ -20,6 +21,7 @@ from exporters.program.files import sha256_of
 from exporters.program.layouts import layout_manifest
 from exporters.program.weights import data_path_for, runtime_needs
 from exporters.runtime.driver import MethodRoles
+from exporters.run_folder import files_of_export
 from exporters.runtime.memory import peak_rss_mb
 from exporters.stages.artifacts import ExportResult, WrittenProgram
 from exporters.stages.pipeline import ExportContext, Stage
@@ -82,15 +84,24 @@ def component_entries(plan: ExportPlan, ctx: ExportContext, written: WrittenProg
     return entries
 
 
-def move_data_file(written: WrittenProgram, data: DataFile | None, adapter: str | None, pte: Path) -> DataFile | None:
-    """The data file of the base (or of ``adapter``) renamed beside ``pte``, with its new name; without one, a file
-    of that name left by an earlier export (it belonged to the program being replaced) is removed."""
+def placed(data: DataFile | None, adapter: str | None, pte: Path) -> DataFile | None:
+    """The data file of the base (or of ``adapter``) as it will be named beside ``pte``."""
+    return None if data is None else dataclasses.replace(data, file=data_path_for(pte, adapter).name)
+
+
+def move_data_file(written: WrittenProgram, data: DataFile | None, adapter: str | None, pte: Path) -> None:
+    """The data file of the base (or of ``adapter``) renamed from emit's provisional name to ``data``'s; without one,
+    a file of that name left by an earlier export (it belonged to the program being replaced) is removed."""
     path = data_path_for(pte, adapter)
     if data is None:
         path.unlink(missing_ok=True)
-        return None
-    os.replace(written.path.with_name(data.file), path)
-    return dataclasses.replace(data, file=path.name)
+        return
+    os.replace(data_path_for(written.path, adapter), path)
+
+
+def staging_path(final: Path) -> Path:
+    """Where a file of the export is written before it is renamed into place: hidden, and this process's own."""
+    return final.with_name(f".{final.name}.{os.getpid()}.staged")
 
 
 def resources(ctx: ExportContext) -> Resources:
@@ -120,6 +131,8 @@ class FinalizeStage(Stage):
     def run(self, written: WrittenProgram, ctx: ExportContext) -> ExportResult:
         report, ckpt, model = ctx.validation, ctx.checkpoint, written.model
         assert ckpt is not None and ctx.quantization is not None
+        for opened in (ckpt, *ctx.component_checkpoints.values()):  # the weights were read lazily until now
+            opened.check_unchanged()
         specs, base = written.methods.specs, written.methods.of_adapter(None)
         # The config check refused method sets where nothing takes one token, so there always are roles.
         roles = MethodRoles.choose({n: spec.shape for n, spec in base.items()})
@@ -128,18 +141,16 @@ class FinalizeStage(Stage):
         failed_components = [name for name, v in ctx.component_validation.items() if not v.passed]
         ok = (report is None or report.passed) and not failed and not failed_components
         pte = written.final_path if ok else rejected_path(written.final_path)
-        # The data files first: a finished-looking program always has its weights.
-        data = move_data_file(written, written.data, None, pte)
-        for name, entry in adapters.items():
-            entry.data = move_data_file(written, written.adapter_data.get(name), name, pte)
-        os.replace(written.path, pte)
         out_dir = pte.parent
-        copied = []
-        for src in [*ckpt.tokenizer_files, ckpt.generation_config_file]:
-            if src is not None and src.parent.resolve() != out_dir.resolve():
-                shutil.copy2(src, out_dir / src.name)
-            if src is not None:
-                copied.append(src.name)
+        # Everything that takes room on disk is written first, under names no reader looks at (the tokenizer's files,
+        # the manifest); then the program, its data files and those are renamed into place together, a signal
+        # meanwhile raised once they are, and whatever an earlier export in this folder wrote that this one does not
+        # is removed: the folder holds one export, never a mix of two.
+        data = placed(written.data, None, pte)
+        for name, entry in adapters.items():
+            entry.data = placed(written.adapter_data.get(name), name, pte)
+        sources = [src for src in [*ckpt.tokenizer_files, ckpt.generation_config_file] if src is not None]
+        copied = [src.name for src in sources]
         family = family_of_config(ckpt.hf_config)
         parameters = model.parameter_count()
         timings = dict(ctx.timings)  # the stages before this one
@@ -184,7 +195,26 @@ class FinalizeStage(Stage):
             components=component_entries(self.plan, ctx, written, parameters),
         )
         manifest_path = out_dir / MANIFEST_FILE
-        manifest.write(manifest_path)
+        staged: dict[Path, Path] = {}  # final path -> where it is written first
+        try:
+            for src in sources:
+                if src.parent.resolve() != out_dir.resolve():
+                    staged[out_dir / src.name] = staging_path(out_dir / src.name)
+                    shutil.copy2(src, staged[out_dir / src.name])
+            staged[manifest_path] = staging_path(manifest_path)
+            manifest.write(staged[manifest_path])
+            earlier = files_of_export(out_dir)
+            with held_back():
+                for owner, entry_data in [(None, data), *((n, a.data) for n, a in adapters.items())]:
+                    move_data_file(written, entry_data, owner, pte)
+                os.replace(written.path, pte)
+                for final, staging in staged.items():
+                    os.replace(staging, final)
+                for stale in earlier - manifest.files:
+                    (out_dir / stale).unlink(missing_ok=True)
+        finally:
+            for staging in staged.values():
+                staging.unlink(missing_ok=True)
         if not ok:
             what = report.describe() if report is not None and not report.passed else ""
             what += "".join(f"; adapter {n}'s methods: {adapters[n].validation.describe()}"  # type: ignore[union-attr]

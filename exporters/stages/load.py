@@ -50,6 +50,8 @@ class LoadStage(Stage):
         attach_adapters(model, ctx.adapters)
         if draft is not None:
             components[draft.name] = draft.build.build(ctx.component_checkpoints[draft.name])
+        for opened in (checkpoint, *ctx.component_checkpoints.values()):
+            opened.check_unchanged()
         return EagerModel(model, components=components)
 
     def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:

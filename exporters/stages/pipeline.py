@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Protocol, Sequence
 
 from exporters.errors import Interrupted
+from exporters.interrupts import signal_of
 from exporters.runtime.memory import peak_rss_mb, return_freed_memory
 
 if TYPE_CHECKING:
@@ -163,6 +164,7 @@ def run_pipeline(stages: Sequence[Stage], ctx: ExportContext, artifact: Any = No
             artifact = _run_stage(stage, handed, ctx, f"[{index}/{len(todo)}]", observer)
         except Interrupted:
             raise
-        except KeyboardInterrupt:  # Ctrl-C: say which stage it stopped, not a page of traceback
-            raise Interrupted(stage.name) from None
+        except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: say which stage it stopped, not a page of traceback
+            signum = signal_of(stop)
+            raise Interrupted(stage.name, signum.name, 128 + signum.value) from None
     return artifact

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from exporters.interrupts import held_back, sigterm_interrupts, signal_of
 from exporters.runtime.memory import wait_with_peak_rss
 from exporters.manifest import MANIFEST_FILE, Manifest
 from exporters.sweeps.summary import JobRow, write_result
@@ -49,7 +51,13 @@ def run_sweep_job(cfg: DictConfig, job_dir: Path, job_num: int, overrides: list[
     assert child.stdin is not None
     child.stdin.write(json.dumps(request).encode())
     child.stdin.close()
-    child_peak_rss_mb = wait_with_peak_rss(child)
+    try:
+        child_peak_rss_mb = wait_with_peak_rss(child)
+    except KeyboardInterrupt as stop:  # Ctrl-C (the terminal signals the child too) or SIGTERM to this process
+        child_peak_rss_mb = _stop_child(child, signal_of(stop))
+        interrupted = stop
+    else:
+        interrupted = None
     row = JobRow(job=job_num, overrides=" ".join(overrides), model=cfg.model.name, quant=cfg.quant.name,
                  backend=cfg.backend.name, status="ok", job_s=round(time.perf_counter() - start, 1))
     if (job_dir / MANIFEST_FILE).is_file():
@@ -60,15 +68,42 @@ def run_sweep_job(cfg: DictConfig, job_dir: Path, job_num: int, overrides: list[
         if row.peak_rss_mb is None:
             row.peak_rss_mb = round(child_peak_rss_mb)  # what it reached before it stopped
     write_result(job_dir, row)
+    if interrupted is not None:
+        # The jobs that finished keep their rows and the sweep's summary is written with them and this one; the
+        # jobs not started yet are not run.
+        from exporters.sweeps.summary import SUMMARY_FILES, write_summary
+
+        rows = write_summary(job_dir.parent)
+        log.error("sweep interrupted during job %d: %d job(s) finished before it are kept. Summary: %s", job_num,
+                  sum(r.ok for r in rows), job_dir.parent / SUMMARY_FILES[0])
+        raise interrupted
     return row
+
+
+def _stop_child(child: subprocess.Popen, signum: signal.Signals, grace_s: float = 2.0) -> float:
+    """Let the export child stop as it does on a signal (it removes what it had written): it is sent ``signum`` only
+    if it has not ended within ``grace_s`` (a terminal's Ctrl-C has reached it already, and a second one could cut
+    its cleanup short). Its peak RSS."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            child.returncode = os.waitstatus_to_exitcode(status)
+            return usage.ru_maxrss / 1024
+        time.sleep(0.05)
+    child.send_signal(signum)
+    with held_back():  # a second signal meanwhile is raised once the child is gone
+        return wait_with_peak_rss(child)
 
 
 def _failure_reason(returncode: int, job_dir: Path) -> str:
     if returncode < 0:
         name = signal.Signals(-returncode).name
-        hint = (" The out-of-memory killer sends SIGKILL when memory runs out: run fewer jobs at once "
-                "(hydra.launcher.n_jobs, sweep.job_memory_gb) or give each more memory."
-                if -returncode == signal.SIGKILL else "")
+        hints = {signal.SIGKILL: " The out-of-memory killer sends SIGKILL when memory runs out: run fewer jobs at "
+                                 "once (hydra.launcher.n_jobs, sweep.job_memory_gb) or give each more memory.",
+                 signal.SIGBUS: " The system sends SIGBUS when a memory-mapped file shrinks under the process: the "
+                                "checkpoint's weight files were truncated or replaced while the export read them."}
+        hint = hints.get(signal.Signals(-returncode), "")
         return f"the export process was killed by {name}.{hint}"
     failed = job_dir / FAILED_FILE
     if failed.is_file():
@@ -96,7 +131,7 @@ def _configure_child_logging(label: str, log_file: str | None) -> None:
 def _child_main(request: dict[str, Any]) -> int:
     from exporters import console
     from exporters.config import ExportConfig, check_known_keys
-    from exporters.errors import REPORTED_ERRORS
+    from exporters.errors import REPORTED_ERRORS, Interrupted
     from exporters.export import export
     from exporters.plan import plan_export
 
@@ -104,10 +139,14 @@ def _child_main(request: dict[str, Any]) -> int:
     _configure_child_logging(request["label"], request["log_file"])
     out = Path(request["output_dir"])
     try:
-        with console.native_stderr_to(request["log_file"]):
+        with sigterm_interrupts(), console.native_stderr_to(request["log_file"]):
             check_known_keys(OmegaConf.create(request["config"]))  # before the merge, which would only crash on one
             cfg = OmegaConf.merge(OmegaConf.structured(ExportConfig), request["config"])
             result = export(plan_export(cfg, overrides=request["overrides"], sweeping=True), out)
+    except Interrupted as e:
+        log.error("export %s", e.describe())
+        (out / FAILED_FILE).write_text(f"{e.describe()}\n")
+        return e.exit_code
     except REPORTED_ERRORS as e:
         log.error("export failed: %s", e)
         (out / FAILED_FILE).write_text(f"{e}\n")
