@@ -103,10 +103,15 @@ class SignalAt:
 
 
 STAGES = ["load", "baseline", "quantize", "capture", "lower", "emit", "validate", "advise", "finalize", "bench"]
+# The full run signals the first stage, the longest, the first after emit wrote the provisional program, the one that
+# puts the export in place and the one after it; `pytest -m extended` every other stage too (each adds its
+# predecessors' time, for the same cleanup path).
+FULL_RUN_STAGES = {"load", "lower", "validate", "finalize", "bench"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=[] if s in FULL_RUN_STAGES else [pytest.mark.extended])
+                                   for s in STAGES])
 def test_a_signal_in_any_stage_stops_it_and_leaves_nothing(stage: str, tmp_path: Path) -> None:
     """SIGINT and SIGTERM (alternately) as each stage starts: Interrupted names the stage and the signal, and no
     program, data or temporary file is left (after finalize, in bench, the finished program stays, and says so)."""
@@ -154,7 +159,9 @@ def run_until(args: list[str], line: str, signum: signal.Signals, cwd: Path = RE
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+# Ctrl-C's exit code comes from the same Interrupted as SIGTERM's (checked in process above for every stage).
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, marks=pytest.mark.extended), signal.SIGTERM],
+                         ids=["ctrl-c", "sigterm"])
 def test_the_cli_says_which_stage_a_signal_stopped_and_exits_128_plus_it(signum: signal.Signals, tmp_path: Path) -> None:
     proc = run_until(["exporters.llm", *DECODE_ONLY, f"hydra.run.dir={tmp_path}"], r"\] lower \.\.\.", signum)
     line = (f"export interrupted ({signum.name}) during the lower stage. Nothing was written: no program, data or "
