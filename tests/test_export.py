@@ -267,7 +267,8 @@ def test_lowering_leaves_no_graph_alive(tmp_path: Path) -> None:
     from exporters.export import run_stages
     from tests.helpers import compose_config
 
-    lowered, _ = run_stages(compose_config("backend=xnnpack", "quant=8da4w", "validate=false"), tmp_path,
+    lowered, _ = run_stages(compose_config("backend=xnnpack", "quant=8da4w", "validate=false", "export.methods=[decode]",
+                                           "export.layout=split"), tmp_path,
                             stop_after="lower")
     graphs = [weakref.ref(lowered.edge.exported_program(m).graph_module) for m in lowered.edge.methods]
     assert graphs and all(g() is not None for g in graphs)
@@ -290,7 +291,8 @@ def test_failed_validation_leaves_no_finished_looking_program(tmp_path: Path) ->
     from exporters.errors import ValidationFailed
     from tests.helpers import compose_config
 
-    cfg = compose_config("backend=portable", "quant.max_kl=0.0", "validation.max_tokens=16")
+    cfg = compose_config("backend=portable", "quant.max_kl=0.0", "validation.max_tokens=16", "export.methods=[decode]",
+                         "export.layout=split")
     with pytest.raises(ValidationFailed, match="does not match the eager model"):
         export(cfg, tmp_path)
     assert not (tmp_path / "model.pte").exists()

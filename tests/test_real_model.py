@@ -97,6 +97,7 @@ def export_broken(checkpoint: Path, out: Path, *overrides: str, tamper: Tamper |
     return manifest.validation
 
 
+@pytest.mark.extended  # the config refuses 4w on xnnpack (tests/test_config.py); this forces it past that check
 def test_weight_only_4w_forced_onto_xnnpack_is_rejected(smollm2_truncated: Path, tmp_path: Path) -> None:
     """XNNPACK runs weight-only int4 linears wrongly (docs/DESIGN.md): forced past the config check, it is caught."""
     v = export_broken(smollm2_truncated, tmp_path, "quant=4w", "backend.supported_linear=[null,4w]",

@@ -197,7 +197,7 @@ def test_rejected_exports_are_not_packaged(tmp_path: Path, default_export) -> No
 
 def test_a_renamed_program_is_found_by_generate_and_package(exported, default_export, tmp_path: Path) -> None:
     """export.output_name: generate and package read the program's name from the manifest."""
-    renamed = exported("export.output_name=smol.pte")
+    renamed = exported("export.output_name=smol.pte", "export.methods=[decode]", "export.layout=split")
     run_dir = renamed.pte_path.parent
     assert renamed.pte_path.name == "smol.pte" and not (run_dir / "model.pte").exists()
     greedy = SamplingConfig(max_new_tokens=NEW_TOKENS)

@@ -129,7 +129,8 @@ def test_a_wrong_verify_is_rejected(tmp_path: Path) -> None:
             captured.programs["verify"].graph_module.recompile()
             return captured
 
-    plan = plan_export(compose_config(VERIFY, "validation.warn_ppl_increase=null"))
+    plan = plan_export(compose_config("export.methods=[decode,verify]", "export.layout=split",
+                                      "validation.warn_ppl_increase=null"))
     stages = build_stages(plan)
     stages.insert([s.name for s in stages].index("capture") + 1, ShiftVerify(plan))
     with pytest.raises(ValidationFailed, match="verify differs from the eager model"):

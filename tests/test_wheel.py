@@ -44,6 +44,7 @@ def test_wheel_carries_its_configs_and_exports_from_elsewhere(tmp_path: Path) ->
     assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr
     help_ = run("-m", "exporters.llm", "--help")
     assert help_.returncode == 0 and "quant: 4w, 8da4w" in help_.stdout, help_.stdout + help_.stderr
-    proc = run("-m", "exporters.llm", "validation.max_tokens=24", "hydra.run.dir=run")
+    proc = run("-m", "exporters.llm", "validation.max_tokens=24", "export.methods=[decode]", "export.layout=split",
+               "hydra.run.dir=run")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((work / "run" / "manifest.json").read_text())["status"] == "ok"
