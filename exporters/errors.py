@@ -1,5 +1,6 @@
 """User-fixable errors: the CLI prints their message (what was wrong, what is allowed, the fix) without a traceback."""
 
+import signal
 from typing import Iterable
 
 from models.errors import ModelError
@@ -17,9 +18,18 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM during a stage: which stage it stopped and by which signal (the pipeline raises it in place
     of the bare KeyboardInterrupt). ``kept``: the program, when the stage came after finalize put it in place."""
 
-    def __init__(self, stage: str, signal_name: str = "SIGINT", exit_code: int = 130, kept: str | None = None) -> None:
+    def __init__(self, stage: str, signum: signal.Signals = signal.SIGINT, kept: str | None = None) -> None:
         super().__init__(stage)
-        self.stage, self.signal_name, self.exit_code, self.kept = stage, signal_name, exit_code, kept
+        self.stage, self.signum, self.kept = stage, signum, kept
+
+    @property
+    def signal_name(self) -> str:
+        return self.signum.name
+
+    @property
+    def exit_code(self) -> int:
+        """What a shell reports for a process the signal stopped: 128 + its number."""
+        return 128 + self.signum.value
 
     def describe(self) -> str:
         stopped = f"interrupted ({self.signal_name}) during the {self.stage} stage."

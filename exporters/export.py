@@ -8,7 +8,6 @@ named stage, for tests and profilers.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from omegaconf import DictConfig
 from exporters.config import ExportConfig
 from exporters.errors import Interrupted, UserError
 from exporters.plan import ExportPlan, check_config, plan_export
+from exporters.program.files import private_files
 from exporters.run_folder import check_writable, held, is_no_room, no_room
 from exporters.runtime.memory import reset_peak_rss
 from exporters.stages.advise import AdviseStage
@@ -90,9 +90,8 @@ def remove_provisional_files(final: Path) -> None:
     for path in final.parent.glob(f"{provisional.stem}*"):
         if path.suffix in (".pte", ".ptd"):
             path.unlink(missing_ok=True)
-    for path in final.parent.glob(f".*.{os.getpid()}.*"):
-        if path.is_file():
-            path.unlink(missing_ok=True)
+    for path in private_files(final.parent):
+        path.unlink(missing_ok=True)
 
 
 def export(cfg: DictConfig | ExportConfig | ExportPlan, output_dir: str | Path | None = None) -> ExportResult:

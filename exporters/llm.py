@@ -70,7 +70,7 @@ def main() -> None:
     try:
         run()
     except KeyboardInterrupt as stop:  # a sweep interrupted (one export says so itself): its job said what was kept
-        sys.exit(128 + signal_of(stop).value)
+        sys.exit(Interrupted("sweep", signal_of(stop)).exit_code)
 
 
 if __name__ == "__main__":

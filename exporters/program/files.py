@@ -6,13 +6,24 @@ import functools
 import hashlib
 import os
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator
+
+
+def private_path(final: Path, kind: str) -> Path:
+    """A hidden name beside ``final`` that only this process writes (``.<name>.<pid>.<kind>``): where a file is
+    written before it is renamed into place."""
+    return final.with_name(f".{final.name}.{os.getpid()}.{kind}")
+
+
+def private_files(folder: Path) -> Iterator[Path]:
+    """This process's :func:`private_path` files in ``folder`` (another process's may still be writing)."""
+    return (p for p in folder.glob(f".*.{os.getpid()}.*") if p.is_file())
 
 
 def write_atomically(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
     """Write ``data`` (bytes, or a function that writes to an open file) to a temporary name in the same
     folder, fsync, then rename: never a half-written file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = private_path(path, "tmp")
     try:
         with open(tmp, "wb") as fh:
             if isinstance(data, bytes):

@@ -11,6 +11,7 @@ import gc
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -74,11 +75,18 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def wait_with_peak_rss(child: subprocess.Popen) -> float:
-    """Wait for ``child`` (its exit code goes to ``child.returncode``); its peak RSS in MB, even if it was killed."""
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    return usage.ru_maxrss / 1024  # Linux: KiB
+def wait_with_peak_rss(child: subprocess.Popen, timeout: float | None = None) -> float | None:
+    """Wait for ``child`` (its exit code goes to ``child.returncode``); its peak RSS in MB, even if it was killed.
+    With ``timeout``: None if it is still running after that many seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(child.pid, 0 if deadline is None else os.WNOHANG)
+        if pid:
+            child.returncode = os.waitstatus_to_exitcode(status)
+            return usage.ru_maxrss / 1024  # Linux: KiB
+        if time.monotonic() >= deadline:  # type: ignore[operator]
+            return None
+        time.sleep(0.05)
 
 
 def memory_after_load_mb(pte: Path, methods: list[str], weight_cache: bool = True,

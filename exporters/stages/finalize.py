@@ -17,7 +17,7 @@ from exporters.manifest import (MANIFEST_FILE, AdapterEntry, ComponentEntry, Dat
                                 ModelEntry, ProgramFile, Resources)
 from exporters.program.adapters import adapter_method
 from exporters.program.cache import kv_cache_entry
-from exporters.program.files import sha256_of
+from exporters.program.files import private_path, sha256_of
 from exporters.program.layouts import layout_manifest
 from exporters.program.weights import data_path_for, runtime_needs
 from exporters.runtime.driver import MethodRoles
@@ -97,11 +97,6 @@ def move_data_file(written: WrittenProgram, data: DataFile | None, adapter: str 
         path.unlink(missing_ok=True)
         return
     os.replace(data_path_for(written.path, adapter), path)
-
-
-def staging_path(final: Path) -> Path:
-    """Where a file of the export is written before it is renamed into place: hidden, and this process's own."""
-    return final.with_name(f".{final.name}.{os.getpid()}.staged")
 
 
 def resources(ctx: ExportContext) -> Resources:
@@ -199,9 +194,9 @@ class FinalizeStage(Stage):
         try:
             for src in sources:
                 if src.parent.resolve() != out_dir.resolve():
-                    staged[out_dir / src.name] = staging_path(out_dir / src.name)
+                    staged[out_dir / src.name] = private_path(out_dir / src.name, "staged")
                     shutil.copy2(src, staged[out_dir / src.name])
-            staged[manifest_path] = staging_path(manifest_path)
+            staged[manifest_path] = private_path(manifest_path, "staged")
             manifest.write(staged[manifest_path])
             earlier = files_of_export(out_dir)
             with held_back():

@@ -165,6 +165,5 @@ def run_pipeline(stages: Sequence[Stage], ctx: ExportContext, artifact: Any = No
         except Interrupted:
             raise
         except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: say which stage it stopped, not a page of traceback
-            signum = signal_of(stop)
-            raise Interrupted(stage.name, signum.name, 128 + signum.value) from None
+            raise Interrupted(stage.name, signal_of(stop)) from None
     return artifact

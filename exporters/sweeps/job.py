@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -84,16 +83,12 @@ def _stop_child(child: subprocess.Popen, signum: signal.Signals, grace_s: float 
     """Let the export child stop as it does on a signal (it removes what it had written): it is sent ``signum`` only
     if it has not ended within ``grace_s`` (a terminal's Ctrl-C has reached it already, and a second one could cut
     its cleanup short). Its peak RSS."""
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
-        if pid:
-            child.returncode = os.waitstatus_to_exitcode(status)
-            return usage.ru_maxrss / 1024
-        time.sleep(0.05)
-    child.send_signal(signum)
-    with held_back():  # a second signal meanwhile is raised once the child is gone
-        return wait_with_peak_rss(child)
+    peak = wait_with_peak_rss(child, timeout=grace_s)
+    if peak is None:
+        child.send_signal(signum)
+        with held_back():  # a second signal meanwhile is raised once the child is gone
+            peak = wait_with_peak_rss(child)
+    return peak or 0.0
 
 
 def _failure_reason(returncode: int, job_dir: Path) -> str:
