@@ -237,9 +237,10 @@ def test_the_stock_path_writes_the_same_program_as_the_shortcuts(tmp_path: Path)
     from tests.helpers import compose_config
 
     def program(shortcuts: bool) -> bytes:
-        # One layer: every shortcut applies per method and per partition, not per layer.
+        # One layer: every shortcut applies per method and per partition, not per layer; prefill and forward (the
+        # one renamed from the other's plan), without decode: a third method is one more of the same.
         lowered, ctx = run_stages(compose_config("backend=xnnpack", "quant=8da4w_emb4w", "validate=false",
-                                                 "model.arch.num_hidden_layers=1",
+                                                 "model.arch.num_hidden_layers=1", "export.methods=[prefill,forward]",
                                                  f"export.shortcuts={str(shortcuts).lower()}"),
                                   tmp_path / str(shortcuts), stop_after="lower")
         assert ctx.plan.shortcuts == shortcuts and bool(lowered.methods.aliases) == shortcuts

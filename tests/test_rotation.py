@@ -142,13 +142,13 @@ def test_an_adapter_turns_with_its_layers(family_checkpoint) -> None:
 def test_a_rotated_fp32_program_computes_what_transformers_does(exported, family_checkpoint, family: str) -> None:
     """Through the ExecuTorch runtime: Gemma 2 (tied embedding and sandwich norms: R1 at run time, soft-capped
     logits) and Phi-3 (fused projections, untied), with R4 at run time, against transformers' unrotated model on
-    prefill and every greedy decode step; validation's perplexity equals the unrotated baseline's."""
+    the prompt and every greedy decode step (one forward method, as the families' parity tests); validation's perplexity equals the unrotated baseline's."""
     from exporters.runtime.programs import LoadedProgram
-    from tests.test_families import DECODE_STEPS, MAX_SEQ_LEN, prompt_ids, run_greedy, transformers_model
+    from tests.test_families import DECODE_STEPS, MAX_SEQ_LEN, PARITY_METHODS, prompt_ids, run_greedy, transformers_model
 
     ckpt = family_checkpoint(family)
     result = exported(f"model={family}", f"model.checkpoint={ckpt}", "backend=xnnpack", "quant=fp32",
-                      "quant.rotation=hadamard", "quant.online_hadamard=true", "export.methods=[prefill,decode]",
+                      "quant.rotation=hadamard", "quant.online_hadamard=true", f"export.methods={PARITY_METHODS}",
                       "export.layout=split", f"export.max_seq_len={MAX_SEQ_LEN}")
     rotation = result.manifest.quantization.rotation
     assert rotation is not None and rotation.residual and rotation.heads
