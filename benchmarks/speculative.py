@@ -1,10 +1,12 @@
 """Speculative decoding against plain decoding on one program with a verify method, per task.
 
-    python -m benchmarks.speculative outputs/smollm2-verify [--tokens 128] [--repeats 3] [--out bench/spec.json]
+    python -m benchmarks.speculative outputs/smollm2-verify [--tokens 128] [--repeats 3] [--draft-tokens 1,2,4]
+        [--out bench/spec.json]
 
 For each task (a chat request whose answer repeats much of its prompt, a continuation of code, an open chat
 answer), on one loaded program, greedy: decode tok/s without speculation, with ``speculative=lookup`` and, when the
-program holds a draft model, with ``speculative=draft``; proposals kept, tokens per call of the model, and whether
+program holds a draft model, with ``speculative=draft`` (proposals per call adapted, and each of ``--draft-tokens``
+fixed); proposals kept, tokens per call of the model, and whether
 each mode's output is the same tokens as plain decoding's. A prompt longer than the
 program's cache leaves room for (a tiny model's), only its end is kept. Medians over ``--repeats``
 after a warm-up, the modes taking turns to run first. Writes JSON (``--out``) beside the printed table.
@@ -35,11 +37,21 @@ TASKS: dict[str, tuple[str, bool]] = {
 }
 
 
-def measure(run: Path, tokens: int, repeats: int) -> dict[str, dict[str, dict[str, float | bool]]]:
-    """task -> mode -> its numbers; the modes: none, lookup, and draft when the program holds a draft model."""
+def mode_label(speculative: str, draft_tokens: int | None) -> str:
+    """``lookup`` (proposals per call adapted), ``lookup k=2`` (always 2)."""
+    return speculative if draft_tokens is None else f"{speculative} k={draft_tokens}"
+
+
+def measure(run: Path, tokens: int, repeats: int, fixed: tuple[int, ...] = ()) -> dict[str, dict[str, dict[str, float | bool]]]:
+    """task -> mode -> its numbers; the modes: none, lookup, and draft when the program holds a draft model, each
+    proposing as many tokens per call as pay (adapted), and ``fixed`` numbers of them too (``lookup k=2``)."""
     gen = Generator(run)
     gen.eos_ids = set()  # the same number of tokens in every mode, every time
-    modes = ["none", "lookup", *(["draft"] if DRAFT_METHODS <= set(gen.program.method_names) else [])]
+    proposers = ["lookup", *(["draft"] if DRAFT_METHODS <= set(gen.program.method_names) else [])]
+    runs = {"none": ("none", None)}
+    for proposer in proposers:
+        runs |= {mode_label(proposer, k): (proposer, k) for k in (None, *fixed)}
+    modes = list(runs)
     greedy = SamplingConfig(max_new_tokens=tokens)
     found: dict[str, dict[str, dict[str, float | bool]]] = {}
     for task, (prompt, chat) in TASKS.items():
@@ -52,7 +64,8 @@ def measure(run: Path, tokens: int, repeats: int) -> dict[str, dict[str, dict[st
         outputs, stats = {}, {}
         for r in range(repeats + 1):
             for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # each mode runs first in turn
-                result = gen.generate(text, greedy, prompt_ids=ids, speculative=mode)
+                speculative, k = runs[mode]
+                result = gen.generate(text, greedy, prompt_ids=ids, speculative=speculative, draft_tokens=k)
                 outputs[mode], stats[mode] = result.new_ids, result.speculation
                 if r:  # the first round warms up
                     rates[mode].append(result.generation_tokens_per_s)
@@ -87,9 +100,12 @@ def main() -> None:
                                                "export.methods)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--draft-tokens", default="", help="fixed proposals per call to measure beside the adapted "
+                                                          "number, comma-separated (1,2,4,8)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    found = measure(args.run, args.tokens, args.repeats)
+    fixed = tuple(int(k) for k in args.draft_tokens.split(",") if k)
+    found = measure(args.run, args.tokens, args.repeats, fixed)
     rss = memory(args.run)
     print(f"RSS after load: {rss['plain_mb']:.0f} MB with the plain methods, {rss['speculative_mb']:.0f} MB with "
           "those speculation calls too")

@@ -338,6 +338,12 @@ class DraftConfig:
     # How the draft is quantized: a preset of conf/quant (draft.quant=8da8w), its tolerances included; null = the
     # target's quant.
     quant: Optional[str] = None
+    # FR-Spec: the draft proposes among this many of the most frequent tokens only (its lm_head keeps their rows, so a
+    # proposal computes that share of the head; the tokenizer's special tokens are always among them). null = all.
+    vocab: Optional[int] = None
+    # What ranks the tokens for draft.vocab: a UTF-8 text (your app's kind of text) whose token counts rank them, ties
+    # and unseen tokens by the tokenizer's order; null = that order alone (BPE merges the most frequent pairs first).
+    vocab_text: Optional[str] = None
 
 
 @dataclass

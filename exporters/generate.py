@@ -26,6 +26,8 @@ keys: prompt (required), max_new_tokens=128, temperature=0.0 (greedy), top_p=1.0
       speculative=auto (draft: the program's draft model proposes tokens, its verify method checks them;
       lookup: propose tokens from the text so far instead; none: one token per call;
       auto: draft when the program has a draft model, else none),
+      draft_tokens=<K> (proposals per verify call, 1 to the program's get_draft_tokens; unset: adapted as
+      generation goes, more while proposals are kept, fewer when they are not),
       verbose=false (true: the runtime's own log lines too)
 """
 
@@ -41,6 +43,7 @@ class GenerateArgs:
     tokenizer: Optional[str] = None
     adapter: Optional[str] = None
     speculative: str = "auto"
+    draft_tokens: Optional[int] = None
     verbose: bool = False
 
 
@@ -69,12 +72,13 @@ def main(argv: list[str] | None = None) -> int:
             prompt = chat_prompt(generator.pte, args.prompt) if args.chat else args.prompt
             ids = generator.encode(prompt)
             generator.check_fits(ids)
-            generator.speculation(args.speculative)  # a bad value or a program without verify: said before the prompt
+            # a bad value or a program without verify: said before the prompt
+            generator.speculation(args.speculative, args.draft_tokens)
             sys.stdout.write(args.prompt if not args.chat else "")
             result = generator.generate(
                 prompt, SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed), prompt_ids=ids,
                 on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()), speculative=args.speculative,
-            )
+                draft_tokens=args.draft_tokens)
     except REPORTED_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -473,6 +473,16 @@ class AdapterEntry:
 
 
 @dataclass
+class HeadVocabularyEntry:
+    """A component whose lm_head scores a few tokens (draft.vocab: FR-Spec)."""
+
+    tokens: int  # how many it scores (the program's get_draft_vocab lists them)
+    ranked_by: str  # "tokenizer order", or the text whose token counts ranked them (draft.vocab_text)
+    # the share of the validation text's tokens among them (the rest it never proposes); None without validation
+    coverage: float | None
+
+
+@dataclass
 class ComponentEntry:
     """One model the program holds (``exporters.plan.Component``): what it is, its methods, its variants, its state."""
 
@@ -487,6 +497,7 @@ class ComponentEntry:
     quantization: AppliedQuantization | None = None
     validation: ValidationReport | None = None
     family: str | None = None
+    vocabulary: HeadVocabularyEntry | None = None
 
 
 @dataclass

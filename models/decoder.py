@@ -444,6 +444,7 @@ class CausalLM(nn.Module):
         # True while lm_head and the embedding are one unquantized matrix (exporters.quant.tied decides it).
         self.tied_head = args.tie_word_embeddings
         self.every_position = False  # forward's default for full_logits (logits_of_every_position)
+        self.head_ids: torch.Tensor | None = None  # the token of each logit, when lm_head scores a few (score_only)
         # quant.rotation kept the tied embedding unrotated: the residual stream is rotated after the embedding and
         # back before the final norm (exporters.quant.rotation).
         self.embed_rotation: Rotation | None = None
@@ -465,6 +466,17 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
+
+    def score_only(self, ids: torch.Tensor) -> None:
+        """From now on ``lm_head`` scores the tokens ``ids`` alone (FR-Spec's draft, models.vocabulary): a matrix of
+        their rows (of the embedding's, when tied), not tied to the embedding; logit ``j`` is token ``head_ids[j]``."""
+        weight = self.lm_head.weight
+        head = nn.Linear(self.args.hidden_size, len(ids), bias=False, device=weight.device, dtype=weight.dtype)
+        if weight.device.type != "meta":
+            with torch.no_grad():
+                head.weight.copy_(weight[ids])
+        self.lm_head, self.tied_head = head, False
+        self.head_ids = ids
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits from the final hidden states ``h`` [..., hidden] -> [..., vocab].

@@ -25,6 +25,8 @@ class TextTokenizer(Protocol):
 
     def vocabulary(self) -> dict[str, int]: ...
 
+    def special_ids(self) -> list[int]: ...
+
 
 class HuggingFaceTokenizer:
     def __init__(self, path: Path) -> None:
@@ -41,6 +43,10 @@ class HuggingFaceTokenizer:
     def vocabulary(self) -> dict[str, int]:
         """Every token (special ones included) -> its id."""
         return dict(self._tok.get_vocab(with_added_tokens=True))
+
+    def special_ids(self) -> list[int]:
+        """The added tokens (end of text, chat turns, tool calls): not learnt by merges, ranked by nothing."""
+        return sorted(self._tok.get_added_tokens_decoder())
 
 
 class SentencePieceTokenizer:
@@ -64,6 +70,10 @@ class SentencePieceTokenizer:
 
     def vocabulary(self) -> dict[str, int]:
         return {self._sp.IdToPiece(i): i for i in range(self._sp.GetPieceSize())}
+
+    def special_ids(self) -> list[int]:
+        """Control tokens (bos, eos, chat turns)."""
+        return [i for i in range(self._sp.GetPieceSize()) if self._sp.IsControl(i)]
 
 
 LOADERS = {".json": HuggingFaceTokenizer, ".model": SentencePieceTokenizer}

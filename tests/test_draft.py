@@ -18,7 +18,9 @@ from exporters.runtime.driver import Driver
 from exporters.runtime.generator import Generator, SamplingConfig
 from exporters.runtime.programs import LoadedProgram
 from models.checkpoint import open_checkpoint
-from models.tiny import write_tiny_checkpoint
+from models.errors import ModelError
+from models.tiny import BOS_ID, CORPUS, EOS_ID, UNK_ID, write_tiny_checkpoint
+from models.vocabulary import frequent_tokens
 from tests.conftest import shared_folder
 from tests.helpers import compose_config
 
@@ -32,10 +34,21 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return shared_folder(tmp_path_factory, "tiny_draft", lambda f: write_tiny_checkpoint(f, arch=DRAFT_ARCH, seed=5))
 
 
+# FR-Spec: the draft scores 256 of the 384 tokens, ranked by their count in the tiny model's training text.
+DRAFT_VOCAB = 256
+
+
 @pytest.fixture(scope="session")
-def draft_program(exported, tiny_draft: Path):  # type: ignore[no-untyped-def]
-    """The tiny target in fp32 with the tiny draft in 8da8w."""
-    return exported(f"draft.checkpoint={tiny_draft}", "draft.quant=8da8w")
+def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return shared_folder(tmp_path_factory, "corpus", lambda f: (f / "corpus.txt").write_text(CORPUS)) / "corpus.txt"
+
+
+@pytest.fixture(scope="session")
+def draft_program(exported, tiny_draft: Path, corpus_file: Path):  # type: ignore[no-untyped-def]
+    """The tiny target in fp32 with the tiny draft in 8da8w, proposing among DRAFT_VOCAB tokens (the unrestricted
+    head is the same code without the row selection, models.decoder.CausalLM.score_only)."""
+    return exported(f"draft.checkpoint={tiny_draft}", "draft.quant=8da8w", f"draft.vocab={DRAFT_VOCAB}",
+                    f"draft.vocab_text={corpus_file}")
 
 
 def test_the_draft_is_a_component_with_its_own_methods_quantization_and_validation(draft_program) -> None:  # type: ignore[no-untyped-def]
@@ -55,6 +68,58 @@ def test_the_draft_is_a_component_with_its_own_methods_quantization_and_validati
     assert all(o.result == "correct" for o in m.layout.stock_runners.values())
     check = m.validation.speculative
     assert check is not None and check.proposer == "draft" and check.identical and check.acceptance > 0, check
+    # FR-Spec: the draft's logits are its DRAFT_VOCAB tokens, which the program lists; its perplexity is over the text's
+    # tokens among them, and the manifest says how many those are.
+    vocabulary = draft.vocabulary
+    assert vocabulary is not None and vocabulary.tokens == DRAFT_VOCAB and vocabulary.ranked_by.endswith("corpus.txt")
+    assert vocabulary.coverage is not None and 0.9 < vocabulary.coverage <= 1
+    assert draft.validation.scored_tokens == round(vocabulary.coverage * m.validation.scored_tokens)
+    assert m.constant_methods["get_draft_vocab"] == f"int64 tensor [{DRAFT_VOCAB}]"
+    assert m.methods["draft_decode_one_token"].outputs[0].shape == [1, DRAFT_VOCAB]
+
+
+def test_a_draft_proposes_only_the_tokens_its_head_scores(draft_program, tiny_draft: Path, corpus_file: Path) -> None:  # type: ignore[no-untyped-def]
+    """The program's list is the ranking's, and every proposal is one of its tokens."""
+    generator = Generator(draft_program.pte_path)
+    vocab = generator.program.constant("get_draft_vocab")
+    checkpoint = open_checkpoint(tiny_draft)
+    assert torch.equal(vocab, frequent_tokens(checkpoint, DRAFT_VOCAB, 384, corpus_file))
+    proposer = generator.speculation("draft")
+    ids = generator.encode(PROMPTS[0])
+    proposed = proposer.propose(ids, 4) + proposer.propose(ids + [5, 6], 4)  # type: ignore[union-attr]
+    assert set(proposed) <= set(vocab.tolist())
+
+
+def test_the_vocabulary_ranking_keeps_special_tokens_and_counts_the_text(tiny_draft: Path, tmp_path: Path) -> None:
+    checkpoint = open_checkpoint(tiny_draft)
+    by_order = frequent_tokens(checkpoint, 100, 384)
+    assert len(by_order) == 100 and torch.equal(by_order, by_order.sort().values)
+    assert {UNK_ID, BOS_ID, EOS_ID} <= set(by_order.tolist())  # special tokens always
+    assert by_order.tolist() == list(range(100))  # the tokenizer's order: its first ids (the specials among them)
+    from models.tokenizer import find_tokenizer, load_tokenizer
+
+    text = tmp_path / "text.txt"
+    text.write_text("quietly quietly quietly")
+    counted = frequent_tokens(checkpoint, 100, 384, text).tolist()
+    late = load_tokenizer(find_tokenizer(tiny_draft)).encode("quietly")  # type: ignore[arg-type]
+    assert set(late) <= set(counted) and not set(late) <= set(by_order.tolist())
+    with pytest.raises(ModelError, match=r"draft.vocab=3: .* between 4 and 383"):
+        frequent_tokens(checkpoint, 3, 384)
+
+
+def test_a_restricted_head_computes_the_same_logits_for_its_tokens(tiny_draft: Path) -> None:
+    from models.checkpoint import build_model
+
+    checkpoint = open_checkpoint(tiny_draft)
+    full, restricted = build_model(checkpoint, 64), build_model(checkpoint, 64)
+    ids = frequent_tokens(checkpoint, 200, 384)
+    restricted.score_only(ids)
+    tokens = torch.tensor([[1, 40, 41, 42, 43]])
+    with torch.no_grad():
+        assert torch.equal(restricted(tokens, torch.tensor([0]), full_logits=True),
+                           full(tokens, torch.tensor([0]), full_logits=True)[..., ids])
+    assert restricted.lm_head.weight.shape == (200, checkpoint.hf_config.hidden_size)
+    assert restricted.lm_head.weight is not restricted.model.embed_tokens.weight  # no longer tied
 
 
 def test_speculative_greedy_with_the_draft_is_plain_greedy(draft_program) -> None:  # type: ignore[no-untyped-def]
@@ -122,6 +187,9 @@ def test_a_draft_as_large_as_its_target_is_warned_about(tiny_checkpoint: Path, t
 # Each case as a user writes it; {draft} stands for the tiny draft's folder.
 @pytest.mark.parametrize(("overrides", "match"), [
     (["draft.quant=8da8w"], "without draft.checkpoint: there is no draft"),
+    (["draft.vocab=4096"], r"draft.vocab=4096 without draft.checkpoint"),
+    (["draft.checkpoint={draft}", "draft.vocab_text=/nowhere.txt"], r"without draft.vocab: .*draft.vocab=<how many>"),
+    (["draft.checkpoint={draft}", "draft.vocab=100", "draft.vocab_text=/nowhere.txt"], "is not a file"),
     (["draft.checkpoint=/nowhere/draft"], "does not exist"),
     (["draft.checkpoint={draft}", "draft.quant=pt2e_xnnpack_dynamic"], "a PT2E quantizer converts one graph of the target"),
     (["draft.checkpoint={draft}", "draft.quant=8da3w"], r"not a preset of conf/quant: use one of .*8da4w"),

@@ -11,7 +11,7 @@ import torch
 from exporters.errors import UserError, ValidationFailed
 from exporters.export import checked_config
 from exporters.runtime.generator import Generator, SamplingConfig
-from exporters.runtime.speculative import accept, lookup_proposals
+from exporters.runtime.speculative import DraftLength, accept, lookup_proposals
 from tests.helpers import compose_config
 
 VERIFY = "export.methods=[prefill,decode,forward,verify]"
@@ -51,6 +51,22 @@ def test_sampled_acceptance_gives_exactly_the_targets_distribution() -> None:
         assert torch.allclose(counts / counts.sum(), p, atol=0.01), (proposal, counts / counts.sum())
 
 
+def test_proposals_per_call_adapt_as_transformers_heuristic_schedule_does() -> None:
+    length = DraftLength(most=6)
+    assert length.current == 6  # start at the most the program's verify takes
+    for proposed, kept, then in [(6, 2, 5), (5, 0, 4), (4, 4, 6), (6, 6, 6), (6, 0, 5)]:
+        length.update(proposed, kept)
+        assert length.current == then
+    for _ in range(10):
+        length.update(length.current, 0)
+    assert length.current == 1  # never below one proposal
+    fixed = DraftLength(most=6, tokens=2)
+    fixed.update(2, 2)
+    assert fixed.current == 2
+    with pytest.raises(UserError, match=r"draft_tokens=7: the program's verify checks 1 to 6 proposals"):
+        DraftLength(most=6, tokens=7)
+
+
 def test_draft_tokens_must_fit_one_call() -> None:
     # a cache of 8 positions: calls of at most 7 tokens, so at most 6 proposals
     with pytest.raises(UserError, match=r"draft.tokens=8: verify takes .* at most 7 tokens .* between 1 and 6"):
@@ -74,7 +90,8 @@ def test_speculative_greedy_is_plain_greedy_in_every_cache(exported, cache: list
     plain greedy decoding's, in a linear, an int8 and a ring (sink) cache, in the runtime."""
     result = exported(VERIFY, *cache)
     m = result.manifest
-    assert m.constant_methods["get_draft_tokens"] == 4 and m.methods["verify"].tokens == [5, 5]
+    assert m.constant_methods["get_draft_tokens"] == 4 and m.methods["verify"].tokens == [2, 5]
+    assert m.constant_methods["get_verify_min_tokens"] == 2  # 1 to 4 proposals per call
     assert m.methods["verify"].outputs[0].shape == [1, 5, m.constant_methods["get_vocab_size"]]
     assert all(o.result == "correct" for o in m.layout.stock_runners.values())  # the plain methods serve them
     check = m.validation.speculative
@@ -86,6 +103,13 @@ def test_speculative_greedy_is_plain_greedy_in_every_cache(exported, cache: list
     assert fast.new_ids == plain.new_ids and plain.speculation is None
     assert fast.speculation is not None and fast.speculation.accepted > 0, fast.speculation
     assert fast.speculation.tokens_per_call > 1
+    # Every number of proposals per call verify takes gives the same tokens (a shorter call rolls back the same way).
+    for k in (1, 2, 4):
+        fixed = generator.generate(PROMPT, greedy, speculative="lookup", draft_tokens=k)
+        assert fixed.new_ids == plain.new_ids, k
+        assert fixed.speculation is not None and fixed.speculation.proposed <= k * fixed.speculation.steps
+    with pytest.raises(UserError, match=r"draft_tokens=5: the program's verify checks 1 to 4 proposals per call"):
+        generator.generate(PROMPT, greedy, speculative="lookup", draft_tokens=5)
 
 
 def test_the_speculative_benchmark_measures_each_task(exported) -> None:  # type: ignore[no-untyped-def]

@@ -41,12 +41,21 @@ class StatePlan:
 
 
 @dataclass(frozen=True)
+class HeadVocabulary:
+    """The tokens a component's lm_head scores, when not all (draft.vocab: FR-Spec, models.vocabulary)."""
+
+    size: int  # draft.vocab
+    ranked_by: str | None  # draft.vocab_text: a text whose token counts rank them; None: the tokenizer's order
+
+
+@dataclass(frozen=True)
 class ModelBuild:
     """How a component's eager model is built: the one recipe load, advise, calibration and the memory estimate use."""
 
     model: ModelConfig  # where the checkpoint comes from, its family, random weights, arch overrides, adapters
     state: StatePlan
     attention: Attention  # a preference: a model the kernel cannot compute gets ATen attention (models.checkpoint)
+    head: HeadVocabulary | None = None  # lm_head scores these tokens only (None: every token)
 
     @property
     def source(self) -> Source:
@@ -63,9 +72,15 @@ class ModelBuild:
         from models.checkpoint import build_model
 
         s = self.state
-        return build_model(checkpoint, s.positions, family=self.model.family, random_init=self.model.random_init,
-                           seed=self.model.seed, attention=self.attention, kv_dtype=s.kv_dtype,
-                           attention_sink=s.attention_sink, call_tokens=s.call_tokens, device=device)
+        model = build_model(checkpoint, s.positions, family=self.model.family, random_init=self.model.random_init,
+                            seed=self.model.seed, attention=self.attention, kv_dtype=s.kv_dtype,
+                            attention_sink=s.attention_sink, call_tokens=s.call_tokens, device=device)
+        if self.head is not None:
+            from models.vocabulary import frequent_tokens
+
+            text = Path(self.head.ranked_by).expanduser() if self.head.ranked_by else None
+            model.score_only(frequent_tokens(checkpoint, self.head.size, model.args.vocab_size, text))
+        return model
 
 
 @dataclass(frozen=True)

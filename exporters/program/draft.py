@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from exporters.config import (Attention, DraftConfig, ExportConfig, LayoutName, ModelConfig, QuantConfig,
                               TiedEmbeddingStorage, quant_option)
 from exporters.errors import UserError
-from exporters.plan.component import Component, ComponentKind, ModelBuild, QuantPlan, StatePlan
+from exporters.plan.component import Component, ComponentKind, HeadVocabulary, ModelBuild, QuantPlan, StatePlan
 from exporters.plan.lengths import Lengths
 from exporters.program.adapters import adapter_method
 from exporters.program.layouts import LAYOUTS
@@ -45,7 +45,8 @@ def draft_component(draft: DraftConfig, target_quant: QuantConfig, state: StateP
     if draft.checkpoint is None:
         return None
     model = ModelConfig(name=DRAFT, checkpoint=draft.checkpoint)  # its family from its own config.json
-    return Component(name=DRAFT, kind=ComponentKind.draft, build=ModelBuild(model, state, attention),
+    head = HeadVocabulary(draft.vocab, draft.vocab_text) if draft.vocab is not None else None
+    return Component(name=DRAFT, kind=ComponentKind.draft, build=ModelBuild(model, state, attention, head),
                      quant=QuantPlan(draft_quant(draft, target_quant), tied, shortcuts),
                      methods=MethodTable.for_component(DRAFT, DRAFT_KINDS, lengths))
 
@@ -56,10 +57,18 @@ def check_draft(cfg: ExportConfig) -> None:
 
     draft = cfg.draft
     if draft.checkpoint is None:
-        if draft.quant is not None:
-            raise UserError(f"draft.quant={draft.quant} without draft.checkpoint: there is no draft to quantize. Give "
-                            "draft.checkpoint=<folder or .gguf> or leave draft.quant unset.")
+        for key, value in (("quant", draft.quant), ("vocab", draft.vocab), ("vocab_text", draft.vocab_text)):
+            if value is not None:
+                raise UserError(f"draft.{key}={value} without draft.checkpoint: there is no draft to apply it to. "
+                                f"Give draft.checkpoint=<folder or .gguf> or leave draft.{key} unset.")
         return
+    if draft.vocab_text is not None and draft.vocab is None:
+        raise UserError(f"draft.vocab_text={draft.vocab_text} without draft.vocab: the text ranks the tokens a "
+                        "restricted draft keeps. Give draft.vocab=<how many> (32768 keeps 94% of English and code "
+                        "tokens for Qwen2.5) or leave draft.vocab_text unset.")
+    if draft.vocab_text is not None and not Path(draft.vocab_text).expanduser().is_file():
+        raise UserError(f"draft.vocab_text={draft.vocab_text} is not a file: give a UTF-8 text of the kind your app "
+                        "generates, or leave it unset to rank tokens by the tokenizer's order. Nothing was exported.")
     if not Path(draft.checkpoint).expanduser().exists():
         raise UserError(f"draft.checkpoint={draft.checkpoint} does not exist: give a Hugging Face folder or a GGUF "
                         "file of a smaller model with the target's tokenizer. Nothing was exported.")

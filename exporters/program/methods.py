@@ -86,10 +86,15 @@ def decode(lengths: Lengths) -> MethodSpec:
 
 
 def verify(lengths: Lengths) -> MethodSpec:
-    """Speculative decoding's check: the last accepted token and K proposed ones at their positions, the logits of
-    every position out, the cache written at all of them. A rejected token is rolled back by position alone: the
-    next call writes over its slot, and no query attends past its own position (docs/speculative.md)."""
-    return MethodSpec("verify", lengths.verify_tokens, lengths.verify_tokens, False, full_logits=True)
+    """Speculative decoding's check: the last accepted token and up to K proposed ones at their positions, the logits
+    of every position out, the cache written at all of them. A rejected token is rolled back by position alone: the
+    next call writes over its slot, and no query attends past its own position (docs/speculative.md).
+
+    Where the backend takes dynamic shapes, a call takes 2 to K + 1 tokens, so a runner proposes as many as pay
+    (exporters.runtime.speculative.DraftLength) and never pads a short proposal; else exactly K + 1."""
+    most = lengths.verify_tokens
+    dynamic = lengths.prefill_chunk is None and most > 2
+    return MethodSpec("verify", 2 if dynamic else most, most, dynamic, full_logits=True)
 
 
 METHOD_KINDS: dict[str, Callable[[Lengths], MethodSpec]] = {

@@ -30,8 +30,9 @@ class MethodRoles:
     step: str  # runs one new token
     prompt_max_tokens: int  # tokens one call of the prompt method takes at most
     prompt_fixed: bool  # static shape: a call takes exactly prompt_max_tokens
-    verify: str | None = None  # checks speculative proposals: a fixed number of tokens, every position's logits
-    verify_tokens: int = 0  # the tokens one verify call takes (the last accepted one and the proposals)
+    verify: str | None = None  # checks speculative proposals: every position's logits
+    verify_tokens: int = 0  # the most tokens one verify call takes (the last accepted one and the proposals)
+    verify_min_tokens: int = 0  # the fewest (verify_tokens: a static shape, short proposals are padded)
 
     @staticmethod
     def choose(methods: dict[str, MethodShape]) -> "MethodRoles":
@@ -46,8 +47,8 @@ class MethodRoles:
             )
         prompt = next((by_kind[k] for k in ("prefill", "forward") if k in by_kind), step)
         verify = by_kind.get("verify")
-        return MethodRoles(prompt, step, 0, False, verify, methods[verify].max_tokens if verify else 0).with_prompt(
-            prompt, methods[prompt])
+        bounds = (methods[verify].max_tokens, methods[verify].min_tokens) if verify else (0, 0)
+        return MethodRoles(prompt, step, 0, False, verify, *bounds).with_prompt(prompt, methods[prompt])
 
     def with_prompt(self, name: str, shape: MethodShape) -> "MethodRoles":
         """The same roles with another method for the prompt."""
@@ -74,10 +75,14 @@ def program_method_shapes(program: Any, adapter: str | None = None) -> dict[str,
         if owner != adapter or base not in KIND_OF_NAME:
             continue
         kind = KIND_OF_NAME[base]
-        key = f"get_{name}_max_tokens"
+        key, least = f"get_{name}_max_tokens", f"get_{name}_min_tokens"
         max_tokens = int(program.constant(key)) if key in names else (1 if kind == "decode" else context - 1)
-        fixed = kind == "verify" or not dynamic  # verify always takes exactly its tokens
-        shapes[name] = MethodShape(kind, 1 if kind == "decode" else max_tokens if fixed else 1, max_tokens)
+        if least in names:  # verify on a dynamic-shape backend: 2..K+1 tokens
+            min_tokens = int(program.constant(least))
+        else:  # verify without it (a static shape, or exported before verify took fewer) takes exactly its tokens
+            fixed = kind == "verify" or not dynamic
+            min_tokens = 1 if kind == "decode" else max_tokens if fixed else 1
+        shapes[name] = MethodShape(kind, min_tokens, max_tokens)
     where = getattr(program, "path", "the program")
     if not shapes and adapter is not None:
         known = str(program.constant(ADAPTERS_CONSTANT)) if ADAPTERS_CONSTANT in names else ""
@@ -131,9 +136,9 @@ class Driver:
         return logits.reshape(-1, logits.shape[-1])[-1:]
 
     def verify(self, tokens: list[int], position: int) -> torch.Tensor:
-        """Every position's logits [T, V] of ``tokens`` (exactly ``roles.verify_tokens``) placed at ``position``..,
-        through the verify method; the cache is written at each of those positions."""
-        assert self.roles.verify is not None and len(tokens) == self.roles.verify_tokens
+        """Every position's logits [T, V] of ``tokens`` (``roles.verify_min_tokens`` to ``verify_tokens`` of them)
+        placed at ``position``.., through the verify method; the cache is written at each of those positions."""
+        assert self.roles.verify is not None and self.roles.verify_min_tokens <= len(tokens) <= self.roles.verify_tokens
         logits = self.program.run(self.roles.verify, torch.tensor([tokens], dtype=torch.int64),
                                   self._positions(position, len(tokens)))[0]
         return logits.reshape(len(tokens), -1)

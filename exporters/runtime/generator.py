@@ -21,8 +21,9 @@ from exporters.manifest import program_in
 from exporters.program.weights import data_files_beside
 from exporters.runtime.programs import LoadedProgram
 from exporters.runtime.sampling import SamplingConfig, distribution, sample  # noqa: F401 (re-exported)
-from exporters.runtime.speculative import (SPECULATIVE, DraftProposer, LookupProposer, Proposer, SpeculationStats,
-                                           StopReason, continue_text)
+from exporters.runtime.speculative import (SPECULATIVE, DraftLength, DraftProposer, LookupProposer, Proposer,
+                                           SpeculationStats, StopReason, continue_text)
+from exporters.program.constants import DRAFT_VOCAB
 from exporters.program.draft import DRAFT, DRAFT_METHODS
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE, TextTokenizer, find_tokenizer, load_tokenizer
@@ -141,11 +142,13 @@ class Generator:
                 f"export.max_context_len, or with export.attention_sink=4 to go on past the end of the cache."
             )
 
-    def speculation(self, speculative: str) -> Proposer | None:
+    def speculation(self, speculative: str, draft_tokens: int | None = None) -> Proposer | None:
         """What proposes tokens for the verify method: ``draft``, the program's draft model; ``lookup``, the text's
         own n-grams; ``auto``, the draft when the program holds one, else nothing; ``none``, nothing (one token per
-        call). Refused when the program lacks what it needs."""
+        call). Refused when the program lacks what it needs, or ``draft_tokens`` more than its verify checks."""
         check_choice("speculative", speculative, SPECULATIVE, "Use speculative=auto, draft, lookup or none.")
+        if draft_tokens is not None and self.driver.roles.verify is not None:
+            DraftLength(self.driver.roles.verify_tokens - 1, draft_tokens)  # raises if out of range
         drafts = DRAFT_METHODS <= set(self.program.method_names)
         if speculative in ("lookup", "draft") and self.driver.roles.verify is None:
             raise UserError(f"speculative={speculative} needs the program's verify method, and {self.pte.name} has "
@@ -161,14 +164,17 @@ class Generator:
             if self._draft is None:
                 self._draft = Driver.of(self.program, DRAFT)
                 self._draft.load()
-            return DraftProposer(self._draft)
+            names = self.program.method_names
+            return DraftProposer(self._draft, self.program.constant(DRAFT_VOCAB) if DRAFT_VOCAB in names else None)
         return None
 
     def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
-                 prompt_ids: list[int] | None = None, speculative: str = "auto") -> GenerationResult:
+                 prompt_ids: list[int] | None = None, speculative: str = "auto",
+                 draft_tokens: int | None = None) -> GenerationResult:
         """``speculative``: ``lookup`` proposes tokens from the text so far and checks them with the verify method
-        (exactly the target's output: exporters.runtime.speculative), ``none`` decodes one token per call."""
-        proposer = self.speculation(speculative)
+        (exactly the target's output: exporters.runtime.speculative), ``none`` decodes one token per call.
+        ``draft_tokens``: proposals per verify call (1 to the program's get_draft_tokens); None adapts them."""
+        proposer = self.speculation(speculative, draft_tokens)
         ids = prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(ids)
         stream = TextStream(self.tokenizer)
@@ -183,7 +189,7 @@ class Generator:
                 on_text(piece)
 
         new_ids, stop, stats = continue_text(self.driver, ids, logits, cfg, self.eos_ids, self.max_context_len,
-                                             self.endless, proposer, emit)
+                                             self.endless, proposer, emit, draft_tokens=draft_tokens)
         gen_s = time.perf_counter() - start
         return GenerationResult(
             text=stream.emitted, prompt_ids=ids, new_ids=new_ids, stop_reason=stop,

@@ -90,9 +90,32 @@ class TextWindows:
         """From a whole-window forward's logits [L, V], the rows that predict the targets: [L - P, V]."""
         return full_logits[self.prompt_tokens - 1:-1]
 
-    def nll(self, predictions: list[torch.Tensor]) -> float:
-        """Negative log-likelihood of every target, given one window's predictions [L - P, V] each."""
-        return sum(negative_log_likelihood(p, self.targets(w)) for p, w in zip(predictions, self.windows))
+    def nll(self, predictions: list[torch.Tensor], columns: torch.Tensor | None = None) -> float:
+        """Negative log-likelihood of every target, given one window's predictions [L - P, V] each (of the targets
+        a head scoring ``columns`` scores: :func:`head_targets`)."""
+        total = 0.0
+        for p, w in zip(predictions, self.windows):
+            scored, index = head_targets(self.targets(w), columns)
+            total += negative_log_likelihood(p[scored], index[scored])
+        return total
+
+    def scored(self, columns: torch.Tensor | None = None) -> int:
+        """The targets scored: all (``scored_tokens``), or those a head scoring ``columns`` scores."""
+        if columns is None:
+            return self.scored_tokens
+        return sum(int(head_targets(self.targets(w), columns)[0].sum()) for w in self.windows)
+
+
+def head_targets(targets: torch.Tensor, columns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which ``targets`` a head scores, and each as the index of its logit. ``columns``: the token of each logit of a
+    head that scores a few (``CausalLM.head_ids``: a draft's FR-Spec vocabulary), None for every token. A target
+    outside it has no probability to score: perplexity is over the others, and the share they are is reported."""
+    if columns is None:
+        return torch.ones_like(targets, dtype=torch.bool), targets
+    index = torch.full((max(int(columns.max()), int(targets.max())) + 1,), -1, dtype=torch.int64)
+    index[columns] = torch.arange(len(columns))
+    found = index[targets]
+    return found >= 0, found.clamp(min=0)
 
 
 def make_windows(ids: list[int], bos_id: int | None, context: int, prompt_tokens: int, max_tokens: int,

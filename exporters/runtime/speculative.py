@@ -100,9 +100,15 @@ class DraftProposer:
     name = "draft"
     ONE_BY_ONE = 2  # at most this many unseen tokens go through the one-token method
 
-    def __init__(self, driver: Driver) -> None:
+    def __init__(self, driver: Driver, vocab: torch.Tensor | None = None) -> None:
+        """``vocab``: the token of each of the draft's logits when it scores a few (``get_draft_vocab``)."""
         self.driver = driver
+        self.vocab = vocab.tolist() if vocab is not None else None
         self.fed: list[int] = []  # the tokens its cache holds, position by position
+
+    def _best(self, logits: torch.Tensor) -> int:
+        best = int(logits.argmax())
+        return self.vocab[best] if self.vocab is not None else best
 
     def propose(self, ids: list[int], k: int) -> list[int]:
         same = next((i for i, (a, b) in enumerate(zip(self.fed, ids)) if a != b), min(len(self.fed), len(ids)))
@@ -112,11 +118,34 @@ class DraftProposer:
                 logits = self.driver.decode_one_token(ids[position], position)
         else:
             logits = self.driver.prefill(torch.tensor([ids[start:]], dtype=torch.int64), start)
-        proposals = [int(logits.argmax())]
+        proposals = [self._best(logits)]
         for j in range(k - 1):
-            proposals.append(int(self.driver.decode_one_token(proposals[-1], len(ids) + j).argmax()))
+            proposals.append(self._best(self.driver.decode_one_token(proposals[-1], len(ids) + j)))
         self.fed = ids + proposals[:-1]
         return proposals
+
+
+@dataclass
+class DraftLength:
+    """How many tokens to propose per verify call, at most ``most`` (the program's ``get_draft_tokens``): ``tokens``
+    always, or (None) adapted as transformers' assisted generation does (its "heuristic" schedule): two more after a
+    call that kept every proposal, one fewer after one that did not. Long runs of accepted tokens (an edit copying
+    its input) then go through few calls, and a text the proposer cannot guess costs little."""
+
+    most: int
+    tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None and not 1 <= self.tokens <= self.most:
+            from exporters.errors import UserError
+
+            raise UserError(f"draft_tokens={self.tokens}: the program's verify checks 1 to {self.most} proposals per "
+                            f"call (get_draft_tokens). Give a number in that range, or leave it unset to adapt.")
+        self.current = self.tokens if self.tokens is not None else self.most
+
+    def update(self, proposed: int, kept: int) -> None:
+        if self.tokens is None:
+            self.current = min(self.most, self.current + 2) if kept == proposed else max(1, self.current - 1)
 
 
 @dataclass
@@ -157,16 +186,19 @@ def accept(logits: torch.Tensor, proposals: list[int], choose: Callable[[torch.T
 def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: SamplingConfig, eos_ids: set[int],
                   max_context_len: int, endless: bool, proposer: Proposer | None,
                   emit: Callable[[int], None] = lambda t: None, seen: Callable[[torch.Tensor], None] | None = None,
-                  ) -> tuple[list[int], StopReason, SpeculationStats | None]:
+                  draft_tokens: int | None = None) -> tuple[list[int], StopReason, SpeculationStats | None]:
     """Generate after the prompt ``ids`` whose last logits are ``logits``: one token per call of the step method, or
-    with a ``proposer`` several per call of ``verify``. The new tokens (each also given to ``emit`` as it is
-    decided), why generation stopped, and speculation's numbers. ``seen``: told the logits each token was chosen
-    from, without speculation (validation reads how close the top two were)."""
+    with a ``proposer`` several per call of ``verify`` (``draft_tokens`` each, or as many as pay: DraftLength). The
+    new tokens (each also given to ``emit`` as it is decided), why generation stopped, and speculation's numbers.
+    ``seen``: told the logits each token was chosen from, without speculation (validation reads how close the top
+    two were)."""
     gen = torch.Generator().manual_seed(cfg.seed)
     new_ids: list[int] = []
     stop: StopReason = "max_new_tokens"
     stats = SpeculationStats() if proposer is not None else None
-    k = driver.roles.verify_tokens - 1
+    most = driver.roles.verify_tokens - 1
+    length = DraftLength(most, draft_tokens) if proposer is not None else None
+    padded = driver.roles.verify_min_tokens - 1  # a static verify takes exactly this many proposals
     if seen:
         seen(logits)
     pending = [sample(logits, cfg, gen)]  # tokens chosen, not yet emitted
@@ -183,13 +215,15 @@ def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: Sam
             break
         if pending:  # accepted proposals, already checked: emitted without another call
             continue
-        room = endless or position + k < max_context_len
+        k = length.current if length is not None else 0
+        room = endless or position + max(k, padded) < max_context_len
         proposals = proposer.propose(ids + new_ids, k) if proposer is not None and room else []
-        if stats is not None and proposals:
-            proposals = (proposals + proposals[-1:] * k)[:k]  # verify takes exactly k: repeat the last
+        if stats is not None and length is not None and proposals:
+            proposals = (proposals + proposals[-1:] * padded)[:max(len(proposals), padded)]  # repeat the last
             checked = accept(driver.verify([token, *proposals], position), proposals,
                              lambda row: distribution(row, cfg), gen, greedy=cfg.temperature <= 0)
-            stats.steps, stats.proposed, stats.accepted = stats.steps + 1, stats.proposed + k, \
+            length.update(len(proposals), len(checked.kept))
+            stats.steps, stats.proposed, stats.accepted = stats.steps + 1, stats.proposed + len(proposals), \
                 stats.accepted + len(checked.kept)
             stats.target_calls += 1
             pending = [*checked.kept, checked.next_token]

@@ -27,6 +27,8 @@ class BaselineQuality:
     dtype: str  # the checkpoint's dtype it ran in (fp32, or bf16 for a bf16 checkpoint)
     adapter_nll: dict[str, float] = field(default_factory=dict)  # the unquantized base with each adapter applied
     component_nll: dict[str, float] = field(default_factory=dict)  # each other component (the draft), unquantized
+    # the targets each one's nll is over: fewer than the text's when its head scores a few tokens (draft.vocab)
+    component_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def perplexity(self) -> float:
@@ -38,7 +40,7 @@ class BaselineQuality:
 
     def perplexity_of_component(self, component: str) -> float:
         """Another component's (the draft's) unquantized perplexity on the same text."""
-        return perplexity(self.component_nll[component], self.text.scored_tokens)
+        return perplexity(self.component_nll[component], self.component_tokens.get(component, self.text.scored_tokens))
 
     def summary(self) -> str:
         return (f"unquantized {self.dtype} perplexity {self.perplexity:.2f} on {self.text.scored_tokens} tokens of "

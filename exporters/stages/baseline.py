@@ -43,16 +43,17 @@ class BaselineStage(Stage):
                 logits = window_logits(full_sequence(model), windows)
             model.reset_cache()
             nll[adapter] = windows.nll(logits)
-        component_nll = {}
+        component_nll, component_tokens = {}, {}
         for name, other in loaded.components.items():  # the draft, on the same windows
             with other.kv_dtype_as(KvDType.fp32):
-                component_nll[name] = windows.nll(window_logits(full_sequence(other), windows))
+                component_nll[name] = windows.nll(window_logits(full_sequence(other), windows), other.head_ids)
+            component_tokens[name] = windows.scored(other.head_ids)
             other.reset_cache()
         dtype = model.lm_head.weight.dtype
         dtype_name = next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
         ctx.baseline = BaselineQuality(text=windows, nll=nll.pop(None), dtype=dtype_name,
                                        adapter_nll={name: value for name, value in nll.items() if name is not None},
-                                       component_nll=component_nll)
+                                       component_nll=component_nll, component_tokens=component_tokens)
         return loaded
 
     def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:

@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Any
 from exporters.errors import ValidationFailed
 from exporters.interrupts import held_back
 from exporters.footprint import MIB
-from exporters.manifest import (MANIFEST_FILE, AdapterEntry, ComponentEntry, DataFile, Manifest, MethodEntry,
+from exporters.manifest import (MANIFEST_FILE, AdapterEntry, ComponentEntry, DataFile, HeadVocabularyEntry, Manifest,
+                                MethodEntry,
                                 ModelEntry, ProgramFile, Resources)
 from exporters.program.adapters import adapter_method
 from exporters.program.cache import kv_cache_entry
+from exporters.program.constants import recorded
 from exporters.program.files import private_path, sha256_of
 from exporters.program.layouts import layout_manifest
 from exporters.program.weights import data_path_for, runtime_needs
@@ -29,7 +31,11 @@ from models.families import family_of_config
 from models.lora import WEIGHTS_FILE
 
 if TYPE_CHECKING:
+    import torch
+
     from exporters.plan import ExportPlan
+    from exporters.plan.component import HeadVocabulary
+    from exporters.stages.artifacts import BaselineQuality
 
 PACKAGES = ("torch", "executorch", "torchao", "transformers", "hydra-core", "tokenizers", "safetensors")
 
@@ -80,8 +86,19 @@ def component_entries(plan: ExportPlan, ctx: ExportContext, written: WrittenProg
             kind=str(component.kind), methods=list(written.methods.of_component(component.name)), adapters=[],
             checkpoint=str(checkpoint.path), parameters=model.parameter_count(),
             state=["kv_cache"], quantization=ctx.component_quantization.get(component.name),
-            validation=ctx.component_validation.get(component.name), family=family.name if family else None)
+            validation=ctx.component_validation.get(component.name), family=family.name if family else None,
+            vocabulary=head_vocabulary(component.build.head, model.head_ids, ctx.baseline))
     return entries
+
+
+def head_vocabulary(head: HeadVocabulary | None, ids: torch.Tensor | None,
+                    baseline: BaselineQuality | None) -> HeadVocabularyEntry | None:
+    """What a restricted head scores (draft.vocab), and how much of the validation text that is."""
+    if head is None or ids is None:
+        return None
+    text = baseline.text if baseline is not None else None
+    return HeadVocabularyEntry(tokens=len(ids), ranked_by=head.ranked_by or "tokenizer order",
+                               coverage=round(text.scored(ids) / text.scored_tokens, 4) if text else None)
 
 
 def placed(data: DataFile | None, adapter: str | None, pte: Path) -> DataFile | None:
@@ -168,7 +185,7 @@ class FinalizeStage(Stage):
                                    slides=written.constant_methods["get_max_seq_len"] <
                                    written.constant_methods["get_max_context_len"],
                                    sink=model.args.attention_sink > 0),
-            constant_methods=written.constant_methods,
+            constant_methods=recorded(written.constant_methods),
             model=ModelEntry(checkpoint=str(ckpt.path), architecture=list(ckpt.hf_config.architectures or []),
                              family=family.name if family else None,
                              attention=str(model.args.attention),

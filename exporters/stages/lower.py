@@ -88,8 +88,9 @@ class LowerStage(Stage):
         components = captured.components
         del captured  # to_edge_transform_and_lower rewrites the programs: nothing may use them after it
         plan, backend = self.plan, self.plan.backend
+        draft = components.get(plan.draft.name) if plan.draft is not None else None
         constants = constant_methods(model.args, ctx.checkpoint, methods.specs, plan.lengths.max_seq_len,
-                                     backend.dynamic_shapes, methods.adapters)
+                                     backend.dynamic_shapes, methods.adapters, draft.head_ids if draft else None)
         external = plan.weights == WeightsPlacement.external
         # External weights: every constant is marked for its data file (the base's, or its adapter's) before
         # partitioning, and XNNPACK names its weights by tensor rather than by content, so the program is the same

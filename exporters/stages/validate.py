@@ -23,8 +23,8 @@ from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
 from exporters.runtime.sampling import SamplingConfig
 from exporters.runtime.speculative import DraftProposer, LookupProposer, continue_text
-from exporters.runtime.quality import (Agreement, TextWindows, full_sequence, negative_log_likelihood, perplexity,
-                                       window_logits)
+from exporters.runtime.quality import (Agreement, TextWindows, full_sequence, head_targets, negative_log_likelihood,
+                                       perplexity, window_logits)
 from exporters.stages.artifacts import BaselineQuality, WrittenProgram
 from exporters.stages.pipeline import ExportContext, Stage
 from models.decoder import CausalLM
@@ -49,23 +49,25 @@ class Scores:
     per_window: list[dict[str, float]]
     perplexity: float  # of the program
     eager_perplexity: float
+    scored: int  # the targets perplexity is over: all, or those a draft's restricted head scores
 
     @staticmethod
-    def of(predictions: Predictions, text: TextWindows) -> "Scores":
+    def of(predictions: Predictions, text: TextWindows, columns: torch.Tensor | None = None) -> "Scores":
+        """``columns``: the token of each logit when the head scores a few (a draft's ``draft.vocab``)."""
         per_window, parts = [], []
         nll_eager = nll_program = 0.0
         for i, (window, e, p) in enumerate(zip(text.windows, predictions.eager, predictions.program)):
             a = Agreement.of(e, p)
             parts.append(a)
-            targets = text.targets(window)
-            nll_eager += negative_log_likelihood(e, targets)
-            nll_program += negative_log_likelihood(p, targets)
+            scored, targets = head_targets(text.targets(window), columns)
+            nll_eager += negative_log_likelihood(e[scored], targets[scored])
+            nll_program += negative_log_likelihood(p[scored], targets[scored])
             per_window.append({"window": i, "tokens": window.shape[1], "kl_mean": float(a.kl.mean()),
                                "kl_max": float(a.kl.max()), "top1_agreement": float(a.top1.double().mean()),
                                "max_abs_error": a.max_abs_error})
-        n = text.scored_tokens
+        n = text.scored(columns)
         return Scores(Agreement.joined(parts), per_window,
-                      perplexity(nll_program, n), perplexity(nll_eager, n))
+                      perplexity(nll_program, n), perplexity(nll_eager, n), n)
 
     @property
     def kl_mean(self) -> float:
@@ -137,7 +139,8 @@ TIE_FACTOR = 4.0
 
 def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
                       text: TextWindows, adapter: str | None, context: int,
-                      draft_roles: MethodRoles | None = None) -> SpeculativeCheck:
+                      draft_roles: MethodRoles | None = None, draft_vocab: torch.Tensor | None = None,
+                      ) -> SpeculativeCheck:
     """The verify method on the first window after its prompt, against the eager model's logits at the same positions
     and against the one-token method's (how far the batched kernels round from the single-token ones); then greedy
     generation from that prompt with speculation (the draft's methods, ``draft_roles``; else lookup) against
@@ -166,7 +169,8 @@ def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms
         top = row.topk(2).values
         margins.append(float(top[0] - top[1]))
 
-    proposer = DraftProposer(Driver(program, draft_roles)) if draft_roles is not None else LookupProposer()
+    proposer = (DraftProposer(Driver(program, draft_roles), draft_vocab) if draft_roles is not None
+                else LookupProposer())
     runs = {}
     for speculating in (False, True):
         first = driver.prefill(window[:, :prompt])
@@ -227,7 +231,7 @@ def report(scores: Scores, failures: list[str], forward_kl: float | None, roles:
                  "forward": "checked against prefill" if forward_kl is not None else None},
         windows=len(text.windows),
         prompt_tokens=text.prompt_tokens,
-        scored_tokens=text.scored_tokens,
+        scored_tokens=scores.scored,
         kl_mean=scores.kl_mean,
         kl_max=float(total.kl.max()),
         top1_agreement=scores.top1,
@@ -271,7 +275,7 @@ class ValidateStage(Stage):
             specs = methods.of_component(name)
             roles = MethodRoles.choose({n: spec.shape for n, spec in specs.items()})
             found = predictions(component_model, program, roles, specs, ctx.baseline.text, side=name)
-            scores = Scores.of(found, ctx.baseline.text)
+            scores = Scores.of(found, ctx.baseline.text, component_model.head_ids)
             tolerance = plan.component_tolerance[name]
             failures = judge(scores, found.forward_kl, tolerance)
             ctx.component_validation[name] = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline,
@@ -285,7 +289,8 @@ class ValidateStage(Stage):
             found = predictions(written.model, program, roles, specs, ctx.baseline.text, adapter, eager_graphs)
             scores = Scores.of(found, ctx.baseline.text)
             speculative = (speculative_check(written.model, program, roles, ctx.baseline.text, adapter,
-                                             self.plan.lengths.context, others[draft.name] if draft else None)
+                                             self.plan.lengths.context, others[draft.name] if draft else None,
+                                             written.components[draft.name].head_ids if draft else None)
                            if roles.verify else None)
             failures = judge(scores, found.forward_kl, plan.tolerance, speculative)
             verdict = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, plan.tolerance,
