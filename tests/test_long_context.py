@@ -291,13 +291,14 @@ def test_stock_runner_stops_with_an_error_at_the_end_of_a_cache_without_a_sink(e
 def test_a_program_with_window_rings_matches_transformers_past_the_window(exported, family_checkpoint,
                                                                           family: str) -> None:
     """Calls of at most 4 tokens: the windowed layers' caches are rings of window + 3 slots on llama::custom_sdpa;
-    the program, driven as generation drives it, gives transformers' logits and greedy tokens past the window."""
+    the program, driven as generation drives it, gives transformers' logits and greedy tokens past the window.
+    (One forward method for the prompt's calls and each step, as the families' parity tests.)"""
     from tests.family_cases import FAMILY_CASES
-    from tests.test_families import prompt_ids, transformers_model
+    from tests.test_families import PARITY_METHODS, prompt_ids, transformers_model
 
     ckpt = family_checkpoint(family)
     result = exported(f"model={family}", f"model.checkpoint={ckpt}", "export.max_seq_len=4",
-                      "export.max_context_len=48")
+                      "export.max_context_len=48", f"export.methods={PARITY_METHODS}")
     window = FAMILY_CASES[family]["sliding_window"]
     kv = result.manifest.kv_cache
     assert kv is not None and result.manifest.model.attention == "custom_ops"

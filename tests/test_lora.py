@@ -134,12 +134,13 @@ def test_each_adapters_methods_generate_the_eager_adapters_tokens(real_exported,
     assert len(set(texts.values())) == 3, texts
 
 
-def test_adapter_methods_that_ignore_the_adapter_fail_validation(smollm2_truncated, lora_adapters, tmp_path: Path,
+def test_adapter_methods_that_ignore_the_adapter_fail_validation(tiny_checkpoint, tiny_adapters, tmp_path: Path,
                                                                  monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Negative control: capture the adapter's methods from the base (as a broken exporter would)."""
+    """Negative control: capture the adapter's methods from the base (as a broken exporter would). The tiny model:
+    what fails is the comparison of the adapter's methods with the eager model, whatever the weights."""
     monkeypatch.setattr(capture, "active_adapter", lambda model, name: active_adapter(model, None))
-    cfg = compose_config("model=llama", f"model.checkpoint={smollm2_truncated}", "export.methods=[decode]",
-                         "export.layout=split", adapters_override(lora_adapters, "pirate"))
+    cfg = compose_config("model=llama", f"model.checkpoint={tiny_checkpoint}", "export.methods=[decode]",
+                         "export.layout=split", adapters_override(tiny_adapters, "pirate"))
     with pytest.raises(ValidationFailed, match=r"adapter pirate's methods: FAILED \(KL"):
         export(cfg, tmp_path)
     assert not (tmp_path / "model.pte").exists() and (tmp_path / "model.rejected.pte").is_file()

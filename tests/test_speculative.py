@@ -79,12 +79,12 @@ def test_draft_tokens_must_fit_one_call() -> None:
     checked_config(compose_config("export.max_seq_len=4"))  # without verify, draft.tokens does not matter
 
 
-# The linear cache on the 8da4w program other tests read; the other caches on fp32 weights (faster to lower: what
-# is tested is the cache's rollback, which the weights' format does not touch).
-@pytest.mark.parametrize("cache", [["quant=8da4w"], ["quant=fp32", "export.kv_dtype=int8"],
-                                   ["quant=fp32", "export.max_seq_len=8", "export.max_context_len=32",
-                                    "export.attention_sink=4"]],
-                         ids=["linear", "int8", "sink"])
+# The linear cache on the 8da4w program other tests read; an int8 ring (an attention sink) on fp32 weights (faster to
+# lower: what is tested is the cache's rollback, which the weights' format does not touch): a slot quantized per
+# position and a ring's slots, in one program.
+@pytest.mark.parametrize("cache", [["quant=8da4w"], ["quant=fp32", "export.kv_dtype=int8", "export.max_seq_len=8",
+                                                     "export.max_context_len=32", "export.attention_sink=4"]],
+                         ids=["linear", "int8-sink"])
 def test_speculative_greedy_is_plain_greedy_in_every_cache(exported, cache: list[str]) -> None:  # type: ignore[no-untyped-def]
     """Rejected proposals are written into the cache and rolled back by position alone: the next tokens are exactly
     plain greedy decoding's, in a linear, an int8 and a ring (sink) cache, in the runtime."""
