@@ -197,8 +197,10 @@ def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: Sam
     stop: StopReason = "max_new_tokens"
     stats = SpeculationStats() if proposer is not None else None
     most = driver.roles.verify_tokens - 1
-    length = DraftLength(most, draft_tokens) if proposer is not None else None
     padded = driver.roles.verify_min_tokens - 1  # a static verify takes exactly this many proposals
+    # A static verify costs the same however many proposals are real: propose as many as it takes, unless told.
+    fixed = draft_tokens if draft_tokens is not None or padded < most else most
+    length = DraftLength(most, fixed) if proposer is not None else None
     if seen:
         seen(logits)
     pending = [sample(logits, cfg, gen)]  # tokens chosen, not yet emitted
