@@ -78,8 +78,11 @@ def test_the_draft_is_a_component_with_its_own_methods_quantization_and_validati
     assert m.methods["draft_decode_one_token"].outputs[0].shape == [1, DRAFT_VOCAB]
 
 
-def test_a_draft_proposes_only_the_tokens_its_head_scores(draft_program, tiny_draft: Path, corpus_file: Path) -> None:  # type: ignore[no-untyped-def]
-    """The program's list is the ranking's, and every proposal is one of its tokens."""
+def test_a_draft_proposes_only_the_tokens_its_head_scores(draft_program, tiny_draft: Path, corpus_file: Path,  # type: ignore[no-untyped-def]
+                                                         tmp_path: Path) -> None:
+    """The program's list is the ranking's, every proposal is one of its tokens, and the bundle says so."""
+    from exporters.release.bundle import make_bundle
+
     generator = Generator(draft_program.pte_path)
     vocab = generator.program.constant("get_draft_vocab")
     checkpoint = open_checkpoint(tiny_draft)
@@ -88,6 +91,9 @@ def test_a_draft_proposes_only_the_tokens_its_head_scores(draft_program, tiny_dr
     ids = generator.encode(PROMPTS[0])
     proposed = proposer.propose(ids, 4) + proposer.propose(ids + [5, 6], 4)  # type: ignore[union-attr]
     assert set(proposed) <= set(vocab.tolist())
+    bundle, _ = make_bundle(draft_program.pte_path.parent, tmp_path / "release")
+    readme = (bundle / "README.md").read_text()
+    assert f"`get_draft_vocab` (int64[{DRAFT_VOCAB}])" in readme and "int64[1, T] with T from 2 to 5" in readme
 
 
 def test_the_vocabulary_ranking_keeps_special_tokens_and_counts_the_text(tiny_draft: Path, tmp_path: Path) -> None:

@@ -72,13 +72,16 @@ def _speculative(m: Manifest) -> str:
     if "verify" not in m.methods:
         return ""
     k = m.constant_methods.get("get_draft_tokens")
+    least = m.constant_methods.get("get_verify_min_tokens")
+    most = k + 1 if k is not None else "K+1"
+    tokens = f"int64[1, T] with T from {least} to {most}" if least else f"int64[1, {most}]"
     check = m.validation.speculative if m.validation else None
     measured = (f" Validated: {check.describe()}." if check else "")
     return f"""
-Speculative decoding: `verify` takes the last accepted token and `get_draft_tokens` = {k} proposed tokens
-(int64[1, {k + 1 if k is not None else "K+1"}], their first position int64[1]) and returns the logits of every
-position; keep proposals left to right while each is the model's own choice, then continue from the first position
-not kept: the next call overwrites the rejected tokens' cache slots, so nothing else rolls back.{measured}
+Speculative decoding: `verify` takes the last accepted token and up to `get_draft_tokens` = {k} proposed tokens
+({tokens}, their first position int64[1]) and returns the logits of every position; keep proposals left to right
+while each is the model's own choice, then continue from the first position not kept: the next call overwrites the
+rejected tokens' cache slots, so nothing else rolls back.{measured}
 {_draft(m)}"""
 
 
@@ -92,7 +95,10 @@ def _draft(m: Manifest) -> str:
             f"{quant}) proposes them: `draft_prefill` takes the text its cache has not seen yet (int64[1, T], its "
             "first position int64[1]) and `draft_decode_one_token` one token at a time, each returning the logits "
             "of its last position; its KV cache is its own, rolled back by position like the target's. "
-            "`python -m exporters.generate <folder> prompt=... speculative=draft` does all this.\n")
+            + (f"Its logits are {draft.vocabulary.tokens} tokens only (FR-Spec: the most frequent by "
+               f"{draft.vocabulary.ranked_by}): `get_draft_vocab` (int64[{draft.vocabulary.tokens}]) gives the token "
+               "of each. " if draft.vocabulary else "")
+            + "`python -m exporters.generate <folder> prompt=... speculative=draft` does all this.\n")
 
 
 def _runtime_needs(m: Manifest) -> str:
