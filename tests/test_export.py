@@ -155,8 +155,9 @@ def test_a_manifest_written_by_0_1_is_still_read(exported, tmp_path: Path) -> No
 
 
 def test_second_method_stores_no_second_copy_of_the_weights(exported) -> None:
-    """XNNPACK keys weights by content across methods: adding prefill adds graph bytes, no weight bytes."""
-    both = exported("backend=xnnpack", "quant=fp32", "export.methods=[prefill,decode]", "export.layout=split")
+    """XNNPACK keys weights by content across methods: adding prefill (and forward, prefill's plan renamed) adds
+    graph bytes, no weight bytes."""
+    both = exported("backend=xnnpack", "quant=fp32")  # the default methods: test_program_has_methods_and_constants'
     one = exported("backend=xnnpack", "quant=fp32", "export.methods=[decode]", "export.layout=split")
     s2, s1 = both.manifest.program.storage, one.manifest.program.storage
     # 7 linears per layer + the RoPE rotate_half matrix, each its own entry; the tied lm_head reads the

@@ -134,8 +134,9 @@ def _export_process_of(job_dir: Path) -> int | None:
 
 def test_a_job_killed_with_sigkill_is_a_failed_row_and_the_others_finish(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
+    # Without the benchmark (the joblib test measures a job's every column): what matters is how the jobs end.
     sweep_proc = subprocess.Popen(sweep_cmd(sweep, "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=2",
-                                            "quant=fp32,fp16"),
+                                            "quant=fp32,fp16", "bench=false"),
                                   cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     victim, deadline = None, time.monotonic() + 300
     while victim is None and time.monotonic() < deadline and sweep_proc.poll() is None:
@@ -149,7 +150,7 @@ def test_a_job_killed_with_sigkill_is_a_failed_row_and_the_others_finish(tmp_pat
     rows = summary_rows(sweep)
     assert rows["fp32"]["status"] == "failed" and "SIGKILL" in rows["fp32"]["reason"], rows["fp32"]
     assert rows["fp32"]["peak_rss_mb"] != ""  # how far its memory got before it died
-    assert_measured(rows["fp16"])
+    assert rows["fp16"]["status"] == "ok" and float(rows["fp16"]["size_mb"]) > 0 and rows["fp16"]["perplexity"] != ""
     assert not (sweep / "0-tiny-fp32-xnnpack" / "model.pte").exists()
 
 
