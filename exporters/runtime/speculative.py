@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
 import torch
 
+from exporters.errors import UserError
 from exporters.runtime.sampling import SamplingConfig, distribution, sample
 
 if TYPE_CHECKING:
@@ -137,8 +138,6 @@ class DraftLength:
 
     def __post_init__(self) -> None:
         if self.tokens is not None and not 1 <= self.tokens <= self.most:
-            from exporters.errors import UserError
-
             raise UserError(f"draft_tokens={self.tokens}: the program's verify checks 1 to {self.most} proposals per "
                             f"call (get_draft_tokens). Give a number in that range, or leave it unset to adapt.")
         self.current = self.tokens if self.tokens is not None else self.most
@@ -198,9 +197,10 @@ def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: Sam
     stats = SpeculationStats() if proposer is not None else None
     most = driver.roles.verify_tokens - 1
     padded = driver.roles.verify_min_tokens - 1  # a static verify takes exactly this many proposals
-    # A static verify costs the same however many proposals are real: propose as many as it takes, unless told.
-    fixed = draft_tokens if draft_tokens is not None or padded < most else most
-    length = DraftLength(most, fixed) if proposer is not None else None
+    # A static verify costs the same however many proposals are real: unless told, propose as many as it takes.
+    if draft_tokens is None and padded == most:
+        draft_tokens = most
+    length = DraftLength(most, draft_tokens) if proposer is not None else None
     if seen:
         seen(logits)
     pending = [sample(logits, cfg, gen)]  # tokens chosen, not yet emitted

@@ -31,10 +31,8 @@ from models.families import family_of_config
 from models.lora import WEIGHTS_FILE
 
 if TYPE_CHECKING:
-    import torch
-
     from exporters.plan import ExportPlan
-    from exporters.plan.component import HeadVocabulary
+    from exporters.plan.component import Component
     from exporters.stages.artifacts import BaselineQuality
 
 PACKAGES = ("torch", "executorch", "torchao", "transformers", "hydra-core", "tokenizers", "safetensors")
@@ -87,18 +85,19 @@ def component_entries(plan: ExportPlan, ctx: ExportContext, written: WrittenProg
             checkpoint=str(checkpoint.path), parameters=model.parameter_count(),
             state=["kv_cache"], quantization=ctx.component_quantization.get(component.name),
             validation=ctx.component_validation.get(component.name), family=family.name if family else None,
-            vocabulary=head_vocabulary(component.build.head, model.head_ids, ctx.baseline))
+            vocabulary=head_vocabulary(component, ctx.baseline))
     return entries
 
 
-def head_vocabulary(head: HeadVocabulary | None, ids: torch.Tensor | None,
-                    baseline: BaselineQuality | None) -> HeadVocabularyEntry | None:
-    """What a restricted head scores (draft.vocab), and how much of the validation text that is."""
-    if head is None or ids is None:
+def head_vocabulary(component: Component, baseline: BaselineQuality | None) -> HeadVocabularyEntry | None:
+    """What a restricted head scores (draft.vocab), and how much of the validation text that is (the targets the
+    baseline scored it on)."""
+    head = component.build.head
+    if head is None:
         return None
-    text = baseline.text if baseline is not None else None
-    return HeadVocabularyEntry(tokens=len(ids), ranked_by=head.ranked_by or "tokenizer order",
-                               coverage=round(text.scored(ids) / text.scored_tokens, 4) if text else None)
+    coverage = (round(baseline.component_tokens[component.name] / baseline.text.scored_tokens, 4)
+                if baseline is not None else None)
+    return HeadVocabularyEntry(tokens=head.size, ranked_by=head.ranked_by or "tokenizer order", coverage=coverage)
 
 
 def placed(data: DataFile | None, adapter: str | None, pte: Path) -> DataFile | None:

@@ -23,8 +23,7 @@ from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
 from exporters.runtime.sampling import SamplingConfig
 from exporters.runtime.speculative import DraftProposer, LookupProposer, continue_text
-from exporters.runtime.quality import (Agreement, TextWindows, full_sequence, head_targets, negative_log_likelihood,
-                                       perplexity, window_logits)
+from exporters.runtime.quality import Agreement, TextWindows, full_sequence, perplexity, window_logits
 from exporters.stages.artifacts import BaselineQuality, WrittenProgram
 from exporters.stages.pipeline import ExportContext, Stage
 from models.decoder import CausalLM
@@ -55,19 +54,15 @@ class Scores:
     def of(predictions: Predictions, text: TextWindows, columns: torch.Tensor | None = None) -> "Scores":
         """``columns``: the token of each logit when the head scores a few (a draft's ``draft.vocab``)."""
         per_window, parts = [], []
-        nll_eager = nll_program = 0.0
         for i, (window, e, p) in enumerate(zip(text.windows, predictions.eager, predictions.program)):
             a = Agreement.of(e, p)
             parts.append(a)
-            scored, targets = head_targets(text.targets(window), columns)
-            nll_eager += negative_log_likelihood(e[scored], targets[scored])
-            nll_program += negative_log_likelihood(p[scored], targets[scored])
             per_window.append({"window": i, "tokens": window.shape[1], "kl_mean": float(a.kl.mean()),
                                "kl_max": float(a.kl.max()), "top1_agreement": float(a.top1.double().mean()),
                                "max_abs_error": a.max_abs_error})
         n = text.scored(columns)
-        return Scores(Agreement.joined(parts), per_window,
-                      perplexity(nll_program, n), perplexity(nll_eager, n), n)
+        return Scores(Agreement.joined(parts), per_window, perplexity(text.nll(predictions.program, columns), n),
+                      perplexity(text.nll(predictions.eager, columns), n), n)
 
     @property
     def kl_mean(self) -> float:
