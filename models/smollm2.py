@@ -40,6 +40,8 @@ def truncated_copy(src: Path, dst: Path, num_layers: int) -> Path:
     if num_layers > config["num_hidden_layers"]:
         raise ValueError(f"{src} has {config['num_hidden_layers']} layers, fewer than {num_layers}")
     config["num_hidden_layers"] = num_layers
+    if "layer_types" in config:  # transformers 5 checks one entry per layer
+        config["layer_types"] = config["layer_types"][:num_layers]
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     kept = {}
     for file in sorted(src.glob("*.safetensors")):
