@@ -10,8 +10,10 @@ A generated region in a Markdown file looks like this (the JSON path is relative
     python -m benchmarks.tables --check    exit 1 naming each region that differs (tests/test_docs_tables.py runs it)
 
 Each renderer takes one tool's JSON: ``suite`` the test suite's durations (``pytest --durations-file PATH``),
-``export`` a ``benchmarks.export`` report (``report.json``), ``speculative`` a ``benchmarks.speculative`` report, ``memory`` a ``benchmarks.memory_estimate`` report. Keep the JSON files in ``docs/results/``: they are the
-measurement, the table is a view of it. A new table is a renderer in :data:`RENDERERS` and a region in a doc.
+``export`` a ``benchmarks.export`` report (``report.json``), ``speculative`` a ``benchmarks.speculative`` or
+``benchmarks.llama_cpp`` report, ``memory`` a ``benchmarks.memory_estimate`` report. Keep the JSON files in
+``docs/results/``: they are the measurement, the table is a view of it. A new table is a renderer in
+:data:`RENDERERS` and a region in a doc.
 """
 
 from __future__ import annotations
@@ -64,10 +66,12 @@ def render_export(data: dict[str, Any]) -> str:
 
 
 def render_speculative(data: dict[str, Any]) -> str:
-    """A ``benchmarks.speculative`` report: each task's decode speed per mode, proposals kept, tokens per call."""
-    lines = [f"{data['tokens']} greedy tokens per run, medians of the repeats; RSS after load "
-             f"{data['rss_after_load']['plain_mb']:.0f} MB with the plain methods, "
-             f"{data['rss_after_load']['speculative_mb']:.0f} MB with verify and the draft's too.", "",
+    """A ``benchmarks.speculative`` (or ``benchmarks.llama_cpp``) report: each task's decode speed per mode,
+    proposals kept, tokens per call."""
+    rss = data.get("rss_after_load")
+    where = (f"RSS after load {rss['plain_mb']:.0f} MB with the plain methods, {rss['speculative_mb']:.0f} MB with "
+             "verify and the draft's too." if rss else f"{data['runtime']}.")
+    lines = [f"{data['tokens']} greedy tokens per run, medians of the repeats; {where}", "",
              "| task | mode | tok/s | speedup | proposals kept | tokens per target call | same tokens as none |",
              "|---|---|---|---|---|---|---|"]
     for task, modes in data["tasks"].items():

@@ -12,6 +12,7 @@ always kept: the draft must be able to propose the end of an answer.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from pathlib import Path
 
@@ -27,14 +28,23 @@ def frequent_tokens(checkpoint: Checkpoint, size: int, vocab_size: int, text: Pa
     path = find_tokenizer(checkpoint.path)
     if path is None:
         raise ModelError(f"{checkpoint.path} has no tokenizer to rank its vocabulary by.")
-    tokenizer = load_tokenizer(path)
-    special = {i for i in [*tokenizer.special_ids(), *checkpoint.eos_ids] if i < vocab_size}
-    if checkpoint.bos_id is not None and checkpoint.bos_id < vocab_size:
-        special.add(checkpoint.bos_id)
+    extra = frozenset([*checkpoint.eos_ids, *([checkpoint.bos_id] if checkpoint.bos_id is not None else [])])
+    stamp = (text.stat().st_size, text.stat().st_mtime_ns) if text is not None else None
+    return torch.tensor(_ranked(str(path), extra, size, vocab_size, None if text is None else str(text), stamp),
+                        dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=4)
+def _ranked(tokenizer_path: str, extra_special: frozenset[int], size: int, vocab_size: int, text: str | None,
+            text_stamp: tuple[int, int] | None) -> tuple[int, ...]:
+    """:func:`frequent_tokens`' ids, computed once per process for one tokenizer, size and text (the memory
+    estimate's shape-only build and the real one both ask; ``text_stamp`` tells an edited text apart)."""
+    tokenizer = load_tokenizer(Path(tokenizer_path))
+    special = {i for i in [*tokenizer.special_ids(), *extra_special] if i < vocab_size}
     if not len(special) < size < vocab_size:
         raise ModelError(f"draft.vocab={size}: the draft's vocabulary has {vocab_size} tokens, {len(special)} of them "
                          f"special (always kept), so draft.vocab must be between {len(special) + 1} and "
                          f"{vocab_size - 1}. Leave it unset to keep every token.")
-    counts = Counter(tokenizer.encode(text.read_text(encoding="utf-8"))) if text is not None else Counter()
+    counts = Counter(tokenizer.encode(Path(text).read_text(encoding="utf-8"))) if text is not None else Counter()
     ranked = sorted((i for i in range(vocab_size) if i not in special), key=lambda i: (-counts[i], i))
-    return torch.tensor(sorted([*special, *ranked[:size - len(special)]]), dtype=torch.int64)
+    return tuple(sorted([*special, *ranked[:size - len(special)]]))

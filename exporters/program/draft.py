@@ -66,9 +66,12 @@ def check_draft(cfg: ExportConfig) -> None:
         raise UserError(f"draft.vocab_text={draft.vocab_text} without draft.vocab: the text ranks the tokens a "
                         "restricted draft keeps. Give draft.vocab=<how many> (32768 keeps 94% of English and code "
                         "tokens for Qwen2.5) or leave draft.vocab_text unset.")
-    if draft.vocab_text is not None and not Path(draft.vocab_text).expanduser().is_file():
-        raise UserError(f"draft.vocab_text={draft.vocab_text} is not a file: give a UTF-8 text of the kind your app "
-                        "generates, or leave it unset to rank tokens by the tokenizer's order. Nothing was exported.")
+    if draft.vocab_text is not None:
+        from exporters.runtime.quality import read_text
+
+        read_text(draft.vocab_text, key="draft.vocab_text",
+                  fix="Give a UTF-8 text of the kind your app generates with draft.vocab_text=<path>, or leave it unset "
+                      "to rank tokens by the tokenizer's order. Nothing was exported.")
     if not Path(draft.checkpoint).expanduser().exists():
         raise UserError(f"draft.checkpoint={draft.checkpoint} does not exist: give a Hugging Face folder or a GGUF "
                         "file of a smaller model with the target's tokenizer. Nothing was exported.")

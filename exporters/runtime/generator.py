@@ -147,8 +147,8 @@ class Generator:
         own n-grams; ``auto``, the draft when the program holds one, else nothing; ``none``, nothing (one token per
         call). Refused when the program lacks what it needs, or ``draft_tokens`` more than its verify checks."""
         check_choice("speculative", speculative, SPECULATIVE, "Use speculative=auto, draft, lookup or none.")
-        if draft_tokens is not None and self.driver.roles.verify is not None:
-            DraftLength(self.driver.roles.verify_tokens - 1, draft_tokens)  # raises if out of range
+        if self.driver.roles.verify is not None:
+            DraftLength.check(self.driver.roles.verify_tokens - 1, draft_tokens)
         drafts = DRAFT_METHODS <= set(self.program.method_names)
         if speculative in ("lookup", "draft") and self.driver.roles.verify is None:
             raise UserError(f"speculative={speculative} needs the program's verify method, and {self.pte.name} has "

@@ -39,12 +39,13 @@ MIN_SCORED_TOKENS = 8
 
 
 def read_text(text_file: str | None, key: str = "validation.text_file",
-              default: str = DEFAULT_TEXT_NAME) -> tuple[str, str]:
-    """A text and where it came from: ``text_file`` (the user's, set as ``key``), else ``exporters/data/<default>``."""
+              default: str = DEFAULT_TEXT_NAME, fix: str | None = None) -> tuple[str, str]:
+    """A text and where it came from: ``text_file`` (the user's, set as ``key``), else ``exporters/data/<default>``.
+    ``fix`` says what to do when the file is missing, empty or not UTF-8 (default: give another or the built-in)."""
     if text_file is None:
         return resources.files("exporters").joinpath("data", default).read_text(), f"exporters/data/{default}"
     path = Path(text_file).expanduser()
-    fix = f"Give a UTF-8 text file of a few paragraphs with {key}=<path>, or leave it unset for the built-in text."
+    fix = fix or f"Give a UTF-8 text file of a few paragraphs with {key}=<path>, or leave it unset for the built-in text."
     if not path.is_file():
         raise UserError(f"{key}={text_file}: no such file. {fix}")
     try:

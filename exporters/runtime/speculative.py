@@ -137,10 +137,15 @@ class DraftLength:
     tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.tokens is not None and not 1 <= self.tokens <= self.most:
-            raise UserError(f"draft_tokens={self.tokens}: the program's verify checks 1 to {self.most} proposals per "
-                            f"call (get_draft_tokens). Give a number in that range, or leave it unset to adapt.")
+        self.check(self.most, self.tokens)
         self.current = self.tokens if self.tokens is not None else self.most
+
+    @staticmethod
+    def check(most: int, tokens: int | None) -> None:
+        """``tokens`` proposals per call fit a verify that checks at most ``most`` (None: adapted, always fits)."""
+        if tokens is not None and not 1 <= tokens <= most:
+            raise UserError(f"draft_tokens={tokens}: the program's verify checks 1 to {most} proposals per "
+                            f"call (get_draft_tokens). Give a number in that range, or leave it unset to adapt.")
 
     def update(self, proposed: int, kept: int) -> None:
         if self.tokens is None:
