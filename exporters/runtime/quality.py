@@ -45,7 +45,8 @@ def read_text(text_file: str | None, key: str = "validation.text_file",
     if text_file is None:
         return resources.files("exporters").joinpath("data", default).read_text(), f"exporters/data/{default}"
     path = Path(text_file).expanduser()
-    fix = fix or f"Give a UTF-8 text file of a few paragraphs with {key}=<path>, or leave it unset for the built-in text."
+    fix = fix or (f"Give a UTF-8 text file of a few paragraphs with {key}=<path>, or leave it unset for the built-in "
+                  "text.")
     if not path.is_file():
         raise UserError(f"{key}={text_file}: no such file. {fix}")
     try:
