@@ -187,11 +187,12 @@ def export_llm_overrides(p: Preset, args: argparse.Namespace, out: Path, hf_dir:
 
 
 def token_metadata(hf_dir: Path) -> str:
-    """export_llm's ``base.metadata`` for a real checkpoint: its bos and eos ids (the runner's stop token), as
-    ExecuTorch's own qwen2_5 configs spell them; export_llm's defaults are Llama 3's."""
-    config = json.loads((hf_dir / "config.json").read_text())
-    eos = config["eos_token_id"]
-    return json.dumps({"get_bos_id": config["bos_token_id"], "get_eos_ids": eos if isinstance(eos, list) else [eos]})
+    """export_llm's ``base.metadata`` for a real checkpoint: its bos and eos ids (the runner's stop tokens), read as
+    our exporter reads them, spelled as ExecuTorch's own qwen2_5 configs; export_llm's defaults are Llama 3's."""
+    from models.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(hf_dir, need_weights=False)
+    return json.dumps({"get_bos_id": checkpoint.bos_id, "get_eos_ids": checkpoint.eos_ids})
 
 
 RUNNER_PROMPT = "The capital of France is"

@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.speculative import TASKS, mode_label
+from exporters.runtime.generator import chat_prompt
 from models import qwen_coder
 from models.gguf import gguf_checkpoint
 
@@ -37,13 +38,10 @@ COUNTS = re.compile(r"n_(drafted|accept)\s+=\s+(\d+)")
 
 def prompt_files(folder: Path) -> dict[str, Path]:
     """Each task's prompt as the text llama.cpp reads (``-f``), the chat template applied as our generator does."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(gguf_checkpoint(qwen_coder.gguf_file("1.5b"))), local_files_only=True)
+    beside = gguf_checkpoint(qwen_coder.gguf_file("1.5b")) / "model.pte"  # chat_prompt reads the folder it names
     files = {}
     for task, (prompt, chat) in TASKS.items():
-        text = (tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                        add_generation_prompt=True) if chat else prompt)
+        text = chat_prompt(beside, prompt) if chat else prompt
         files[task] = folder / f"{task}.txt"
         files[task].write_text(text)
     return files

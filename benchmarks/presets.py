@@ -22,16 +22,39 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 # The families a preset can be (our ``model=`` config). export_llm takes each as its default ``llama3`` model class
 # with the differences in params.json: its ``qwen3_4b`` / ``qwen2_5_1_5b`` classes would download published weights.
 Family = Literal["llama", "qwen3", "qwen2"]
 
-# The real checkpoints a preset can carry (None: seeded random weights), with what describes them.
-RealWeights = Literal["smollm2", "qwen2.5-coder-1.5b"]
-REAL_WEIGHTS: dict[str, str] = {"smollm2": "SmolLM2-135M-Instruct's real weights",
-                                "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct's real weights (its GGUF)"}
+
+
+@dataclass(frozen=True)
+class RealWeights:
+    """A real checkpoint a preset can carry: what it is, and the GGUF file it comes from (fetched on first use)."""
+
+    description: str
+    gguf: Callable[[], Path]
+
+
+def _smollm2_gguf() -> Path:
+    from models import smollm2
+
+    return smollm2.gguf_file()
+
+
+def _qwen_coder_gguf() -> Path:
+    from models import qwen_coder
+
+    return qwen_coder.gguf_file("1.5b")
+
+
+# The real checkpoints, by the name a preset's ``weights`` gives (None there: seeded random weights).
+REAL_WEIGHTS: dict[str, RealWeights] = {
+    "smollm2": RealWeights("SmolLM2-135M-Instruct's real weights", _smollm2_gguf),
+    "qwen2.5-coder-1.5b": RealWeights("Qwen2.5-Coder-1.5B-Instruct's real weights (its GGUF)", _qwen_coder_gguf),
+}
 
 
 @dataclass(frozen=True)
@@ -51,7 +74,7 @@ class Preset:
     llama3_rope_scaling: bool = False
     # Llama 3.1's rope scaling factor is 8, Llama 3.2's 32 (their published config.json).
     rope_factor: float = 32.0
-    weights: RealWeights | None = None
+    weights: str | None = None  # a key of REAL_WEIGHTS
     family: Family = "llama"
     head_dim_override: int | None = None  # None: dim // heads
     norm_eps: float = 1e-5
@@ -135,7 +158,7 @@ class Preset:
         return params
 
     def describe(self) -> str:
-        kind = REAL_WEIGHTS[self.weights] if self.weights else "random weights"
+        kind = REAL_WEIGHTS[self.weights].description if self.weights else "random weights"
         head = f", head_dim {self.head_dim_override}" if self.head_dim_override else ""
         return (f"{self.parameters / 1e6:.1f}M parameters, {self.family}: dim {self.dim}, hidden {self.hidden}, "
                 f"{self.layers} layers, {self.heads} heads ({self.kv_heads} kv){head}, vocab {self.vocab}"
@@ -194,14 +217,13 @@ def checkpoint_dir(preset: Preset, root: Path) -> Path:
     random-weight shape, a folder with just its config.json (the exporter builds the weights:
     ``model.random_init=true``)."""
     if preset.weights:
-        from models import qwen_coder, smollm2
         from models.gguf import gguf_checkpoint
+        from models.smollm2 import truncated_copy
 
-        gguf = smollm2.gguf_file() if preset.weights == "smollm2" else qwen_coder.gguf_file("1.5b")
-        full = gguf_checkpoint(gguf)  # converted once, cached in ~/.cache/llm-exporters/gguf
+        full = gguf_checkpoint(REAL_WEIGHTS[preset.weights].gguf())  # converted once, cached in ~/.cache/llm-exporters
         if json.loads((full / "config.json").read_text())["num_hidden_layers"] == preset.layers:
             return full
-        return smollm2.truncated_copy(full, root / f"{preset.weights}-{preset.layers}l", preset.layers)
+        return truncated_copy(full, root / f"{preset.weights}-{preset.layers}l", preset.layers)
     folder = root / "hf_config"
     preset.hf_config().save_pretrained(folder)
     return folder

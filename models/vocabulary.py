@@ -29,22 +29,27 @@ def frequent_tokens(checkpoint: Checkpoint, size: int, vocab_size: int, text: Pa
     if path is None:
         raise ModelError(f"{checkpoint.path} has no tokenizer to rank its vocabulary by.")
     extra = frozenset([*checkpoint.eos_ids, *([checkpoint.bos_id] if checkpoint.bos_id is not None else [])])
-    stamp = (text.stat().st_size, text.stat().st_mtime_ns) if text is not None else None
-    return torch.tensor(_ranked(str(path), extra, size, vocab_size, None if text is None else str(text), stamp),
+    return torch.tensor(_ranked(_stamped(path), extra, size, vocab_size, _stamped(text) if text else None),
                         dtype=torch.int64)
 
 
+def _stamped(path: Path) -> tuple[str, int, int]:
+    """A file as a cache key: its path, size and modification time (an edited file is another key)."""
+    stat = path.stat()
+    return str(path), stat.st_size, stat.st_mtime_ns
+
+
 @functools.lru_cache(maxsize=4)
-def _ranked(tokenizer_path: str, extra_special: frozenset[int], size: int, vocab_size: int, text: str | None,
-            text_stamp: tuple[int, int] | None) -> tuple[int, ...]:
+def _ranked(tokenizer: tuple[str, int, int], extra_special: frozenset[int], size: int, vocab_size: int,
+            text: tuple[str, int, int] | None) -> tuple[int, ...]:
     """:func:`frequent_tokens`' ids, computed once per process for one tokenizer, size and text (the memory
-    estimate's shape-only build and the real one both ask; ``text_stamp`` tells an edited text apart)."""
-    tokenizer = load_tokenizer(Path(tokenizer_path))
+    estimate's shape-only build and the real one both ask)."""
+    tokenizer = load_tokenizer(Path(tokenizer[0]))
     special = {i for i in [*tokenizer.special_ids(), *extra_special] if i < vocab_size}
     if not len(special) < size < vocab_size:
         raise ModelError(f"draft.vocab={size}: the draft's vocabulary has {vocab_size} tokens, {len(special)} of them "
                          f"special (always kept), so draft.vocab must be between {len(special) + 1} and "
                          f"{vocab_size - 1}. Leave it unset to keep every token.")
-    counts = Counter(tokenizer.encode(Path(text).read_text(encoding="utf-8"))) if text is not None else Counter()
+    counts = Counter(tokenizer.encode(Path(text[0]).read_text(encoding="utf-8"))) if text is not None else Counter()
     ranked = sorted((i for i in range(vocab_size) if i not in special), key=lambda i: (-counts[i], i))
     return tuple(sorted([*special, *ranked[:size - len(special)]]))
