@@ -100,19 +100,18 @@ def test_one_program_holds_the_base_and_each_adapter_with_the_base_stored_once(r
     alone = real_exported("quant=fp32")
     m = both.manifest
     assert m.ok and m.passed and m.validation is not None and m.validation.checked == "runtime"
-    for name in ("minutes",):
-        entry = m.adapters[name]
-        assert entry.methods == {b: f"{name}_{b}" for b in ("prefill", "decode_one_token", "forward")}
-        assert set(entry.methods.values()) <= set(m.methods)
-        assert entry.validation is not None and entry.validation.passed and entry.validation.checked == "runtime"
-        assert entry.validation.methods["prompt"] == f"{name}_prefill" and entry.dtype == "float32"
-        # Validated against the eager model with this adapter: its unquantized perplexity is not the base's.
-        assert entry.validation.baseline_perplexity != m.validation.baseline_perplexity
-    assert m.adapters["minutes"].use_rslora and m.adapters["minutes"].layers == 14
+    entry = m.adapters["minutes"]
+    assert entry.methods == {b: f"minutes_{b}" for b in ("prefill", "decode_one_token", "forward")}
+    assert set(entry.methods.values()) <= set(m.methods)
+    assert entry.validation is not None and entry.validation.passed and entry.validation.checked == "runtime"
+    assert entry.validation.methods["prompt"] == "minutes_prefill" and entry.dtype == "float32"
+    # Validated against the eager model with this adapter: its unquantized perplexity is not the base's.
+    assert entry.validation.baseline_perplexity != m.validation.baseline_perplexity
+    assert entry.use_rslora and entry.layers == 14
     assert LoadedProgram(both.pte_path).constant("get_adapters") == "minutes"
     # The base weights are stored once: the adapter adds its own fp32 matrices and graphs, nothing more.
-    adapter_bytes = sum(t.numel() * 4 for name in ("minutes",)
-                        for t in load_file(str(lora_adapters[name] / "adapter_model.safetensors")).values())
+    adapter = load_file(str(lora_adapters["minutes"] / "adapter_model.safetensors"))
+    adapter_bytes = sum(t.numel() * 4 for t in adapter.values())
     extra_weights = (both.manifest.program.storage["named_data_bytes"] + both.manifest.program.storage["constant_buffer_bytes"]
                      - alone.manifest.program.storage["named_data_bytes"] - alone.manifest.program.storage["constant_buffer_bytes"])
     assert 0.9 * adapter_bytes <= extra_weights <= 1.1 * adapter_bytes
