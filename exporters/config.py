@@ -242,6 +242,10 @@ class QuantConfig:
     # on quant.calibration's text when activations get static scales, convert), instead of torchao's source
     # transforms (quant.linear must then be null). One of Pt2eQuantizer, for the backend it names; conf/quant/pt2e_*.
     pt2e: Optional[Pt2eQuantizer] = None
+    # Static int8 activations (pt2e_xnnpack_static, pt2e_coreml_8a_*) are refused unless this is true: one scale per
+    # tensor is set by the first token's massive activation, and SmolLM2-135M loses +831% perplexity (+165%
+    # rotated; docs/quality.md#pt2e-the-backends-own-quantizers). true: export it anyway, to study it or as QAT's start.
+    allow_static_activations: bool = False
     # Validation tolerances of the program against the eager model quantized the same way (not against the
     # unquantized baseline), on the validation text; calibrated on SmolLM2-135M (docs/quality.md):
     # mean KL(eager || program) per predicted token in nats, the share of positions whose greedy token

@@ -9,6 +9,7 @@ weights stored once for all methods; Core ML's and Vulkan's quantizers lowered b
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,14 @@ from tests.helpers import compose_config
 
 
 
+ALLOW_STATIC = "quant.allow_static_activations=true"
+
+
 def _overrides(quantizer: str) -> list[str]:
-    backend = PT2E_QUANTIZERS[Pt2eQuantizer(quantizer)].backend
-    static = [] if backend == "xnnpack" else ["export.layout=split"]  # static shapes: no stock runner
-    return [f"quant=pt2e_{quantizer}", f"backend={backend}", *static]
+    recipe = PT2E_QUANTIZERS[Pt2eQuantizer(quantizer)]
+    static = [] if recipe.backend == "xnnpack" else ["export.layout=split"]  # static shapes: no stock runner
+    allow = [ALLOW_STATIC] if recipe.calibrated else []  # refused by default: the test below
+    return [f"quant=pt2e_{quantizer}", f"backend={recipe.backend}", *static, *allow]
 
 
 @pytest.mark.parametrize("quantizer", [str(q) for q in Pt2eQuantizer])
@@ -43,10 +48,13 @@ def test_every_quantizer_has_a_recipe_and_a_preset_for_its_backend(quantizer: st
     (["quant=pt2e_xnnpack_dynamic", "quant.algorithm=gptq"], "quant.algorithm=gptq"),
     (["quant=pt2e_xnnpack_dynamic", "quant.size_budget=1.05"], "quant.size_budget=1.05"),
     (["quant=pt2e_xnnpack_dynamic", "quant.dtype=fp16"], "fp32 graphs"),
-    (["quant=pt2e_xnnpack_static", "quant.calibration.text_file=/no/such/text.txt"], "/no/such/text.txt"),
+    (["quant=pt2e_xnnpack_static", ALLOW_STATIC, "quant.calibration.text_file=/no/such/text.txt"],
+     "/no/such/text.txt"),
+    (["quant=pt2e_xnnpack_static"], "SmolLM2-135M loses +831% perplexity"),
+    (["quant=pt2e_coreml_8a_c8w", "backend=coreml", "export.layout=split"], "add quant.allow_static_activations=true"),
 ])
 def test_impossible_pt2e_configs_are_refused_before_any_work(overrides: list[str], says: str) -> None:
-    with pytest.raises(UserError, match=says.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(UserError, match=re.escape(says)):
         checked_config(compose_config(*overrides))
 
 
@@ -57,7 +65,7 @@ def test_a_data_free_quantizer_does_not_read_the_calibration_text() -> None:
 def test_the_converted_graph_quantizes_exactly_the_models_linear_layers(tmp_path: Path) -> None:
     """Every nn.Linear and lm_head (untied from the embedding: the quantizer gives it its own integer copy), and
     nothing else: not RoPE's rotation, not the norms or residual adds XNNPACK's quantizer would also take."""
-    eager, ctx = run_stages(compose_config("quant=pt2e_xnnpack_static", "validate=false"), tmp_path,
+    eager, ctx = run_stages(compose_config("quant=pt2e_xnnpack_static", ALLOW_STATIC, "validate=false"), tmp_path,
                             stop_after="pt2e")
     linears = [n for n, m in eager.model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert "lm_head" in linears

@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from exporters.quant.calibration import CalibrationText
     from models.decoder import CausalLM
 
+# Why static activations are refused (measured 2026-11-27, docs/quality.md): the numbers the refusal quotes.
+FIRST_TOKEN_PEAK = "layer 11's down_proj input peaks at 2864 at position 0, 16 at every other position"
+STATIC_REMEDY = ("an NPU that needs static activations wants 16-bit ones (Qualcomm's QNN recipe, 16a4w), a backend "
+                 "this tool does not export to yet.")
+
 # Single-token calls at the end of each calibration window: the decode method's inputs, after its prompt.
 DECODE_STEPS = 16
 Activations = Literal["static", "dynamic", "none"]
@@ -189,6 +194,15 @@ def check_pt2e(quant: QuantConfig, backend: BackendConfig, adapters: list[str]) 
             f"quant.pt2e={quant.pt2e} with model.adapters: each adapter's methods are captured with that adapter "
             f"switched on in the eager model, and a PT2E graph has no switch. Use a torchao scheme "
             f"(quant=8da4w, quant=8da8w) for a program with adapters.")
+    if recipe.calibrated and not quant.allow_static_activations:
+        raise UserError(
+            f"quant.pt2e={quant.pt2e} gives every linear's input one int8 scale per tensor, and in a decoder LLM "
+            f"that scale is set by the first token's massive activation (SmolLM2-135M: {FIRST_TOKEN_PEAK}): measured "
+            f"on unseen text, SmolLM2-135M loses +831% perplexity, +165% with quant.rotation=hadamard "
+            f"quant.online_hadamard=true (docs/quality.md#pt2e-the-backends-own-quantizers). For int8 activations use "
+            f"quant=pt2e_xnnpack_dynamic (+1.4%) or quant=8da8w (+2.3%), one scale per token at run time; "
+            f"{STATIC_REMEDY} To export it anyway (to study it, or to start quantization-aware training from it), "
+            f"add quant.allow_static_activations=true.")
     if recipe.calibrated:
         check_calibration(quant.calibration)
 
