@@ -207,6 +207,9 @@ class ValidationReport:
     baseline_perplexity: float  # of the unquantized model, as loaded
     baseline_dtype: str  # the dtype it was scored in: the checkpoint's (fp32, or bf16 for a bf16 checkpoint)
     forward_kl: float | None  # KL(prefill || forward) on the first prompt, when both exist
+    # Most KL over the first window of token_embedding -> text_decoder against the prompt and step methods, when both
+    # paths exist (a vision-language program's text, as ExecuTorch's MultimodalRunner drives it).
+    text_decoder_kl: float | None = None
     tolerance: dict[str, float] = field(default_factory=dict)
     # The dtype the delegate computed in when its device chose one coarser than the program's (OpenVINO's CPU
     # plugin on a CPU with bf16 units): the tolerance is then the looser of the quant option's and that dtype's.

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -23,6 +24,7 @@ from models.decoder import CausalLM
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE
 from models.families import decoder_args
+from models.vision import text_tensor_name
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +203,7 @@ def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = 
             model = CausalLM(args)
         if device == "meta":
             return model
-        load_weights(model, ckpt.weight_files)
+        load_weights(model, ckpt.weight_files, rename=functools.partial(text_tensor_name, ckpt.hf_config))
         model.init_buffers()
         return model.eval()
     torch.manual_seed(seed)
@@ -219,8 +221,9 @@ def stored_bytes(ckpt: Checkpoint, model: CausalLM) -> int:
     return model.parameter_count() * RANDOM_INIT_DTYPE.itemsize
 
 
-def load_weights(model: CausalLM, files: list[Path]) -> None:
-    """Stream tensors file by file into a meta-device model, checking names and shapes."""
+def load_weights(model: CausalLM, files: list[Path], rename: Callable[[str], str | None] = lambda name: name) -> None:
+    """Stream tensors file by file into a meta-device model, checking names and shapes. ``rename``: the model's name
+    for a checkpoint tensor, None for one another component reads (a vision-language checkpoint's vision tower)."""
     from safetensors import SafetensorError, safe_open
 
     expected = {name: p for name, p in model.state_dict(keep_vars=True).items()}
@@ -230,22 +233,23 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
     for file in files:
         try:
             with safe_open(str(file), framework="pt", backend="mmap") as fh:
-                for name in fh.keys():
-                    if name.endswith(IGNORED_TENSOR_SUFFIXES) or (tied and name == "lm_head.weight"):
-                        continue  # recomputed, or shared with the embedding
+                for stored in fh.keys():
+                    name = rename(stored)
+                    if name is None or name.endswith(IGNORED_TENSOR_SUFFIXES) or (tied and name == "lm_head.weight"):
+                        continue  # another component's, recomputed, or shared with the embedding
                     if name not in expected:
-                        unexpected.append(name)
+                        unexpected.append(stored)
                         continue
                     want = expected[name]
-                    tensor = fh.get_tensor(name)
+                    tensor = fh.get_tensor(stored)
                     if tuple(tensor.shape) != tuple(want.shape):
                         raise ModelError(
-                            f"{file}: tensor {name} has shape {tuple(tensor.shape)}, but config.json implies "
+                            f"{file}: tensor {stored} has shape {tuple(tensor.shape)}, but config.json implies "
                             f"{tuple(want.shape)}. The weights and config.json come from different models."
                         )
                     if not tensor.is_floating_point():
                         raise ModelError(
-                            f"{file}: tensor {name} is {tensor.dtype}; this loader reads floating-point weights. "
+                            f"{file}: tensor {stored} is {tensor.dtype}; this loader reads floating-point weights. "
                             "Pre-quantized checkpoints (GPTQ, AWQ, bitsandbytes) are not supported: export from the "
                             "original bf16/fp16/fp32 checkpoint and pick a quant option instead."
                         )

@@ -444,6 +444,7 @@ class CausalLM(nn.Module):
         # True while lm_head and the embedding are one unquantized matrix (exporters.quant.tied decides it).
         self.tied_head = args.tie_word_embeddings
         self.every_position = False  # forward's default for full_logits (logits_of_every_position)
+        self.embeddings_out = False  # forward returns the tokens' embeddings (returns_token_embeddings)
         self.head_ids: torch.Tensor | None = None  # the token of each logit, when lm_head scores a few (score_only)
         # quant.rotation kept the tied embedding unrotated: the residual stream is rotated after the embedding and
         # back before the final norm (exporters.quant.rotation).
@@ -538,11 +539,17 @@ class CausalLM(nn.Module):
             for attn, cache in zip(attentions, kept):
                 attn.kv_cache = cache
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Hidden states [1, T, hidden] of ``tokens`` [1, T], before the first layer."""
+    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embeddings [1, T, hidden] of ``tokens`` [1, T], scaled as the family scales them: what a
+        vision-language model's image features stand beside (``text_decoder`` takes either)."""
         h = self.model.embed_tokens(tokens)
         if self.args.embed_scale is not None:  # rounded to the activation dtype first, as transformers does
             h = h * self.embed_scale[h.dtype]
+        return h
+
+    def embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Hidden states [1, T, hidden] before the first layer, of tokens [1, T] or of embeddings [1, T, hidden]."""
+        h = inputs if inputs.is_floating_point() else self.token_embeddings(inputs)
         return rotated(self.embed_rotation, h)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
@@ -577,9 +584,24 @@ class CausalLM(nn.Module):
         finally:
             self.every_position = False
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, full_logits: bool | None = None) -> torch.Tensor:
+    @contextmanager
+    def returns_token_embeddings(self) -> Iterator[None]:
+        """Within this block ``forward(tokens)`` returns :meth:`token_embeddings`: how the ``token_embedding`` method
+        is captured from the same module (its table is the decoder's, stored once)."""
+        self.embeddings_out = True
+        try:
+            yield
+        finally:
+            self.embeddings_out = False
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
+                full_logits: bool | None = None) -> torch.Tensor:
         """Logits of the last token [1, V] (of every position [1, T, V] with ``full_logits``; None: as
-        :meth:`logits_of_every_position` says) for ``tokens`` [1, T] placed at ``input_pos``.."""
+        :meth:`logits_of_every_position` says) for ``tokens`` [1, T], or their embeddings [1, T, hidden] (a
+        vision-language prompt's), placed at ``input_pos``.."""
+        if self.embeddings_out:
+            return self.token_embeddings(tokens)
+        assert input_pos is not None, "the decoder needs the position of the first token"
         if full_logits is None:
             full_logits = self.every_position
         seq_len = tokens.shape[1]

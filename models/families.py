@@ -15,6 +15,7 @@ import torch
 
 from models.decoder import DecoderArgs, RopeTable
 from models.errors import ModelError
+from models.vision import language_config
 
 
 def rope_table(hf_config: Any, layer_type: str | None = None) -> RopeTable:
@@ -74,7 +75,9 @@ def check_family(name: str | None) -> None:
 
 
 def family_of_config(hf_config: Any) -> Family | None:
-    """The family of ``config.json``'s ``architectures`` entry, else of its ``model_type``."""
+    """The family of ``config.json``'s ``architectures`` entry, else of its ``model_type``; of a vision-language
+    checkpoint, its text decoder's (``models.vision``)."""
+    hf_config = language_config(hf_config)
     archs = list(getattr(hf_config, "architectures", None) or [])
     by_arch = next((f for arch in archs for f in FAMILIES.values() if arch in f.architectures), None)
     if by_arch is not None or archs:
@@ -229,7 +232,7 @@ def decoder_args(hf_config: Any, max_context_len: int, source: str, family: str 
             f"{source}: model={family} expects {' or '.join(FAMILIES[family].architectures)}, but this checkpoint "
             f"is {found.architectures[0]}. Use model={found.name}, or model=hf to pick the family from config.json."
         )
-    cfg = hf_config
+    cfg = language_config(hf_config)
     common = {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -126,25 +126,31 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: dict[str, Any] | None = Non
     The training runs once per recipe: its files are kept in :func:`cache_dir` and copied from there (every tiny
     export and sweep job would otherwise train again, most of a tiny export's time).
     """
+    key = recipe_key(arch=arch or {}, seed=seed, family=family, train_steps=train_steps, tokenizer=tokenizer)
+    return built_once(key, lambda out: _train_tiny_checkpoint(out, arch, seed, family, train_steps, tokenizer),
+                      Path(out_dir))
+
+
+def built_once(key: str, build: Callable[[Path], Path], out: Path) -> Path:
+    """``build(folder)``'s files copied to ``out``, built once per ``key`` (:func:`recipe_key`) into :func:`cache_dir`
+    (complete or absent: a reader never sees half a checkpoint); without a writable cache, built into ``out``."""
     from filelock import FileLock
 
-    key = recipe_key(arch=arch or {}, seed=seed, family=family, train_steps=train_steps, tokenizer=tokenizer)
     cache = cache_dir()
     cached = cache / key
-    out = Path(out_dir)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         with FileLock(str(cache / f"{key}.lock")):
             if not cached.is_dir():
                 staging = Path(tempfile.mkdtemp(dir=cache, prefix=f".{key}."))
                 try:
-                    _train_tiny_checkpoint(staging, arch, seed, family, train_steps, tokenizer)
+                    build(staging)
                 except BaseException:
                     shutil.rmtree(staging, ignore_errors=True)
                     raise
-                os.replace(staging, cached)  # complete or absent: a reader never sees half a checkpoint
-    except OSError:  # no writable cache (a read-only home): train into the run folder itself
-        return _train_tiny_checkpoint(out, arch, seed, family, train_steps, tokenizer)
+                os.replace(staging, cached)
+    except OSError:  # no writable cache (a read-only home): build into the run folder itself
+        return build(out)
     shutil.copytree(cached, out, dirs_exist_ok=True)
     return out
 

@@ -96,16 +96,21 @@ class Layout:
         return [runner.outcome(names, dynamic) for runner in STOCK_RUNNERS]
 
 
+# ExecuTorch's MultimodalRunner finds its methods by these names (extension/llm/runner/constants.h), whatever the
+# layout: the text methods of a vision-language program.
+MULTIMODAL_NAMES = {"token_embedding": "token_embedding", "text_decoder": "text_decoder"}
+
 LAYOUTS: dict[str, Layout] = {
     # Correct in every stock runner above: they run the prompt and the tokens through forward; apps
     # that share the KV cache between methods (Module with share_memory_arenas=true, our generate)
     # run the prompt through prefill and each token through the faster one-token method.
     "stock": Layout("stock", {"prefill": "prefill", "decode": "decode_one_token", "forward": "forward",
-                              "verify": "verify"},
+                              "verify": "verify", **MULTIMODAL_NAMES},
                     "ExecuTorch's stock runners and apps that share memory arenas between methods"),
     # ExecuTorch's two-method naming (prefill/decode). Needs a runtime that shares memory arenas
     # between methods; ExecuTorch 1.5.1's stock runner does not and prints wrong text with it.
-    "split": Layout("split", {"prefill": "prefill", "decode": "decode", "forward": "forward", "verify": "verify"},
+    "split": Layout("split", {"prefill": "prefill", "decode": "decode", "forward": "forward", "verify": "verify",
+                              **MULTIMODAL_NAMES},
                     f"apps whose runtime shares memory arenas between methods (not ExecuTorch {EXECUTORCH}'s stock runner)"),
 }
 

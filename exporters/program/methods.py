@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import torch
 from torch.export import Dim
@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from exporters.config import BackendConfig, DraftConfig, ExportSection, QuantConfig
 
 
+MethodInput = Literal["tokens", "embeddings"]
+MethodOutput = Literal["logits", "embeddings"]
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """What a method computes and how many tokens a call takes: plain data, decided once in the export plan."""
@@ -36,17 +40,34 @@ class MethodSpec:
     # The logits of every position [1, T, V] (verify), else of the last one [1, V]: captured within the model's
     # logits_of_every_position, so the method's inputs stay the tokens and the position.
     full_logits: bool = False
+    # What a call takes and gives (a vision-language program's methods, as ExecuTorch's MultimodalRunner calls them):
+    # token_embedding takes tokens alone and gives their embeddings [1, T, hidden]; text_decoder takes embeddings
+    # [1, T, hidden] (of text or of an image) and a position.
+    takes: MethodInput = "tokens"
+    gives: MethodOutput = "logits"
 
     @property
-    def example_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # A dynamic method's example has 2 tokens: 1 would let torch.export specialise the dimension to a constant.
-        return _inputs(min(2, self.max_tokens) if self.dynamic else self.max_tokens)
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        """Example inputs of a method that takes tokens (:meth:`inputs_for` is every method's)."""
+        assert self.takes == "tokens", f"{self.kind} takes {self.takes}: use inputs_for(hidden_size, dtype)"
+        return self.inputs_for(0, torch.float32)
+
+    def inputs_for(self, hidden_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Example inputs for ``torch.export``: a dynamic method's have 2 tokens (1 would let torch.export specialise
+        the dimension to a constant); embeddings are ``hidden_size`` wide in the decoder's activation ``dtype``."""
+        n = min(2, self.max_tokens) if self.dynamic else self.max_tokens
+        position = torch.tensor([0], dtype=torch.int64)
+        if self.takes == "embeddings":
+            return torch.zeros(1, n, hidden_size, dtype=dtype), position
+        tokens = torch.zeros(1, n, dtype=torch.int64)
+        return (tokens,) if self.gives == "embeddings" else (tokens, position)
 
     @property
     def dynamic_shapes(self) -> Any:
         if not self.dynamic:
             return None
-        return ({1: Dim("num_tokens", min=self.min_tokens, max=self.max_tokens)}, None)
+        tokens = {1: Dim("num_tokens", min=self.min_tokens, max=self.max_tokens)}
+        return (tokens,) if self.gives == "embeddings" else (tokens, None)
 
     @property
     def shape(self) -> "MethodShape":
@@ -60,10 +81,6 @@ class MethodShape:
     kind: str
     min_tokens: int
     max_tokens: int
-
-
-def _inputs(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(1, num_tokens, dtype=torch.int64), torch.tensor([0], dtype=torch.int64)
 
 
 def _many_tokens(kind: str, lengths: Lengths) -> MethodSpec:
@@ -97,12 +114,27 @@ def verify(lengths: Lengths) -> MethodSpec:
     return MethodSpec("verify", 2 if dynamic else most, most, dynamic, full_logits=True)
 
 
+def token_embedding(lengths: Lengths) -> MethodSpec:
+    """ExecuTorch's MultimodalRunner: the embeddings of a text segment (any length up to a call) or of one token."""
+    return MethodSpec("token_embedding", 1, lengths.call_tokens, True, gives="embeddings")
+
+
+def text_decoder(lengths: Lengths) -> MethodSpec:
+    """ExecuTorch's MultimodalRunner: the decoder on embeddings (a text segment's, an image's, or one token's) placed
+    at a position, the last position's logits out; the KV cache is the other methods' (shared by buffer name)."""
+    return MethodSpec("text_decoder", 1, lengths.call_tokens, True, takes="embeddings")
+
+
 METHOD_KINDS: dict[str, Callable[[Lengths], MethodSpec]] = {
     "prefill": prefill,
     "decode": decode,
     "forward": forward,
     "verify": verify,
+    "token_embedding": token_embedding,
+    "text_decoder": text_decoder,
 }
+#: The methods ExecuTorch's MultimodalRunner calls on the decoder (named so in every layout).
+MULTIMODAL_METHODS = ("token_embedding", "text_decoder")
 
 
 def with_verify(kinds: Sequence[str], draft: DraftConfig) -> list[str]:
@@ -124,7 +156,8 @@ def same_graph_aliases(specs: dict[str, MethodSpec], adapter_of: dict[str, str |
     first: dict[tuple[Any, ...], str] = {}
     aliases = {}
     for name, spec in specs.items():
-        key = (adapter_of.get(name), spec.min_tokens, spec.max_tokens, spec.dynamic, spec.full_logits)
+        key = (adapter_of.get(name), spec.min_tokens, spec.max_tokens, spec.dynamic, spec.full_logits, spec.takes,
+               spec.gives)
         if key in first:
             aliases[name] = first[key]
         else:
@@ -218,6 +251,22 @@ def check_methods(ex: ExportSection, backend: BackendConfig, lengths: Lengths, d
             "export.max_context_len=null (the cache is then max_seq_len long)."
         )
     check_layout(ex.layout, ex.methods, backend.dynamic_shapes)
+    multimodal = [m for m in ex.methods if m in MULTIMODAL_METHODS]
+    if multimodal and not backend.dynamic_shapes:
+        raise UserError(
+            f"export.methods has {', '.join(multimodal)} and backend={backend.name} exports fixed-size calls: "
+            "ExecuTorch's MultimodalRunner feeds each text segment or image in one call of its own length, and each "
+            f"new token alone. Use a backend with dynamic shapes (xnnpack, portable), or leave {' and '.join(multimodal)} "
+            "out of export.methods.")
+    if multimodal and quant.pt2e is not None:
+        raise UserError(
+            f"export.methods has {', '.join(multimodal)} and quant.pt2e={quant.pt2e}: the backend's quantizer converts "
+            "the prompt method's graph, which takes tokens, and text_decoder takes embeddings. Use a torchao scheme "
+            "(quant=8da4w, ...) for a vision-language program.")
+    if len(multimodal) == 1:
+        missing = next(m for m in MULTIMODAL_METHODS if m not in multimodal)
+        raise UserError(f"export.methods has {multimodal[0]} without {missing}: ExecuTorch's MultimodalRunner needs "
+                        f"both (token_embedding gives text_decoder its embeddings). Add {missing} to export.methods.")
     most = lengths.call_tokens
     if not backend.dynamic_shapes and not (1 <= ex.prefill_chunk <= most):
         raise UserError(f"export.prefill_chunk={ex.prefill_chunk} must be between 1 and {most} "

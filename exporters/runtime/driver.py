@@ -33,11 +33,17 @@ class MethodRoles:
     verify: str | None = None  # checks speculative proposals: every position's logits
     verify_tokens: int = 0  # the most tokens one verify call takes (the last accepted one and the proposals)
     verify_min_tokens: int = 0  # the fewest (verify_tokens: a static shape, short proposals are padded)
+    # token_embedding, when prompt and step are text_decoder: each call's tokens go through it first (how
+    # ExecuTorch's MultimodalRunner drives a vision-language program's text).
+    embed: str | None = None
 
     @staticmethod
     def choose(methods: dict[str, MethodShape]) -> "MethodRoles":
-        """Prompt: prefill, else forward, else the one-token method; step: decode, else a dynamic prompt method."""
+        """Prompt: prefill, else forward, else the one-token method; step: decode, else a dynamic prompt method;
+        a program with none of them but token_embedding and text_decoder: those two (:meth:`through_embeddings`)."""
         by_kind = {shape.kind: name for name, shape in methods.items()}
+        if not {"prefill", "decode", "forward"} & by_kind.keys() and {"token_embedding", "text_decoder"} <= by_kind.keys():
+            return MethodRoles.through_embeddings(methods)
         step = next((by_kind[k] for k in ("decode", "forward", "prefill")
                      if k in by_kind and methods[by_kind[k]].min_tokens == 1), None)
         if step is None:
@@ -49,6 +55,13 @@ class MethodRoles:
         verify = by_kind.get("verify")
         bounds = (methods[verify].max_tokens, methods[verify].min_tokens) if verify else (0, 0)
         return MethodRoles(prompt, step, 0, False, verify, *bounds).with_prompt(prompt, methods[prompt])
+
+    @staticmethod
+    def through_embeddings(methods: dict[str, MethodShape]) -> "MethodRoles":
+        """The prompt and each token through token_embedding, then text_decoder."""
+        by_kind = {shape.kind: name for name, shape in methods.items()}
+        decoder = by_kind["text_decoder"]
+        return MethodRoles(decoder, decoder, methods[decoder].max_tokens, False, embed=by_kind["token_embedding"])
 
     def with_prompt(self, name: str, shape: MethodShape) -> "MethodRoles":
         """The same roles with another method for the prompt."""
@@ -119,7 +132,7 @@ class Driver:
         """Load the prompt and step methods now, so that no timed call pays for loading them."""
         load = getattr(self.program, "load", None)  # LoadedProgram loads lazily; captured programs need not
         if load is not None:
-            load(self.roles.prompt, self.roles.step)
+            load(self.roles.prompt, self.roles.step, *([self.roles.embed] if self.roles.embed else []))
 
     def prefill(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Logits after the last of ``tokens`` [1, T] placed at ``start``..: whole calls of the prompt
@@ -128,7 +141,7 @@ class Driver:
         length, pos, logits = tokens.shape[1], 0, None
         while length - pos >= (r.prompt_max_tokens if r.prompt_fixed else 1):
             n = r.prompt_max_tokens if r.prompt_fixed else min(r.prompt_max_tokens, length - pos)
-            logits = self.program.run(r.prompt, tokens[:, pos:pos + n], self._positions(start + pos, n))[0]
+            logits = self._call(r.prompt, tokens[:, pos:pos + n], start + pos)
             pos += n
         for p in range(pos, length):
             logits = self.decode_one_token(tokens[:, p:p + 1], start + p)
@@ -146,5 +159,9 @@ class Driver:
     def decode_one_token(self, token: torch.Tensor | int, position: int) -> torch.Tensor:
         """Logits after one token [1, 1] at ``position``. -> [1, V]"""
         tokens = torch.tensor([[token]]) if isinstance(token, int) else token.reshape(1, 1)
-        logits = self.program.run(self.roles.step, tokens, self._positions(position, 1))[0]
-        return logits.reshape(1, -1)
+        return self._call(self.roles.step, tokens, position).reshape(1, -1)
+
+    def _call(self, method: str, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """``method`` on ``tokens`` [1, T] (on their embeddings, through ``roles.embed``) placed at ``start``."""
+        inputs = tokens if self.roles.embed is None else self.program.run(self.roles.embed, tokens)[0]
+        return self.program.run(method, inputs, self._positions(start, tokens.shape[1]))[0]

@@ -26,11 +26,14 @@ def _tensor_spec(value: Any, name: str, dim_name: str) -> TensorSpec:
     return TensorSpec(name=name, shape=shape, dtype=str(value.dtype).removeprefix("torch."))
 
 
-def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens") -> Signature:
-    """Input and output shapes/dtypes of a captured method; the dynamic token dim appears as ``dim_name``."""
+def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens",
+              embeddings_in: bool = False) -> Signature:
+    """Input and output shapes/dtypes of a captured method; the dynamic token dim appears as ``dim_name``.
+    ``embeddings_in``: its first input is embeddings (text_decoder), named so whatever the module calls it."""
     sig = program.graph_signature
     nodes = {n.name: n for n in program.graph.nodes}
-    inputs = [_tensor_spec(nodes[name].meta["val"], name, dim_name) for name in sig.user_inputs]
+    inputs = [_tensor_spec(nodes[name].meta["val"], "embeddings" if embeddings_in and i == 0 else name, dim_name)
+              for i, name in enumerate(sig.user_inputs)]
     output_node = next(n for n in program.graph.nodes if n.op == "output")
     outputs = output_node.args[0]
     user_outputs = [o for o in outputs[len(outputs) - len(sig.user_outputs):]]
@@ -70,9 +73,10 @@ class CaptureStage(Stage):
             if name in table.component_of:  # another component's method: from its own model
                 module = others[table.component_of[name]]
             every = model.logits_of_every_position() if spec.full_logits else contextlib.nullcontext()
-            with torch.no_grad(), active_adapter(model, adapter_of[name]), every:
-                return torch.export.export(module, spec.example_inputs, dynamic_shapes=spec.dynamic_shapes,
-                                           strict=False)
+            embeds = model.returns_token_embeddings() if spec.gives == "embeddings" else contextlib.nullcontext()
+            inputs = spec.inputs_for(model.args.hidden_size, model.activation_dtype())
+            with torch.no_grad(), active_adapter(model, adapter_of[name]), every, embeds:
+                return torch.export.export(module, inputs, dynamic_shapes=spec.dynamic_shapes, strict=False)
 
         def capture_all(module: torch.nn.Module = source) -> dict[str, torch.export.ExportedProgram]:
             return {name: capture(name, spec, module) for name, spec in specs.items() if name not in aliases}
@@ -80,7 +84,7 @@ class CaptureStage(Stage):
         programs = capture_all()
         for program in programs.values():
             share_activation_quantization(program)
-        signatures = {name: signature(p) for name, p in programs.items()}
+        signatures = {name: signature(p, embeddings_in=specs[name].takes == "embeddings") for name, p in programs.items()}
         # Backends this host's runtime cannot execute are validated on a second, untouched capture (lowering
         # rewrites the programs it is given).
         undelegated = capture_all(reference) if self.plan.keep_undelegated else None

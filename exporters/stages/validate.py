@@ -40,6 +40,9 @@ class Predictions:
     eager: list[torch.Tensor]
     program: list[torch.Tensor]
     forward_kl: float | None
+    # token_embedding -> text_decoder (ExecuTorch's MultimodalRunner's path) over the first window against the prompt
+    # and step methods, when the program has both paths.
+    text_decoder_kl: float | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,19 @@ def forward_against_prefill(program: LoadedProgram | CapturedPrograms, roles: Me
     return float(Agreement.of(*by_method).kl.max())
 
 
+def text_decoder_against_prompt_methods(program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
+                                        specs: dict[str, MethodSpec], text: TextWindows,
+                                        theirs: torch.Tensor) -> float | None:
+    """token_embedding then text_decoder over the first window (the prompt at once, then each token: how
+    ExecuTorch's MultimodalRunner drives the text), against ``theirs``, the prompt and step methods' predictions."""
+    shapes = {name: spec.shape for name, spec in specs.items()}
+    kinds = {shape.kind for shape in shapes.values()}
+    if roles.embed is not None or not {"token_embedding", "text_decoder"} <= kinds:
+        return None
+    pair = Driver(program, MethodRoles.through_embeddings(shapes))
+    return float(Agreement.of(theirs, program_predictions(pair, text.windows[0], text.prompt_tokens)).kl.max())
+
+
 def driven(program: LoadedProgram | CapturedPrograms, roles: MethodRoles, text: TextWindows,
            side: str) -> list[torch.Tensor]:
     """Every window through ``program``'s methods, as generation drives them."""
@@ -119,8 +135,9 @@ def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, role
         # The undelegated programs standing in for a delegate that cannot run here may be the eager side itself.
         ours = eager if program is eager_graphs else driven(program, roles, text, side)
         forward_kl = forward_against_prefill(program, roles, specs, text)
+        text_decoder_kl = text_decoder_against_prompt_methods(program, roles, specs, text, ours[0])
     model.reset_cache()
-    return Predictions(eager, ours, forward_kl)
+    return Predictions(eager, ours, forward_kl, text_decoder_kl)
 
 
 #: Greedy tokens the speculative check generates each way (plain and lookup-speculative) from the first prompt.
@@ -192,7 +209,7 @@ def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms
         margin_there=None if diverged is None else margins[diverged], tie_factor=TIE_FACTOR)
 
 
-def judge(scores: Scores, forward_kl: float | None, t: Tolerance,
+def judge(scores: Scores, found: Predictions, t: Tolerance,
           speculative: SpeculativeCheck | None = None) -> list[str]:
     """Each measure outside its tolerance, with its value and limit (empty: the program passes)."""
     return [
@@ -206,12 +223,14 @@ def judge(scores: Scores, forward_kl: float | None, t: Tolerance,
         *([f"top-1 agreement {scores.top1:.1%} < {t.min_top1:.0%}"] if scores.top1 < t.min_top1 else []),
         *([f"perplexity {scores.perplexity:.4g} > eager {scores.eager_perplexity:.4g} x (1 + {t.max_ppl_drift:.3g})"]
           if scores.perplexity > scores.eager_perplexity * (1 + t.max_ppl_drift) else []),
-        *([f"forward differs from prefill: KL {forward_kl:.3g} > {t.max_kl:.3g}"]
-          if forward_kl is not None and forward_kl > t.max_kl else []),
+        *([f"forward differs from prefill: KL {found.forward_kl:.3g} > {t.max_kl:.3g}"]
+          if found.forward_kl is not None and found.forward_kl > t.max_kl else []),
+        *([f"token_embedding -> text_decoder differs from {'the prompt and step methods'}: KL {found.text_decoder_kl:.3g} > "
+           f"{t.max_kl:.3g}"] if found.text_decoder_kl is not None and found.text_decoder_kl > t.max_kl else []),
     ]
 
 
-def report(scores: Scores, failures: list[str], forward_kl: float | None, roles: MethodRoles, checked: Checked,
+def report(scores: Scores, failures: list[str], found: Predictions, roles: MethodRoles, checked: Checked,
            baseline: BaselineQuality, t: Tolerance, runs_in: DType | None = None,
            adapter: str | None = None, eager_kv_dtype: str | None = None,
            speculative: SpeculativeCheck | None = None, component: str | None = None) -> ValidationReport:
@@ -223,7 +242,10 @@ def report(scores: Scores, failures: list[str], forward_kl: float | None, roles:
         checked=checked,
         text=text.source,
         methods={"prompt": roles.prompt, "step": roles.step,
-                 "forward": "checked against prefill" if forward_kl is not None else None},
+                 "forward": "checked against prefill" if found.forward_kl is not None else None,
+                 **({"embeddings": roles.embed} if roles.embed else {}),
+                 **({"text_decoder": "token_embedding -> text_decoder checked against prompt and step"}
+                    if found.text_decoder_kl is not None else {})},
         windows=len(text.windows),
         prompt_tokens=text.prompt_tokens,
         scored_tokens=scores.scored,
@@ -238,7 +260,8 @@ def report(scores: Scores, failures: list[str], forward_kl: float | None, roles:
         baseline_perplexity=(baseline.perplexity_of(adapter) if component is None
                              else baseline.perplexity_of_component(component)),
         baseline_dtype=baseline.dtype,
-        forward_kl=forward_kl,
+        forward_kl=found.forward_kl,
+        text_decoder_kl=found.text_decoder_kl,
         tolerance={"max_kl": t.max_kl, "min_top1": t.min_top1, "max_ppl_drift": t.max_ppl_drift},
         runs_in=str(runs_in) if runs_in is not None else None,
         per_window=scores.per_window,
@@ -272,8 +295,8 @@ class ValidateStage(Stage):
             found = predictions(component_model, program, roles, specs, ctx.baseline.text, side=name)
             scores = Scores.of(found, ctx.baseline.text, component_model.head_ids)
             tolerance = plan.component_tolerance[name]
-            failures = judge(scores, found.forward_kl, tolerance)
-            ctx.component_validation[name] = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline,
+            failures = judge(scores, found, tolerance)
+            ctx.component_validation[name] = report(scores, failures, found, roles, checked, ctx.baseline,
                                                     tolerance, plan.runs_in, component=name)
             others[name] = roles
             log.info("  validate: %s %s", name, "passed" if not failures else "FAILED")
@@ -287,8 +310,8 @@ class ValidateStage(Stage):
                                              self.plan.lengths.context, others[draft.name] if draft else None,
                                              written.components[draft.name].head_ids if draft else None)
                            if roles.verify else None)
-            failures = judge(scores, found.forward_kl, plan.tolerance, speculative)
-            verdict = report(scores, failures, found.forward_kl, roles, checked, ctx.baseline, plan.tolerance,
+            failures = judge(scores, found, plan.tolerance, speculative)
+            verdict = report(scores, failures, found, roles, checked, ctx.baseline, plan.tolerance,
                              plan.runs_in, adapter, str(plan.eager_kv_dtype) if plan.eager_kv_dtype else None,
                              speculative)
             if adapter is None:

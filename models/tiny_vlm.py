@@ -1,0 +1,116 @@
+"""Tiny vision-language checkpoints, built offline by transformers' own classes: the fixtures of issue 42's tests.
+
+No vision-language weights ship in a pip package, so each family (``models.vision.VISION_LANGUAGE``) is built
+here from a small config, with the tiny text tokenizer plus the family's image tokens and a processor saved beside
+it, as the hub's checkpoints are. The text side is fitted to the corpus for a few seconds (peaked logits, as for
+the text fixtures); the vision side keeps its seeded random weights. Every family makes 4 embedding positions per
+image. Built once per recipe and cached (``models.tiny.built_once``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from models.tiny import BOS_ID, CORPUS, EOS_ID, built_once, fit_to_corpus, recipe_key, train_tokenizer
+
+TEXT_VOCAB = 384
+TEXT_ARCH: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2}
+VISION_ARCH: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                               "num_attention_heads": 2}
+IMAGE_TOKENS = 4  # embedding positions per image, every family below
+
+
+def _tokenizer(special: dict[str, str]) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(TEXT_VOCAB), bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<unk>", extra_special_tokens=special)
+
+
+def _llava() -> tuple[Any, Any]:
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor
+
+    tok = _tokenizer({"image_token": "<image>"})
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(**VISION_ARCH, image_size=28, patch_size=14, projection_dim=32),
+        text_config=LlamaConfig(**TEXT_ARCH, vocab_size=len(tok), bos_token_id=BOS_ID, eos_token_id=EOS_ID),
+        image_token_index=tok.image_token_id, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        image_seq_length=IMAGE_TOKENS, architectures=["LlavaForConditionalGeneration"])
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 28},
+                                                                   crop_size={"height": 28, "width": 28}),
+                               tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1)
+    return config, processor
+
+
+def _gemma3() -> tuple[Any, Any]:
+    from transformers import (Gemma3Config, Gemma3ImageProcessor, Gemma3Processor, Gemma3TextConfig,
+                              SiglipVisionConfig)
+
+    tok = _tokenizer({"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+                      "eoi_token": "<end_of_image>"})
+    config = Gemma3Config(
+        vision_config=SiglipVisionConfig(**VISION_ARCH, image_size=56, patch_size=14, vision_use_head=False),
+        text_config=Gemma3TextConfig(**TEXT_ARCH, head_dim=16, vocab_size=len(tok), sliding_window=16,
+                                     bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=0),
+        mm_tokens_per_image=IMAGE_TOKENS, image_token_index=tok.image_token_id, boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.eoi_token_id, architectures=["Gemma3ForConditionalGeneration"])
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 56, "width": 56}),
+                                tokenizer=tok, image_seq_length=IMAGE_TOKENS)
+    return config, processor
+
+
+def _idefics3() -> tuple[Any, Any]:
+    from transformers import (Idefics3Config, Idefics3ImageProcessor, Idefics3Processor, Idefics3VisionConfig,
+                              LlamaConfig)
+
+    tok = _tokenizer({"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                      "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"})
+    config = Idefics3Config(
+        vision_config=Idefics3VisionConfig(**VISION_ARCH, image_size=32, patch_size=8),
+        text_config=LlamaConfig(**TEXT_ARCH, vocab_size=len(tok), bos_token_id=BOS_ID, eos_token_id=EOS_ID),
+        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"),
+        architectures=["Idefics3ForConditionalGeneration"])
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessor(do_image_splitting=False, size={"longest_edge": 32},
+                                               max_image_size={"longest_edge": 32}),
+        tokenizer=tok, image_seq_len=IMAGE_TOKENS)
+    return config, processor
+
+
+#: family (``models.vision.VisionLanguage.name``) -> its tiny config and processor.
+TINY_VLM: dict[str, Callable[[], tuple[Any, Any]]] = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3}
+
+
+def write_tiny_vlm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, train_steps: int = 100) -> Path:
+    """A seeded tiny vision-language checkpoint of ``family`` in ``out_dir``: ``config.json``, ``model.safetensors``,
+    the tokenizer with the image tokens, the processor's files, ``generation_config.json``."""
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    key = recipe_key(vlm=family, seed=seed, train_steps=train_steps, code=code)
+    return built_once(key, lambda out: _build(out, family, seed, train_steps), Path(out_dir))
+
+
+def _build(out: Path, family: str, seed: int, train_steps: int) -> Path:
+    import transformers
+    from transformers import GenerationConfig
+
+    config, processor = TINY_VLM[family]()
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    model = getattr(transformers, config.architectures[0])(config)
+    with torch.no_grad():  # Gemma 3's projector starts at zero, which would make every image invisible
+        for name, p in model.named_parameters():
+            if "multi_modal_projector" in name and not p.any():
+                p.normal_(0.0, 0.05)
+    if train_steps:
+        fit_to_corpus(model, processor.tokenizer(CORPUS)["input_ids"], train_steps, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(out)
+    processor.save_pretrained(out)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(out)
+    return out
