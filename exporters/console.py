@@ -82,7 +82,9 @@ def log_export_summary(result: Any) -> None:
     others = "".join(
         f"\n  {name}: {', '.join(c.methods)}; {c.family or 'unknown'} family, {(c.parameters or 0) / 1e6:.1f}M "
         f"parameters, {c.quantization.describe() if c.quantization else 'not quantized'}; {_verdict(c.validation)}"
-        for name, c in m.components.items() if c.kind != "decoder")
+        for name, c in m.components.items() if c.kind != "decoder" and c.vision is None) + "".join(
+        f"\n  {name}: {', '.join(c.methods)}; {c.vision.describe()}, {(c.parameters or 0) / 1e6:.2f}M parameters"
+        for name, c in m.components.items() if c.vision is not None)
     speculative = ("" if validation is None or validation.speculative is None
                    else f"\n  speculative: {validation.speculative.describe()}")
     data = "" if m.data is None else f" + {m.data.file} {m.data.size_bytes / 1e6:.2f} MB (the weights)"

@@ -486,6 +486,45 @@ class HeadVocabularyEntry:
 
 
 @dataclass
+class VisionCheck:
+    """The vision encoder against its own eager model on one image, and an image prompt through the program's
+    text_decoder against the eager decoder on the same embeddings (exporters.stages.vision_check)."""
+
+    passed: bool
+    failures: list[str]
+    image: str  # what was encoded: a seeded image of the processor's normalized pixels
+    max_abs_error: float  # of the image embeddings, program against eager
+    cosine: float  # the least cosine similarity of one position's embedding, program against eager
+    prompt_tokens: int  # text, image positions and text of the image prompt
+    kl_max: float  # the most KL over the prompt's last position and each greedy step after it
+    greedy_tokens: list[int]  # the program's greedy continuation of the image prompt
+    eager_choices: list[int]  # the eager decoder's greedy choice at each step, on the program's tokens
+    tolerance: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class VisionEntry:
+    """What an app needs to give the program an image (the processor's steps, done before vision_encoder)."""
+
+    family: str  # models.vision: llava, gemma3, idefics3
+    image_size: int  # every image resized to image_size x image_size
+    tokens_per_image: int  # embedding positions an image takes in text_decoder
+    image_token_id: int  # the token each image position takes in a prompt (the runner splits the prompt there)
+    image_token: str | None  # its text, as the chat template writes it
+    input: str  # vision_encoder's input: shape, dtype and layout
+    preprocessing: dict[str, Any]  # the processor's rescale factor, mean and std (pixels = (x * rescale - mean) / std)
+    quantization: str  # quant.vision, as applied
+    check: VisionCheck | None = None
+
+    def describe(self) -> str:
+        check = ("not validated" if self.check is None else
+                 f"{'passed' if self.check.passed else 'FAILED'} (embeddings cosine {self.check.cosine:.4f}, image "
+                 f"prompt KL {self.check.kl_max:.2g})")
+        return (f"{self.family}, {self.image_size}x{self.image_size} images to {self.tokens_per_image} positions of "
+                f"token {self.image_token or self.image_token_id}, {self.quantization}; {check}")
+
+
+@dataclass
 class ComponentEntry:
     """One model the program holds (``exporters.plan.Component``): what it is, its methods, its variants, its state."""
 
@@ -501,6 +540,7 @@ class ComponentEntry:
     validation: ValidationReport | None = None
     family: str | None = None
     vocabulary: HeadVocabularyEntry | None = None
+    vision: VisionEntry | None = None  # the vision encoder's
 
 
 @dataclass

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 WEIGHTS_INDEX = "model.safetensors.index.json"
 # Copied next to the program: what the runner and chat templates need.
 TOKENIZER_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                        CHAT_TEMPLATE_FILE)
+                        CHAT_TEMPLATE_FILE, "processor_config.json", "preprocessor_config.json")
 # Buffers some checkpoints carry that this decoder recomputes itself.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 

@@ -11,7 +11,7 @@ and :func:`text_tensor_name`, so the decoder is built and loaded as from a text 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 # Where transformers' vision-language checkpoints keep the text decoder, in every layout it reads: checkpoint
 # prefix -> the prefix our decoder (and a text checkpoint) uses. The longest matching prefix wins.
@@ -31,18 +31,42 @@ class VisionLanguage:
     architectures: tuple[str, ...]
     # Prefixes of the tensors that are not the text decoder's (the vision tower and the projector), every layout.
     vision_prefixes: tuple[str, ...]
-    image_token_key: str  # the config attribute holding the id of the token each image position takes
+    # config -> (S, N): the square every image is resized to, and the embedding positions it takes in the decoder.
+    geometry: Callable[[Any], tuple[int, int]]
+
+    def image_token_id(self, hf_config: Any) -> int:
+        """The token each image position takes in a prompt (the config's, not the processor's: Gemma 3's processor
+        names its begin-of-image token)."""
+        return int(hf_config.image_token_id)
 
 
+def _patches(vision_config: Any) -> int:
+    return (vision_config.image_size // vision_config.patch_size) ** 2
+
+
+def _llava_geometry(cfg: Any) -> tuple[int, int]:
+    """CLIP's patches, plus its class token unless the ``default`` strategy drops it."""
+    extra = 0 if cfg.vision_feature_select_strategy == "default" else 1
+    return cfg.vision_config.image_size, _patches(cfg.vision_config) + extra
+
+
+def _gemma3_geometry(cfg: Any) -> tuple[int, int]:
+    """SigLIP's patches average-pooled to ``mm_tokens_per_image``."""
+    return cfg.vision_config.image_size, int(cfg.mm_tokens_per_image)
+
+
+def _idefics3_geometry(cfg: Any) -> tuple[int, int]:
+    """SigLIP's patches, pixel-shuffled by ``scale_factor`` in each direction."""
+    return cfg.vision_config.image_size, _patches(cfg.vision_config) // cfg.scale_factor**2
+
+
+_TOWER_AND_PROJECTOR = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")
 VISION_LANGUAGE: tuple[VisionLanguage, ...] = (
-    VisionLanguage("llava", ("LlavaForConditionalGeneration",),
-                   ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
-                   "image_token_id"),
-    VisionLanguage("gemma3", ("Gemma3ForConditionalGeneration",),
-                   ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
-                   "image_token_id"),
+    VisionLanguage("llava", ("LlavaForConditionalGeneration",), _TOWER_AND_PROJECTOR, _llava_geometry),
+    VisionLanguage("gemma3", ("Gemma3ForConditionalGeneration",), _TOWER_AND_PROJECTOR, _gemma3_geometry),
     VisionLanguage("idefics3", ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
-                   ("model.vision_model.", "model.connector."), "image_token_id"),
+                   ("model.vision_model.", "model.connector."), _idefics3_geometry),
 )
 
 

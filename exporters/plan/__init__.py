@@ -62,6 +62,16 @@ class ExportPlan:
         return next((c for c in self.components if c.kind == ComponentKind.draft), None)
 
     @property
+    def vision(self) -> Component | None:
+        """A vision-language checkpoint's image encoder (exporters.program.vision), if any."""
+        return next((c for c in self.components if c.kind == ComponentKind.vision_encoder), None)
+
+    @property
+    def language_models(self) -> list[Component]:
+        """The components scored on text (the decoder and a draft; not the vision encoder)."""
+        return [c for c in self.components if c.is_language_model]
+
+    @property
     def methods(self) -> "MethodTable":
         """Every method of the program: the decoder's (its adapters' included), then each other component's."""
         table = self.decoder.methods
@@ -101,6 +111,7 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: boo
     from exporters.program.cache import check_kv_cache
     from exporters.program.draft import check_draft
     from exporters.program.methods import check_methods
+    from exporters.program.vision import check_vision, vision_geometry
     from exporters.program.weights import check_weights
     from exporters.quant.pt2e import check_pt2e
     from exporters.quant.schemes import check_quant
@@ -118,6 +129,7 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: boo
     lengths = Lengths.of_config(cfg)
     check_methods(cfg.export, cfg.backend, lengths, cfg.draft, cfg.quant)
     check_draft(cfg)
+    check_vision(cfg, lengths, vision_geometry(cfg.model), cfg.backend.dynamic_shapes)
     check_kv_cache(cfg.export, cfg.backend, cfg.quant, lengths)
     check_weights(cfg.export, cfg.backend, list(cfg.model.adapters))
     check_validation(cfg.validation, enabled=cfg.validate)
@@ -143,6 +155,7 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
     """The plan of a config that passed :func:`check_config`."""
     from exporters.program.draft import draft_component
     from exporters.program.methods import MethodTable, with_verify
+    from exporters.program.vision import vision_component, vision_geometry, with_multimodal
 
     _closed_sets()
     ex, backend = cfg.export, BackendCapabilities.of(cfg.backend)
@@ -150,14 +163,16 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
     shortcuts = shortcuts_allowed(ex.shortcuts)
     layout = LAYOUTS[ex.layout]
     state = StatePlan(lengths.context, lengths.call_tokens, ex.kv_dtype, ex.attention_sink)
+    geometry = vision_geometry(cfg.model)
     decoder = Component(
         name="decoder", kind=ComponentKind.decoder,
         build=ModelBuild(cfg.model, state, backend.attention),
         quant=QuantPlan(cfg.quant, ex.tied_embedding, shortcuts),
         # Aliases (forward = prefill) are emitted as renamed plans, a shortcut through the emitter's internals.
-        methods=MethodTable.of(with_verify(ex.methods, cfg.draft), layout, lengths, list(cfg.model.adapters),
-                               share_graphs=shortcuts))
+        methods=MethodTable.of(with_multimodal(with_verify(ex.methods, cfg.draft), geometry), layout, lengths,
+                               list(cfg.model.adapters), share_graphs=shortcuts))
     draft = draft_component(cfg.draft, cfg.quant, state, backend.attention, lengths, ex.tied_embedding, shortcuts)
+    vision = vision_component(cfg, geometry, shortcuts)
     pt2e = cfg.quant.pt2e is not None
     validation = None
     if cfg.validate:
@@ -174,7 +189,8 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
                 cfg.validation.int8_kv if quantized_kv else None)})
     return ExportPlan(
         config=cfg, resolved_config=resolved_config, lengths=lengths, backend=backend, layout=layout,
-        weights=ex.weights, components=(decoder,) if draft is None else (decoder, draft), validation=validation,
+        weights=ex.weights, components=tuple(c for c in (decoder, draft, vision) if c is not None),
+        validation=validation,
         bench=cfg.benchmark if bench_runs(cfg, sweeping) else None,
         keep_undelegated=cfg.validate and (pt2e or not backend.runs_here),
         shortcuts=shortcuts, memory_limit_gb=ex.memory_limit_gb, output_name=ex.output_name)

@@ -19,15 +19,17 @@ from exporters.config import (Algorithm, Attention, Choice, KvDType, ModelConfig
 
 if TYPE_CHECKING:
     from exporters.program.methods import MethodTable
+    from exporters.program.vision import VisionBuild
     from models.checkpoint import Checkpoint
     from models.decoder import CausalLM
 
 
 class ComponentKind(Choice):
-    """What a component is; ``vision_encoder`` and ``text_decoder`` (issue 42) are the next values."""
+    """What a component is."""
 
     decoder = "decoder"  # token ids in, logits out, a KV cache: the program's LLM methods
     draft = "draft"  # a smaller decoder with the target's tokenizer proposing tokens for verify (draft.checkpoint)
+    vision_encoder = "vision_encoder"  # an image in, embeddings for the decoder out; no state (exporters.program.vision)
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class Component:
 
     name: str  # also the prefix of its methods' names and of its buffers' (draft_prefill, draft.layers.0...)
     kind: ComponentKind
-    build: ModelBuild
+    build: "ModelBuild | VisionBuild"
     quant: QuantPlan
     methods: MethodTable  # its methods by program name, adapters' included
 
@@ -126,6 +128,11 @@ class Component:
         """The program's main model: its methods are unprefixed and its quantization and validation are the
         manifest's top-level ones."""
         return self.kind == ComponentKind.decoder
+
+    @property
+    def is_language_model(self) -> bool:
+        """Tokens in, logits out, a KV cache (the decoder, a draft): baseline and validation score it on text."""
+        return self.kind != ComponentKind.vision_encoder
 
     @property
     def adapters(self) -> list[str]:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from exporters.config import BackendConfig, DraftConfig, ExportSection, QuantConfig
 
 
-MethodInput = Literal["tokens", "embeddings"]
+MethodInput = Literal["tokens", "embeddings", "pixels"]
 MethodOutput = Literal["logits", "embeddings"]
 
 
@@ -45,6 +45,7 @@ class MethodSpec:
     # [1, T, hidden] (of text or of an image) and a position.
     takes: MethodInput = "tokens"
     gives: MethodOutput = "logits"
+    image_size: int = 0  # vision_encoder: it takes one image [1, 3, image_size, image_size]
 
     @property
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -55,6 +56,8 @@ class MethodSpec:
     def inputs_for(self, hidden_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Example inputs for ``torch.export``: a dynamic method's have 2 tokens (1 would let torch.export specialise
         the dimension to a constant); embeddings are ``hidden_size`` wide in the decoder's activation ``dtype``."""
+        if self.takes == "pixels":
+            return (torch.zeros(1, 3, self.image_size, self.image_size),)
         n = min(2, self.max_tokens) if self.dynamic else self.max_tokens
         position = torch.tensor([0], dtype=torch.int64)
         if self.takes == "embeddings":

@@ -16,6 +16,7 @@ from exporters.manifest import DataFile, Manifest, Signature
 from exporters.program.methods import MethodTable
 from exporters.runtime.quality import TextWindows, perplexity
 from models.decoder import CausalLM
+from models.vision_encoder import VisionEncoder
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,10 @@ class EagerModel:
         return summary(self.model)
 
 
-def summary(model: CausalLM) -> str:
+def summary(model: CausalLM | VisionEncoder) -> str:
     """A model's size and shape in one line."""
+    if isinstance(model, VisionEncoder):
+        return model.describe()
     a = model.args
     params = model.parameter_count()
     return (f"{params / 1e6:.2f}M parameters, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "

@@ -44,7 +44,8 @@ class BaselineStage(Stage):
             model.reset_cache()
             nll[adapter] = windows.nll(logits)
         component_nll, component_tokens = {}, {}
-        for name, other in loaded.components.items():  # the draft, on the same windows
+        for name in (c.name for c in self.plan.language_models if not c.is_decoder):  # the draft, same windows
+            other = loaded.components[name]
             with other.kv_dtype_as(KvDType.fp32):
                 component_nll[name] = windows.nll(window_logits(full_sequence(other), windows), other.head_ids)
             component_tokens[name] = windows.scored(other.head_ids)

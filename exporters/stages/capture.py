@@ -50,8 +50,8 @@ class Prefixed(torch.nn.Module):
         self.component = name
         self.add_module(name, model)
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        return getattr(self, self.component)(tokens, input_pos)
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.component)(*inputs)
 
 
 class CaptureStage(Stage):
@@ -70,10 +70,12 @@ class CaptureStage(Stage):
         reference = source if quantized.reference_graph is None else quantized.reference_graph
 
         def capture(name: str, spec: MethodSpec, module: torch.nn.Module = source) -> torch.export.ExportedProgram:
-            if name in table.component_of:  # another component's method: from its own model
+            ours = name not in table.component_of
+            if not ours:  # another component's method: from its own model
                 module = others[table.component_of[name]]
             every = model.logits_of_every_position() if spec.full_logits else contextlib.nullcontext()
-            embeds = model.returns_token_embeddings() if spec.gives == "embeddings" else contextlib.nullcontext()
+            embeds = (model.returns_token_embeddings() if ours and spec.gives == "embeddings"
+                      else contextlib.nullcontext())
             inputs = spec.inputs_for(model.args.hidden_size, model.activation_dtype())
             with torch.no_grad(), active_adapter(model, adapter_of[name]), every, embeds:
                 return torch.export.export(module, inputs, dynamic_shapes=spec.dynamic_shapes, strict=False)

@@ -22,6 +22,8 @@ from exporters.program.constants import recorded
 from exporters.program.files import private_path, sha256_of
 from exporters.program.layouts import layout_manifest
 from exporters.program.weights import data_path_for, runtime_needs
+from exporters.program.vision import vision_entry
+from exporters.plan.component import ComponentKind
 from exporters.runtime.driver import MethodRoles
 from exporters.run_folder import files_of_export
 from exporters.runtime.memory import peak_rss_mb
@@ -72,6 +74,13 @@ def component_entries(plan: ExportPlan, ctx: ExportContext, written: WrittenProg
     assert ctx.checkpoint is not None
     entries = {}
     for component in plan.components:
+        if component.kind == ComponentKind.vision_encoder:
+            encoder = written.components[component.name]
+            entries[component.name] = ComponentEntry(
+                kind=str(component.kind), methods=list(written.methods.of_component(component.name)), adapters=[],
+                checkpoint=str(ctx.checkpoint.path), parameters=sum(p.numel() for p in encoder.parameters()),
+                state=[], vision=vision_entry(component, ctx.checkpoint, ctx.vision_quantization, ctx.vision_check))
+            continue
         if component.is_decoder:
             methods = [n for n in written.methods.specs if n not in written.methods.component_of]
             entries[component.name] = ComponentEntry(
@@ -150,7 +159,8 @@ class FinalizeStage(Stage):
         adapters = adapter_entries(ctx, written)
         failed = [name for name, a in adapters.items() if a.validation is not None and not a.validation.passed]
         failed_components = [name for name, v in ctx.component_validation.items() if not v.passed]
-        ok = (report is None or report.passed) and not failed and not failed_components
+        image_failed = ctx.vision_check is not None and not ctx.vision_check.passed
+        ok = (report is None or report.passed) and not failed and not failed_components and not image_failed
         pte = written.final_path if ok else rejected_path(written.final_path)
         out_dir = pte.parent
         # Everything that takes room on disk is written first, under names no reader looks at (the tokenizer's files,
@@ -231,6 +241,7 @@ class FinalizeStage(Stage):
             what += "".join(f"; adapter {n}'s methods: {adapters[n].validation.describe()}"  # type: ignore[union-attr]
                             for n in failed)
             what += "".join(f"; the {n}'s methods: {ctx.component_validation[n].describe()}" for n in failed_components)
+            what += f"; the image path: {', '.join(ctx.vision_check.failures)}" if image_failed else ""  # type: ignore[union-attr]
             raise ValidationFailed(
                 f"the exported program does not match the eager model: {what.removeprefix('; ')}. "
                 f"It was kept as {pte} for inspection, not as {written.final_path.name}; details per window are in "

@@ -50,6 +50,10 @@ class LoadStage(Stage):
         attach_adapters(model, ctx.adapters)
         if draft is not None:
             components[draft.name] = draft.build.build(ctx.component_checkpoints[draft.name])
+        vision = self.plan.vision
+        if vision is not None:  # the image encoder, from the decoder's checkpoint folder
+            ctx.component_checkpoints[vision.name] = checkpoint
+            components[vision.name] = vision.build.build(checkpoint)
         for opened in (checkpoint, *ctx.component_checkpoints.values()):
             opened.check_unchanged()
         return EagerModel(model, components=components)

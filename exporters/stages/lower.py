@@ -18,6 +18,7 @@ from exporters.internals import (lowering_forgets_graphs, named_data_stored_once
 from exporters.program.backends import partitioners
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
 from exporters.program.constants import constant_methods
+from exporters.program.vision import vision_constants
 from exporters.stages.artifacts import CapturedMethods, LoweredProgram
 from exporters.stages.pipeline import ExportContext, Stage
 
@@ -91,6 +92,8 @@ class LowerStage(Stage):
         draft = components.get(plan.draft.name) if plan.draft is not None else None
         constants = constant_methods(model.args, ctx.checkpoint, methods.specs, plan.lengths.max_seq_len,
                                      backend.dynamic_shapes, methods.adapters, draft.head_ids if draft else None)
+        if plan.vision is not None:  # what an app needs to make vision_encoder's input
+            constants.update(vision_constants(plan.vision.build.geometry))  # type: ignore[union-attr]
         external = plan.weights == WeightsPlacement.external
         # External weights: every constant is marked for its data file (the base's, or its adapter's) before
         # partitioning, and XNNPACK names its weights by tensor rather than by content, so the program is the same

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from exporters.config import ExportConfig
     from exporters.footprint import Footprint
     from exporters.plan import ExportPlan
-    from exporters.manifest import AppliedQuantization, Pt2eRecord, QualityWarning, ValidationReport
+    from exporters.manifest import AppliedQuantization, Pt2eRecord, QualityWarning, ValidationReport, VisionCheck
     from exporters.stages.artifacts import BaselineQuality
     from models.checkpoint import Checkpoint
     from models.lora import LoraAdapter
@@ -62,6 +62,8 @@ class ExportContext:
     baseline: BaselineQuality | None = None  # baseline (with validation only)
     quantization: AppliedQuantization | None = None  # quantize
     component_quantization: dict[str, AppliedQuantization] = field(default_factory=dict)  # quantize: the draft's
+    vision_quantization: str | None = None  # quantize: what quant.vision did to the vision encoder
+    vision_check: VisionCheck | None = None  # validate: the vision encoder and an image prompt against eager
     pt2e: Pt2eRecord | None = None  # pt2e: what the backend's quantizer did (finalize records it with quantize's)
     validation: ValidationReport | None = None  # validate (with validation only)
     adapter_validation: dict[str, ValidationReport] = field(default_factory=dict)  # validate: one per adapter

@@ -8,6 +8,7 @@ artifact this stage returns is a new one that says so; the one it was handed is 
 from __future__ import annotations
 
 from exporters.config import CalibrationConfig, Source
+from exporters.program.vision import quantize_vision
 from exporters.quant.apply import quantize_model
 from exporters.quant.calibration import CalibrationText, calibration_text
 from exporters.stages.artifacts import EagerModel
@@ -32,7 +33,12 @@ class QuantizeStage(Stage):
 
     def run(self, loaded: EagerModel, ctx: ExportContext) -> EagerModel:
         models = {"decoder": loaded.model, **loaded.components}
-        for component in self.plan.components:
+        vision = self.plan.vision
+        if vision is not None:
+            quant = vision.quant.config
+            ctx.vision_quantization = quantize_vision(models[vision.name], quant.vision, quant.group_size,
+                                                      loaded.model.activation_dtype())
+        for component in self.plan.language_models:
             model, quant = models[component.name], component.quant
             applied = quantize_model(
                 model, quant.config, quant.tied_storage,
@@ -46,4 +52,5 @@ class QuantizeStage(Stage):
     def describe(self, quantized: EagerModel, ctx: ExportContext) -> str:
         assert ctx.quantization is not None
         return ctx.quantization.describe() + "".join(f"; {name}: {q.describe()}"
-                                                     for name, q in ctx.component_quantization.items())
+                                                     for name, q in ctx.component_quantization.items()) + (
+            f"; vision encoder: {ctx.vision_quantization}" if ctx.vision_quantization else "")

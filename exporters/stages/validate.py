@@ -26,10 +26,13 @@ from exporters.runtime.speculative import DraftProposer, LookupProposer, continu
 from exporters.runtime.quality import Agreement, TextWindows, full_sequence, perplexity, window_logits
 from exporters.stages.artifacts import BaselineQuality, WrittenProgram
 from exporters.stages.pipeline import ExportContext, Stage
+from exporters.stages.vision_check import check_image_path
 from models.decoder import CausalLM
 from models.lora import active_adapter
 
 log = logging.getLogger("exporters")
+
+IMAGE_PROMPT_TEXT = 8  # tokens of the validation text before the image, and as many after it
 
 
 @dataclass(frozen=True)
@@ -289,7 +292,8 @@ class ValidateStage(Stage):
         eager_graphs = undelegated if plan.eager_from_graphs else None
         methods = written.methods
         others = {}  # the other components' methods (the draft's) against their own eager models
-        for name, component_model in written.components.items():
+        for name in (c.name for c in self.plan.language_models if not c.is_decoder):
+            component_model = written.components[name]
             specs = methods.of_component(name)
             roles = MethodRoles.choose({n: spec.shape for n, spec in specs.items()})
             found = predictions(component_model, program, roles, specs, ctx.baseline.text, side=name)
@@ -319,6 +323,13 @@ class ValidateStage(Stage):
             else:
                 ctx.adapter_validation[adapter] = verdict
                 log.info("  validate: adapter %s %s", adapter, "passed" if verdict.passed else "FAILED")
+        vision = self.plan.vision
+        if vision is not None:
+            window = ctx.baseline.text.windows[0]
+            half = min(IMAGE_PROMPT_TEXT, window.shape[1] // 2)
+            ctx.vision_check = check_image_path(program, written.model, written.components[vision.name],
+                                                window[:, :half], window[:, half:2 * half], plan.tolerance.max_kl)
+            log.info("  validate: image path %s", "passed" if ctx.vision_check.passed else "FAILED")
         return written  # unchanged: the verdicts are facts for finalize, in the context
 
     def describe(self, written: WrittenProgram, ctx: ExportContext) -> str:

@@ -1,0 +1,202 @@
+"""The vision component: a vision-language checkpoint's image encoder beside its text decoder, in one program.
+
+A checkpoint whose ``config.json`` names a vision-language architecture (``models.vision``) gets a component
+``vision`` with one method, ``vision_encoder`` (one image of the processor's normalized pixels ``[1, 3, S, S]`` to
+``[1, N, hidden]`` embeddings), and the decoder gets ``token_embedding`` and ``text_decoder``: the three methods
+ExecuTorch's ``MultimodalRunner`` calls, which feeds each text segment and each image to ``text_decoder`` in one
+call. The plan reads ``config.json`` (not the weights) to size the method; load reads the encoder with
+transformers' own loader (``models.vision_encoder``); ``quant.vision`` quantizes it on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from exporters.config import ExportConfig, ModelConfig, Source, VisionQuant
+from exporters.errors import UserError
+from exporters.plan.component import Component, ComponentKind, QuantPlan
+from exporters.plan.lengths import Lengths
+from exporters.program.methods import MULTIMODAL_METHODS, MethodSpec, MethodTable
+
+if TYPE_CHECKING:
+    from exporters.manifest import VisionCheck, VisionEntry
+    from models.checkpoint import Checkpoint
+    from models.vision_encoder import VisionEncoder
+
+log = logging.getLogger("exporters")
+
+VISION = "vision"  # the component's name (its buffers' prefix)
+VISION_METHOD = "vision_encoder"  # the method ExecuTorch's MultimodalRunner calls for an image
+# Our constant methods beside the runner's: what an app needs to turn a picture into the method's input.
+IMAGE_SIZE, IMAGE_TOKENS, IMAGE_TOKEN_ID = "get_image_size", "get_image_tokens", "get_image_token_id"
+
+
+@dataclass(frozen=True)
+class VisionGeometry:
+    """What the plan knows of the vision encoder from ``config.json`` alone."""
+
+    family: str  # models.vision.VisionLanguage.name
+    image_size: int  # S: every image is resized to S x S by the processor
+    tokens: int  # N: embedding positions per image in the text decoder
+    image_token_id: int  # the token each image position takes in a prompt (the config's)
+
+
+def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
+    """The vision encoder ``model.checkpoint`` holds, from its ``config.json``; None for a text checkpoint (or a
+    GGUF file, a random or tiny model: text only)."""
+    if model.source != Source.hf or model.checkpoint is None or model.random_init:
+        return None
+    path = Path(model.checkpoint).expanduser()
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        architectures = json.loads(config_file.read_text()).get("architectures") or []
+    except (OSError, json.JSONDecodeError):
+        return None  # open_checkpoint reports it, with the fix
+    from models.vision import VISION_LANGUAGE, vision_language_of
+
+    if not any(arch in v.architectures for v in VISION_LANGUAGE for arch in architectures):
+        return None
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    family = vision_language_of(hf_config)
+    assert family is not None
+    size, tokens = family.geometry(hf_config)
+    return VisionGeometry(family.name, size, tokens, family.image_token_id(hf_config))
+
+
+def vision_spec(geometry: VisionGeometry) -> MethodSpec:
+    return MethodSpec(VISION_METHOD, geometry.tokens, geometry.tokens, False, takes="pixels", gives="embeddings",
+                      image_size=geometry.image_size)
+
+
+def with_multimodal(kinds: list[str], geometry: VisionGeometry | None) -> list[str]:
+    """The decoder's method kinds: ``export.methods``, and the text methods the MultimodalRunner calls when the
+    checkpoint sees images."""
+    return [*kinds, *(m for m in MULTIMODAL_METHODS if geometry is not None and m not in kinds)]
+
+
+def check_vision(cfg: ExportConfig, lengths: Lengths, geometry: VisionGeometry | None,
+                 dynamic_shapes: bool) -> None:
+    """What a vision-language export cannot do, refused before any weight is read."""
+    if geometry is None:
+        if cfg.quant.vision != VisionQuant.fp32:
+            raise UserError(f"quant.vision={cfg.quant.vision} quantizes a vision-language checkpoint's image encoder, "
+                            "and model.checkpoint is a text model. Leave quant.vision unset.")
+        return
+    what = f"{cfg.model.checkpoint} sees images ({geometry.family}, {geometry.tokens} positions per image)"
+    if not dynamic_shapes:
+        raise UserError(f"{what}, and backend={cfg.backend.name} exports fixed-size calls: ExecuTorch's "
+                        "MultimodalRunner feeds each text segment and each image to text_decoder in one call of its "
+                        "own length. Use backend=xnnpack or backend=portable.")
+    if geometry.tokens > lengths.call_tokens:
+        raise UserError(f"{what}, and one call of text_decoder takes at most {lengths.call_tokens} tokens "
+                        f"(export.max_seq_len): the MultimodalRunner feeds an image in one call. Set "
+                        f"export.max_seq_len={geometry.tokens + 1} or more (and export.max_context_len above it).")
+    for key, value, why in (
+            ("quant.pt2e", cfg.quant.pt2e, "the backend's quantizer converts a graph that takes tokens"),
+            ("draft.checkpoint", cfg.draft.checkpoint, "speculative decoding of image prompts is not built yet"),
+            ("model.adapters", cfg.model.adapters or None, "adapters on a vision-language program are not built yet")):
+        if value is not None:
+            raise UserError(f"{what}, and {key}={value}: {why}. Export it without {key}.")
+
+
+def vision_component(cfg: ExportConfig, geometry: VisionGeometry | None, shortcuts: bool) -> Component | None:
+    """The vision encoder as a component of the plan (None for a text checkpoint)."""
+    if geometry is None:
+        return None
+    table = MethodTable({VISION_METHOD: vision_spec(geometry)}, {VISION_METHOD: None}, {}, {VISION_METHOD: VISION})
+    return Component(name=VISION, kind=ComponentKind.vision_encoder, build=VisionBuild(cfg.model, geometry),
+                     quant=QuantPlan(cfg.quant, cfg.export.tied_embedding, shortcuts), methods=table)
+
+
+@dataclass(frozen=True)
+class VisionBuild:
+    """How the vision encoder is built: from the decoder's checkpoint folder, by transformers' own loader."""
+
+    model: ModelConfig
+    geometry: VisionGeometry
+
+    @property
+    def source(self) -> Source:
+        return self.model.source
+
+    def checkpoint(self, work_dir: Path) -> "Checkpoint":
+        from models.checkpoint import open_checkpoint
+
+        return open_checkpoint(self.model.checkpoint)
+
+    def build(self, checkpoint: "Checkpoint", device: str = "cpu") -> "VisionEncoder":
+        from models.vision_encoder import load_vision_encoder
+
+        return load_vision_encoder(str(checkpoint.path), checkpoint.hf_config)
+
+
+def quantize_vision(encoder: "VisionEncoder", scheme: VisionQuant, group_size: int, out_dtype: torch.dtype) -> str:
+    """``quant.vision`` applied to the encoder in place (its linear layers; the patch convolution and the norms stay
+    in float); returns what was done, for the console and the manifest."""
+    from torch import nn
+    from torchao.quantization import quantize_
+
+    from exporters.quant.schemes import LINEAR_SCHEMES, layer_scheme
+
+    encoder.out_dtype = out_dtype
+    if scheme == VisionQuant.fp32:
+        return "fp32"
+    if scheme == VisionQuant.fp16:
+        encoder.to(torch.float16)
+        encoder.compute_dtype = torch.float16
+        return "fp16 (its output cast to the text decoder's dtype)"
+    linears = [(name, m) for name, m in encoder.named_modules() if isinstance(m, nn.Linear)]
+    for name, layer in linears:
+        chosen, group = layer_scheme(str(scheme), layer.in_features, group_size)
+        quantize_(encoder, LINEAR_SCHEMES[chosen].torchao_config(group, "hqq"),
+                  filter_fn=lambda m, fqn, target=layer: m is target)
+    return f"{scheme} on its {len(linears)} linear layers"
+
+
+def vision_constants(geometry: VisionGeometry) -> dict[str, Any]:
+    return {IMAGE_SIZE: geometry.image_size, IMAGE_TOKENS: geometry.tokens, IMAGE_TOKEN_ID: geometry.image_token_id}
+
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def preprocessing(folder: Path) -> dict[str, Any]:
+    """The processor's rescale factor, mean and std (and how it resizes), from its saved config: what an app does
+    to a picture before vision_encoder."""
+    for name in PROCESSOR_FILES:
+        path = folder / name
+        if path.is_file():
+            raw = json.loads(path.read_text())
+            raw = raw.get("image_processor", raw)
+            return {key: raw[key] for key in ("rescale_factor", "image_mean", "image_std", "size", "resample",
+                                              "do_image_splitting") if key in raw}
+    return {}
+
+
+def vision_entry(component: Component, checkpoint: "Checkpoint", applied: str | None,
+                 check: "VisionCheck | None") -> "VisionEntry":
+    from exporters.manifest import VisionEntry
+    from models.tokenizer import find_tokenizer
+
+    geometry = component.build.geometry  # type: ignore[union-attr]
+    tokenizer = find_tokenizer(checkpoint.path)
+    token = None
+    if tokenizer is not None and tokenizer.name == "tokenizer.json":
+        from tokenizers import Tokenizer
+
+        token = Tokenizer.from_file(str(tokenizer)).id_to_token(geometry.image_token_id)
+    size = geometry.image_size
+    return VisionEntry(family=geometry.family, image_size=size, tokens_per_image=geometry.tokens,
+                       image_token_id=geometry.image_token_id, image_token=token,
+                       input=f"float32 [1, 3, {size}, {size}]: one RGB image, channels first, normalized",
+                       preprocessing=preprocessing(checkpoint.path), quantization=applied or "fp32", check=check)

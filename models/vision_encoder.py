@@ -1,0 +1,134 @@
+"""The vision encoder of a vision-language checkpoint: pixels in, image embeddings in the text decoder's width out.
+
+Built from transformers' own modules (the vision tower and the projector of the checkpoint's architecture), so it
+computes what transformers computes; each family's wrapper only makes the path exportable and what ExecuTorch's
+MultimodalRunner feeds: one image ``[1, 3, S, S]`` of the processor's normalized float pixels in, ``[1, N, hidden]``
+out, N positions the runner gives the image in the text decoder. Parity with ``get_image_features``:
+tests/test_vision_language.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.errors import ModelError
+from models.vision import vision_language_of
+
+
+class VisionEncoder(nn.Module):
+    """``forward(pixels [1, 3, S, S]) -> [1, N, hidden]``: one image, the positions it takes in the text decoder."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        family = vision_language_of(config)
+        assert family is not None, "a vision-language config"
+        # S: the square the processor resizes every image to; N: embedding positions per image.
+        self.image_size, self.tokens = family.geometry(config)
+        self.compute_dtype = torch.float32  # what its weights and activations are in (quant.vision)
+        self.out_dtype = torch.float32  # what the text decoder takes: MultimodalRunner converts nothing
+
+    def describe(self) -> str:
+        params = sum(p.numel() for p in self.parameters())
+        return (f"{params / 1e6:.2f}M parameters, {self.image_size}x{self.image_size} images, {self.tokens} positions "
+                "per image")
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.features(pixels.to(self.compute_dtype)).to(self.out_dtype)
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LlavaVision(VisionEncoder):
+    """CLIP's layers up to ``vision_feature_layer`` (the later ones are never read: left out), the class token
+    dropped (``default`` strategy), the projector."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model.config)
+        config = model.config
+        layer, strategy = config.vision_feature_layer, config.vision_feature_select_strategy
+        if not isinstance(layer, int):
+            raise ModelError(f"vision_feature_layer={layer}: features concatenated from several CLIP layers are not "
+                             "exported; checkpoints with one feature layer (llava-1.5, llava-interleave) are.")
+        tower = model.model.vision_tower
+        kept = layer if layer >= 0 else len(tower.encoder.layers) + 1 + layer
+        self.embeddings, self.pre_layrnorm = tower.embeddings, tower.pre_layrnorm
+        self.layers = nn.ModuleList(tower.encoder.layers[:kept])
+        self.drop_class_token = strategy == "default"
+        self.projector = model.model.multi_modal_projector
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        h = self.pre_layrnorm(self.embeddings(pixels))
+        for layer in self.layers:
+            h = layer(h, None)
+            h = h[0] if isinstance(h, tuple) else h
+        return self.projector(h[:, 1:] if self.drop_class_token else h)
+
+
+class Gemma3Vision(VisionEncoder):
+    """SigLIP's last hidden state, then Gemma 3's projector (average pooled to ``mm_tokens_per_image``, normed,
+    projected). Gemma's image features are not multiplied by the text embedding scale."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model.config)
+        self.tower, self.projector = model.model.vision_tower, model.model.multi_modal_projector
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.tower(pixel_values=pixels).last_hidden_state)
+
+
+class Idefics3Vision(VisionEncoder):
+    """Idefics3 / SmolVLM's SigLIP with every patch present (one whole image), then the connector (pixel shuffle and
+    a linear). A whole image's patch positions are 0..P-1, a constant here: transformers derives them with
+    ``torch.bucketize``, which ExecuTorch has no kernel for."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model.config)
+        tower = model.model.vision_model
+        self.patch_embedding = tower.embeddings.patch_embedding
+        self.position_embedding = tower.embeddings.position_embedding
+        self.encoder, self.post_layernorm = tower.encoder, tower.post_layernorm
+        self.connector = model.model.connector
+        patches = self.tokens * model.config.scale_factor**2
+        self.register_buffer("positions", torch.arange(patches).unsqueeze(0), persistent=False)
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        h = self.patch_embedding(pixels).flatten(2).transpose(1, 2) + self.position_embedding(self.positions)
+        h = self.post_layernorm(self.encoder(inputs_embeds=h).last_hidden_state)
+        return self.connector(h)
+
+
+ENCODERS: dict[str, type[VisionEncoder]] = {"llava": LlavaVision, "gemma3": Gemma3Vision, "idefics3": Idefics3Vision}
+
+
+def load_vision_encoder(path: str, hf_config: Any) -> VisionEncoder:
+    """The vision encoder of the checkpoint folder ``path``, in fp32, read by transformers' own loader (every key
+    layout it knows); the text decoder it also reads is dropped when this returns (the encoder holds only the
+    vision modules)."""
+    import transformers
+
+    family = vision_language_of(hf_config)
+    assert family is not None, "a vision-language checkpoint"
+    cls = getattr(transformers, hf_config.architectures[0])
+    with _quiet_transformers():
+        model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return ENCODERS[family.name](model).eval()
+
+
+class _quiet_transformers:
+    """transformers' loading report and progress bars are library noise on the export's console."""
+
+    def __enter__(self) -> None:
+        import transformers
+
+        self.level = transformers.utils.logging.get_verbosity()
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+
+    def __exit__(self, *exc: object) -> None:
+        import transformers
+
+        transformers.utils.logging.set_verbosity(self.level)
