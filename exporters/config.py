@@ -78,15 +78,6 @@ class Algorithm(Choice):
         return self.torchao_name is not None
 
 
-class VisionQuant(Choice):
-    """How a vision-language checkpoint's vision encoder is stored and computed (``exporters.program.vision``)."""
-
-    fp32 = "fp32"
-    fp16 = "fp16"  # computed in half precision, its output cast back to the text decoder's dtype
-    w8da8 = "8da8w"  # int8 weights per channel, int8 activations per token at run time (XNNPACK)
-    w8da4 = "8da4w"  # int4 weights in groups of quant.group_size, int8 activations per token
-
-
 class RotationKind(Choice):
     """How a model is rotated before it is quantized (``exporters.quant.rotation``)."""
 
@@ -253,7 +244,7 @@ class QuantConfig:
     pt2e: Optional[Pt2eQuantizer] = None
     # A vision-language checkpoint's vision encoder (tower and projector): its own scheme, whatever the text
     # decoder's; validated against its own eager model (exporters.program.vision).
-    vision: VisionQuant = VisionQuant.fp32
+    vision: str = "fp32"  # one of exporters.program.vision.VISION_SCHEMES
     # Static int8 activations (pt2e_xnnpack_static, pt2e_coreml_8a_*) are refused unless this is true: one scale per
     # tensor is set by the first token's massive activation, and SmolLM2-135M loses +831% perplexity (+165%
     # rotated; docs/quality.md#pt2e-the-backends-own-quantizers). true: export it anyway, to study it or as QAT's start.

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 import warnings
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -28,6 +28,8 @@ keys: prompt (required), max_new_tokens=128, temperature=0.0 (greedy), top_p=1.0
       auto: draft when the program has a draft model, else none),
       draft_tokens=<K> (proposals per verify call, 1 to the program's get_draft_tokens; unset: adapted as
       generation goes, more while proposals are kept, fewer when they are not),
+      image=<file.png|jpg> (a vision-language program: the picture, resized and normalized by the processor saved
+      with the program; repeat image= for several; the prompt marks where each goes, e.g. <image>, or chat=true),
       verbose=false (true: the runtime's own log lines too)
 """
 
@@ -45,13 +47,17 @@ class GenerateArgs:
     speculative: str = "auto"
     draft_tokens: Optional[int] = None
     verbose: bool = False
+    image: List[str] = field(default_factory=list)
 
 
 def parse(argv: list[str]) -> tuple[str, GenerateArgs]:
     if not argv or argv[0] in ("-h", "--help") or "=" in argv[0]:
         raise UserError(USAGE)
+    images = [a.removeprefix("image=") for a in argv[1:] if a.startswith("image=")]  # repeated: one per image
+    rest = [a for a in argv[1:] if not a.startswith("image=")]
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(GenerateArgs), OmegaConf.from_dotlist(argv[1:]))
+        merged = OmegaConf.merge(OmegaConf.structured(GenerateArgs), OmegaConf.from_dotlist(rest),
+                                 {"image": images})
         args = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise UserError(f"{e}\n{USAGE}") from None
@@ -69,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             warnings.simplefilter("ignore")
         with console.native_stderr_to(None):  # the runtime's log lines; the text goes to stdout
             generator = Generator(path, args.tokenizer, args.adapter)
-            prompt = chat_prompt(generator.pte, args.prompt) if args.chat else args.prompt
-            ids = generator.encode(prompt)
+            images = generator.with_images(args.prompt, args.image, args.chat) if args.image else None
+            prompt = chat_prompt(generator.pte, args.prompt) if args.chat and not images else args.prompt
+            ids = images.ids if images else generator.encode(prompt)
             generator.check_fits(ids)
             # a bad value or a program without verify: said before the prompt
             generator.speculation(args.speculative, args.draft_tokens)
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             result = generator.generate(
                 prompt, SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed), prompt_ids=ids,
                 on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()), speculative=args.speculative,
-                draft_tokens=args.draft_tokens)
+                draft_tokens=args.draft_tokens, images=images)
     except REPORTED_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

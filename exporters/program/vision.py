@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from exporters.config import ExportConfig, ModelConfig, Source, VisionQuant
-from exporters.errors import UserError
+from exporters.config import ExportConfig, ModelConfig, Source
+from exporters.errors import UserError, check_choice
 from exporters.plan.component import Component, ComponentKind, QuantPlan
 from exporters.plan.lengths import Lengths
 from exporters.program.methods import MULTIMODAL_METHODS, MethodSpec, MethodTable
@@ -33,6 +33,10 @@ log = logging.getLogger("exporters")
 
 VISION = "vision"  # the component's name (its buffers' prefix)
 VISION_METHOD = "vision_encoder"  # the method ExecuTorch's MultimodalRunner calls for an image
+# quant.vision: fp32; fp16 (computed in half precision, its output cast back to the text decoder's dtype); 8da8w
+# (int8 weights per channel, int8 activations per token at run time); 8da4w (int4 weights in groups of
+# quant.group_size, int8 activations per token).
+VISION_SCHEMES = ("fp32", "fp16", "8da8w", "8da4w")
 # Our constant methods beside the runner's: what an app needs to turn a picture into the method's input.
 IMAGE_SIZE, IMAGE_TOKENS, IMAGE_TOKEN_ID = "get_image_size", "get_image_tokens", "get_image_token_id"
 
@@ -87,8 +91,9 @@ def with_multimodal(kinds: list[str], geometry: VisionGeometry | None) -> list[s
 def check_vision(cfg: ExportConfig, lengths: Lengths, geometry: VisionGeometry | None,
                  dynamic_shapes: bool) -> None:
     """What a vision-language export cannot do, refused before any weight is read."""
+    check_choice("quant.vision", cfg.quant.vision, list(VISION_SCHEMES), "Fix quant.vision.")
     if geometry is None:
-        if cfg.quant.vision != VisionQuant.fp32:
+        if cfg.quant.vision != "fp32":
             raise UserError(f"quant.vision={cfg.quant.vision} quantizes a vision-language checkpoint's image encoder, "
                             "and model.checkpoint is a text model. Leave quant.vision unset.")
         return
@@ -140,7 +145,7 @@ class VisionBuild:
         return load_vision_encoder(str(checkpoint.path), checkpoint.hf_config)
 
 
-def quantize_vision(encoder: "VisionEncoder", scheme: VisionQuant, group_size: int, out_dtype: torch.dtype) -> str:
+def quantize_vision(encoder: "VisionEncoder", scheme: str, group_size: int, out_dtype: torch.dtype) -> str:
     """``quant.vision`` applied to the encoder in place (its linear layers; the patch convolution and the norms stay
     in float); returns what was done, for the console and the manifest."""
     from torch import nn
@@ -149,15 +154,15 @@ def quantize_vision(encoder: "VisionEncoder", scheme: VisionQuant, group_size: i
     from exporters.quant.schemes import LINEAR_SCHEMES, layer_scheme
 
     encoder.out_dtype = out_dtype
-    if scheme == VisionQuant.fp32:
+    if scheme == "fp32":
         return "fp32"
-    if scheme == VisionQuant.fp16:
+    if scheme == "fp16":
         encoder.to(torch.float16)
         encoder.compute_dtype = torch.float16
         return "fp16 (its output cast to the text decoder's dtype)"
     linears = [(name, m) for name, m in encoder.named_modules() if isinstance(m, nn.Linear)]
     for name, layer in linears:
-        chosen, group = layer_scheme(str(scheme), layer.in_features, group_size)
+        chosen, group = layer_scheme(scheme, layer.in_features, group_size)
         quantize_(encoder, LINEAR_SCHEMES[chosen].torchao_config(group, "hqq"),
                   filter_fn=lambda m, fqn, target=layer: m is target)
     return f"{scheme} on its {len(linears)} linear layers"

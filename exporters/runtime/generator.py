@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 
-from exporters.runtime.driver import Driver, program_context_len
+from exporters.runtime.driver import Driver, MethodRoles, program_context_len, program_method_shapes
+from exporters.runtime.images import ImagePrompt, image_prompt, prefill_parts
 from exporters.errors import UserError, check_choice
 from exporters.manifest import program_in
 from exporters.program.weights import data_files_beside
@@ -168,18 +169,29 @@ class Generator:
             return DraftProposer(self._draft, self.program.constant(DRAFT_VOCAB) if DRAFT_VOCAB in names else None)
         return None
 
+    def with_images(self, prompt: str, images: list[str], chat: bool = False) -> ImagePrompt:
+        """``prompt`` and ``images`` (files) as the program's processor makes them (exporters.runtime.images)."""
+        made = image_prompt(self.program, self.pte.parent, prompt, images, chat)
+        self.check_fits(made.ids)
+        return made
+
     def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
                  prompt_ids: list[int] | None = None, speculative: str = "auto",
-                 draft_tokens: int | None = None) -> GenerationResult:
+                 draft_tokens: int | None = None, images: ImagePrompt | None = None) -> GenerationResult:
         """``speculative``: ``lookup`` proposes tokens from the text so far and checks them with the verify method
         (exactly the target's output: exporters.runtime.speculative), ``none`` decodes one token per call.
-        ``draft_tokens``: proposals per verify call (1 to the program's get_draft_tokens); None adapts them."""
+        ``draft_tokens``: proposals per verify call (1 to the program's get_draft_tokens); None adapts them.
+        ``images``: the prompt with its images (:meth:`with_images`), fed as ExecuTorch's MultimodalRunner feeds it."""
         proposer = self.speculation(speculative, draft_tokens)
-        ids = prompt_ids if prompt_ids is not None else self.encode(prompt)
+        ids = images.ids if images is not None else prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(ids)
         stream = TextStream(self.tokenizer)
         start = time.perf_counter()
-        logits = self.driver.prefill(torch.tensor([ids], dtype=torch.int64))
+        if images is not None:
+            roles = MethodRoles.through_embeddings(program_method_shapes(self.program))
+            logits = prefill_parts(self.program, roles, images.parts)
+        else:
+            logits = self.driver.prefill(torch.tensor([ids], dtype=torch.int64))
         prompt_s = time.perf_counter() - start
         start = time.perf_counter()
 

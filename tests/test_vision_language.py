@@ -1,0 +1,191 @@
+"""Vision-language checkpoints (LLaVA, Gemma 3, Idefics3 / SmolVLM): tiny ones built by transformers' own classes.
+
+Fast: each family's text decoder and vision encoder against transformers eagerly; every refusal at the config
+check. Slow: one program per family, with vision_encoder, token_embedding and text_decoder beside forward, run by
+ExecuTorch's stock MultimodalRunner on the processor's output: transformers' greedy tokens, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from exporters.errors import UserError
+from exporters.export import checked_config
+from exporters.program.vision import IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD
+from exporters.runtime.generator import Generator, SamplingConfig
+from models.checkpoint import build_model, open_checkpoint
+from models.tiny_vlm import IMAGE_TOKENS as TINY_IMAGE_TOKENS
+from models.tiny_vlm import TINY_VLM
+from models.vision_encoder import load_vision_encoder
+from tests.helpers import compose_config
+
+FAMILIES = list(TINY_VLM)
+NEW_TOKENS = 8
+# Where the prompt's image goes: the processor expands this into the image's tokens (Gemma 3's begin-of-image token).
+IMAGE_MARK = {"llava": "<image>", "gemma3": "<start_of_image>", "idefics3": "<image>"}
+
+
+def transformers_vlm(ckpt: Path):  # type: ignore[no-untyped-def]
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(ckpt)
+    cls = getattr(transformers, config.architectures[0])
+    return cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def picture():  # type: ignore[no-untyped-def]
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(0).rand(40, 50, 3) * 255).astype("uint8"))
+
+
+def prompt_of(family: str) -> str:
+    return f"Once upon a {IMAGE_MARK[family]} time there"
+
+
+def processed(ckpt: Path, family: str):  # type: ignore[no-untyped-def]
+    """A 50x40 picture and a prompt around it, as the checkpoint's own processor makes them."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(ckpt)(images=picture(), text=prompt_of(family),
+                                              return_tensors="pt")  # a BatchFeature, as generate_hf takes
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_text_decoder_of_a_vision_language_checkpoint_matches_transformers(vlm_checkpoint, family: str) -> None:
+    ckpt = vlm_checkpoint(family)
+    ours = build_model(open_checkpoint(ckpt), 32)
+    ref = transformers_vlm(ckpt)
+    tokens = torch.randint(3, 380, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(input_ids=tokens).logits
+        torch.testing.assert_close(ours(tokens, torch.tensor([0]), full_logits=True), expected, atol=1e-4, rtol=0)
+        # The embeddings path (what text_decoder takes) computes the same.
+        ours.reset_cache()
+        torch.testing.assert_close(ours(ours.token_embeddings(tokens), torch.tensor([0])), expected[:, -1], atol=1e-4,
+                                   rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_vision_encoder_computes_transformers_image_features(vlm_checkpoint, family: str) -> None:
+    ckpt = vlm_checkpoint(family)
+    encoder = load_vision_encoder(str(ckpt), open_checkpoint(ckpt).hf_config)
+    ref = transformers_vlm(ckpt)
+    pixels = torch.rand(1, 3, encoder.image_size, encoder.image_size, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        ours = encoder(pixels)
+        features = ref.model.get_image_features(pixels.unsqueeze(1) if family == "idefics3" else pixels,
+                                                **({"vision_feature_layer": ref.config.vision_feature_layer,
+                                                    "vision_feature_select_strategy": "default"}
+                                                   if family == "llava" else {})).pooler_output
+    features = features[0] if isinstance(features, (list, tuple)) else features
+    assert ours.shape == (1, TINY_IMAGE_TOKENS, ref.config.text_config.hidden_size)
+    torch.testing.assert_close(ours, features.reshape(ours.shape), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_checkpoint, family: str,
+                                                             tmp_path: Path) -> None:
+    """ExecuTorch's MultimodalRunner (generate_hf: text | image | text, then one token at a time through
+    token_embedding and text_decoder) on the program, against transformers' generate on the same processor output.
+    Gemma 3 attends bidirectionally within an image in transformers when given token_type_ids; the runner's
+    text_decoder cannot know an image call from a text one, so transformers runs causally here (docs/vision.md)."""
+    import transformers
+    from executorch.extension.llm.runner import GenerationConfig, MultimodalRunner, generate_hf
+
+    ckpt = vlm_checkpoint(family)
+    result = exported("model=hf", f"model.checkpoint={ckpt}", "export.methods=[forward]", "export.max_seq_len=32")
+    m = result.manifest
+    assert m.validation.passed and m.validation.text_decoder_kl < 1e-9
+    vision = m.components["vision"].vision
+    assert vision.check.passed and vision.check.cosine > 0.9999 and vision.check.greedy_tokens == vision.check.eager_choices
+    assert set(m.methods) == {"forward", "token_embedding", "text_decoder", VISION_METHOD}
+    assert m.methods[VISION_METHOD].inputs[0].shape == [1, 3, vision.image_size, vision.image_size]
+    assert m.methods["text_decoder"].inputs[0].name == "embeddings"
+    config = transformers.AutoConfig.from_pretrained(ckpt)
+    assert m.constant_methods[IMAGE_TOKENS] == TINY_IMAGE_TOKENS and m.constant_methods[IMAGE_SIZE] == vision.image_size
+    assert m.constant_methods[IMAGE_TOKEN_ID] == config.image_token_id == vision.image_token_id
+    run = result.pte_path.parent
+    assert json.loads((run / "processor_config.json").read_text()) == json.loads((ckpt / "processor_config.json").read_text())
+
+    inputs = processed(ckpt, family)
+    if inputs["pixel_values"].dim() == 5:  # Idefics3: (batch, images, 3, S, S), one image
+        inputs["pixel_values"] = inputs["pixel_values"][:, 0]
+    runner = MultimodalRunner(str(result.pte_path), str(run / "tokenizer.json"))
+    pieces: list[str] = []
+    generate_hf(runner, inputs=inputs, config=GenerationConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False),
+                image_token_id=config.image_token_id, token_callback=pieces.append)
+    reference = {k: v for k, v in inputs.items() if k != "token_type_ids"}
+    if family == "idefics3":
+        reference["pixel_values"] = reference["pixel_values"].unsqueeze(1)
+    with torch.no_grad():
+        generated = transformers_vlm(ckpt).generate(**reference, max_new_tokens=NEW_TOKENS, do_sample=False)
+    from transformers import AutoTokenizer
+
+    expected = AutoTokenizer.from_pretrained(ckpt).decode(generated[0, inputs["input_ids"].shape[1]:])
+    assert "".join(pieces) == expected
+    # exporters.generate's image= path (the processor saved in the run, our driver) writes the same text.
+    picture().save(tmp_path / "picture.png")
+    generator = Generator(result.pte_path)
+    made = generator.with_images(prompt_of(family), [str(tmp_path / "picture.png")])
+    assert made.ids == inputs["input_ids"][0].tolist()
+    assert generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), images=made).text == expected
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["backend=coreml", "export.layout=split", "export.methods=[prefill,decode]"], "exports fixed-size calls"),
+    (["export.max_seq_len=4"], "Set export.max_seq_len=5 or more"),
+    (["quant=pt2e_xnnpack_dynamic"], "quant.pt2e=xnnpack_dynamic"),
+    (["export.methods=[forward,token_embedding]"], "token_embedding without text_decoder"),
+])
+def test_what_a_vision_language_export_cannot_do_is_refused_before_any_work(vlm_checkpoint, overrides: list[str],
+                                                                             says: str) -> None:
+    with pytest.raises(UserError, match=says.replace(".", r"\.")):
+        checked_config(compose_config("model=hf", f"model.checkpoint={vlm_checkpoint('llava')}", *overrides))
+
+
+def test_quant_vision_on_a_text_checkpoint_is_refused(tiny_checkpoint) -> None:
+    with pytest.raises(UserError, match="quant.vision=8da8w .* is a text model"):
+        checked_config(compose_config("model=hf", f"model.checkpoint={tiny_checkpoint}", "quant.vision=8da8w"))
+
+
+@pytest.mark.slow
+def test_bad_image_prompts_are_refused_before_any_method_runs(exported, vlm_checkpoint, tmp_path: Path) -> None:
+    result = exported("model=hf", f"model.checkpoint={vlm_checkpoint('llava')}", "export.methods=[forward]",
+                      "export.max_seq_len=32")
+    generator = Generator(result.pte_path)
+    picture().save(tmp_path / "picture.png")
+    (tmp_path / "notes.png").write_text("not an image")
+    with pytest.raises(UserError, match="cannot be read as an image"):
+        generator.with_images(prompt_of("llava"), [str(tmp_path / "notes.png")])
+    with pytest.raises(UserError, match="marks 0 image.*1 image= file"):
+        generator.with_images("Once upon a time", [str(tmp_path / "picture.png")])
+    with pytest.raises(UserError, match="marks 1 image.*0 image= file"):
+        generator.with_images(prompt_of("llava"), [])
+
+
+def test_quant_vision_schemes_keep_the_image_features(vlm_checkpoint) -> None:
+    """Each quant.vision scheme on the eager encoder: its linear layers quantized (fp16: cast), the output in the
+    decoder's dtype, close to fp32's (the program is validated against this eager encoder at export)."""
+    from exporters.program.vision import VISION_SCHEMES, quantize_vision
+
+    ckpt = vlm_checkpoint("idefics3")
+    config = open_checkpoint(ckpt).hf_config
+    reference = load_vision_encoder(str(ckpt), config)
+    pixels = torch.rand(1, 3, reference.image_size, reference.image_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(pixels * 2 - 1)
+    for scheme in VISION_SCHEMES[1:]:
+        encoder = load_vision_encoder(str(ckpt), config)
+        assert quantize_vision(encoder, scheme, 32, torch.float32).startswith(scheme)
+        with torch.no_grad():
+            got = encoder(pixels * 2 - 1)
+        assert got.dtype == torch.float32
+        cosine = torch.nn.functional.cosine_similarity(got[0], expected[0], dim=-1).min()
+        assert 0.98 < cosine < 1, (scheme, float(cosine))
