@@ -114,3 +114,18 @@ def _build(out: Path, family: str, seed: int, train_steps: int) -> Path:
     processor.save_pretrained(out)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(out)
     return out
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny vision-language checkpoint (random vision tower, text "
+                                                 "fitted to a short corpus) with its processor.")
+    parser.add_argument("family", choices=sorted(TINY_VLM))
+    parser.add_argument("out", help="the checkpoint folder to write")
+    args = parser.parse_args()
+    print(write_tiny_vlm_checkpoint(args.out, args.family))
+
+
+if __name__ == "__main__":
+    main()

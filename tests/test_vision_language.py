@@ -17,6 +17,7 @@ import torch
 from exporters.errors import UserError
 from exporters.export import checked_config
 from exporters.program.vision import IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD
+from exporters.release.bundle import make_bundle
 from exporters.runtime.generator import Generator, SamplingConfig
 from models.checkpoint import build_model, open_checkpoint
 from models.tiny_vlm import IMAGE_TOKENS as TINY_IMAGE_TOKENS
@@ -108,6 +109,11 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     assert set(m.methods) == {"forward", "token_embedding", "text_decoder", VISION_METHOD}
     assert m.methods[VISION_METHOD].inputs[0].shape == [1, 3, vision.image_size, vision.image_size]
     assert m.methods["text_decoder"].inputs[0].name == "embeddings"
+    # Four methods, each weight stored once: the decoder's (forward and text_decoder; the embedding table read by
+    # forward and token_embedding) and the vision encoder's, all fp32 here.
+    stored = m.program.storage["named_data_bytes"] + m.program.storage["constant_buffer_bytes"]
+    weights = 4 * (m.model.parameters + m.components["vision"].parameters)
+    assert weights * 0.95 < stored < weights * 1.1, (stored, weights)
     config = transformers.AutoConfig.from_pretrained(ckpt)
     assert m.constant_methods[IMAGE_TOKENS] == TINY_IMAGE_TOKENS and m.constant_methods[IMAGE_SIZE] == vision.image_size
     assert m.constant_methods[IMAGE_TOKEN_ID] == config.image_token_id == vision.image_token_id
@@ -136,6 +142,9 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     made = generator.with_images(prompt_of(family), [str(tmp_path / "picture.png")])
     assert made.ids == inputs["input_ids"][0].tolist()
     assert generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), images=made).text == expected
+    # A release bundle carries the processor and says how an app feeds an image.
+    bundle, _ = make_bundle(run, tmp_path / "release")
+    assert (bundle / "processor_config.json").is_file() and "## Images" in (bundle / "README.md").read_text()
 
 
 @pytest.mark.parametrize("overrides,says", [

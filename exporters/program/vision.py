@@ -188,6 +188,18 @@ def preprocessing(folder: Path) -> dict[str, Any]:
     return {}
 
 
+def processor_of(folder: Path) -> Any:
+    """The checkpoint's own processor (image resizing and normalization, the prompt's image tokens)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+
+
+def prompt_marker(processor: Any) -> str:
+    """What a prompt writes where an image goes: Gemma 3's begin-of-image token, else the image token."""
+    return getattr(processor, "boi_token", None) or processor.image_token
+
+
 def vision_entry(component: Component, checkpoint: "Checkpoint", applied: str | None,
                  check: "VisionCheck | None") -> "VisionEntry":
     from exporters.manifest import VisionEntry
@@ -203,5 +215,6 @@ def vision_entry(component: Component, checkpoint: "Checkpoint", applied: str | 
     size = geometry.image_size
     return VisionEntry(family=geometry.family, image_size=size, tokens_per_image=geometry.tokens,
                        image_token_id=geometry.image_token_id, image_token=token,
+                       prompt_marker=prompt_marker(processor_of(checkpoint.path)),
                        input=f"float32 [1, 3, {size}, {size}]: one RGB image, channels first, normalized",
                        preprocessing=preprocessing(checkpoint.path), quantization=applied or "fp32", check=check)

@@ -19,9 +19,11 @@ from exporters.run_folder import check_writable
 from exporters.program.files import sha256_of
 from exporters.manifest import MANIFEST_FILE, Manifest, ValidationReport
 from exporters.program.weights import data_files_beside
+from exporters.program.vision import PROCESSOR_FILES
 from models.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 
-BUNDLED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", CHAT_TEMPLATE_FILE, "generation_config.json")
+BUNDLED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", CHAT_TEMPLATE_FILE, "generation_config.json",
+           *PROCESSOR_FILES)
 
 
 def _how_to_run(m: Manifest, tokenizer: str) -> str:
@@ -99,6 +101,32 @@ def _draft(m: Manifest) -> str:
                f"{draft.vocabulary.ranked_by}): `get_draft_vocab` (int64[{draft.vocabulary.tokens}]) gives the token "
                "of each. " if draft.vocabulary else "")
             + "`python -m exporters.generate <folder> prompt=... speculative=draft` does all this.\n")
+
+
+def _vision_text(m: Manifest) -> str:
+    """How an app gives a vision-language program an image."""
+    vision = m.components.get("vision")
+    if vision is None or vision.vision is None:
+        return ""
+    v, p = vision.vision, vision.vision.preprocessing
+    return f"""## Images
+
+`vision_encoder` takes one image as float32 `[1, 3, {v.image_size}, {v.image_size}]`: resize the picture to
+{v.image_size} x {v.image_size}, multiply its RGB values by {p.get('rescale_factor', 1 / 255):.6g}, subtract
+`{p.get('image_mean')}` and divide by `{p.get('image_std')}` per channel, channels first (the processor files here
+do exactly this: `AutoProcessor.from_pretrained(<this folder>)`). It returns the image's {v.tokens_per_image}
+embeddings, which `text_decoder` takes at the next {v.tokens_per_image} positions; text goes through
+`token_embedding` then `text_decoder`. In a prompt the image's place is token {v.image_token_id}
+(`{v.image_token}`), {v.tokens_per_image} times.
+
+- Android / iOS (C++): `MultimodalRunner` from `executorch/extension/llm/runner` with a list of inputs: text,
+  `Image` (the float CHW pixels above), text; it calls the three methods in order and then decodes.
+- Python: `executorch.extension.llm.runner.MultimodalRunner("<program>", "tokenizer.json")` and
+  `generate_hf(runner, inputs=processor(images=..., text=...), image_token_id={v.image_token_id})`.
+- `python -m exporters.generate <this folder> prompt="... {v.prompt_marker} ..." image=<file>` (the processor turns
+  `{v.prompt_marker}` into the image's tokens).
+
+"""
 
 
 def _runtime_needs(m: Manifest) -> str:
@@ -217,7 +245,7 @@ context {m.constant_methods.get('get_max_context_len', cfg['export']['max_seq_le
 |---|---|
 {constants}
 
-{_context_text(m)}{_adapters_text(m)}## Validation
+{_context_text(m)}{_vision_text(m)}{_adapters_text(m)}## Validation
 
 {_validation_text(m.validation)}
 
@@ -259,6 +287,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
         "validation": {k: v for k, v in (full["validation"] or {}).items() if k != "per_window"},
         "data": full["data"], "adapters": full["adapters"], "runtime": full["runtime"], "bench": full["bench"],
         "versions": m.versions, "config": cfg, "files": files,
+        **({"vision": full["components"]["vision"]["vision"]} if "vision" in full["components"] else {}),
     }
     (bundle / MANIFEST_FILE).write_text(json.dumps(bundle_manifest, indent=2) + "\n")
     archive = out / f"{name}.tar.gz"

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from exporters.errors import UserError
-from exporters.program.vision import IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD
+from exporters.program.vision import (IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD, processor_of,
+                                     prompt_marker)
 from exporters.runtime.driver import Driver, MethodRoles, RunsMethods
 
 
@@ -44,11 +45,12 @@ def image_prompt(program: Any, folder: Path, prompt: str, images: list[str], cha
                         "export a vision-language checkpoint (LLaVA, Gemma 3, SmolVLM / Idefics3), or leave image out.")
     size, per_image = int(program.constant(IMAGE_SIZE)), int(program.constant(IMAGE_TOKENS))
     image_token = int(program.constant(IMAGE_TOKEN_ID))
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
-    marker = getattr(processor, "boi_token", None) or processor.image_token  # what a prompt writes per image
+    processor = processor_of(folder)
+    marker = prompt_marker(processor)
     pictures = [_open_image(path) for path in images]
+    if chat and not getattr(processor, "chat_template", None):
+        raise UserError(f"chat=true needs the processor's chat template, and {folder} has none (this checkpoint was "
+                        f"saved without one): use chat=false and write {marker!r} where each image goes.")
     if chat:
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
         prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
