@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from models.errors import ModelError
+
 # Where transformers' vision-language checkpoints keep the text decoder, in every layout it reads: checkpoint
 # prefix -> the prefix our decoder (and a text checkpoint) uses. The longest matching prefix wins.
 TEXT_PREFIXES: tuple[tuple[str, str], ...] = (
@@ -79,9 +81,14 @@ def vision_language_of(hf_config: Any) -> VisionLanguage | None:
 def language_config(hf_config: Any) -> Any:
     """The text decoder's config: ``text_config`` of a vision-language checkpoint (whose top-level
     ``tie_word_embeddings`` is what transformers ties by), else the config itself."""
-    if vision_language_of(hf_config) is None:
+    family = vision_language_of(hf_config)
+    if family is None:
         return hf_config
-    text = hf_config.text_config
+    text = getattr(hf_config, "text_config", None)
+    if text is None:
+        raise ModelError(f"config.json names {hf_config.architectures[0]} (a vision-language model) but has no "
+                         "text_config: the checkpoint is incomplete or its config was edited. Use the config.json the "
+                         "checkpoint was saved with.")
     tie = getattr(hf_config, "tie_word_embeddings", None)
     if tie is not None:
         text.tie_word_embeddings = bool(tie)

@@ -22,7 +22,7 @@ def test_every_stage_declares_what_must_run_before_it(tmp_path) -> None:  # type
     assert [s.name for s in stages] == ["load", "baseline", "quantize", "capture", "lower", "emit", "validate",
                                         "advise", "finalize", "bench"]
     check_order(stages)
-    pt2e = build_stages(plan_export(compose_config("quant=pt2e_xnnpack_static")))
+    pt2e = build_stages(plan_export(compose_config("quant=pt2e_xnnpack_static", "quant.allow_static_activations=true")))
     assert [s.name for s in pt2e][2:4] == ["quantize", "pt2e"]
     check_order(pt2e)
     with pytest.raises(ValueError, match="stage advise must run after validate"):

@@ -32,6 +32,8 @@ def test_every_option_composes_against_the_schema(group: str, option: str) -> No
     if option.startswith("pt2e_"):  # a backend's own quantizer: pt2e_<backend>_...
         backend = f"backend={option.split('_')[1]}"
     extra = [backend] if group == "quant" else []
+    if option in ("pt2e_xnnpack_static", "pt2e_coreml_8a_c8w", "pt2e_coreml_8a_c4w"):  # refused unless asked for
+        extra.append("quant.allow_static_activations=true")
     if backend in ("backend=coreml", "backend=vulkan") and extra or option in ("coreml", "vulkan", "openvino"):
         # static shapes: no stock runner runs them
         extra.append("export.layout=split")

@@ -241,7 +241,14 @@ def test_family_falls_back_to_model_type_without_architectures(tmp_path: Path, f
 
 def test_unsupported_multimodal_architecture_is_named(tmp_path: Path, family_checkpoint) -> None:
     d = copy_checkpoint(family_checkpoint("gemma3"), tmp_path / "c",
-                        config={"architectures": ["Gemma3ForConditionalGeneration"]})
-    expected = r"Gemma3ForConditionalGeneration.*not implemented.*Gemma3ForCausalLM \(model=gemma3\)"
+                        config={"architectures": ["PaliGemmaForConditionalGeneration"]})
+    expected = r"PaliGemmaForConditionalGeneration.*not implemented.*Gemma3ForCausalLM \(model=gemma3\)"
     with pytest.raises(ModelError, match=expected):
+        build_model(open_checkpoint(d), 32)
+
+
+def test_a_vision_language_architecture_without_its_text_config_is_named(tmp_path: Path, family_checkpoint) -> None:
+    d = copy_checkpoint(family_checkpoint("gemma3"), tmp_path / "c",
+                        config={"architectures": ["Gemma3ForConditionalGeneration"]})
+    with pytest.raises(ModelError, match=r"Gemma3ForConditionalGeneration.*no text_config"):
         build_model(open_checkpoint(d), 32)

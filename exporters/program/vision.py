@@ -72,7 +72,8 @@ def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
 
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     family = vision_language_of(hf_config)
-    assert family is not None
+    if family is None or getattr(hf_config, "vision_config", None) is None:
+        return None  # an incomplete config: load names what is missing (models.vision.language_config)
     size, tokens = family.geometry(hf_config)
     return VisionGeometry(family.name, size, tokens, family.image_token_id(hf_config))
 
