@@ -162,8 +162,9 @@ def quantize_vision(encoder: "VisionEncoder", scheme: str, group_size: int, out_
         encoder.compute_dtype = torch.float16
         return "fp16 (its output cast to the text decoder's dtype)"
     linears = [(name, m) for name, m in encoder.named_modules() if isinstance(m, nn.Linear)]
+    requested = group_size if LINEAR_SCHEMES[scheme].bits == 4 else 0  # XNNPACK's 8-bit kernels: per channel
     for name, layer in linears:
-        chosen, group = layer_scheme(scheme, layer.in_features, group_size)
+        chosen, group = layer_scheme(scheme, layer.in_features, requested)
         quantize_(encoder, LINEAR_SCHEMES[chosen].torchao_config(group, "hqq"),
                   filter_fn=lambda m, fqn, target=layer: m is target)
     return f"{scheme} on its {len(linears)} linear layers"
