@@ -83,10 +83,13 @@ def test_the_converted_graph_quantizes_exactly_the_models_linear_layers(tmp_path
 # The calibrated quantizer on the truncated real model; the dynamic one on the tiny model (the same kernels as
 # quant=8da8w, whose real-model row is in tests/test_quant_backends.py). xnnpack_dynamic_qc4 differs from it only
 # in the weights' range (validated on the real model in docs/quality.md).
-XNNPACK_CASES = [("xnnpack_static", True), ("xnnpack_dynamic", False)]
+# The static quantizer is refused unless asked for (quant.allow_static_activations: it loses +831% on SmolLM2), so its
+# runtime check runs with `pytest -m extended`; its converted graph is checked above in the full run.
+XNNPACK_CASES = [pytest.param("xnnpack_static", True, marks=pytest.mark.extended, id="xnnpack_static"),
+                 pytest.param("xnnpack_dynamic", False, id="xnnpack_dynamic")]
 
 
-@pytest.mark.parametrize("quantizer,real", XNNPACK_CASES, ids=[q for q, _ in XNNPACK_CASES])
+@pytest.mark.parametrize("quantizer,real", XNNPACK_CASES)
 def test_xnnpack_pt2e_program_matches_its_converted_graphs_in_the_runtime(exported, real_exported, quantizer: str,
                                                                          real: bool) -> None:
     """The program in the ExecuTorch runtime against the converted graphs run in PyTorch, through prefill and one
