@@ -309,3 +309,15 @@ def test_two_adapters_of_one_name_on_the_command_line_are_refused() -> None:
     with pytest.raises(AdapterError, match=r"model.adapters names chat more than once"):
         check_adapter_overrides(["model=llama", "+model.adapters={chat: /a, summary: /b, chat: /c}"])
     check_adapter_overrides(["+model.adapters={chat: /a, summary: /b}"])
+
+
+@pytest.mark.extended  # about 40 s; the adapter's rotation is checked exactly and eagerly in tests/test_rotation.py
+def test_a_rotated_program_keeps_each_adapter_in_its_own_data_file_and_validates(exported, tiny_adapters) -> None:  # type: ignore[no-untyped-def]
+    """quant.rotation with adapters and external weights: the adapter's A and B turned with their layers (A by the
+    layer's input rotation, B by its output's), written to its own data file, validated in the runtime."""
+    result = tiny_exported(exported, tiny_adapters, "quant.rotation=hadamard", "quant.online_hadamard=true",
+                           minutes=False)
+    m = result.manifest
+    assert m.passed and m.quantization.rotation is not None and m.data is not None
+    pirate = m.adapters["pirate"]
+    assert pirate.validation.passed and pirate.validation.checked == "runtime" and pirate.data is not None
