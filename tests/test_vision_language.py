@@ -198,3 +198,29 @@ def test_quant_vision_schemes_keep_the_image_features(vlm_checkpoint) -> None:
         assert got.dtype == torch.float32
         cosine = torch.nn.functional.cosine_similarity(got[0], expected[0], dim=-1).min()
         assert 0.98 < cosine < 1, (scheme, float(cosine))
+
+
+@pytest.mark.slow
+def test_several_images_in_one_prompt_give_transformers_greedy_tokens(exported, vlm_checkpoint, tmp_path: Path) -> None:
+    """Two pictures in one LLaVA prompt through exporters.generate: each image one vision_encoder call at its place."""
+    import transformers
+    from PIL import Image
+
+    ckpt = vlm_checkpoint("llava")
+    result = exported("model=hf", f"model.checkpoint={ckpt}", "export.methods=[forward]", "export.max_seq_len=32")
+    files = []
+    for seed in (0, 1):
+        path = tmp_path / f"picture{seed}.png"
+        Image.fromarray((np.random.RandomState(seed).rand(40, 50, 3) * 255).astype("uint8")).save(path)
+        files.append(str(path))
+    prompt = "<image> Once upon a <image> time"
+    generator = Generator(result.pte_path)
+    made = generator.with_images(prompt, files)
+    assert sum(part.is_floating_point() for part in made.parts) == 2
+    text = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), images=made).text
+    processor = transformers.AutoProcessor.from_pretrained(ckpt)
+    inputs = processor(images=[Image.open(f) for f in files], text=prompt, return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == made.ids
+    with torch.no_grad():
+        generated = transformers_vlm(ckpt).generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert text == processor.tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:])
