@@ -511,7 +511,7 @@ class VisionEntry:
     tokens_per_image: int  # embedding positions an image takes in text_decoder
     image_token_id: int  # the token each image position takes in a prompt (the runner splits the prompt there)
     image_token: str | None  # its text
-    prompt_marker: str  # what a prompt writes where an image goes (the processor expands it into the image's tokens)
+    prompt_marker: str | None  # what a prompt writes where an image goes (the processor expands it into the image's tokens)
     input: str  # vision_encoder's input: shape, dtype and layout
     preprocessing: dict[str, Any]  # the processor's rescale factor, mean and std (pixels = (x * rescale - mean) / std)
     quantization: str  # quant.vision, as applied

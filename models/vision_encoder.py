@@ -46,19 +46,17 @@ class LlavaVision(VisionEncoder):
     """CLIP's layers up to ``vision_feature_layer`` (the later ones are never read: left out), the class token
     dropped (``default`` strategy), the projector."""
 
-    def __init__(self, model: Any) -> None:
-        super().__init__(model.config)
-        config = model.config
+    def __init__(self, config: Any, tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__(config)
         layer, strategy = config.vision_feature_layer, config.vision_feature_select_strategy
         if not isinstance(layer, int):
             raise ModelError(f"vision_feature_layer={layer}: features concatenated from several CLIP layers are not "
                              "exported; checkpoints with one feature layer (llava-1.5, llava-interleave) are.")
-        tower = model.model.vision_tower
         kept = layer if layer >= 0 else len(tower.encoder.layers) + 1 + layer
         self.embeddings, self.pre_layrnorm = tower.embeddings, tower.pre_layrnorm
         self.layers = nn.ModuleList(tower.encoder.layers[:kept])
         self.drop_class_token = strategy == "default"
-        self.projector = model.model.multi_modal_projector
+        self.projector = projector
 
     def features(self, pixels: torch.Tensor) -> torch.Tensor:
         h = self.pre_layrnorm(self.embeddings(pixels))
@@ -72,9 +70,9 @@ class Gemma3Vision(VisionEncoder):
     """SigLIP's last hidden state, then Gemma 3's projector (average pooled to ``mm_tokens_per_image``, normed,
     projected). Gemma's image features are not multiplied by the text embedding scale."""
 
-    def __init__(self, model: Any) -> None:
-        super().__init__(model.config)
-        self.tower, self.projector = model.model.vision_tower, model.model.multi_modal_projector
+    def __init__(self, config: Any, tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__(config)
+        self.tower, self.projector = tower, projector
 
     def features(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.projector(self.tower(pixel_values=pixels).last_hidden_state)
@@ -85,14 +83,13 @@ class Idefics3Vision(VisionEncoder):
     a linear). A whole image's patch positions are 0..P-1, a constant here: transformers derives them with
     ``torch.bucketize``, which ExecuTorch has no kernel for."""
 
-    def __init__(self, model: Any) -> None:
-        super().__init__(model.config)
-        tower = model.model.vision_model
+    def __init__(self, config: Any, tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__(config)
         self.patch_embedding = tower.embeddings.patch_embedding
         self.position_embedding = tower.embeddings.position_embedding
         self.encoder, self.post_layernorm = tower.encoder, tower.post_layernorm
-        self.connector = model.model.connector
-        patches = self.tokens * model.config.scale_factor**2
+        self.connector = projector
+        patches = self.tokens * config.scale_factor**2
         self.register_buffer("positions", torch.arange(patches).unsqueeze(0), persistent=False)
 
     def features(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -102,6 +99,14 @@ class Idefics3Vision(VisionEncoder):
 
 
 ENCODERS: dict[str, type[VisionEncoder]] = {"llava": LlavaVision, "gemma3": Gemma3Vision, "idefics3": Idefics3Vision}
+
+
+def _parts(model: Any) -> tuple[nn.Module, nn.Module]:
+    """A transformers vision-language model's vision tower and projector (connector)."""
+    inner = model.model
+    if hasattr(inner, "vision_model"):  # Idefics3, SmolVLM
+        return inner.vision_model, inner.connector
+    return inner.vision_tower, inner.multi_modal_projector
 
 
 def load_vision_encoder(path: str, hf_config: Any) -> VisionEncoder:
@@ -115,7 +120,28 @@ def load_vision_encoder(path: str, hf_config: Any) -> VisionEncoder:
     cls = getattr(transformers, hf_config.architectures[0])
     with _quiet_transformers():
         model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    return ENCODERS[family.name](model).eval()
+    return ENCODERS[family.name](model.config, *_parts(model)).eval()
+
+
+def random_vision_encoder(hf_config: Any, seed: int = 0) -> VisionEncoder:
+    """The vision encoder of ``hf_config``'s shape with seeded random weights (transformers' own initialization),
+    built alone: the whole model is only laid out on the meta device to find the tower's and projector's classes."""
+    import transformers
+
+    family = vision_language_of(hf_config)
+    assert family is not None, "a vision-language config"
+    hf_config._attn_implementation = "eager"
+    with torch.device("meta"), _quiet_transformers():
+        layout = getattr(transformers, hf_config.architectures[0])(hf_config)
+    tower, projector = _parts(layout)
+    torch.manual_seed(seed)
+    with _quiet_transformers():
+        parts = type(tower)(hf_config.vision_config), type(projector)(hf_config)
+    del layout
+    with torch.no_grad():  # Gemma 3's projector starts at zero: random images would all embed to nothing
+        for p in (p for part in parts for p in part.parameters() if p.dim() > 1 and not p.any()):
+            p.normal_(0.0, 0.02)
+    return ENCODERS[family.name](hf_config, *parts).eval()
 
 
 class _quiet_transformers:

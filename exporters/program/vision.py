@@ -52,9 +52,9 @@ class VisionGeometry:
 
 
 def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
-    """The vision encoder ``model.checkpoint`` holds, from its ``config.json``; None for a text checkpoint (or a
-    GGUF file, a random or tiny model: text only)."""
-    if model.source != Source.hf or model.checkpoint is None or model.random_init:
+    """The vision encoder ``model.checkpoint`` holds (with ``model.random_init``, of its shape), from its
+    ``config.json``; None for a text checkpoint (or a GGUF file, a tiny model: text only)."""
+    if model.source != Source.hf or model.checkpoint is None:
         return None
     path = Path(model.checkpoint).expanduser()
     config_file = path / "config.json"
@@ -138,11 +138,14 @@ class VisionBuild:
     def checkpoint(self, work_dir: Path) -> "Checkpoint":
         from models.checkpoint import open_checkpoint
 
-        return open_checkpoint(self.model.checkpoint)
+        return open_checkpoint(self.model.checkpoint, need_weights=not self.model.random_init)
 
     def build(self, checkpoint: "Checkpoint", device: str = "cpu") -> "VisionEncoder":
-        from models.vision_encoder import load_vision_encoder
+        """The encoder with the checkpoint's weights, or with seeded random ones of its shape (model.random_init)."""
+        from models.vision_encoder import load_vision_encoder, random_vision_encoder
 
+        if self.model.random_init:
+            return random_vision_encoder(checkpoint.hf_config, self.model.seed)
         return load_vision_encoder(str(checkpoint.path), checkpoint.hf_config)
 
 
@@ -197,6 +200,11 @@ def processor_of(folder: Path) -> Any:
     return AutoProcessor.from_pretrained(str(folder), local_files_only=True)
 
 
+def has_processor(folder: Path) -> bool:
+    """A random-weight shape (config.json alone) has no processor."""
+    return any((folder / name).is_file() for name in PROCESSOR_FILES)
+
+
 def prompt_marker(processor: Any) -> str:
     """What a prompt writes where an image goes: Gemma 3's begin-of-image token, else the image token."""
     return getattr(processor, "boi_token", None) or processor.image_token
@@ -217,6 +225,7 @@ def vision_entry(component: Component, checkpoint: "Checkpoint", applied: str | 
     size = geometry.image_size
     return VisionEntry(family=geometry.family, image_size=size, tokens_per_image=geometry.tokens,
                        image_token_id=geometry.image_token_id, image_token=token,
-                       prompt_marker=prompt_marker(processor_of(checkpoint.path)),
+                       prompt_marker=prompt_marker(processor_of(checkpoint.path)) if has_processor(checkpoint.path)
+                       else None,
                        input=f"float32 [1, 3, {size}, {size}]: one RGB image, channels first, normalized",
                        preprocessing=preprocessing(checkpoint.path), quantization=applied or "fp32", check=check)
