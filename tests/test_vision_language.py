@@ -224,3 +224,17 @@ def test_several_images_in_one_prompt_give_transformers_greedy_tokens(exported, 
     with torch.no_grad():
         generated = transformers_vlm(ckpt).generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert text == processor.tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:])
+
+
+def test_random_weights_of_a_vision_language_shape_give_the_decoder_what_it_takes(vlm_checkpoint, tmp_path: Path) -> None:
+    """model.random_init=true on a vision-language config (how real shapes are measured): the decoder is made in
+    bf16 and cast by quant.dtype, and the encoder's output must be in the dtype the decoder then computes in (the
+    runner converts nothing between methods)."""
+    from exporters.export import run_stages
+
+    eager, _ = run_stages(compose_config("model=hf", f"model.checkpoint={vlm_checkpoint('gemma3')}",
+                                         "model.random_init=true", "export.max_seq_len=32", "validate=false"),
+                          tmp_path, stop_after="quantize")
+    encoder = eager.components["vision"]
+    pixels = torch.zeros(1, 3, encoder.image_size, encoder.image_size)
+    assert encoder(pixels).dtype == eager.model.activation_dtype() == torch.float32

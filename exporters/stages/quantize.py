@@ -33,11 +33,6 @@ class QuantizeStage(Stage):
 
     def run(self, loaded: EagerModel, ctx: ExportContext) -> EagerModel:
         models = {"decoder": loaded.model, **loaded.components}
-        vision = self.plan.vision
-        if vision is not None:
-            quant = vision.quant.config
-            ctx.vision_quantization = quantize_vision(models[vision.name], quant.vision, quant.group_size,
-                                                      loaded.model.activation_dtype())
         for component in self.plan.language_models:
             model, quant = models[component.name], component.quant
             applied = quantize_model(
@@ -47,6 +42,11 @@ class QuantizeStage(Stage):
                 ctx.quantization = applied
             else:
                 ctx.component_quantization[component.name] = applied
+        vision = self.plan.vision
+        if vision is not None:  # after the decoder: its output must be in the dtype the decoder now computes in
+            quant = vision.quant.config
+            ctx.vision_quantization = quantize_vision(models[vision.name], quant.vision, quant.group_size,
+                                                      loaded.model.activation_dtype())
         return EagerModel(loaded.model, quantized=True, components=loaded.components)
 
     def describe(self, quantized: EagerModel, ctx: ExportContext) -> str:

@@ -38,14 +38,16 @@ def check_image_path(program: RunsMethods, model: CausalLM, encoder: VisionEncod
     position 0; the eager model's are reset first and after."""
     pixels = test_image(encoder.image_size)
     with torch.no_grad():
-        ours_image = program.run(VISION_METHOD, pixels)[0].float()
-        eager_image = encoder(pixels).float()
-        error = float((ours_image - eager_image).abs().max())
-        cosine = float(torch.nn.functional.cosine_similarity(ours_image[0], eager_image[0], dim=-1).min())
+        ours_image = program.run(VISION_METHOD, pixels)[0]
+        eager_image = encoder(pixels)
+        error = float((ours_image.float() - eager_image.float()).abs().max())
+        cosine = float(torch.nn.functional.cosine_similarity(ours_image[0].float(), eager_image[0].float(),
+                                                             dim=-1).min())
         n = ours_image.shape[1]
-        # The program, as the MultimodalRunner drives it: text, then the image, then text, each in one call.
+        # The program, as the MultimodalRunner drives it: text, then the image, then text, each in one call, each
+        # method's output given to the next as it is (the runner converts nothing).
         _program_step(program, embed, decoder, before, 0)
-        program.run(decoder, ours_image.to(eager_image.dtype), torch.tensor([before.shape[1]]))
+        program.run(decoder, ours_image, torch.tensor([before.shape[1]]))
         start = before.shape[1] + n
         ours = [_program_step(program, embed, decoder, after, start)]
         # The eager decoder on the same prompt, the image's embeddings its own encoder's.

@@ -1,0 +1,80 @@
+"""The image path of a vision-language program, in the ExecuTorch runtime: what an app pays for one picture.
+
+    python -m benchmarks.vision <run folder or .pte> [--text-tokens 16] [--steps 64] [--repeats 5]
+
+On one loaded program: RSS after load, ``vision_encoder`` on one image (ms), a prompt with one image (text, the
+image, text: the MultimodalRunner's calls) in tokens per second of the whole prompt, and decode through
+``decode_one_token`` (else ``token_embedding`` then ``text_decoder``). Medians after a warm-up; one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from exporters.program.vision import VISION_METHOD
+from exporters.runtime.driver import Driver, MethodRoles, program_method_shapes
+from exporters.runtime.generator import resolve_program
+from exporters.runtime.images import prefill_parts
+from exporters.runtime.memory import current_rss_mb
+from exporters.runtime.programs import LoadedProgram
+from exporters.stages.vision_check import test_image
+
+
+def _median_seconds(run, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    run()  # warm-up: XNNPACK packs and allocates on the first call
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(program: str, text_tokens: int, steps: int, repeats: int) -> dict[str, float]:
+    pte = resolve_program(program)
+    before = current_rss_mb()
+    loaded = LoadedProgram(pte)
+    shapes = program_method_shapes(loaded)
+    mm = MethodRoles.through_embeddings(shapes)
+    driver = Driver.of(loaded)
+    loaded.load(VISION_METHOD, *(m for m in (mm.prompt, mm.embed, driver.roles.step) if m))
+    after_load = current_rss_mb()
+    size = int(loaded.constant("get_image_size"))
+    per_image = int(loaded.constant("get_image_tokens"))
+    vocab = int(loaded.constant("get_vocab_size"))
+    pixels = test_image(size)
+    text = torch.arange(3, 3 + 2 * text_tokens).remainder(vocab).reshape(1, -1)
+    parts = [text[:, :text_tokens], pixels, text[:, text_tokens:]]
+    prompt_len = 2 * text_tokens + per_image
+    steps = min(steps, int(loaded.constant("get_max_context_len")) - prompt_len)  # what the cache holds after it
+    encode_s = _median_seconds(lambda: loaded.run(VISION_METHOD, pixels), repeats)
+    prompt_s = _median_seconds(lambda: prefill_parts(loaded, mm, parts), repeats)
+
+    def decode() -> None:
+        for i in range(steps):
+            driver.decode_one_token(7 + i % 100, prompt_len + i)
+
+    decode_s = _median_seconds(decode, repeats)
+    return {"rss_after_load_mb": round(after_load - before, 1), "image_encode_ms": round(encode_s * 1e3, 1),
+            "image_positions": per_image, "image_size": size, "prompt_tokens": prompt_len,
+            "prompt_with_image_tok_s": round(prompt_len / prompt_s, 1), "decode_tok_s": round(steps / decode_s, 1),
+            "decode_method": driver.roles.step}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("program", help="a run folder or .pte of a vision-language export")
+    parser.add_argument("--text-tokens", type=int, default=16, help="text tokens before the image, and after it")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(json.dumps(measure(args.program, args.text_tokens, args.steps, args.repeats)))
+
+
+if __name__ == "__main__":
+    main()
