@@ -50,8 +50,10 @@ class Prefixed(torch.nn.Module):
         self.component = name
         self.add_module(name, model)
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return getattr(self, self.component)(*inputs)
+    def forward(self, inputs: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """A decoder's (tokens, position), or a vision encoder's pixels alone."""
+        model = getattr(self, self.component)
+        return model(inputs) if input_pos is None else model(inputs, input_pos)
 
 
 class CaptureStage(Stage):
