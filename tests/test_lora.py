@@ -172,6 +172,7 @@ def tiny_exported(exported, tiny_adapters: dict[str, Path], *overrides: str, pir
                     f"+model.adapters={{{adapters}}}", *overrides)
 
 
+@pytest.mark.extended  # about 60 s: XNNPACK's 8-bit kernels are run by other entries; the adapter storage is the point
 def test_adapters_can_be_stored_in_8_bits(exported, tiny_adapters) -> None:  # type: ignore[no-untyped-def]
     """quant.adapters=8da8w beside an 8da4w base: smaller adapters, still validated. (One adapter: the scheme
     applies per matrix, and each adapter's graph costs a lowering.)"""

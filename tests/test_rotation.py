@@ -138,7 +138,9 @@ def test_an_adapter_turns_with_its_layers(family_checkpoint) -> None:
         assert _rotated_against_plain(model) < 1e-5
 
 
-@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+# Phi-3 (fused projections) with -m extended: its rotation is exact eagerly above, and Gemma 2's program runs R4's
+# delegated matmuls here.
+@pytest.mark.parametrize("family", ["gemma2", pytest.param("phi3", marks=pytest.mark.extended)])
 def test_a_rotated_fp32_program_computes_what_transformers_does(exported, family_checkpoint, family: str) -> None:
     """Through the ExecuTorch runtime: Gemma 2 (tied embedding and sandwich norms: R1 at run time, soft-capped
     logits) and Phi-3 (fused projections, untied), with R4 at run time, against transformers' unrotated model on

@@ -1,7 +1,7 @@
 """Vision-language checkpoints (LLaVA, Gemma 3, Idefics3 / SmolVLM): tiny ones built by transformers' own classes.
 
 Fast: each family's text decoder and vision encoder against transformers eagerly; every refusal at the config
-check. Slow: one program per family, with vision_encoder, token_embedding and text_decoder beside forward, run by
+check. Slow: one program per family, with vision_encoder, token_embedding and text_decoder beside decode_one_token, run by
 ExecuTorch's stock MultimodalRunner on the processor's output: transformers' greedy tokens, token for token.
 """
 
@@ -27,6 +27,9 @@ from tests.helpers import compose_config
 
 FAMILIES = list(TINY_VLM)
 NEW_TOKENS = 8
+# The programs under test: the MultimodalRunner's three methods and one text method (decode_one_token, the fewest
+# graphs to lower: the suite's time), named as apps that share memory arenas name them.
+PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=32")
 # Where the prompt's image goes: the processor expands this into the image's tokens (Gemma 3's begin-of-image token).
 IMAGE_MARK = {"llava": "<image>", "gemma3": "<start_of_image>", "idefics3": "<image>"}
 
@@ -100,17 +103,21 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     import transformers
     from executorch.extension.llm.runner import GenerationConfig, MultimodalRunner, generate_hf
 
+    from exporters.runtime.programs import register_runtime_kernels
+
+    register_runtime_kernels()  # the programs' llama:: kernels, as an app links them (the export may be another worker's)
+
     ckpt = vlm_checkpoint(family)
-    result = exported("model=hf", f"model.checkpoint={ckpt}", "export.methods=[forward]", "export.max_seq_len=32")
+    result = exported("model=hf", f"model.checkpoint={ckpt}", *PROGRAM)
     m = result.manifest
     assert m.validation.passed and m.validation.text_decoder_kl < 1e-9
     vision = m.components["vision"].vision
     assert vision.check.passed and vision.check.cosine > 0.9999 and vision.check.greedy_tokens == vision.check.eager_choices
-    assert set(m.methods) == {"forward", "token_embedding", "text_decoder", VISION_METHOD}
+    assert set(m.methods) == {"decode", "token_embedding", "text_decoder", VISION_METHOD}
     assert m.methods[VISION_METHOD].inputs[0].shape == [1, 3, vision.image_size, vision.image_size]
     assert m.methods["text_decoder"].inputs[0].name == "embeddings"
-    # Four methods, each weight stored once: the decoder's (forward and text_decoder; the embedding table read by
-    # forward and token_embedding) and the vision encoder's, all fp32 here.
+    # Four methods, each weight stored once: the decoder's (decode and text_decoder; the embedding table read by
+    # decode and token_embedding) and the vision encoder's, all fp32 here.
     stored = m.program.storage["named_data_bytes"] + m.program.storage["constant_buffer_bytes"]
     weights = 4 * (m.model.parameters + m.components["vision"].parameters)
     assert weights * 0.95 < stored < weights * 1.1, (stored, weights)
@@ -166,8 +173,7 @@ def test_quant_vision_on_a_text_checkpoint_is_refused(tiny_checkpoint) -> None:
 
 @pytest.mark.slow
 def test_bad_image_prompts_are_refused_before_any_method_runs(exported, vlm_checkpoint, tmp_path: Path) -> None:
-    result = exported("model=hf", f"model.checkpoint={vlm_checkpoint('llava')}", "export.methods=[forward]",
-                      "export.max_seq_len=32")
+    result = exported("model=hf", f"model.checkpoint={vlm_checkpoint('llava')}", *PROGRAM)
     generator = Generator(result.pte_path)
     picture().save(tmp_path / "picture.png")
     (tmp_path / "notes.png").write_text("not an image")
@@ -207,7 +213,7 @@ def test_several_images_in_one_prompt_give_transformers_greedy_tokens(exported, 
     from PIL import Image
 
     ckpt = vlm_checkpoint("llava")
-    result = exported("model=hf", f"model.checkpoint={ckpt}", "export.methods=[forward]", "export.max_seq_len=32")
+    result = exported("model=hf", f"model.checkpoint={ckpt}", *PROGRAM)
     files = []
     for seed in (0, 1):
         path = tmp_path / f"picture{seed}.png"
