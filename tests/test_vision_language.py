@@ -244,3 +244,19 @@ def test_random_weights_of_a_vision_language_shape_give_the_decoder_what_it_take
     encoder = eager.components["vision"]
     pixels = torch.zeros(1, 3, encoder.image_size, encoder.image_size)
     assert encoder(pixels).dtype == eager.model.activation_dtype() == torch.float32
+
+
+@pytest.mark.parametrize("shape,family,size,positions", [("smolvlm-256m", "idefics3", 512, 64),
+                                                         ("gemma3-4b", "gemma3", 896, 256)])
+def test_the_published_shapes_plan_the_programs_their_numbers_are_of(tmp_path: Path, shape: str, family: str,
+                                                                     size: int, positions: int) -> None:
+    """benchmarks.vision_shapes: each shape's config.json plans a vision component of its published geometry."""
+    from benchmarks.vision_shapes import write_shape
+    from exporters.plan import plan_export
+
+    folder = write_shape(shape, tmp_path / shape)
+    plan = plan_export(compose_config("model=hf", f"model.checkpoint={folder}", "model.random_init=true",
+                                      f"export.max_seq_len={positions + 64}"))
+    geometry = plan.vision.build.geometry
+    assert (geometry.family, geometry.image_size, geometry.tokens) == (family, size, positions)
+    assert {"token_embedding", "text_decoder", VISION_METHOD} <= set(plan.methods.specs)

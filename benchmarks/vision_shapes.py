@@ -1,0 +1,71 @@
+"""Published vision-language shapes as ``config.json`` folders, for measuring real sizes with random weights.
+
+    python -m benchmarks.vision_shapes smolvlm-256m --out /tmp/smolvlm-256m
+    python -m exporters.llm model=hf model.checkpoint=/tmp/smolvlm-256m model.random_init=true quant=8da4w \
+        export.max_seq_len=128
+
+No vision-language weights ship in a package we found; these are the shapes of the published checkpoints (their
+``config.json`` values), built with transformers' own config classes, so ``model.random_init=true`` exports a
+program of the real size (docs/vision.md). Change a shape only with a new name: the numbers in docs refer to these.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Callable
+
+
+def smolvlm_256m() -> Any:
+    """SmolVLM-256M-Instruct: SigLIP 768 wide x 12 layers at 512 px (patches of 16, pixel shuffle 4: 64 positions),
+    a SmolLM2-135M-shaped decoder."""
+    from transformers import Idefics3Config, Idefics3VisionConfig, LlamaConfig
+
+    return Idefics3Config(
+        vision_config=Idefics3VisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                           num_attention_heads=12, image_size=512, patch_size=16),
+        text_config=LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                                num_key_value_heads=3, vocab_size=49280, rope_theta=100000.0,
+                                max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                bos_token_id=1, eos_token_id=2),
+        scale_factor=4, image_token_id=49190, tie_word_embeddings=True,
+        architectures=["Idefics3ForConditionalGeneration"])
+
+
+def gemma3_4b() -> Any:
+    """Gemma 3 4B: SigLIP so400m (1152 wide x 27 layers at 896 px, pooled to 256 positions), a 34-layer decoder
+    2560 wide with 262k tokens, 5 sliding-window layers per global one."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=256, vocab_size=262208, sliding_window=1024,
+                            query_pre_attn_scalar=256, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                            rope_theta=1000000.0, rope_local_base_freq=10000.0, max_position_embeddings=131072,
+                            bos_token_id=2, eos_token_id=1)
+    return Gemma3Config(
+        text_config=text,
+        vision_config=SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                         num_attention_heads=16, image_size=896, patch_size=14, vision_use_head=False),
+        mm_tokens_per_image=256, image_token_index=262144, boi_token_index=255999, eoi_token_index=256000,
+        architectures=["Gemma3ForConditionalGeneration"])
+
+
+SHAPES: dict[str, Callable[[], Any]] = {"smolvlm-256m": smolvlm_256m, "gemma3-4b": gemma3_4b}
+
+
+def write_shape(name: str, out: Path) -> Path:
+    SHAPES[name]().save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("--out", type=Path, required=True, help="the folder to write config.json into")
+    args = parser.parse_args()
+    folder = write_shape(args.shape, args.out)
+    print(f"model=hf model.checkpoint={folder} model.random_init=true")
+
+
+if __name__ == "__main__":
+    main()
