@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             warnings.simplefilter("ignore")
         with console.native_stderr_to(None):  # the runtime's log lines; the text goes to stdout
             generator = Generator(path, args.tokenizer, args.adapter)
-            images = generator.with_images(args.prompt, args.image, args.chat) if args.image else None
+            # A vision-language program's prompt always goes through its processor: an image mark without an image
+            # (or the reverse) is refused there.
+            images = generator.with_images(args.prompt, args.image, args.chat) if generator.sees_images else None
             prompt = chat_prompt(generator.pte, args.prompt) if args.chat and not images else args.prompt
             ids = images.ids if images else generator.encode(prompt)
             generator.check_fits(ids)

@@ -183,6 +183,10 @@ def test_bad_image_prompts_are_refused_before_any_method_runs(exported, vlm_chec
         generator.with_images("Once upon a time", [str(tmp_path / "picture.png")])
     with pytest.raises(UserError, match="marks 1 image.*0 image= file"):
         generator.with_images(prompt_of("llava"), [])
+    # The command line too: an image mark without image= is refused, nothing generated.
+    from exporters.generate import main
+
+    assert main([str(result.pte_path.parent), f"prompt={prompt_of('llava')}", "max_new_tokens=2"]) == 2
 
 
 def test_quant_vision_schemes_keep_the_image_features(vlm_checkpoint) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from exporters.runtime.driver import Driver, MethodRoles, program_context_len, program_method_shapes
 from exporters.runtime.images import ImagePrompt, image_prompt, prefill_parts
+from exporters.program.vision import VISION_METHOD
 from exporters.errors import UserError, check_choice
 from exporters.manifest import program_in
 from exporters.program.weights import data_files_beside
@@ -168,6 +169,11 @@ class Generator:
             names = self.program.method_names
             return DraftProposer(self._draft, self.program.constant(DRAFT_VOCAB) if DRAFT_VOCAB in names else None)
         return None
+
+    @property
+    def sees_images(self) -> bool:
+        """A vision-language program (it has vision_encoder)."""
+        return VISION_METHOD in self.program.method_names
 
     def with_images(self, prompt: str, images: list[str], chat: bool = False) -> ImagePrompt:
         """``prompt`` and ``images`` (files) as the program's processor makes them (exporters.runtime.images)."""

@@ -58,8 +58,9 @@ def image_prompt(program: Any, folder: Path, prompt: str, images: list[str], cha
     marked = prompt.count(marker)
     if marked != len(images):
         raise UserError(
-            f"the prompt marks {marked} image(s) with {marker!r} and {len(images)} image= file(s) are given: write "
-            f"{marker!r} in the prompt where each image goes (or use chat=true, which places them), one per image=.")
+            f"the prompt marks {marked} image(s) with {marker!r} and {len(images)} image= file(s) are given: each "
+            f"{marker!r} in the prompt takes one image= file, in order (chat=true places the marks for you); nothing "
+            "was generated.")
     out = processor(images=pictures or None, text=prompt, return_tensors="pt")
     ids = out["input_ids"][0].tolist()
     if not images:
