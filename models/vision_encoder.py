@@ -123,6 +123,16 @@ def load_vision_encoder(path: str, hf_config: Any) -> VisionEncoder:
     return ENCODERS[family.name](model.config, *_parts(model)).eval()
 
 
+def vision_parameters(hf_config: Any) -> int:
+    """The vision tower's and projector's parameters (all of the tower's layers: an upper bound for LLaVA, which reads
+    fewer), counted on the meta device: nothing allocated."""
+    import transformers
+
+    with torch.device("meta"), _quiet_transformers():
+        layout = getattr(transformers, hf_config.architectures[0])(hf_config)
+    return sum(p.numel() for part in _parts(layout) for p in part.parameters())
+
+
 def random_vision_encoder(hf_config: Any, seed: int = 0) -> VisionEncoder:
     """The vision encoder of ``hf_config``'s shape with seeded random weights (transformers' own initialization),
     built alone: the whole model is only laid out on the meta device to find the tower's and projector's classes."""

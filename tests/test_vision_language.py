@@ -250,13 +250,16 @@ def test_random_weights_of_a_vision_language_shape_give_the_decoder_what_it_take
     assert encoder(pixels).dtype == eager.model.activation_dtype() == torch.float32
 
 
-@pytest.mark.parametrize("shape,family,size,positions", [("smolvlm-256m", "idefics3", 512, 64),
-                                                         ("gemma3-4b", "gemma3", 896, 256)])
+@pytest.mark.parametrize("shape,family,size,positions,millions", [("smolvlm-256m", "idefics3", 512, 64, 93.51),
+                                                                  ("gemma3-4b", "gemma3", 896, 256, 419.82)])
 def test_the_published_shapes_plan_the_programs_their_numbers_are_of(tmp_path: Path, shape: str, family: str,
-                                                                     size: int, positions: int) -> None:
-    """benchmarks.vision_shapes: each shape's config.json plans a vision component of its published geometry."""
+                                                                     size: int, positions: int,
+                                                                     millions: float) -> None:
+    """benchmarks.vision_shapes: each shape's config.json plans a vision component of its published geometry, and the
+    memory estimate counts its encoder's parameters (as load built them: docs/vision.md's numbers)."""
     from benchmarks.vision_shapes import write_shape
     from exporters.plan import plan_export
+    from models.vision_encoder import vision_parameters
 
     folder = write_shape(shape, tmp_path / shape)
     plan = plan_export(compose_config("model=hf", f"model.checkpoint={folder}", "model.random_init=true",
@@ -264,3 +267,4 @@ def test_the_published_shapes_plan_the_programs_their_numbers_are_of(tmp_path: P
     geometry = plan.vision.build.geometry
     assert (geometry.family, geometry.image_size, geometry.tokens) == (family, size, positions)
     assert {"token_embedding", "text_decoder", VISION_METHOD} <= set(plan.methods.specs)
+    assert round(vision_parameters(open_checkpoint(folder, need_weights=False).hf_config) / 1e6, 2) == millions

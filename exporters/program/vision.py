@@ -25,6 +25,7 @@ from exporters.plan.lengths import Lengths
 from exporters.program.methods import MULTIMODAL_METHODS, MethodSpec, MethodTable
 
 if TYPE_CHECKING:
+    from exporters.footprint import Footprint
     from exporters.manifest import VisionCheck, VisionEntry
     from models.checkpoint import Checkpoint
     from models.vision_encoder import VisionEncoder
@@ -171,6 +172,22 @@ def quantize_vision(encoder: "VisionEncoder", scheme: str, group_size: int, out_
         quantize_(encoder, LINEAR_SCHEMES[chosen].torchao_config(group, "hqq"),
                   filter_fn=lambda m, fqn, target=layer: m is target)
     return f"{scheme} on its {len(linears)} linear layers"
+
+
+# Peak RSS the vision encoder adds to an export, per byte of its fp32 weights: measured on SmolVLM-256M's shape
+# (docs/vision.md; 3215 MB measured against 1819 MB estimated for the decoder alone, over 374 MB of fp32 encoder
+# weights: the eager encoder, its captured and lowered graphs, the program's copy at validation).
+VISION_PEAK_PER_BYTE = 3.7
+
+
+def vision_footprint(parameters: int) -> "Footprint":
+    """What the vision encoder adds to the export's memory, held from load to the end (exporters.footprint)."""
+    from exporters.footprint import BASE_BYTES, Footprint
+
+    fp32 = 4 * parameters
+    return Footprint(parameters, fp32, fp32, fp32,
+                     {stage: BASE_BYTES + int(VISION_PEAK_PER_BYTE * fp32) for stage in ("load", "quantize", "lower", "emit",
+                                                                             "validate")})
 
 
 def vision_constants(geometry: VisionGeometry) -> dict[str, Any]:

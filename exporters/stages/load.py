@@ -11,6 +11,8 @@ import logging
 
 from exporters.footprint import MemoryBudget
 from exporters.program.draft import check_pair
+from exporters.program.vision import vision_footprint
+from models.vision_encoder import vision_parameters
 from exporters.quant.rotation import check_rotation
 from exporters.stages.artifacts import EagerModel, summary
 from exporters.stages.pipeline import ExportContext, Stage
@@ -43,6 +45,9 @@ class LoadStage(Stage):
             ctx.component_checkpoints[draft.name] = draft_checkpoint
             footprint = footprint.beside(MemoryBudget.of(self.plan, draft).estimate(
                 draft_shapes, stored_bytes(draft_checkpoint, draft_shapes)))
+        vision = self.plan.vision
+        if vision is not None:  # the image encoder, alive beside the decoder from load to the end
+            footprint = footprint.beside(vision_footprint(vision_parameters(checkpoint.hf_config)))
         ctx.footprint = budget.check(footprint)
         log.info("  load: %s%s", ctx.footprint.describe(), " (target and draft)" if draft is not None else "")
         model = build.build(checkpoint)
@@ -50,7 +55,6 @@ class LoadStage(Stage):
         attach_adapters(model, ctx.adapters)
         if draft is not None:
             components[draft.name] = draft.build.build(ctx.component_checkpoints[draft.name])
-        vision = self.plan.vision
         if vision is not None:  # the image encoder, from the decoder's checkpoint folder
             ctx.component_checkpoints[vision.name] = checkpoint
             components[vision.name] = vision.build.build(checkpoint)
