@@ -165,12 +165,14 @@ def quantize_vision(encoder: "VisionEncoder", scheme: str, group_size: int, out_
         encoder.to(torch.float16)
         encoder.compute_dtype = torch.float16
         return "fp16 (its output cast to the text decoder's dtype)"
-    linears = [(name, m) for name, m in encoder.named_modules() if isinstance(m, nn.Linear)]
+    linears = [m for m in encoder.modules() if isinstance(m, nn.Linear)]
     requested = group_size if LINEAR_SCHEMES[scheme].bits == 4 else 0  # XNNPACK's 8-bit kernels: per channel
-    for name, layer in linears:
-        chosen, group = layer_scheme(scheme, layer.in_features, requested)
+    by_choice: dict[tuple[str, int], set[int]] = {}  # one quantize_ walk per (scheme, group size) the layers get
+    for layer in linears:
+        by_choice.setdefault(layer_scheme(scheme, layer.in_features, requested), set()).add(id(layer))
+    for (chosen, group), layers in by_choice.items():
         quantize_(encoder, LINEAR_SCHEMES[chosen].torchao_config(group, "hqq"),
-                  filter_fn=lambda m, fqn, target=layer: m is target)
+                  filter_fn=lambda m, fqn, layers=layers: id(m) in layers)
     return f"{scheme} on its {len(linears)} linear layers"
 
 
