@@ -45,7 +45,7 @@ def eager_perplexities(cfg: Any, work_dir: Path) -> tuple[Any, float, Any]:
             from exporters.runtime.programs import CapturedPrograms
             from exporters.stages.validate import driven
 
-            graphs = CapturedPrograms(quantized.undelegated, quantized.model.kv_cache_buffers())
+            graphs = CapturedPrograms(quantized.undelegated, quantized.model.state_buffers())
             roles = MethodRoles.choose({n: spec.shape for n, spec in quantized.methods.specs.items()})
             nll = baseline.text.nll(driven(graphs, roles, baseline.text, "eager"))
         else:

@@ -129,6 +129,10 @@ class KvCacheEntry:
     windows: list[int | None] = field(default_factory=list)  # per layer: attention window, null = the whole cache
     attention_sink: int = 0  # positions kept forever, the rest in a ring: generation goes on past `positions`
     slots: list[int] = field(default_factory=list)  # per layer: positions its buffers hold (ring: window + call - 1)
+    # Per layer, what mixes its tokens (models.decoder.Mixer); empty: attention in every layer (older manifests).
+    layers: list[str] = field(default_factory=list)
+    # The state of the layers that are not attention (short convolutions' last inputs): fixed, whatever the context.
+    state_bytes: int = 0
 
     def describe(self) -> str:
         windowed = sorted({w for w in self.windows if w is not None})
@@ -140,7 +144,11 @@ class KvCacheEntry:
                    if windowed else "")
                 + (f"; attention sink of {self.attention_sink}: generation goes on past the cache, each layer "
                    f"seeing the first {self.attention_sink} and the last {self.positions - self.attention_sink} positions"
-                   if self.attention_sink else "; generation stops at the end of the cache"))
+                   if self.attention_sink else "; generation stops at the end of the cache")
+                + (f"; beside it {_size(self.state_bytes)} of recurrent state in "
+                   f"{sum(kind != 'attention' for kind in self.layers)} of {len(self.layers)} layers "
+                   f"({', '.join(sorted({k for k in self.layers if k != 'attention'}))}), the same at any length"
+                   if self.state_bytes else ""))
 
 
 def _size(n: int) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -23,8 +22,7 @@ import torch
 from models.decoder import CausalLM
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE
-from models.families import decoder_args
-from models.vision import text_tensor_name
+from models.families import decoder_args, tensor_namer
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +201,7 @@ def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = 
             model = CausalLM(args)
         if device == "meta":
             return model
-        load_weights(model, ckpt.weight_files, rename=functools.partial(text_tensor_name, ckpt.hf_config))
+        load_weights(model, ckpt.weight_files, rename=tensor_namer(ckpt.hf_config))
         model.init_buffers()
         return model.eval()
     torch.manual_seed(seed)

@@ -1,5 +1,5 @@
-"""One exportable decoder for the Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3 and SmolLM3 families,
-with a static KV cache held in buffers.
+"""One exportable decoder for the Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, SmolLM3 and LFM2 families,
+with a static KV cache held in buffers (and, in hybrid models, the fixed-size state of their other layers).
 
 Module and parameter names follow Hugging Face's (``model.layers.0.self_attn.q_proj``, Phi-3's
 ``qkv_proj``, Gemma's ``pre_feedforward_layernorm`` ...), so a checkpoint's state dict loads 1:1 and
@@ -15,7 +15,9 @@ torch 2.13 (see docs/DESIGN.md). This module keeps everything ``torch.export`` a
 * the cache update is ``index_copy_`` on those buffers (lowered to an in-place ``index_put_`` at emit), or
   ExecuTorch's ``llama::update_cache`` on the custom-ops path;
 * attention covers the whole cache with a position mask (or the kernel's own causal bound), so shapes stay
-  static except the number of new tokens ``T``.
+  static except the number of new tokens ``T``;
+* a hybrid model's other layers (LFM2's short convolutions, :mod:`models.short_conv`) keep their state in buffers
+  named the same way in every method, beside the caches.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import NamedTuple
 
 import torch
@@ -32,6 +35,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.kv_cache import KV_CACHES, CacheGeometry, CustomOpsKVCache, KVCache
+from models.short_conv import ShortConv
+
+
+class Mixer(str, Enum):
+    """What mixes a layer's tokens: attention over its KV cache, or a short convolution over its state (LFM2)."""
+
+    attention = "attention"
+    short_conv = "short_conv"
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,10 @@ class DecoderArgs:
     attention_sink: int = 0
     # Most tokens one call writes (ring caches keep that many - 1 slots of headroom); None = max_context_len.
     call_tokens: int | None = None
+    # Per layer, what mixes its tokens (empty: attention everywhere); a short convolution's taps and biases.
+    layer_mixer: tuple[Mixer, ...] = ()
+    conv_kernel: int = 3
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -102,6 +117,7 @@ class DecoderArgs:
             object.__setattr__(self, "layer_rope", (self.rope[0][0] if self.rope else None,) * n)
         if not self.layer_window:
             object.__setattr__(self, "layer_window", (None,) * n)
+        object.__setattr__(self, "layer_mixer", tuple(Mixer(m) for m in self.layer_mixer) or (Mixer.attention,) * n)
         # A window that covers the whole cache is plain causal attention.
         windows = tuple(None if w is None or w >= self.max_context_len else int(w) for w in self.layer_window)
         object.__setattr__(self, "layer_window", windows)
@@ -110,8 +126,10 @@ class DecoderArgs:
                              f"{self.max_call_tokens} tokens in a cache of {self.max_context_len}")
         if self.kv_dtype != "fp32" and self.attention != "custom_ops":
             raise ValueError(f"a {self.kv_dtype} KV cache needs ExecuTorch's LLM kernels (attention='custom_ops')")
-        if len(self.layer_rope) != n or len(self.layer_window) != n:
-            raise ValueError(f"layer_rope / layer_window need one entry per layer ({n})")
+        if len(self.layer_rope) != n or len(self.layer_window) != n or len(self.layer_mixer) != n:
+            raise ValueError(f"layer_rope / layer_window / layer_mixer need one entry per layer ({n})")
+        if self.conv_kernel < 2 and Mixer.short_conv in self.layer_mixer:
+            raise ValueError(f"a short convolution of {self.conv_kernel} taps keeps no state; it needs 2 or more")
         unknown = {r for r in self.layer_rope if r is not None} - {name for name, _ in self.rope}
         if unknown:
             raise ValueError(f"layers use RoPE tables {sorted(unknown)} that are not defined")
@@ -125,6 +143,11 @@ class DecoderArgs:
         """Each layer's cache: linear, or a ring for windows shorter than the cache and for attention sinks."""
         return tuple(CacheGeometry.of(self.max_context_len, w, self.attention_sink, self.max_call_tokens)
                      for w in self.layer_window)
+
+    @property
+    def hybrid(self) -> bool:
+        """Some layers keep a state that is not a KV cache (it cannot be rolled back by position)."""
+        return any(m != Mixer.attention for m in self.layer_mixer)
 
     @property
     def n_rep(self) -> int:
@@ -393,11 +416,15 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block; with ``sandwich_norms`` (Gemma 2/3) attention and MLP outputs are
     normed too, and ``post_attention_layernorm`` is the attention output's norm, as in transformers."""
 
-    def __init__(self, args: DecoderArgs, geometry: CacheGeometry) -> None:
+    def __init__(self, args: DecoderArgs, geometry: CacheGeometry, mixer: Mixer = Mixer.attention) -> None:
         super().__init__()
         norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm)  # noqa: E731
         self.sandwich = args.sandwich_norms
-        self.self_attn = ATTENTION[args.attention](args, geometry)
+        self.mixer = mixer
+        if mixer == Mixer.attention:
+            self.self_attn = ATTENTION[args.attention](args, geometry)
+        else:
+            self.conv = ShortConv(args.hidden_size, args.conv_kernel, args.conv_bias)
         self.mlp = MLP(args)
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
@@ -409,7 +436,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rope, positions, mask, slots)
+        if self.mixer == Mixer.attention:
+            attn = self.self_attn(self.input_layernorm(x), rope, positions, mask, slots)
+        else:
+            attn = self.conv(self.input_layernorm(x), positions)
         if self.sandwich:
             x = x + rotated(self.output_rotation, self.post_attention_layernorm(attn))
             mlp = self.mlp(self.pre_feedforward_layernorm(x))
@@ -424,7 +454,8 @@ class DecoderBody(nn.Module):
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, geometry) for geometry in args.layer_geometry)
+        self.layers = nn.ModuleList(DecoderLayer(args, geometry, mixer)
+                                    for geometry, mixer in zip(args.layer_geometry, args.layer_mixer))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm)
 
 
@@ -510,6 +541,9 @@ class CausalLM(nn.Module):
         dtype = self.activation_dtype()
         rot_dims = {name: 2 * len(table.inv_freq) for name, table in a.rope}
         for layer, rope in zip(self.model.layers, a.layer_rope):
+            if layer.mixer == Mixer.short_conv:
+                layer.conv.rebuild(dtype, device)
+                continue
             attn = layer.self_attn
             if rope is not None:
                 attn.q_rotate = rotate_half_matrix(rot_dims[rope]).to(device)
@@ -527,7 +561,7 @@ class CausalLM(nn.Module):
             yield
             return
         a = dataclasses.replace(self.args, kv_dtype=kv_dtype)
-        attentions = [layer.self_attn for layer in self.model.layers]
+        attentions = [layer.self_attn for layer in self.attention_layers()]
         kept = [attn.kv_cache for attn in attentions]
         device = self.cache_positions.device
         for attn in attentions:
@@ -633,17 +667,36 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def reset_cache(self) -> None:
-        """Zero every KV buffer, so a new sequence starts clean (eager runs: baseline, validation)."""
+        """Zero every KV buffer and recurrent state, so a new sequence starts clean (eager runs: baseline,
+        validation)."""
         for cache in self.kv_caches():
             cache.reset()
+        for conv in self.short_convs():
+            conv.reset()
+
+    def attention_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.model.layers if layer.mixer == Mixer.attention]
 
     def kv_caches(self) -> list[KVCache]:
-        return [layer.self_attn.kv_cache for layer in self.model.layers]
+        return [layer.self_attn.kv_cache for layer in self.attention_layers()]
 
-    def kv_cache_buffers(self) -> list[str]:
-        """Names of every buffer the KV caches hold (codes, and scales when quantized): the state methods share."""
-        return [f"model.layers.{i}.self_attn.kv_cache.{name}"
-                for i, cache in enumerate(self.kv_caches()) for name, _ in cache.named_buffers()]
+    def short_convs(self) -> list[ShortConv]:
+        return [layer.conv for layer in self.model.layers if layer.mixer == Mixer.short_conv]
+
+    def state_buffers(self) -> list[str]:
+        """Names of every buffer of the state methods share: the KV caches' (codes, and scales when quantized) and
+        the short convolutions' inputs."""
+        names = []
+        for i, layer in enumerate(self.model.layers):
+            if layer.mixer == Mixer.attention:
+                names += [f"model.layers.{i}.self_attn.kv_cache.{name}" for name, _ in layer.self_attn.kv_cache.named_buffers()]
+            else:
+                names.append(f"model.layers.{i}.conv.conv_state")
+        return names
+
+    def recurrent_state_bytes(self) -> int:
+        """Bytes of the state that is not a KV cache (a constant, whatever the context): the short convolutions'."""
+        return sum(conv.bytes() for conv in self.short_convs())
 
     def parameter_count(self) -> int:
         """Its parameters, a tied matrix once (``parameters()`` yields each tensor once); shapes alone on meta."""

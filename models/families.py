@@ -8,14 +8,15 @@ that differ from a plain Llama. Adding a family is one adapter here; nothing els
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from models.decoder import DecoderArgs, RopeTable
+from models.decoder import DecoderArgs, Mixer, RopeTable
 from models.errors import ModelError
-from models.vision import language_config
+from models.vision import language_config, text_tensor_name
 
 
 def rope_table(hf_config: Any, layer_type: str | None = None) -> RopeTable:
@@ -54,14 +55,23 @@ class Family:
     architectures: tuple[str, ...]
     model_type: str
     adapt: FamilyAdapter  # hf config, max context -> the DecoderArgs fields that differ from Llama's defaults
+    # (pattern, replacement) on checkpoint tensor names, for a family whose modules transformers names otherwise
+    # than Llama's: the decoder keeps one set of names, so quantization, GPTQ and validation read every family alike.
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def tensor_name(self, name: str) -> str:
+        for pattern, replacement in self.renames:
+            name = re.sub(pattern, replacement, name)
+        return name
 
 
 FAMILIES: dict[str, Family] = {}
 
 
-def register_family(name: str, *architectures: str, model_type: str) -> Callable[[FamilyAdapter], FamilyAdapter]:
+def register_family(name: str, *architectures: str, model_type: str,
+                    renames: tuple[tuple[str, str], ...] = ()) -> Callable[[FamilyAdapter], FamilyAdapter]:
     def wrap(fn: FamilyAdapter) -> FamilyAdapter:
-        FAMILIES[name] = Family(name, architectures, model_type, fn)
+        FAMILIES[name] = Family(name, architectures, model_type, fn, renames)
         return fn
 
     return wrap
@@ -213,6 +223,48 @@ def smollm3(cfg: Any, max_context_len: int) -> dict[str, Any]:
     }
 
 
+LFM2_NAMES = (
+    (r"^model\.embedding_norm\.", "model.norm."), (r"\.operator_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.feed_forward\.w1\.", ".mlp.gate_proj."),
+    (r"\.feed_forward\.w3\.", ".mlp.up_proj."), (r"\.feed_forward\.w2\.", ".mlp.down_proj."),
+    (r"\.self_attn\.out_proj\.", ".self_attn.o_proj."), (r"\.self_attn\.q_layernorm\.", ".self_attn.q_norm."),
+    (r"\.self_attn\.k_layernorm\.", ".self_attn.k_norm."),
+)
+LFM2_MIXERS = {"full_attention": Mixer.attention, "conv": Mixer.short_conv}
+
+
+@register_family("lfm2", "Lfm2ForCausalLM", model_type="lfm2", renames=LFM2_NAMES)
+def lfm2(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """LFM2 / LFM2.5 (Liquid AI): gated short convolutions interleaved with attention layers that norm q and k; the
+    feed-forward width derived from the config as transformers derives it."""
+    unknown = sorted({t for t in cfg.layer_types if t not in LFM2_MIXERS})
+    if unknown:
+        raise ModelError(f"layer_types names {unknown}, which LFM2 does not have. Allowed: {sorted(LFM2_MIXERS)}. "
+                         "Fix config.json's layer_types (or full_attn_idxs).")
+    inter = cfg.intermediate_size
+    if cfg.block_auto_adjust_ff_dim:  # transformers' Lfm2MLP
+        inter = int(2 * inter / 3)
+        if cfg.block_ffn_dim_multiplier is not None:
+            inter = int(cfg.block_ffn_dim_multiplier * inter)
+            inter = cfg.block_multiple_of * ((inter + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
+    return {
+        "qk_norm": True, "intermediate_size": inter, "rms_norm_eps": cfg.norm_eps,
+        "layer_mixer": tuple(LFM2_MIXERS[t] for t in cfg.layer_types),
+        "conv_kernel": cfg.conv_L_cache, "conv_bias": bool(cfg.conv_bias), **_default_rope(cfg, max_context_len),
+    }
+
+
+def tensor_namer(hf_config: Any) -> Callable[[str], str | None]:
+    """The decoder's name for each checkpoint tensor (None: another component's), for ``hf_config``'s layout."""
+    family = family_of_config(hf_config)
+
+    def name(stored: str) -> str | None:
+        text = text_tensor_name(hf_config, stored)
+        return family.tensor_name(text) if text is not None and family is not None else text
+
+    return name
+
+
 def decoder_args(hf_config: Any, max_context_len: int, source: str, family: str | None = None) -> DecoderArgs:
     """Map ``hf_config`` onto :class:`DecoderArgs` with the adapter of its ``architectures`` entry.
 
@@ -241,12 +293,12 @@ def decoder_args(hf_config: Any, max_context_len: int, source: str, family: str 
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        "rms_norm_eps": cfg.rms_norm_eps,
+        "rms_norm_eps": getattr(cfg, "rms_norm_eps", None),
         "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
         "max_context_len": max_context_len,
     }
     try:
-        return DecoderArgs(**common, **found.adapt(cfg, max_context_len))
+        return DecoderArgs(**{**common, **found.adapt(cfg, max_context_len)})
     except ValueError as e:
         raise ModelError(
             f"{source}: inconsistent architecture: {e}. Fix config.json or the model.arch.* overrides."

@@ -66,6 +66,13 @@ FAMILY_CASES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 389, "tie_word_embeddings": True,
         "no_rope_layer_interval": 2,
     },
+    # Hybrid: short convolutions (3 taps, with biases) around an attention layer, q/k norms, the feed-forward width
+    # derived (2/3 of 144, rounded up to 32: 96), tied.
+    "lfm2": {
+        "num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 389, "tie_word_embeddings": True, "intermediate_size": 144,
+        "block_multiple_of": 32, "conv_bias": True, "norm_eps": 1e-5,
+    },
 }
 
 # Families whose test checkpoint ships a SentencePiece tokenizer.model instead of tokenizer.json.

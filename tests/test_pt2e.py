@@ -77,7 +77,7 @@ def test_the_converted_graph_quantizes_exactly_the_models_linear_layers(tmp_path
     assert record.calibration is not None and record.calibration.tokens > 0
     assert ctx.quantization.tied_embedding == "untied"
     # The calibrated graph starts from an empty cache, as every method's program does.
-    assert all(not eager.graph.get_buffer(b).any() for b in eager.model.kv_cache_buffers())
+    assert all(not eager.graph.get_buffer(b).any() for b in eager.model.state_buffers())
 
 
 # The calibrated quantizer on the truncated real model; the dynamic one on the tiny model (the same kernels as

@@ -68,4 +68,5 @@ def kv_cache_entry(model: CausalLM, tokens_per_call: int) -> KvCacheEntry:
     return KvCacheEntry(positions=a.max_context_len, tokens_per_call=tokens_per_call, dtype=dtype,
                         bytes_per_token=sum(c.bytes_per_slot() for c in caches), bytes=sum(c.bytes() for c in caches),
                         windows=list(a.layer_window), attention_sink=a.attention_sink,
-                        slots=[c.geometry.slots for c in caches])
+                        slots=[c.geometry.slots for c in caches], layers=[m.value for m in a.layer_mixer],
+                        state_bytes=model.recurrent_state_bytes())

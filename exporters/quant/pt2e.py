@@ -316,7 +316,7 @@ def quantize_graph(model: CausalLM, prompt: MethodSpec, name: Pt2eQuantizer,
 
     recipe = PT2E_QUANTIZERS[name]
     started = time.perf_counter()
-    cache = model.kv_cache_buffers()
+    cache = model.state_buffers()
     tokens = 0
     with torch.no_grad():
         graph = torch.export.export(model, prompt.example_inputs, dynamic_shapes=prompt.dynamic_shapes,

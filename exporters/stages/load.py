@@ -11,6 +11,7 @@ import logging
 
 from exporters.footprint import MemoryBudget
 from exporters.program.draft import check_pair
+from exporters.program.hybrid import check_hybrid
 from exporters.program.vision import vision_footprint
 from models.vision_encoder import vision_parameters
 from exporters.quant.rotation import check_rotation
@@ -33,6 +34,7 @@ class LoadStage(Stage):
         # The export's memory, estimated from the shapes alone and checked before any weight is read.
         shapes = build.build(checkpoint, device="meta")
         check_rotation(shapes, self.plan.decoder.quant.config)
+        check_hybrid(shapes, self.plan, self.plan.decoder)
         budget = MemoryBudget.of(self.plan)
         footprint = budget.estimate(shapes, stored_bytes(checkpoint, shapes))
         components = {}
@@ -41,6 +43,7 @@ class LoadStage(Stage):
             draft_checkpoint = draft.build.checkpoint(ctx.output_dir)
             draft_shapes = draft.build.build(draft_checkpoint, device="meta")
             check_rotation(draft_shapes, draft.quant.config)
+            check_hybrid(draft_shapes, self.plan, draft)
             check_pair(checkpoint, draft_checkpoint, shapes.parameter_count(), draft_shapes.parameter_count())
             ctx.component_checkpoints[draft.name] = draft_checkpoint
             footprint = footprint.beside(MemoryBudget.of(self.plan, draft).estimate(

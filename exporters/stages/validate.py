@@ -283,7 +283,7 @@ class ValidateStage(Stage):
         assert ctx.baseline is not None and plan is not None
         undelegated = None
         if written.undelegated is not None:
-            undelegated = CapturedPrograms(written.undelegated, written.model.kv_cache_buffers())
+            undelegated = CapturedPrograms(written.undelegated, written.model.state_buffers())
         if plan.in_runtime:
             program: LoadedProgram | CapturedPrograms = LoadedProgram(written.path, data_paths=written.data_paths)
             checked: Checked = "runtime"

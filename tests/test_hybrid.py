@@ -1,0 +1,104 @@
+"""Hybrid models (LFM2): a short convolution's state beside the KV cache, shared by every method, through the runtime.
+
+Parity with transformers (eager with both attentions, the XNNPACK program in fp32 and 8da4w) is in
+tests/test_families.py, as for every family; here is what is particular to a state that is not a cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from exporters.errors import UserError
+from exporters.export import export
+from exporters.plan import plan_export
+from exporters.runtime.driver import Driver
+from exporters.runtime.programs import LoadedProgram
+from models.checkpoint import build_model, open_checkpoint
+from models.errors import ModelError
+from tests.helpers import compose_config, copy_checkpoint
+from tests.test_families import prompt_ids, transformers_model
+
+MAX_SEQ_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def portable_program(exported, family_checkpoint):  # type: ignore[no-untyped-def]
+    """LFM2 on the portable backend (every op a portable kernel): prefill and decode sharing the state."""
+    return exported("model=lfm2", f"model.checkpoint={family_checkpoint('lfm2')}", "backend=portable", "quant=fp32",
+                    "export.methods=[prefill,decode]", "export.layout=split", f"export.max_seq_len={MAX_SEQ_LEN}")
+
+
+def test_the_manifest_and_console_give_the_state_beside_the_cache(portable_program, family_checkpoint) -> None:
+    kv = portable_program.manifest.kv_cache
+    assert kv.layers == ["short_conv", "attention", "short_conv"]
+    hidden, taps = 64, 3  # tests/family_cases.py: two convolutions keep their last 2 inputs of 64 fp32 features
+    assert kv.state_bytes == 2 * hidden * (taps - 1) * 4
+    assert kv.bytes_per_token == 2 * 2 * 16 * 4  # keys and values of the one attention layer: 2 heads of 16
+    assert "1.0 KB of recurrent state in 2 of 3 layers (short_conv), the same at any length" in kv.describe()
+
+
+def test_the_methods_share_the_state_and_a_new_sequence_starts_from_zeros(portable_program, family_checkpoint) -> None:
+    """The portable program against transformers: a prompt through prefill, decode steps continuing its state; then
+    another prompt at position 0 in the same loaded program gives what it gives alone (nothing of the first sequence's
+    state is left: the methods zero it at position 0, no reset method is needed)."""
+    ckpt = family_checkpoint("lfm2")
+    ref = transformers_model(ckpt)
+    driver = Driver.of(LoadedProgram(portable_program.pte_path))
+    first = prompt_ids(ckpt)
+    second = first[:, [0, *range(first.shape[1] - 1, 0, -1)]]  # the same tokens after BOS, reversed
+    for tokens in (first, second, first):
+        logits = driver.prefill(tokens)[0]
+        for step in range(4):
+            with torch.no_grad():
+                expected = ref(tokens).logits[0, -1]
+            assert (logits - expected).abs().max().item() <= 1e-4, f"step {step}"
+            next_token = logits.argmax().view(1, 1)
+            logits = driver.decode_one_token(next_token, tokens.shape[1])[0]
+            tokens = torch.cat([tokens, next_token], dim=1)
+
+
+def test_prompts_in_several_calls_carry_the_state(family_checkpoint) -> None:
+    """Eager, a prompt cut into calls of 1, 2 and 5 tokens gives the logits of one call: the state of each call's last
+    inputs goes on to the next, as the runtime's chunked prefill needs."""
+    model = build_model(open_checkpoint(family_checkpoint("lfm2")), MAX_SEQ_LEN)
+    tokens = torch.randint(0, model.args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = model(tokens, torch.tensor([0]), full_logits=True)
+        for size in (1, 2, 5):
+            model.reset_cache()
+            parts = [model(tokens[:, i:i + size], torch.tensor([i]), full_logits=True) for i in range(0, 16, size)]
+            torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["export.methods=[prefill,decode,verify,forward]"], r"speculative decoding.*cannot be rolled back by position"),
+    (["backend=coreml", "export.layout=split"], r"backend=coreml \(static shapes\).*backend=xnnpack"),
+    (["quant=8da4w_rotated"], r"quant.rotation.*quant=8da4w_calibrated"),
+    (["quant=pt2e_xnnpack_dynamic"], r"quant.pt2e=xnnpack_dynamic.*torchao scheme"),
+])
+def test_what_a_hybrid_model_cannot_do_is_refused_before_any_weight_is_read(tmp_path: Path, family_checkpoint,
+                                                                             overrides: list[str], named: str) -> None:
+    cfg = compose_config("model=lfm2", f"model.checkpoint={family_checkpoint('lfm2')}", *overrides)
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match=r"this model \(2 short_conv \+ 1 attention layers\) cannot be exported with "
+                       + named):
+        export(plan_export(cfg), out)
+    assert not list(out.glob("*.pte")), "nothing is written"
+
+
+def test_a_hybrid_checkpoint_that_does_not_fit_is_named(tmp_path: Path, family_checkpoint) -> None:
+    ckpt = family_checkpoint("lfm2")
+    odd = copy_checkpoint(ckpt, tmp_path / "odd", config={"layer_types": ["conv", "sliding_attention", "full_attention"]})
+    with pytest.raises(ModelError, match=r"layer_types names \[.sliding_attention.\], which LFM2 does not have. Allowed: "):
+        build_model(open_checkpoint(odd), MAX_SEQ_LEN, device="meta")
+    from safetensors.torch import load_file, save_file
+
+    missing = copy_checkpoint(ckpt, tmp_path / "missing")
+    weights = load_file(missing / "model.safetensors")
+    del weights["model.layers.2.conv.conv.weight"]
+    save_file(weights, missing / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"model\.layers\.2\.conv\.conv\.weight"):
+        build_model(open_checkpoint(missing), MAX_SEQ_LEN)
