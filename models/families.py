@@ -223,6 +223,23 @@ def smollm3(cfg: Any, max_context_len: int) -> dict[str, Any]:
     }
 
 
+@register_family("ministral3", "Ministral3ForCausalLM", model_type="ministral3")
+def ministral3(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Ministral 3 (3B / 8B / 14B text decoders): Mistral with yarn RoPE, and queries scaled by
+    ``1 + beta * log(1 + floor(position / original_max_position_embeddings))`` (Llama 4's long-context scale), which
+    is exactly 1 below ``original_max_position_embeddings``: a cache that stays below it needs no scale at all."""
+    cfg.standardize_rope_params()
+    params = cfg.rope_parameters or {}
+    beta, original = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+    if beta and original is not None and max_context_len > original:
+        raise ModelError(
+            f"this Ministral 3 checkpoint scales its queries by position past original_max_position_embeddings="
+            f"{original} (llama_4_scaling_beta={beta}); a {max_context_len}-position cache would need that scale, which "
+            f"is not implemented. Use export.max_context_len<={original} (and export.max_seq_len no larger)."
+        )
+    return {**mistral(cfg, max_context_len)}
+
+
 LFM2_NAMES = (
     (r"^model\.embedding_norm\.", "model.norm."), (r"\.operator_norm\.", ".input_layernorm."),
     (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.feed_forward\.w1\.", ".mlp.gate_proj."),

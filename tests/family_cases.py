@@ -66,6 +66,15 @@ FAMILY_CASES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 389, "tie_word_embeddings": True,
         "no_rope_layer_interval": 2,
     },
+    # Yarn RoPE (factor 4 over 64 original positions) with Llama 4's query scale, which is 1 below those 64 positions;
+    # a sliding window of 7 on every layer, untied.
+    "ministral3": {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 397,
+        "tie_word_embeddings": False, "sliding_window": 7, "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1},
+    },
     # Hybrid: short convolutions (3 taps, with biases) around an attention layer, q/k norms, the feed-forward width
     # derived (2/3 of 144, rounded up to 32: 96), tied.
     "lfm2": {

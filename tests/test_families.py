@@ -26,7 +26,7 @@ from tests.helpers import assert_matches_transformers, compose_config, copy_chec
 from tests.family_cases import FAMILY_CASES
 
 FAMILY_NAMES = list(FAMILY_CASES)
-SLIDING = ["mistral", "qwen2", "gemma2", "gemma3"]
+SLIDING = ["mistral", "qwen2", "gemma2", "gemma3", "ministral3"]
 MAX_SEQ_LEN, DECODE_STEPS = 48, 10
 PROMPT = "The model was exported with ExecuTorch and shipped in an app."
 
@@ -216,6 +216,14 @@ def test_random_init_without_family_says_how_to_pick_one() -> None:
 def test_longrope_past_its_switch_over_is_refused(family_checkpoint) -> None:
     with pytest.raises(ModelError, match=r"longrope.*original_max_position_embeddings=64.*export.max_context_len<=64"):
         build_model(open_checkpoint(family_checkpoint("phi3")), 128)
+
+
+def test_ministral3_past_its_query_scale_switch_over_is_refused(family_checkpoint) -> None:
+    ckpt = open_checkpoint(family_checkpoint("ministral3"))
+    build_model(ckpt, 64, device="meta")  # up to original_max_position_embeddings the scale is exactly 1
+    with pytest.raises(ModelError, match=r"scales its queries.*original_max_position_embeddings=64.*"
+                                         r"export.max_context_len<=64"):
+        build_model(ckpt, 65, device="meta")
 
 
 def test_unknown_family_option_lists_the_families() -> None:
