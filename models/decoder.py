@@ -38,6 +38,15 @@ from models.kv_cache import KV_CACHES, CacheGeometry, CustomOpsKVCache, KVCache
 from models.short_conv import ShortConv
 
 
+class Norms(str, Enum):
+    """Where a layer norms: before attention and MLP (Llama), before and after both (Gemma 2/3's sandwich), or only
+    after both, on their outputs (OLMo 2/3: the residual stream goes into the projections unnormed)."""
+
+    pre = "pre"
+    sandwich = "sandwich"
+    post = "post"
+
+
 class Mixer(str, Enum):
     """What mixes a layer's tokens: attention over its KV cache, or a short convolution over its state (LFM2)."""
 
@@ -77,10 +86,11 @@ class DecoderArgs:
     fused_qkv: bool = False  # Phi-3: one qkv_proj, one gate_up_proj
     fused_gate_up: bool = False
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over head_dim on q and k before RoPE
+    qk_norm_across_heads: bool = False  # OLMo 2/3: that RMSNorm over every head's q (k) at once, before the heads split
     unit_offset_norm: bool = False  # Gemma: RMSNorm scales by (1 + weight), in fp32
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
     hidden_act: str = "silu"
-    sandwich_norms: bool = False  # Gemma 2/3: norms before and after attention and MLP
+    norms: Norms = Norms.pre
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
@@ -219,8 +229,9 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(h * d, args.hidden_size, bias=args.o_bias)
         if args.qk_norm:
-            self.q_norm = RMSNorm(d, args.rms_norm_eps, args.unit_offset_norm)
-            self.k_norm = RMSNorm(d, args.rms_norm_eps, args.unit_offset_norm)
+            q_width, k_width = (h * d, kv * d) if args.qk_norm_across_heads else (d, d)
+            self.q_norm = RMSNorm(q_width, args.rms_norm_eps, args.unit_offset_norm)
+            self.k_norm = RMSNorm(k_width, args.rms_norm_eps, args.unit_offset_norm)
         self.kv_cache = self.cache_layout_of(args)(kv, geometry, d)
         # rotate_half's matrix (rotate_half_matrix), one per projection: Core ML's converter takes each
         # constant once. Identical bytes, so the program stores them once.
@@ -240,8 +251,10 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split([h * d, kv * d, kv * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if a.qk_norm and a.qk_norm_across_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.view(1, -1, h, d), k.view(1, -1, kv, d), v.view(1, -1, kv, d)
-        if a.qk_norm:
+        if a.qk_norm and not a.qk_norm_across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope, self.q_rotate), apply_rope(k, *rope, self.k_rotate)
@@ -413,39 +426,43 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block; with ``sandwich_norms`` (Gemma 2/3) attention and MLP outputs are
-    normed too, and ``post_attention_layernorm`` is the attention output's norm, as in transformers."""
+    """Residual block normed where ``args.norms`` says: with sandwich norms (Gemma 2/3) and post norms (OLMo 2/3)
+    ``post_attention_layernorm`` is the attention output's norm, as in transformers; with post norms there is no
+    ``input_layernorm``."""
 
     def __init__(self, args: DecoderArgs, geometry: CacheGeometry, mixer: Mixer = Mixer.attention) -> None:
         super().__init__()
         norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm)  # noqa: E731
-        self.sandwich = args.sandwich_norms
+        self.norms = args.norms
         self.mixer = mixer
         if mixer == Mixer.attention:
             self.self_attn = ATTENTION[args.attention](args, geometry)
         else:
             self.conv = ShortConv(args.hidden_size, args.conv_kernel, args.conv_bias)
         self.mlp = MLP(args)
-        self.input_layernorm = norm()
+        if self.norms != Norms.post:
+            self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
-        if self.sandwich:
+        if self.norms == Norms.sandwich:
             self.pre_feedforward_layernorm = norm()
+        if self.norms != Norms.pre:
             self.post_feedforward_layernorm = norm()
         # quant.rotation with sandwich norms: the normed block outputs rotated into the residual stream's basis.
         self.output_rotation: Rotation | None = None
 
     def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
+        h = x if self.norms == Norms.post else self.input_layernorm(x)
         if self.mixer == Mixer.attention:
-            attn = self.self_attn(self.input_layernorm(x), rope, positions, mask, slots)
+            attn = self.self_attn(h, rope, positions, mask, slots)
         else:
-            attn = self.conv(self.input_layernorm(x), positions)
-        if self.sandwich:
-            x = x + rotated(self.output_rotation, self.post_attention_layernorm(attn))
-            mlp = self.mlp(self.pre_feedforward_layernorm(x))
-            return x + rotated(self.output_rotation, self.post_feedforward_layernorm(mlp))
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
+            attn = self.conv(h, positions)
+        if self.norms == Norms.pre:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + rotated(self.output_rotation, self.post_attention_layernorm(attn))
+        mlp = self.mlp(self.pre_feedforward_layernorm(x) if self.norms == Norms.sandwich else x)
+        return x + rotated(self.output_rotation, self.post_feedforward_layernorm(mlp))
 
 
 class DecoderBody(nn.Module):

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from models.decoder import DecoderArgs, Mixer, RopeTable
+from models.decoder import DecoderArgs, Mixer, Norms, RopeTable
 from models.errors import ModelError
 from models.vision import language_config, text_tensor_name
 
@@ -188,7 +188,7 @@ def gemma(cfg: Any, max_context_len: int) -> dict[str, Any]:
 def gemma2(cfg: Any, max_context_len: int) -> dict[str, Any]:
     """Gemma 2: Gemma plus sandwich norms, logit soft-capping and alternating sliding-window layers."""
     return {
-        **_gemma_common(cfg), "hidden_act": cfg.hidden_activation, "sandwich_norms": True,
+        **_gemma_common(cfg), "hidden_act": cfg.hidden_activation, "norms": Norms.sandwich,
         "attn_scale": cfg.query_pre_attn_scalar**-0.5,
         "attn_logit_softcap": cfg.attn_logit_softcapping, "final_logit_softcap": cfg.final_logit_softcapping,
         **_default_rope(cfg, max_context_len), "layer_window": _windows_by_layer_type(cfg),
@@ -203,7 +203,7 @@ def gemma3(cfg: Any, max_context_len: int) -> dict[str, Any]:
     cfg.standardize_rope_params()
     types = list(cfg.layer_types)
     return {
-        **_gemma_common(cfg), "hidden_act": cfg.hidden_activation, "sandwich_norms": True, "qk_norm": True,
+        **_gemma_common(cfg), "hidden_act": cfg.hidden_activation, "norms": Norms.sandwich, "qk_norm": True,
         "attn_scale": cfg.query_pre_attn_scalar**-0.5,
         "attn_logit_softcap": cfg.attn_logit_softcapping, "final_logit_softcap": cfg.final_logit_softcapping,
         "rope": tuple((t, rope_table(cfg, layer_type=t)) for t in sorted(set(types))),
@@ -238,6 +238,27 @@ def ministral3(cfg: Any, max_context_len: int) -> dict[str, Any]:
             f"is not implemented. Use export.max_context_len<={original} (and export.max_seq_len no larger)."
         )
     return {**mistral(cfg, max_context_len)}
+
+
+def _olmo(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    return {"qk_norm": True, "qk_norm_across_heads": True, "norms": Norms.post, **_llama_biases(cfg)}
+
+
+@register_family("olmo2", "Olmo2ForCausalLM", model_type="olmo2")
+def olmo2(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """OLMo 2 (AI2): norms on the attention and MLP outputs only, q and k normed across all heads at once."""
+    return {**_olmo(cfg, max_context_len), **_default_rope(cfg, max_context_len)}
+
+
+@register_family("olmo3", "Olmo3ForCausalLM", model_type="olmo3")
+def olmo3(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """OLMo 3: OLMo 2 with sliding-window layers (``layer_types``), each layer type with its own RoPE."""
+    cfg.standardize_rope_params()
+    types, params = list(cfg.layer_types), cfg.rope_parameters or {}
+    roped = sorted(t for t in set(types) if params.get(t) is not None)  # a type without parameters has no RoPE
+    rope = {"rope": tuple((t, rope_table(cfg, layer_type=t)) for t in roped),
+            "layer_rope": tuple(t if t in roped else None for t in types)}
+    return {**_olmo(cfg, max_context_len), **rope, "layer_window": _windows_by_layer_type(cfg)}
 
 
 LFM2_NAMES = (

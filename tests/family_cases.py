@@ -75,6 +75,19 @@ FAMILY_CASES: dict[str, dict[str, Any]] = {
                             "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
                             "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1},
     },
+    # Post norms only (no norm before attention or MLP), q and k normed across all heads at once, attention biases.
+    "olmo2": {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 389, "tie_word_embeddings": False,
+        "attention_bias": True,
+    },
+    # OLMo 2's layers with sliding windows of 5 on every other layer, each layer type its own RoPE (linear-scaled on
+    # full attention), tied.
+    "olmo3": {
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 397, "tie_word_embeddings": True,
+        "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}},
+    },
     # Hybrid: short convolutions (3 taps, with biases) around an attention layer, q/k norms, the feed-forward width
     # derived (2/3 of 144, rounded up to 32: 96), tied.
     "lfm2": {

@@ -43,7 +43,7 @@ from exporters.errors import UserError
 from exporters.manifest import RotationRecord
 from exporters.quant.calibration import CalibrationText, LayerByLayer
 from exporters.quant.hadamard import ONLINE_LARGEST, factors, hadamard_factors, random_rotation
-from models.decoder import CausalLM, RMSNorm, Rotation
+from models.decoder import CausalLM, Norms, RMSNorm, Rotation
 
 # A residual channel whose peak |activation| on the calibration text exceeds this many times the median channel's
 # peak is "massive" and kept out of R1 (SmolLM2-135M: 3 channels at 24-300x; the next is at 11x).
@@ -156,13 +156,17 @@ def _residual(model: CausalLM, q: torch.Tensor, kept: torch.Tensor, keep_tied: b
     body, a = model.model, model.args
     for layer in body.layers:
         qkv, gate_up = _readers(layer)
-        _fold_gain(layer.input_layernorm, qkv, q, kept)
-        _fold_gain(layer.pre_feedforward_layernorm if a.sandwich_norms else layer.post_attention_layernorm, gate_up,
-                   q, kept)
-        if not a.sandwich_norms:
+        if a.norms == Norms.post:  # OLMo: the residual stream goes into the projections unnormed, no gain to fold
+            for reader in (*qkv, *gate_up):
+                _inputs(reader, q)
+        else:
+            _fold_gain(layer.input_layernorm, qkv, q, kept)
+            _fold_gain(layer.pre_feedforward_layernorm if a.norms == Norms.sandwich else layer.post_attention_layernorm,
+                       gate_up, q, kept)
+        if a.norms == Norms.pre:
             _outputs(layer.self_attn.o_proj, q.T)
             _outputs(layer.mlp.down_proj, q.T)
-    if a.sandwich_norms:  # each block's output is normed after its projection: rotated once normed, at run time
+    if a.norms != Norms.pre:  # each block's output is normed after its projection: rotated once normed, at run time
         shared = q.T.float().contiguous()
         for layer in body.layers:
             layer.output_rotation = Rotation([shared])
