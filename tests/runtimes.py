@@ -14,6 +14,10 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+
+from exporters.program.layouts import STOCK_RUNNERS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STOCK_RUNNER_SCRIPT = REPO_ROOT / "tests" / "stock_runner.py"
 
@@ -23,6 +27,14 @@ REQUIREMENTS = {
     "1.4.1": (["torch==2.13.0"], ["executorch==1.4.1", "torchao==0.18.0", "transformers==5.23.0"]),
     "1.5.1": (["torch==2.13.0"], ["executorch==1.5.1", "torchao==0.18.0"]),
 }
+
+
+# The releases a stock-runner test runs under: the newest each time; the older ones' runners (built once, unchanged
+# since) with `pytest -m extended`, kept out of the full run for its time (building an older release's environment
+# alone takes a minute and a half). The manifest's prediction for every release is checked in the full run either way
+# (tests/test_run_and_ship.py, tests/test_export.py).
+STOCK_RELEASES = [pytest.param(r.release, marks=[] if r is STOCK_RUNNERS[-1] else [pytest.mark.extended])
+                  for r in STOCK_RUNNERS]
 
 
 def cache_dir() -> Path:

@@ -12,7 +12,6 @@ from tokenizers import Tokenizer
 from exporters.config import KvDType
 from exporters.errors import UserError
 from exporters.export import checked_config, run_stages
-from exporters.program.layouts import STOCK_RUNNERS
 from exporters.quant.calibration import LayerByLayer
 from exporters.runtime.generator import Generator, SamplingConfig
 from exporters.runtime.driver import Driver
@@ -21,7 +20,7 @@ from exporters.runtime.quality import Agreement
 from models.checkpoint import build_model, open_checkpoint
 from models.errors import ModelError
 from tests.helpers import assert_matches_transformers, compose_config, eager_model_of
-from tests.runtimes import stock_runner
+from tests.runtimes import STOCK_RELEASES, stock_runner
 
 # A prompt of more than one call (max_seq_len 16 below): the stock runner feeds it in calls of get_max_seq_len.
 LONG_PROMPT = ("The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is Madrid. "
@@ -105,7 +104,7 @@ def test_generation_runs_past_one_call_to_the_end_of_the_cache(long_context) -> 
     assert out.new_ids[:8] == expected[:8] and agree > 0.9, (out.new_ids, expected)
 
 
-@pytest.mark.parametrize("release", [r.release for r in STOCK_RUNNERS])
+@pytest.mark.parametrize("release", STOCK_RELEASES)
 def test_stock_runner_feeds_a_long_prompt_in_calls_into_the_int8_cache(long_context, release: str) -> None:
     """The runner prefills the prompt in calls of get_max_seq_len tokens and generates into the int8 cache: the
     text our generator writes (greedy) on the same program."""
@@ -252,7 +251,7 @@ def test_a_sink_program_generates_four_caches_long_as_the_eager_model(exported) 
     assert len(set(expected[64:])) > 2, "a degenerate text past the cache would hide a broken ring"
 
 
-@pytest.mark.parametrize("release", [r.release for r in STOCK_RUNNERS])
+@pytest.mark.parametrize("release", STOCK_RELEASES)
 def test_stock_runner_carries_a_sink_program_over_four_caches(exported, release: str) -> None:
     """Each generate() call of the stock runner stops at get_max_context_len tokens and the next goes on from its
     position: four turns run the conversation to about four caches, each turn the text our driver writes."""

@@ -15,17 +15,12 @@ import torch
 from tokenizers import Tokenizer
 
 from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt
-from exporters.program.layouts import STOCK_RUNNERS
 from tests.helpers import eager_model_of
-from tests.runtimes import stock_runner
+from tests.runtimes import STOCK_RELEASES, stock_runner
 
 pytestmark = pytest.mark.slow  # every test here exports, sweeps or builds
 
-# The newest release each time; the older ones' runners (built once, unchanged since) with `pytest -m extended`, kept
-# out of the full run for its time. The manifest's prediction for every release is checked in the full run either way
-# (tests/test_run_and_ship.py, tests/test_export.py).
-RELEASES = [pytest.param(r.release, marks=[] if r is STOCK_RUNNERS[-1] else [pytest.mark.extended])
-            for r in STOCK_RUNNERS]
+
 PROMPT = "The capital of France is"
 NEW_TOKENS = 12
 
@@ -67,7 +62,7 @@ def prompt_ids(real_exported) -> list[int]:  # type: ignore[no-untyped-def]
     return runner_prompt_ids(real_exported("quant=fp32").pte_path)
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", STOCK_RELEASES)
 def test_stock_layout_fp32_writes_transformers_text(real_exported, smollm2_truncated, prompt_ids, release: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -86,7 +81,7 @@ def test_stock_layout_fp32_writes_transformers_text(real_exported, smollm2_trunc
     assert_runner_writes(release, result.pte_path, expected)
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", STOCK_RELEASES)
 def test_stock_layout_8da4w_writes_the_eager_quantized_text(real_exported, prompt_ids, release: str) -> None:
     result = real_exported("quant=8da4w")
     model = eager_model_of(result)
@@ -95,7 +90,7 @@ def test_stock_layout_8da4w_writes_the_eager_quantized_text(real_exported, promp
     assert_runner_writes(release, result.pte_path, expected)
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", STOCK_RELEASES)
 def test_stock_runner_loads_the_program_with_its_data_file(real_exported, prompt_ids, release: str) -> None:
     """export.weights=external: each release's runner, given model.pte and model.ptd, writes the same text as
     the eager quantized model; the program holds no weights."""
@@ -109,7 +104,7 @@ def test_stock_runner_loads_the_program_with_its_data_file(real_exported, prompt
     assert_runner_writes(release, result.pte_path, expected, data=data)
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", STOCK_RELEASES)
 def test_split_layout_does_what_the_manifest_says(real_exported, smollm2_truncated, prompt_ids, release: str) -> None:
     """The prefill/decode names: right in 1.4.1 (it runs forward only), wrong text in 1.5.1 (forward, then
     decode with a cache of its own), and the manifest says so before anyone runs it."""
