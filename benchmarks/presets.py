@@ -26,7 +26,7 @@ from typing import Callable, Literal
 
 # The families a preset can be (our ``model=`` config). export_llm takes each as its default ``llama3`` model class
 # with the differences in params.json: its ``qwen3_4b`` / ``qwen2_5_1_5b`` classes would download published weights.
-Family = Literal["llama", "qwen3", "qwen2"]
+Family = Literal["llama", "qwen3", "qwen2", "lfm2"]
 
 
 
@@ -78,6 +78,8 @@ class Preset:
     family: Family = "llama"
     head_dim_override: int | None = None  # None: dim // heads
     norm_eps: float = 1e-5
+    # lfm2: each layer's kind, "conv" (a gated short convolution of 3 taps) or "full_attention"; empty: attention.
+    layer_types: tuple[str, ...] = ()
 
     @property
     def real(self) -> bool:
@@ -97,10 +99,14 @@ class Preset:
 
     @property
     def parameters(self) -> int:
-        extra = {"qwen3": 2 * self.head_dim, "qwen2": self.q_dim + 2 * self.kv_dim}.get(self.family, 0)
-        layer = (2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.hidden + 2 * self.dim
-                 + extra)
-        return self.vocab * self.dim * (1 if self.tied else 2) + self.layers * layer + self.dim
+        extra = {"qwen3": 2 * self.head_dim, "lfm2": 2 * self.head_dim,
+                 "qwen2": self.q_dim + 2 * self.kv_dim}.get(self.family, 0)
+        mlp_and_norms = 3 * self.dim * self.hidden + 2 * self.dim
+        attention = 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim + extra
+        convolution = 4 * self.dim * self.dim + 3 * self.dim  # in_proj (B, C, x), out_proj, 3 taps per channel
+        convs = sum(t == "conv" for t in self.layer_types[:self.layers])
+        layers = self.layers * mlp_and_norms + (self.layers - convs) * attention + convs * convolution
+        return self.vocab * self.dim * (1 if self.tied else 2) + layers + self.dim
 
     def with_layers(self, layers: int | None) -> "Preset":
         """The same shape with only its first ``layers`` decoder layers (None: unchanged)."""
@@ -108,7 +114,7 @@ class Preset:
             return self
         if not 1 <= layers <= self.layers:
             raise ValueError(f"layers={layers}: this preset has {self.layers} layers; keep 1 to {self.layers}.")
-        return dataclasses.replace(self, layers=layers)
+        return dataclasses.replace(self, layers=layers, layer_types=self.layer_types[:layers])
 
     def scaled_to(self, size_bytes: float, itemsize: int) -> "Preset":
         """The same layer shape with as many layers as make the weights about ``size_bytes`` at ``itemsize``
@@ -129,8 +135,15 @@ class Preset:
     def hf_config(self):  # type: ignore[no-untyped-def]
         """This shape as its family's transformers config (``LlamaConfig`` / ``Qwen3Config`` / ``Qwen2Config``; bos 1,
         eos 2)."""
-        from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+        from transformers import Lfm2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
+        if self.family == "lfm2":  # the feed-forward width as given, not derived (block_auto_adjust_ff_dim)
+            return Lfm2Config(hidden_size=self.dim, intermediate_size=self.hidden, num_hidden_layers=self.layers,
+                              num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
+                              rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+                              tie_word_embeddings=self.tied, norm_eps=self.norm_eps, layer_types=list(self.layer_types),
+                              block_auto_adjust_ff_dim=False, max_position_embeddings=128000, bos_token_id=1,
+                              eos_token_id=2, architectures=["Lfm2ForCausalLM"])
         common = dict(hidden_size=self.dim, intermediate_size=self.hidden, num_hidden_layers=self.layers,
                       num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
                       vocab_size=self.vocab, rope_theta=self.rope_theta, tie_word_embeddings=self.tied,
@@ -155,6 +168,9 @@ class Preset:
             params.update(use_hf_rope=True, attention_qkv_bias=False, use_qk_norm=True, qk_norm_before_rope=True)
         if self.family == "qwen2":  # as ExecuTorch's examples/models/qwen2_5/config/1_5b_config.json
             params.update(use_hf_rope=True, attention_qkv_bias=True)
+        if self.family == "lfm2":  # as ExecuTorch's examples/models/lfm2/config/lfm2_350m_config.json
+            params.update(use_hf_rope=True, use_qk_norm=True, qk_norm_before_rope=True,
+                          layer_types=list(self.layer_types), ffn_dim_multiplier=1)
         return params
 
     def describe(self) -> str:
@@ -191,6 +207,15 @@ PRESETS = {
     "qwen2.5-coder-1.5b": Preset(dim=1536, hidden=8960, layers=28, heads=12, kv_heads=2, vocab=151936,
                                  rope_theta=1000000.0, family="qwen2", norm_eps=1e-6, weights="qwen2.5-coder-1.5b"),
 }
+# LFM2-350M and LFM2-1.2B (Liquid AI's published config.json, full_attn_idxs [2, 5, 8, 10, 12, 14]): 10 short
+# convolutions and 6 attention layers of 16; the feed-forward width is what block_auto_adjust_ff_dim derives.
+LFM2_LAYERS = tuple("full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16))
+PRESETS.update({
+    "lfm2-350m": Preset(dim=1024, hidden=4608, layers=16, heads=16, kv_heads=8, vocab=65536, rope_theta=1000000.0,
+                        tied=True, family="lfm2", layer_types=LFM2_LAYERS),
+    "lfm2-1.2b": Preset(dim=2048, hidden=8192, layers=16, heads=32, kv_heads=8, vocab=65536, rope_theta=1000000.0,
+                        tied=True, family="lfm2", layer_types=LFM2_LAYERS),
+})
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
 
