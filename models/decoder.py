@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.kv_cache import KV_CACHES, CacheGeometry, CustomOpsKVCache, KVCache
+from models.gated_delta import GatedDeltaNet
 from models.short_conv import ShortConv
 
 
@@ -48,10 +49,23 @@ class Norms(str, Enum):
 
 
 class Mixer(str, Enum):
-    """What mixes a layer's tokens: attention over its KV cache, or a short convolution over its state (LFM2)."""
+    """What mixes a layer's tokens: attention over its KV cache, a short convolution over its last inputs (LFM2), or
+    Gated DeltaNet's recurrence over a state matrix per head (Qwen3.5)."""
 
     attention = "attention"
     short_conv = "short_conv"
+    gated_delta = "gated_delta"
+
+
+@dataclass(frozen=True)
+class GatedDeltaShape:
+    """Qwen3.5's linear-attention layers: heads and head sizes of keys and values, the convolution's taps."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
 
 
 @dataclass(frozen=True)
@@ -115,6 +129,9 @@ class DecoderArgs:
     layer_mixer: tuple[Mixer, ...] = ()
     conv_kernel: int = 3
     conv_bias: bool = False
+    gated_delta: GatedDeltaShape | None = None  # the shape of the gated_delta layers (Qwen3.5)
+    # Qwen3.5: q_proj gives each head's queries and as many gates; the attention output is multiplied by their sigmoid.
+    attn_output_gate: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -140,6 +157,8 @@ class DecoderArgs:
             raise ValueError(f"layer_rope / layer_window / layer_mixer need one entry per layer ({n})")
         if self.conv_kernel < 2 and Mixer.short_conv in self.layer_mixer:
             raise ValueError(f"a short convolution of {self.conv_kernel} taps keeps no state; it needs 2 or more")
+        if Mixer.gated_delta in self.layer_mixer and self.gated_delta is None:
+            raise ValueError("gated_delta layers need their shape (GatedDeltaShape)")
         unknown = {r for r in self.layer_rope if r is not None} - {name for name, _ in self.rope}
         if unknown:
             raise ValueError(f"layers use RoPE tables {sorted(unknown)} that are not defined")
@@ -224,7 +243,7 @@ class Attention(nn.Module):
         if args.fused_qkv:
             self.qkv_proj = nn.Linear(args.hidden_size, (h + 2 * kv) * d, bias=args.qkv_bias)
         else:
-            self.q_proj = nn.Linear(args.hidden_size, h * d, bias=args.qkv_bias)
+            self.q_proj = nn.Linear(args.hidden_size, h * d * (2 if args.attn_output_gate else 1), bias=args.qkv_bias)
             self.k_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
             self.v_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(h * d, args.hidden_size, bias=args.o_bias)
@@ -240,7 +259,8 @@ class Attention(nn.Module):
         self.scale = args.scale
 
     def _qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, ...]:
-        """Projections (q/k normed, RoPE applied), each [1, T, heads, head_dim].
+        """Projections (q/k normed, RoPE applied), each [1, T, heads, head_dim], and the output gate [1, T, heads *
+        head_dim] (None without ``attn_output_gate``).
 
         Shapes use -1 for the token dimension: a named symbolic size would stop XNNPACK from
         delegating the reshape in dynamic-length prefill and split the graph into many partitions.
@@ -251,6 +271,10 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split([h * d, kv * d, kv * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if a.attn_output_gate:  # per head: d queries, then d gates
+            q, gate = q.view(1, -1, h, 2 * d).chunk(2, dim=-1)
+            gate = gate.reshape(1, -1, h * d)
         if a.qk_norm and a.qk_norm_across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.view(1, -1, h, d), k.view(1, -1, kv, d), v.view(1, -1, kv, d)
@@ -258,11 +282,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope, self.q_rotate), apply_rope(k, *rope, self.k_rotate)
-        return q, k, v
+        return q, k, v, gate
+
+    @staticmethod
+    def gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        return out if gate is None else out * torch.sigmoid(gate)
 
     def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
-        q, k, v = (t.transpose(1, 2) for t in self._qkv(x, rope))  # [1, heads, T, d]
+        q, k, v, gate = self._qkv(x, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [1, heads, T, d]
         a = self.args
         kv, rep, d = a.num_key_value_heads, a.n_rep, a.head_dim
 
@@ -280,7 +309,7 @@ class Attention(nn.Module):
         probs = F.softmax(scores.float(), dim=-1).to(q.dtype).view(1, kv, -1, n)
         out = torch.matmul(probs, cache.v_cache).view(1, kv, rep, -1, d).permute(0, 3, 1, 2, 4)  # [1, T, kv, rep, d]
         out = out.contiguous().view(1, -1, a.num_attention_heads * d)  # [1, T, heads * d]
-        return self.o_proj(out)
+        return self.o_proj(self.gated(out, gate))
 
 
 class CustomOpsAttention(Attention):
@@ -306,7 +335,7 @@ class CustomOpsAttention(Attention):
                 slots: torch.Tensor) -> torch.Tensor:
         a = self.args
         dtype = x.dtype
-        q, k, v = self._qkv(x, rope)  # each [1, T, heads, d]: the kernels' layout, no transpose
+        q, k, v, gate = self._qkv(x, rope)  # each [1, T, heads, d]: the kernels' layout, no transpose
         cache = self.kv_cache
         assert isinstance(cache, CustomOpsKVCache)
         start_pos = positions[0].item()
@@ -316,7 +345,7 @@ class CustomOpsAttention(Attention):
         cache.update(k, v, slots, start_pos)
         # The kernels take fp32; casting around them is cheaper than doing without them.
         out = cache.attend(q, start_pos, None if cache.geometry.plain else mask, self.scale)  # [1, T, heads, d]
-        return self.o_proj(out.to(dtype).view(1, -1, a.num_attention_heads * a.head_dim))
+        return self.o_proj(self.gated(out.to(dtype).view(1, -1, a.num_attention_heads * a.head_dim), gate))
 
 
 ATTENTION: dict[str, type[Attention]] = {"aten": Attention, "custom_ops": CustomOpsAttention}
@@ -437,8 +466,13 @@ class DecoderLayer(nn.Module):
         self.mixer = mixer
         if mixer == Mixer.attention:
             self.self_attn = ATTENTION[args.attention](args, geometry)
-        else:
+        elif mixer == Mixer.short_conv:
             self.conv = ShortConv(args.hidden_size, args.conv_kernel, args.conv_bias)
+        else:
+            g = args.gated_delta
+            assert g is not None
+            self.linear_attn = GatedDeltaNet(args.hidden_size, g.key_heads, g.value_heads, g.key_dim, g.value_dim,
+                                             g.conv_kernel, args.rms_norm_eps)
         self.mlp = MLP(args)
         if self.norms != Norms.post:
             self.input_layernorm = norm()
@@ -450,13 +484,17 @@ class DecoderLayer(nn.Module):
         # quant.rotation with sandwich norms: the normed block outputs rotated into the residual stream's basis.
         self.output_rotation: Rotation | None = None
 
+    def recurrent(self) -> ShortConv | GatedDeltaNet:
+        """The mixer of a layer that is not attention, whose state is not a KV cache."""
+        return self.conv if self.mixer == Mixer.short_conv else self.linear_attn
+
     def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
         h = x if self.norms == Norms.post else self.input_layernorm(x)
         if self.mixer == Mixer.attention:
             attn = self.self_attn(h, rope, positions, mask, slots)
         else:
-            attn = self.conv(h, positions)
+            attn = self.recurrent()(h, positions)
         if self.norms == Norms.pre:
             x = x + attn
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -558,8 +596,8 @@ class CausalLM(nn.Module):
         dtype = self.activation_dtype()
         rot_dims = {name: 2 * len(table.inv_freq) for name, table in a.rope}
         for layer, rope in zip(self.model.layers, a.layer_rope):
-            if layer.mixer == Mixer.short_conv:
-                layer.conv.rebuild(dtype, device)
+            if layer.mixer != Mixer.attention:
+                layer.recurrent().rebuild(dtype, device)
                 continue
             attn = layer.self_attn
             if rope is not None:
@@ -688,8 +726,8 @@ class CausalLM(nn.Module):
         validation)."""
         for cache in self.kv_caches():
             cache.reset()
-        for conv in self.short_convs():
-            conv.reset()
+        for mixer in self.recurrent_mixers():
+            mixer.reset()
 
     def attention_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.model.layers if layer.mixer == Mixer.attention]
@@ -697,8 +735,8 @@ class CausalLM(nn.Module):
     def kv_caches(self) -> list[KVCache]:
         return [layer.self_attn.kv_cache for layer in self.attention_layers()]
 
-    def short_convs(self) -> list[ShortConv]:
-        return [layer.conv for layer in self.model.layers if layer.mixer == Mixer.short_conv]
+    def recurrent_mixers(self) -> list[ShortConv | GatedDeltaNet]:
+        return [layer.recurrent() for layer in self.model.layers if layer.mixer != Mixer.attention]
 
     def state_buffers(self) -> list[str]:
         """Names of every buffer of the state methods share: the KV caches' (codes, and scales when quantized) and
@@ -708,12 +746,14 @@ class CausalLM(nn.Module):
             if layer.mixer == Mixer.attention:
                 names += [f"model.layers.{i}.self_attn.kv_cache.{name}" for name, _ in layer.self_attn.kv_cache.named_buffers()]
             else:
-                names.append(f"model.layers.{i}.conv.conv_state")
+                prefix = "conv" if layer.mixer == Mixer.short_conv else "linear_attn"
+                names += [f"model.layers.{i}.{prefix}.{name}" for name, _ in layer.recurrent().named_buffers()]
         return names
 
     def recurrent_state_bytes(self) -> int:
-        """Bytes of the state that is not a KV cache (a constant, whatever the context): the short convolutions'."""
-        return sum(conv.bytes() for conv in self.short_convs())
+        """Bytes of the state that is not a KV cache (a constant, whatever the context): short convolutions' inputs,
+        Gated DeltaNet's inputs and matrices."""
+        return sum(mixer.bytes() for mixer in self.recurrent_mixers())
 
     def parameter_count(self) -> int:
         """Its parameters, a tied matrix once (``parameters()`` yields each tensor once); shapes alone on meta."""

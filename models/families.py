@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from models.decoder import DecoderArgs, Mixer, Norms, RopeTable
+from models.decoder import DecoderArgs, GatedDeltaShape, Mixer, Norms, RopeTable
 from models.errors import ModelError
 from models.vision import language_config, text_tensor_name
 
@@ -289,6 +289,27 @@ def lfm2(cfg: Any, max_context_len: int) -> dict[str, Any]:
         "qk_norm": True, "intermediate_size": inter, "rms_norm_eps": cfg.norm_eps,
         "layer_mixer": tuple(LFM2_MIXERS[t] for t in cfg.layer_types),
         "conv_kernel": cfg.conv_L_cache, "conv_bias": bool(cfg.conv_bias), **_default_rope(cfg, max_context_len),
+    }
+
+
+QWEN3_5_MIXERS = {"full_attention": Mixer.attention, "linear_attention": Mixer.gated_delta}
+
+
+@register_family("qwen3_5", "Qwen3_5ForCausalLM", model_type="qwen3_5_text")
+def qwen3_5(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Qwen3.5 dense text models: Gated DeltaNet layers (a recurrent state per head) with every few layers a gated
+    attention (q_proj also gives a sigmoid gate on the output), partial RoPE, norms scaling by ``1 + w``. Its M-RoPE
+    sections coincide for text, whose three position ids are equal: plain RoPE over the rotated dims."""
+    unknown = sorted({t for t in cfg.layer_types if t not in QWEN3_5_MIXERS})
+    if unknown:
+        raise ModelError(f"layer_types names {unknown}, which Qwen3.5 does not have. Allowed: "
+                         f"{sorted(QWEN3_5_MIXERS)}. Fix config.json's layer_types.")
+    shape = GatedDeltaShape(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                            cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
+    return {
+        "qk_norm": True, "unit_offset_norm": True, "attn_output_gate": True, **_llama_biases(cfg),
+        **_default_rope(cfg, max_context_len), "layer_mixer": tuple(QWEN3_5_MIXERS[t] for t in cfg.layer_types),
+        "gated_delta": shape,
     }
 
 

@@ -29,7 +29,9 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x`` [1, T, hidden] at ``positions`` [T] (in order) -> [1, T, hidden], the state advanced by T inputs."""
-        b, c, h = self.in_proj(x).transpose(1, 2).chunk(3, dim=1)  # each [1, hidden, T]
+        n = self.out_proj.in_features
+        bch = self.in_proj(x)  # [1, T, 3 * hidden]: B, C, x; sliced (XNNPACK delegates a slice, not a split)
+        b, c, h = (bch[..., i * n:(i + 1) * n].transpose(1, 2) for i in range(3))  # each [1, hidden, T]
         fresh = (positions[:1] > 0).to(h.dtype)  # 0 at position 0: a new sequence forgets the previous one's inputs
         seq = torch.cat([self.conv_state * fresh, b * h], dim=-1)  # [1, hidden, L - 1 + T]
         with torch.no_grad():

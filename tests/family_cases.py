@@ -95,7 +95,21 @@ FAMILY_CASES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2, "vocab_size": 389, "tie_word_embeddings": True, "intermediate_size": 144,
         "block_multiple_of": 32, "conv_bias": True, "norm_eps": 1e-5,
     },
+    # Hybrid: Gated DeltaNet layers (2 key heads serving 4 value heads, key dim 16 != value dim 8, 4 taps) around a gated
+    # attention layer with partial RoPE (half the head) and M-RoPE sections, norms scaling by 1 + w, tied.
+    "qwen3_5": {
+        "num_hidden_layers": 4, "layer_types": ["linear_attention", "linear_attention", "full_attention",
+                                                "linear_attention"],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 389,
+        "tie_word_embeddings": True, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                            "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    },
 }
+
+# Families with layers whose state is not a KV cache (tests/test_hybrid.py).
+HYBRID = ("lfm2", "qwen3_5")
 
 # Families whose test checkpoint ships a SentencePiece tokenizer.model instead of tokenizer.json.
 SENTENCEPIECE = {"gemma"}

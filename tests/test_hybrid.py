@@ -1,4 +1,4 @@
-"""Hybrid models (LFM2): a short convolution's state beside the KV cache, shared by every method, through the runtime.
+"""Hybrid models (LFM2, Qwen3.5): recurrent states beside the KV cache, shared by every method, through the runtime.
 
 Parity with transformers (eager with both attentions, the XNNPACK program in fp32 and 8da4w) is in
 tests/test_families.py, as for every family; here is what is particular to a state that is not a cache.
@@ -18,6 +18,7 @@ from exporters.runtime.driver import Driver
 from exporters.runtime.programs import LoadedProgram
 from models.checkpoint import build_model, open_checkpoint
 from models.errors import ModelError
+from tests.family_cases import HYBRID
 from tests.helpers import compose_config, copy_checkpoint
 from tests.test_families import prompt_ids, transformers_model
 
@@ -26,13 +27,17 @@ MAX_SEQ_LEN = 48
 
 @pytest.fixture(scope="module")
 def portable_program(exported, family_checkpoint):  # type: ignore[no-untyped-def]
-    """LFM2 on the portable backend (every op a portable kernel): prefill and decode sharing the state."""
-    return exported("model=lfm2", f"model.checkpoint={family_checkpoint('lfm2')}", "backend=portable", "quant=fp32",
-                    "export.methods=[prefill,decode]", "export.layout=split", f"export.max_seq_len={MAX_SEQ_LEN}")
+    """A hybrid family on the portable backend (every op a portable kernel): prefill and decode sharing the state."""
+    def get(family: str):  # type: ignore[no-untyped-def]
+        return exported(f"model={family}", f"model.checkpoint={family_checkpoint(family)}", "backend=portable",
+                        "quant=fp32", "export.methods=[prefill,decode]", "export.layout=split",
+                        f"export.max_seq_len={MAX_SEQ_LEN}")
+
+    return get
 
 
-def test_the_manifest_and_console_give_the_state_beside_the_cache(portable_program, family_checkpoint) -> None:
-    kv = portable_program.manifest.kv_cache
+def test_the_manifest_and_console_give_the_state_beside_the_cache(portable_program) -> None:
+    kv = portable_program("lfm2").manifest.kv_cache
     assert kv.layers == ["short_conv", "attention", "short_conv"]
     hidden, taps = 64, 3  # tests/family_cases.py: two convolutions keep their last 2 inputs of 64 fp32 features
     assert kv.state_bytes == 2 * hidden * (taps - 1) * 4
@@ -40,13 +45,23 @@ def test_the_manifest_and_console_give_the_state_beside_the_cache(portable_progr
     assert "1.0 KB of recurrent state in 2 of 3 layers (short_conv), the same at any length" in kv.describe()
 
 
-def test_the_methods_share_the_state_and_a_new_sequence_starts_from_zeros(portable_program, family_checkpoint) -> None:
+def test_gated_delta_state_is_the_convolution_and_a_matrix_per_value_head(family_checkpoint) -> None:
+    model = build_model(open_checkpoint(family_checkpoint("qwen3_5")), MAX_SEQ_LEN, device="meta")
+    # tests/family_cases.py: 3 layers; channels 2 * 2 * 16 + 4 * 8 = 96 with 3 inputs kept; 4 value heads of 16 x 8.
+    assert model.recurrent_state_bytes() == 3 * (96 * 3 + 4 * 16 * 8) * 4
+    assert [n for n in model.state_buffers() if n.startswith("model.layers.0.")] == [
+        "model.layers.0.linear_attn.conv_state", "model.layers.0.linear_attn.recurrent_state"]
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_the_methods_share_the_state_and_a_new_sequence_starts_from_zeros(portable_program, family_checkpoint,
+                                                                          family: str) -> None:
     """The portable program against transformers: a prompt through prefill, decode steps continuing its state; then
     another prompt at position 0 in the same loaded program gives what it gives alone (nothing of the first sequence's
     state is left: the methods zero it at position 0, no reset method is needed)."""
-    ckpt = family_checkpoint("lfm2")
+    ckpt = family_checkpoint(family)
     ref = transformers_model(ckpt)
-    driver = Driver.of(LoadedProgram(portable_program.pte_path))
+    driver = Driver.of(LoadedProgram(portable_program(family).pte_path))
     first = prompt_ids(ckpt)
     second = first[:, [0, *range(first.shape[1] - 1, 0, -1)]]  # the same tokens after BOS, reversed
     for tokens in (first, second, first):
@@ -60,10 +75,11 @@ def test_the_methods_share_the_state_and_a_new_sequence_starts_from_zeros(portab
             tokens = torch.cat([tokens, next_token], dim=1)
 
 
-def test_prompts_in_several_calls_carry_the_state(family_checkpoint) -> None:
-    """Eager, a prompt cut into calls of 1, 2 and 5 tokens gives the logits of one call: the state of each call's last
-    inputs goes on to the next, as the runtime's chunked prefill needs."""
-    model = build_model(open_checkpoint(family_checkpoint("lfm2")), MAX_SEQ_LEN)
+@pytest.mark.parametrize("family", HYBRID)
+def test_prompts_in_several_calls_carry_the_state(family_checkpoint, family: str) -> None:
+    """Eager, a prompt cut into calls of 1, 2 and 5 tokens gives the logits of one call: the state each call leaves
+    goes on to the next, as the runtime's chunked prefill needs."""
+    model = build_model(open_checkpoint(family_checkpoint(family)), MAX_SEQ_LEN)
     tokens = torch.randint(0, model.args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         whole = model(tokens, torch.tensor([0]), full_logits=True)

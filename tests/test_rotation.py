@@ -18,7 +18,7 @@ from exporters.quant.hadamard import factors, hadamard, random_rotation
 from exporters.quant.rotation import MASSIVE_RATIO, massive_channels, rotate
 from models.checkpoint import build_model, open_checkpoint
 from models.decoder import CausalLM, RMSNorm
-from tests.family_cases import FAMILY_CASES
+from tests.family_cases import FAMILY_CASES, HYBRID
 
 TOKENS = 20
 
@@ -75,8 +75,8 @@ def _rotated_against_plain(model: CausalLM, text: CalibrationText | None = None,
     return ((_logits(rotated, tokens) - plain).abs().max() / plain.abs().max()).item()
 
 
-# LFM2's short convolutions are not rotated: refused by name (tests/test_hybrid.py).
-@pytest.mark.parametrize("family", [f for f in FAMILY_CASES if f != "lfm2"])
+# Hybrid models' recurrent layers are not rotated: refused by name (tests/test_hybrid.py).
+@pytest.mark.parametrize("family", [f for f in FAMILY_CASES if f not in HYBRID])
 def test_rotation_in_fp32_computes_what_the_plain_model_does(family_checkpoint, family: str) -> None:
     """R1 and R2 fused, R4 online (and, for tied embeddings and Gemma 2/3's sandwich norms, R1 at run time): the
     logits of every position within float noise of the unrotated model's, on prefill and through the cache."""

@@ -1,8 +1,8 @@
-"""Hybrid models (LFM2): layers whose state is not a KV cache. What every export option means for them, decided once,
-from the model's shapes, before any weight is read.
+"""Hybrid models (LFM2, Qwen3.5): layers whose state is not a KV cache. What every export option means for them, decided
+once, from the model's shapes, before any weight is read.
 
-A short convolution's state is its last inputs, overwritten by every call and not indexed by position. So what rolls a
-KV cache back by position (speculative decoding's ``verify``: rejected tokens are simply overwritten later) would
+A short convolution's state is its last inputs, Gated DeltaNet's a matrix per head summing every token seen: both are
+overwritten by every call and not indexed by position. So what rolls a KV cache back by position (speculative decoding's ``verify``: rejected tokens are simply overwritten later) would
 leave the state holding rejected tokens, and a static-shape backend's padded prompt chunk would push its padding into
 the state. Those are refused by name; the rest (any torchao scheme, GPTQ, external weights, int8 KV caches, which
 only attention layers have, rings and sinks) applies as to any decoder.
@@ -33,7 +33,8 @@ def check_hybrid(shapes: CausalLM, plan: "ExportPlan", component: "Component") -
     if not shapes.args.hybrid:
         return
     what = f"{'this model' if component.is_decoder else 'the draft'} ({describe_layers(shapes)})"
-    state = "a short convolution keeps its last inputs as state, which a call overwrites whatever the position"
+    state = ("a layer with a recurrent state (a short convolution's last inputs, Gated DeltaNet's matrices) has it "
+             "overwritten by every call, whatever the position")
     blockers = []
     if "verify" in {spec.kind for spec in plan.decoder.methods.specs.values()} or plan.draft is not None:
         blockers.append(("speculative decoding (verify, draft.checkpoint)",
@@ -44,15 +45,15 @@ def check_hybrid(shapes: CausalLM, plan: "ExportPlan", component: "Component") -
                          f"{state}, and a static-shape backend pads the prompt to a fixed chunk, padding it would keep",
                          "use backend=xnnpack or backend=portable"))
     if component.adapters:
-        blockers.append(("model.adapters", "LoRA adapters on hybrid layers (LFM2's w1/w2/w3, in_proj, out_proj names) "
-                         "are not built or validated yet", "export the base without model.adapters"))
+        blockers.append(("model.adapters", "LoRA adapters on hybrid models are not built or validated yet",
+                         "export the base without model.adapters"))
     if rotates(component.quant.config):
         blockers.append(("quant.rotation / quant.online_hadamard", "rotations are folded into attention and MLP "
-                         "layers; a short convolution's gated projections are not rotated yet",
+                         "layers; the recurrent layers' gated projections are not rotated yet",
                          "use quant=8da4w_calibrated (GPTQ) or quant=8da4w"))
     if component.quant.config.pt2e is not None:
-        blockers.append((f"quant.pt2e={component.quant.config.pt2e}", "PT2E quantizers are not validated on short "
-                         "convolutions yet", "use a torchao scheme (quant=8da4w, 8da8w, 8da4w_calibrated)"))
+        blockers.append((f"quant.pt2e={component.quant.config.pt2e}", "PT2E quantizers are not validated on "
+                         "recurrent layers yet", "use a torchao scheme (quant=8da4w, 8da8w, 8da4w_calibrated)"))
     if blockers:
         lines = "; ".join(f"{option}: {why}. Instead, {fix}" for option, why, fix in blockers)
         raise UserError(f"{what} cannot be exported with {lines}.")
