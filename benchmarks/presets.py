@@ -26,7 +26,7 @@ from typing import Callable, Literal
 
 # The families a preset can be (our ``model=`` config). export_llm takes each as its default ``llama3`` model class
 # with the differences in params.json: its ``qwen3_4b`` / ``qwen2_5_1_5b`` classes would download published weights.
-Family = Literal["llama", "qwen3", "qwen2", "lfm2"]
+Family = Literal["llama", "qwen3", "qwen2", "lfm2", "qwen3_5"]
 
 
 
@@ -78,8 +78,11 @@ class Preset:
     family: Family = "llama"
     head_dim_override: int | None = None  # None: dim // heads
     norm_eps: float = 1e-5
-    # lfm2: each layer's kind, "conv" (a gated short convolution of 3 taps) or "full_attention"; empty: attention.
+    # lfm2: each layer's kind, "conv" (a gated short convolution of 3 taps) or "full_attention"; qwen3_5:
+    # "linear_attention" (Gated DeltaNet) or "full_attention"; empty: attention.
     layer_types: tuple[str, ...] = ()
+    # qwen3_5: Gated DeltaNet's shape (linear_num_key_heads ...), in config.json's names and export_llm's alike.
+    linear: tuple[tuple[str, int], ...] = ()
 
     @property
     def real(self) -> bool:
@@ -99,13 +102,24 @@ class Preset:
 
     @property
     def parameters(self) -> int:
-        extra = {"qwen3": 2 * self.head_dim, "lfm2": 2 * self.head_dim,
+        extra = {"qwen3": 2 * self.head_dim, "lfm2": 2 * self.head_dim, "qwen3_5": 2 * self.head_dim + self.dim * self.q_dim,
                  "qwen2": self.q_dim + 2 * self.kv_dim}.get(self.family, 0)
         mlp_and_norms = 3 * self.dim * self.hidden + 2 * self.dim
         attention = 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim + extra
         convolution = 4 * self.dim * self.dim + 3 * self.dim  # in_proj (B, C, x), out_proj, 3 taps per channel
         convs = sum(t == "conv" for t in self.layer_types[:self.layers])
-        layers = self.layers * mlp_and_norms + (self.layers - convs) * attention + convs * convolution
+        deltas = sum(t == "linear_attention" for t in self.layer_types[:self.layers])
+        if deltas:  # in_proj_qkv, z, b, a, conv1d (no bias), dt_bias, A_log, the gated norm, out_proj
+            g = dict(self.linear)
+            keys, values = g["linear_num_key_heads"] * g["linear_key_head_dim"], g["linear_num_value_heads"] * g["linear_value_head_dim"]
+            channels = 2 * keys + values
+            delta = (self.dim * channels + self.dim * values + 2 * self.dim * g["linear_num_value_heads"]
+                     + channels * g["linear_conv_kernel_dim"] + 2 * g["linear_num_value_heads"]
+                     + g["linear_value_head_dim"] + values * self.dim)
+        else:
+            delta = 0
+        layers = (self.layers * mlp_and_norms + (self.layers - convs - deltas) * attention + convs * convolution
+                  + deltas * delta)
         return self.vocab * self.dim * (1 if self.tied else 2) + layers + self.dim
 
     def with_layers(self, layers: int | None) -> "Preset":
@@ -135,7 +149,7 @@ class Preset:
     def hf_config(self):  # type: ignore[no-untyped-def]
         """This shape as its family's transformers config (``LlamaConfig`` / ``Qwen3Config`` / ``Qwen2Config``; bos 1,
         eos 2)."""
-        from transformers import Lfm2Config, LlamaConfig, Qwen2Config, Qwen3Config
+        from transformers import Lfm2Config, LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config
 
         if self.family == "lfm2":  # the feed-forward width as given, not derived (block_auto_adjust_ff_dim)
             return Lfm2Config(hidden_size=self.dim, intermediate_size=self.hidden, num_hidden_layers=self.layers,
@@ -144,6 +158,15 @@ class Preset:
                               tie_word_embeddings=self.tied, norm_eps=self.norm_eps, layer_types=list(self.layer_types),
                               block_auto_adjust_ff_dim=False, max_position_embeddings=128000, bos_token_id=1,
                               eos_token_id=2, architectures=["Lfm2ForCausalLM"])
+        if self.family == "qwen3_5":
+            return Qwen3_5TextConfig(
+                hidden_size=self.dim, intermediate_size=self.hidden, num_hidden_layers=self.layers,
+                num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                vocab_size=self.vocab, tie_word_embeddings=self.tied, rms_norm_eps=self.norm_eps,
+                layer_types=list(self.layer_types), **dict(self.linear), max_position_embeddings=262144,
+                rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+                bos_token_id=1, eos_token_id=2, architectures=["Qwen3_5ForCausalLM"])
         common = dict(hidden_size=self.dim, intermediate_size=self.hidden, num_hidden_layers=self.layers,
                       num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
                       vocab_size=self.vocab, rope_theta=self.rope_theta, tie_word_embeddings=self.tied,
@@ -168,6 +191,10 @@ class Preset:
             params.update(use_hf_rope=True, attention_qkv_bias=False, use_qk_norm=True, qk_norm_before_rope=True)
         if self.family == "qwen2":  # as ExecuTorch's examples/models/qwen2_5/config/1_5b_config.json
             params.update(use_hf_rope=True, attention_qkv_bias=True)
+        if self.family == "qwen3_5":  # as ExecuTorch's examples/models/qwen3_5/config/0_8b_config.json
+            params.update(use_hf_rope=True, partial_rotary_factor=0.25, attention_qkv_bias=False, use_qk_norm=True,
+                          qk_norm_before_rope=True, attention_type="mha", use_q_gate=True,
+                          rms_norm_add_unit_offset=True, layer_types=list(self.layer_types), **dict(self.linear))
         if self.family == "lfm2":  # as ExecuTorch's examples/models/lfm2/config/lfm2_350m_config.json
             params.update(use_hf_rope=True, use_qk_norm=True, qk_norm_before_rope=True,
                           layer_types=list(self.layer_types), ffn_dim_multiplier=1)
@@ -216,6 +243,14 @@ PRESETS.update({
     "lfm2-1.2b": Preset(dim=2048, hidden=8192, layers=16, heads=32, kv_heads=8, vocab=65536, rope_theta=1000000.0,
                         tied=True, family="lfm2", layer_types=LFM2_LAYERS),
 })
+# Qwen3.5-0.8B's text decoder (ExecuTorch's examples/models/qwen3_5/config/0_8b_config.json): 18 Gated DeltaNet and 6
+# gated attention layers, head_dim 256, partial RoPE (a quarter of it).
+PRESETS["qwen3.5-0.8b"] = Preset(
+    dim=1024, hidden=3584, layers=24, heads=8, kv_heads=2, vocab=248320, rope_theta=10000000.0, tied=True,
+    family="qwen3_5", head_dim_override=256, norm_eps=1e-6,
+    layer_types=tuple("full_attention" if i % 4 == 3 else "linear_attention" for i in range(24)),
+    linear=(("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 128), ("linear_value_head_dim", 128),
+            ("linear_num_key_heads", 16), ("linear_num_value_heads", 16)))
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
 

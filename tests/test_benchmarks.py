@@ -69,7 +69,7 @@ def test_preset_shapes_are_the_published_ones() -> None:
     assert [round(PRESETS[n].parameters / 1e9, 2) for n in ("3b", "8b", "qwen3-4b")] == [3.21, 8.03, 4.02]
 
 
-@pytest.mark.parametrize("name", ["1b", "8b", "qwen3-4b", "lfm2-350m"])
+@pytest.mark.parametrize("name", ["1b", "8b", "qwen3-4b", "lfm2-350m", "qwen3.5-0.8b"])
 def test_both_exporters_build_a_preset_of_the_same_shape(name: str, tmp_path: Path) -> None:
     """Our exporter (from the preset's config.json) and export_llm (from its params.json) build models of the
     preset's parameter count, each on the meta device: a cost row compares the same model."""
@@ -79,12 +79,12 @@ def test_both_exporters_build_a_preset_of_the_same_shape(name: str, tmp_path: Pa
     from benchmarks.presets import checkpoint_dir
     from models.checkpoint import build_model, open_checkpoint
 
-    preset = PRESETS[name].with_layers(3)  # LFM2: two short convolutions and an attention layer
+    preset = PRESETS[name].with_layers(4)  # LFM2: conv, conv, attention, conv; Qwen3.5: 3 Gated DeltaNet, then attention
     ours = build_model(open_checkpoint(checkpoint_dir(preset, tmp_path), need_weights=False), 64, random_init=True,
                        device="meta")
-    assert ours.args.qk_norm == (preset.family in ("qwen3", "lfm2")) and ours.args.head_dim == preset.head_dim
-    assert [m.value for m in ours.args.layer_mixer] == (["short_conv", "short_conv", "attention"]
-                                                        if preset.family == "lfm2" else ["attention"] * 3)
+    assert ours.args.qk_norm == (preset.family in ("qwen3", "lfm2", "qwen3_5")) and ours.args.head_dim == preset.head_dim
+    kinds = {"conv": "short_conv", "linear_attention": "gated_delta", "full_attention": "attention"}
+    assert [m.value for m in ours.args.layer_mixer] == [kinds[t] for t in preset.layer_types or ["full_attention"] * 4]
     with torch.device("meta"):
         theirs = construct_transformer(ModelArgs(max_seq_len=64, max_context_len=64, **preset.export_llm_params()))
     untied_copy = preset.vocab * preset.dim if preset.tied else 0  # export_llm stores a tied lm_head separately
