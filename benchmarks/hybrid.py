@@ -1,0 +1,104 @@
+"""Hybrid models at their published shapes (random weights): export cost, and decode speed early and late in a long
+context, where a constant-size state is the point.
+
+    python -m benchmarks.hybrid --preset lfm2-350m --out bench/hybrid-lfm2-350m
+    python -m benchmarks.hybrid --preset qwen3.5-0.8b --out bench/hybrid-qwen3.5-0.8b
+
+Exports the preset (benchmarks/presets.py) with our exporter, xnnpack 8da4w, ``export.max_seq_len`` 256 and a cache of
+``--context`` positions (validate=false; the tests validate these families), measuring the export's wall time and
+peak RSS (os.wait4 on the child); then, in the ExecuTorch runtime: RSS after loading the program, prefill tok/s of a
+64-token prompt, and decode tok/s at position 64 and at position ``--context - steps`` (the prompt fed in calls of
+max_seq_len up to there; the median of ``--repeats`` rounds). Writes report.json and report.md into ``--out``. Measure
+alone. ``benchmarks.export --preset lfm2-350m`` compares the export itself with ExecuTorch's export_llm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.exporting import exporter_command, run_measured
+from benchmarks.presets import PRESETS, checkpoint_dir, exporter_overrides
+from exporters.manifest import Manifest
+from exporters.runtime.driver import Driver
+from exporters.runtime.memory import rss_after_load_mb
+from exporters.runtime.programs import LoadedProgram
+
+HYBRID_PRESETS = [name for name, p in PRESETS.items() if p.layer_types]
+
+
+def decode_rate(driver: Driver, start: int, steps: int, vocab: int, seed: int) -> float:
+    """Tokens/s of ``steps`` greedy decode steps after a random prompt of ``start`` tokens."""
+    prompt = torch.randint(0, vocab, (1, start), generator=torch.Generator().manual_seed(seed))
+    logits = driver.prefill(prompt)
+    began = time.perf_counter()
+    for i in range(steps):
+        logits = driver.decode_one_token(int(logits.argmax()), start + i)
+    return steps / (time.perf_counter() - began)
+
+
+def prefill_rate(driver: Driver, tokens: int, vocab: int, seed: int) -> float:
+    prompt = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(seed))
+    began = time.perf_counter()
+    driver.prefill(prompt)
+    return tokens / (time.perf_counter() - began)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=HYBRID_PRESETS, required=True)
+    ap.add_argument("--quant", default="8da4w")
+    ap.add_argument("--context", type=int, default=2048, help="cache positions (export.max_context_len)")
+    ap.add_argument("--max-seq-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed at each position")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    preset = PRESETS[args.preset]
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench_hybrid_"))
+    out.mkdir(parents=True, exist_ok=True)
+    hf_dir = checkpoint_dir(preset, out)
+    run = out / "ours"
+    print(f"exporting {args.preset} ({preset.describe()}) ...", flush=True)
+    wall, peak_mb = run_measured(exporter_command(
+        [*exporter_overrides(preset, hf_dir), f"quant={args.quant}", f"export.max_seq_len={args.max_seq_len}",
+         f"export.max_context_len={args.context}", "validate=false"], run), out / "export.log")
+    manifest = Manifest.read(run / "manifest.json")
+    pte = run / manifest.program.file
+    methods = list(manifest.methods)
+    rss_mb = rss_after_load_mb(pte, methods)
+    driver = Driver.of(LoadedProgram(pte))
+    driver.load()
+    late = args.context - args.steps
+    rates: dict[str, list[float]] = {"prefill_64": [], "decode_at_64": [], f"decode_at_{late}": []}
+    for r in range(args.repeats + 1):  # round 0 warms up
+        got = {"prefill_64": prefill_rate(driver, 64, preset.vocab, r),
+               "decode_at_64": decode_rate(driver, 64, args.steps, preset.vocab, r),
+               f"decode_at_{late}": decode_rate(driver, late, args.steps, preset.vocab, r)}
+        if r:
+            for key, value in got.items():
+                rates[key].append(value)
+    kv = manifest.kv_cache
+    assert kv is not None
+    row = {"preset": args.preset, "parameters_m": round(preset.parameters / 1e6, 1), "quant": args.quant,
+           "context": args.context, "max_seq_len": args.max_seq_len, "export_s": round(wall, 1),
+           "peak_rss_gb": round(peak_mb / 1024, 2), "pte_mb": round(manifest.program.size_bytes / 1e6, 1),
+           "kv_cache_mb": round(kv.bytes / 1e6, 1), "state_mb": round(kv.state_bytes / 1e6, 1),
+           "rss_after_load_mb": rss_mb, **{f"{k}_tok_s": round(statistics.median(v), 1) for k, v in rates.items()}}
+    (out / "report.json").write_text(json.dumps(row, indent=2))
+    keys = [k for k in row if k != "preset"]
+    table = (f"| {' | '.join(['preset', *keys])} |\n|{'---|' * (len(keys) + 1)}\n"
+             f"| {' | '.join(str(row[k]) for k in ['preset', *keys])} |\n")
+    (out / "report.md").write_text(table)
+    print(table)
+    print(f"report: {out / 'report.json'}, {out / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()
