@@ -30,8 +30,7 @@ def portable_program(exported, family_checkpoint):  # type: ignore[no-untyped-de
     """A hybrid family on the portable backend (every op a portable kernel): prefill and decode sharing the state."""
     def get(family: str):  # type: ignore[no-untyped-def]
         return exported(f"model={family}", f"model.checkpoint={family_checkpoint(family)}", "backend=portable",
-                        "quant=fp32", "export.methods=[prefill,decode]", "export.layout=split",
-                        f"export.max_seq_len={MAX_SEQ_LEN}")
+                        "quant=fp32", f"export.max_seq_len={MAX_SEQ_LEN}")  # stock layout: prefill, decode, forward
 
     return get
 
@@ -73,6 +72,29 @@ def test_the_methods_share_the_state_and_a_new_sequence_starts_from_zeros(portab
             next_token = logits.argmax().view(1, 1)
             logits = driver.decode_one_token(next_token, tokens.shape[1])[0]
             tokens = torch.cat([tokens, next_token], dim=1)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_the_stock_text_runner_writes_transformers_greedy_text(portable_program, family_checkpoint,
+                                                              family: str) -> None:
+    """ExecuTorch's own TextLLMRunner (the installed release), which knows nothing of the state, writes the text of
+    transformers' greedy tokens: its prompt through forward, each token after through forward too."""
+    from tokenizers import Tokenizer
+
+    from tests.runtimes import stock_runner
+    from tests.test_stock_runners import printed_tokens
+
+    result = portable_program(family)
+    assert {"prefill", "decode_one_token", "forward"} <= set(result.manifest.methods)
+    tokenizer = Tokenizer.from_file(str(result.pte_path.parent / "tokenizer.json"))
+    prompt = "The model was exported with ExecuTorch"
+    ids = tokenizer.encode(prompt).ids
+    with torch.no_grad():
+        out = transformers_model(family_checkpoint(family)).generate(
+            torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = out[0, len(ids):].tolist()
+    run = stock_runner(result.manifest.versions["executorch"], result.pte_path, prompt, 8)
+    assert run["text"] == tokenizer.decode(expected[:printed_tokens(run)])
 
 
 @pytest.mark.parametrize("family", HYBRID)
