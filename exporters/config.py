@@ -156,6 +156,9 @@ class ArchOverrides:
     rope_theta: Optional[float] = None
     rms_norm_eps: Optional[float] = None
     sliding_window: Optional[int] = None
+    # Each layer's kind, one per layer: sliding_attention / full_attention (Gemma, Qwen), conv (LFM2),
+    # linear_attention (Qwen3.5).
+    layer_types: Optional[list[str]] = None
 
 
 @dataclass

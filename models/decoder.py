@@ -1,5 +1,6 @@
-"""One exportable decoder for the Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, SmolLM3 and LFM2 families,
-with a static KV cache held in buffers (and, in hybrid models, the fixed-size state of their other layers).
+"""One exportable decoder for the Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, SmolLM3, Ministral 3, OLMo 2/3 and the
+hybrid LFM2 and Qwen3.5 families, with a static KV cache held in buffers (and, in hybrid models, the fixed-size state
+of their other layers).
 
 Module and parameter names follow Hugging Face's (``model.layers.0.self_attn.q_proj``, Phi-3's
 ``qkv_proj``, Gemma's ``pre_feedforward_layernorm`` ...), so a checkpoint's state dict loads 1:1 and
@@ -16,8 +17,8 @@ torch 2.13 (see docs/DESIGN.md). This module keeps everything ``torch.export`` a
   ExecuTorch's ``llama::update_cache`` on the custom-ops path;
 * attention covers the whole cache with a position mask (or the kernel's own causal bound), so shapes stay
   static except the number of new tokens ``T``;
-* a hybrid model's other layers (LFM2's short convolutions, :mod:`models.short_conv`) keep their state in buffers
-  named the same way in every method, beside the caches.
+* a hybrid model's other layers (LFM2's short convolutions, :mod:`models.short_conv`; Qwen3.5's Gated DeltaNet,
+  :mod:`models.gated_delta`) keep their state in buffers named the same way in every method, beside the caches.
 """
 
 from __future__ import annotations

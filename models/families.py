@@ -237,17 +237,17 @@ def ministral3(cfg: Any, max_context_len: int) -> dict[str, Any]:
             f"{original} (llama_4_scaling_beta={beta}); a {max_context_len}-position cache would need that scale, which "
             f"is not implemented. Use export.max_context_len<={original} (and export.max_seq_len no larger)."
         )
-    return {**mistral(cfg, max_context_len)}
+    return mistral(cfg, max_context_len)
 
 
-def _olmo(cfg: Any, max_context_len: int) -> dict[str, Any]:
+def _olmo(cfg: Any) -> dict[str, Any]:
     return {"qk_norm": True, "qk_norm_across_heads": True, "norms": Norms.post, **_llama_biases(cfg)}
 
 
 @register_family("olmo2", "Olmo2ForCausalLM", model_type="olmo2")
 def olmo2(cfg: Any, max_context_len: int) -> dict[str, Any]:
     """OLMo 2 (AI2): norms on the attention and MLP outputs only, q and k normed across all heads at once."""
-    return {**_olmo(cfg, max_context_len), **_default_rope(cfg, max_context_len)}
+    return {**_olmo(cfg), **_default_rope(cfg, max_context_len)}
 
 
 @register_family("olmo3", "Olmo3ForCausalLM", model_type="olmo3")
@@ -258,7 +258,7 @@ def olmo3(cfg: Any, max_context_len: int) -> dict[str, Any]:
     roped = sorted(t for t in set(types) if params.get(t) is not None)  # a type without parameters has no RoPE
     rope = {"rope": tuple((t, rope_table(cfg, layer_type=t)) for t in roped),
             "layer_rope": tuple(t if t in roped else None for t in types)}
-    return {**_olmo(cfg, max_context_len), **rope, "layer_window": _windows_by_layer_type(cfg)}
+    return {**_olmo(cfg), **rope, "layer_window": _windows_by_layer_type(cfg)}
 
 
 LFM2_NAMES = (
@@ -271,14 +271,19 @@ LFM2_NAMES = (
 LFM2_MIXERS = {"full_attention": Mixer.attention, "conv": Mixer.short_conv}
 
 
+def _mixers(cfg: Any, family: str, kinds: dict[str, Mixer]) -> tuple[Mixer, ...]:
+    """Each layer's mixer from ``layer_types``; a type the family does not have is named."""
+    unknown = sorted({t for t in cfg.layer_types if t not in kinds})
+    if unknown:
+        raise ModelError(f"layer_types names {unknown}, which {family} does not have. Allowed: {sorted(kinds)}. "
+                         "Fix config.json's layer_types.")
+    return tuple(kinds[t] for t in cfg.layer_types)
+
+
 @register_family("lfm2", "Lfm2ForCausalLM", model_type="lfm2", renames=LFM2_NAMES)
 def lfm2(cfg: Any, max_context_len: int) -> dict[str, Any]:
     """LFM2 / LFM2.5 (Liquid AI): gated short convolutions interleaved with attention layers that norm q and k; the
     feed-forward width derived from the config as transformers derives it."""
-    unknown = sorted({t for t in cfg.layer_types if t not in LFM2_MIXERS})
-    if unknown:
-        raise ModelError(f"layer_types names {unknown}, which LFM2 does not have. Allowed: {sorted(LFM2_MIXERS)}. "
-                         "Fix config.json's layer_types (or full_attn_idxs).")
     inter = cfg.intermediate_size
     if cfg.block_auto_adjust_ff_dim:  # transformers' Lfm2MLP
         inter = int(2 * inter / 3)
@@ -287,7 +292,7 @@ def lfm2(cfg: Any, max_context_len: int) -> dict[str, Any]:
             inter = cfg.block_multiple_of * ((inter + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
     return {
         "qk_norm": True, "intermediate_size": inter, "rms_norm_eps": cfg.norm_eps,
-        "layer_mixer": tuple(LFM2_MIXERS[t] for t in cfg.layer_types),
+        "layer_mixer": _mixers(cfg, "LFM2", LFM2_MIXERS),
         "conv_kernel": cfg.conv_L_cache, "conv_bias": bool(cfg.conv_bias), **_default_rope(cfg, max_context_len),
     }
 
@@ -300,15 +305,11 @@ def qwen3_5(cfg: Any, max_context_len: int) -> dict[str, Any]:
     """Qwen3.5 dense text models: Gated DeltaNet layers (a recurrent state per head) with every few layers a gated
     attention (q_proj also gives a sigmoid gate on the output), partial RoPE, norms scaling by ``1 + w``. Its M-RoPE
     sections coincide for text, whose three position ids are equal: plain RoPE over the rotated dims."""
-    unknown = sorted({t for t in cfg.layer_types if t not in QWEN3_5_MIXERS})
-    if unknown:
-        raise ModelError(f"layer_types names {unknown}, which Qwen3.5 does not have. Allowed: "
-                         f"{sorted(QWEN3_5_MIXERS)}. Fix config.json's layer_types.")
     shape = GatedDeltaShape(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                             cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
     return {
         "qk_norm": True, "unit_offset_norm": True, "attn_output_gate": True, **_llama_biases(cfg),
-        **_default_rope(cfg, max_context_len), "layer_mixer": tuple(QWEN3_5_MIXERS[t] for t in cfg.layer_types),
+        **_default_rope(cfg, max_context_len), "layer_mixer": _mixers(cfg, "Qwen3.5", QWEN3_5_MIXERS),
         "gated_delta": shape,
     }
 
