@@ -158,8 +158,15 @@ class DecoderArgs:
             raise ValueError(f"layer_rope / layer_window / layer_mixer need one entry per layer ({n})")
         if self.conv_kernel < 2 and Mixer.short_conv in self.layer_mixer:
             raise ValueError(f"a short convolution of {self.conv_kernel} taps keeps no state; it needs 2 or more")
-        if Mixer.gated_delta in self.layer_mixer and self.gated_delta is None:
-            raise ValueError("gated_delta layers need their shape (GatedDeltaShape)")
+        if Mixer.gated_delta in self.layer_mixer:
+            g = self.gated_delta
+            if g is None:
+                raise ValueError("gated_delta layers need their shape (GatedDeltaShape)")
+            if g.value_heads % g.key_heads:  # llama::gated_delta_rule gives each key head whole value heads
+                raise ValueError(f"linear_num_value_heads={g.value_heads} is not a multiple of "
+                                 f"linear_num_key_heads={g.key_heads}")
+            if g.conv_kernel < 2:
+                raise ValueError(f"linear_conv_kernel_dim={g.conv_kernel} keeps no state; it needs 2 or more")
         unknown = {r for r in self.layer_rope if r is not None} - {name for name, _ in self.rope}
         if unknown:
             raise ValueError(f"layers use RoPE tables {sorted(unknown)} that are not defined")

@@ -49,9 +49,6 @@ class GatedDeltaNet(nn.Module):
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers llama::gated_delta_rule)
 
         super().__init__()
-        if value_heads % key_heads:
-            raise ValueError(f"linear_num_value_heads={value_heads} is not a multiple of "
-                             f"linear_num_key_heads={key_heads}")
         self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
         self.kernel = kernel
         channels = 2 * key_heads * key_dim + value_heads * value_dim

@@ -97,6 +97,28 @@ def test_the_stock_text_runner_writes_transformers_greedy_text(portable_program,
     assert run["text"] == tokenizer.decode(expected[:printed_tokens(run)])
 
 
+def test_gptq_quantizes_every_linear_of_the_recurrent_layers(family_checkpoint) -> None:
+    """quant=8da4w_calibrated on LFM2 and Qwen3.5: GPTQ calibrates layer by layer through the recurrent layers too, and
+    every linear they have is quantized (the depthwise convolutions stay float)."""
+    from exporters.config import QuantConfig
+    from exporters.quant.apply import quantize_model
+    from exporters.quant.calibration import calibration_text
+    from omegaconf import OmegaConf
+
+    for family, linears in (("lfm2", ("conv.in_proj", "conv.out_proj")),
+                            ("qwen3_5", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                                         "linear_attn.in_proj_a", "linear_attn.out_proj"))):
+        ckpt = open_checkpoint(family_checkpoint(family))
+        model = build_model(ckpt, MAX_SEQ_LEN)
+        cfg = compose_config(f"model={family}", "quant=8da4w_calibrated").quant
+        quant = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), cfg))
+        record = quantize_model(model, quant, calibration=lambda: calibration_text(
+            quant.calibration, None, ckpt, model.args.vocab_size, MAX_SEQ_LEN))
+        layers = record.linear.layers
+        assert record.linear.algorithm == "gptq", family
+        assert all(f"model.layers.0.{name}" in layers for name in linears), (family, sorted(layers))
+
+
 @pytest.mark.parametrize("family", HYBRID)
 def test_prompts_in_several_calls_carry_the_state(family_checkpoint, family: str) -> None:
     """Eager, a prompt cut into calls of 1, 2 and 5 tokens gives the logits of one call: the state each call leaves
@@ -132,6 +154,9 @@ def test_a_hybrid_checkpoint_that_does_not_fit_is_named(tmp_path: Path, family_c
     odd = copy_checkpoint(ckpt, tmp_path / "odd", config={"layer_types": ["conv", "sliding_attention", "full_attention"]})
     with pytest.raises(ModelError, match=r"layer_types names \[.sliding_attention.\], which LFM2 does not have. Allowed: "):
         build_model(open_checkpoint(odd), MAX_SEQ_LEN, device="meta")
+    heads = copy_checkpoint(family_checkpoint("qwen3_5"), tmp_path / "heads", config={"linear_num_value_heads": 3})
+    with pytest.raises(ModelError, match=r"linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"):
+        build_model(open_checkpoint(heads), MAX_SEQ_LEN, device="meta")
     from safetensors.torch import load_file, save_file
 
     missing = copy_checkpoint(ckpt, tmp_path / "missing")
