@@ -4,6 +4,8 @@
     python -m benchmarks.export --preset smollm2 --out bench/smollm2   # the real SmolLM2-135M-Instruct
     python -m benchmarks.export --preset 1b --quant 8da4w_emb4w --out bench/1b   # Llama-3.2-1B shape, random weights
     python -m benchmarks.export --preset tiny             # quick check of the tool itself (a minute)
+    python -m benchmarks.export --preset qwen3.5-0.8b --quant fp32 --export-llm-static --out bench/qwen3.5
+                                                          # export_llm's Qwen3.5 path: fp32, static shapes
     python -m benchmarks.export --preset smollm2 --validate --peers optimum-executorch transformers \
         --optimum-python <venv>/bin/python                 # every peer on the real model (docs/performance.md)
 
@@ -176,7 +178,8 @@ def export_llm_overrides(p: Preset, args: argparse.Namespace, out: Path, hf_dir:
                   if p.real else [])
     return [
         f"base.params={params}", *checkpoint,
-        "model.use_kv_cache=True", "model.use_sdpa_with_kv_cache=True", "model.enable_dynamic_shape=True",
+        "model.use_kv_cache=True", "model.use_sdpa_with_kv_cache=True",
+        f"model.enable_dynamic_shape={not args.export_llm_static}",
         "backend.xnnpack.enabled=True", *EXPORT_LLM_QUANT[args.quant],
         f"quantization.group_size={args.group_size}", f"export.max_seq_length={args.max_seq_len}",
         f"export.max_context_length={args.max_seq_len}", f"export.output_dir={out}",
@@ -246,6 +249,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--validate", action="store_true", help="let our exporter validate too (export_llm does not)")
+    ap.add_argument("--export-llm-static", action="store_true",
+                    help="export_llm with static shapes (its only path for Qwen3.5: examples/models/qwen3_5/README.md)")
     ap.add_argument("--only", choices=["export_llm", "llm-exporters", "optimum-executorch", TRANSFORMERS],
                     help="run one exporter (no ratios)")
     ap.add_argument("--out", type=Path, default=None, help="folder for programs and the report")
