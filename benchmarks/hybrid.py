@@ -1,7 +1,7 @@
 """Hybrid models at their published shapes (random weights): export cost, and decode speed early and late in a long
 context, where a constant-size state is the point.
 
-    python -m benchmarks.hybrid --preset lfm2-350m --out bench/hybrid-lfm2-350m
+    python -m benchmarks.hybrid --preset lfm2-350m --out bench/hybrid-lfm2-350m --results docs/results/hybrid.json
     python -m benchmarks.hybrid --preset qwen3.5-0.8b --out bench/hybrid-qwen3.5-0.8b
     python -m benchmarks.hybrid --preset 360m --out bench/hybrid-360m    # attention only, for reference
 
@@ -52,6 +52,14 @@ def prefill_rate(driver: Driver, tokens: int, vocab: int, seed: int) -> float:
     return tokens / (time.perf_counter() - began)
 
 
+def keep_row(results: Path, row: dict) -> None:
+    """``row`` in ``results`` (``{"rows": [...]}``), replacing an earlier one of the same preset, quant and context."""
+    key = ("preset", "quant", "context")
+    rows = json.loads(results.read_text())["rows"] if results.exists() else []
+    rows = [r for r in rows if tuple(r[k] for k in key) != tuple(row[k] for k in key)] + [row]
+    results.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=RANDOM_PRESETS, required=True,
@@ -62,6 +70,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed at each position")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--results", type=Path, default=None,
+                    help="also keep the row in this JSON file (one row per preset and quant: docs/results/hybrid.json, "
+                         "which docs/hybrid.md's table is generated from by python -m benchmarks.tables)")
     args = ap.parse_args()
     preset = PRESETS[args.preset]
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_hybrid_"))
@@ -95,6 +106,8 @@ def main() -> None:
            "kv_cache_mb": round(kv.bytes / 1e6, 1), "state_mb": round(kv.state_bytes / 1e6, 1),
            "rss_after_load_mb": rss_mb, **{f"{k}_tok_s": round(statistics.median(v), 1) for k, v in rates.items()}}
     (out / "report.json").write_text(json.dumps(row, indent=2))
+    if args.results is not None:
+        keep_row(args.results, row)
     keys = [k for k in row if k != "preset"]
     table = (f"| {' | '.join(['preset', *keys])} |\n|{'---|' * (len(keys) + 1)}\n"
              f"| {' | '.join(str(row[k]) for k in ['preset', *keys])} |\n")

@@ -11,7 +11,8 @@ A generated region in a Markdown file looks like this (the JSON path is relative
 
 Each renderer takes one tool's JSON: ``suite`` the test suite's durations (``pytest --durations-file PATH``),
 ``export`` a ``benchmarks.export`` report (``report.json``), ``speculative`` a ``benchmarks.speculative`` or
-``benchmarks.llama_cpp`` report, ``memory`` a ``benchmarks.memory_estimate`` report. Keep the JSON files in
+``benchmarks.llama_cpp`` report, ``memory`` a ``benchmarks.memory_estimate`` report, ``hybrid`` the rows
+``benchmarks.hybrid --results`` keeps. Keep the JSON files in
 ``docs/results/``: they are the measurement, the table is a view of it. A new table is a renderer in
 :data:`RENDERERS` and a region in a doc.
 """
@@ -95,8 +96,22 @@ def render_memory(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_hybrid(data: dict[str, Any]) -> str:
+    """``benchmarks.hybrid`` rows: each shape's export cost and its decode speed early and late in the context."""
+    lines = ["| model (random weights) | quant | export s | peak RSS GB | .pte MB | KV cache MB | recurrent state MB | "
+             "RSS after load MB | prefill tok/s (64) | decode tok/s at 64 | decode tok/s at context - 32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        late = next(v for k, v in r.items() if k.startswith("decode_at_") and k != "decode_at_64_tok_s")
+        lines.append(f"| {r['preset']} ({r['parameters_m']}M) | {r['quant']} | {r['export_s']} | {r['peak_rss_gb']} | "
+                     f"{r['pte_mb']} | {r['kv_cache_mb']} | {r['state_mb']} | {r['rss_after_load_mb']} | "
+                     f"{r['prefill_64_tok_s']} | {r['decode_at_64_tok_s']} | {late} (at {r['context'] - 32}) |")
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"suite": render_suite, "export": render_export,
-                                                          "speculative": render_speculative, "memory": render_memory}
+                                                          "speculative": render_speculative, "memory": render_memory,
+                                                          "hybrid": render_hybrid}
 
 
 def regenerate(text: str, root: Path = ROOT) -> tuple[str, list[str]]:
