@@ -228,6 +228,19 @@ def stock_runner_text(pte: Path, hf_dir: Path) -> str:
     return json.loads(proc.stdout.strip().splitlines()[-1])["text"]
 
 
+def undrivable(pte: Path) -> str | None:
+    """Why the program's methods cannot prefill and then decode one token at a time (None: they can), e.g.
+    export_llm's static-shape Qwen3.5 program, whose one method takes exactly max_seq_len - 1 tokens."""
+    from exporters.errors import UserError
+    from exporters.runtime.driver import MethodRoles, program_method_shapes
+
+    try:
+        MethodRoles.choose(program_method_shapes(LoadedProgram(pte)))
+    except UserError as e:
+        return str(e)
+    return None
+
+
 def tokens_per_second(ptes: dict[str, tuple[Path, bool]], prefill_len: int, decode_steps: int, repeats: int,
                       vocab: int) -> dict[str, dict[str, float]]:
     """Median steady-state prefill and decode throughput of each program (label -> .pte, weight cache), driven
@@ -312,6 +325,12 @@ def main() -> None:
     print("measuring runtime speed ...", flush=True)
     programs = {name: (root / name / "model.pte", True) for name, row in results.items()
                 if "failed" not in row and name != TRANSFORMERS}
+    for name in list(programs):
+        why = undrivable(programs[name][0])
+        if why is not None:  # a result too: its speed is not comparable
+            results[name]["speed_not_measured"] = why
+            print(f"  {name}: speed not measured: {why}", flush=True)
+            del programs[name]
     if "llm-exporters" in programs and not args.weight_cache_only:
         programs[NO_CACHE] = (root / "llm-exporters" / "model.pte", False)
     speeds = tokens_per_second(programs, args.prefill_len, args.decode_steps, args.repeats, p.vocab)
@@ -332,7 +351,7 @@ def main() -> None:
             "prefill_tok_s")
     ratios = ({k: round(results["llm-exporters"][k] / results["export_llm"][k], 2) for k in keys
                if k in results["llm-exporters"] and k in results["export_llm"]}
-              if {"llm-exporters", "export_llm"} <= programs.keys() else {})
+              if not any("failed" in results.get(n, {"failed": 1}) for n in ("llm-exporters", "export_llm")) else {})
     params = p.parameters
     label = (args.preset + (f" ({p.layers} layers)" if args.layers else "")
              + (f" at max_seq_len {args.max_seq_len}" if args.max_seq_len != 256 else ""))
@@ -355,10 +374,14 @@ def main() -> None:
         size = (f"{r['pte_mb']}" + (f" + {r['ptd_mb']} .ptd" if "ptd_mb" in r else "")
                 + (" (prefill.pte + decode.pte)" if name == TRANSFORMERS else ""))
         lines.append(f"| {name} | {r['wall_s']} | {r['peak_rss_gb']} | {size} | {r['rss_after_load_mb']} | "
-                     f"{r.get('rss_after_load_no_cache_mb', '—')} | {r['decode_tok_s']} | {r['prefill_tok_s']} |"
+                     f"{r.get('rss_after_load_no_cache_mb', '—')} | {r.get('decode_tok_s', '—')} | "
+                     f"{r.get('prefill_tok_s', '—')} |"
                      + (f" {r['perplexity']} | {r['stock_runner']!r} |" if p.real else ""))
     if ratios:
         lines.append("| ratio ours/export_llm | " + " | ".join(str(ratios.get(k, "—")) for k in keys) + " |")
+    for name, r in results.items():
+        if "speed_not_measured" in r:
+            lines.append(f"\n{name}: speed not measured: {r['speed_not_measured']}")
     if "decode_tok_s_no_cache" in results.get("llm-exporters", {}):
         ours = results["llm-exporters"]
         lines.append(f"\nours without XNNPACK's weight cache: decode {ours['decode_tok_s_no_cache']} tok/s, prefill "

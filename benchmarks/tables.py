@@ -56,8 +56,8 @@ def render_export(data: dict[str, Any]) -> str:
             lines.append(f"| {name} | failed after {r['wall_s']} s: {r['failed']} | {r['peak_rss_gb']} | | | |"
                          + (" |" if real else ""))
             continue
-        lines.append(f"| {name} | {r['wall_s']} | {r['peak_rss_gb']} | {r['pte_mb']} | {r['decode_tok_s']} | "
-                     f"{r['prefill_tok_s']} |" + (f" {r.get('perplexity', '—')} |" if real else ""))
+        lines.append(f"| {name} | {r['wall_s']} | {r['peak_rss_gb']} | {r['pte_mb']} | {r.get('decode_tok_s', '—')} | "
+                     f"{r.get('prefill_tok_s', '—')} |" + (f" {r.get('perplexity', '—')} |" if real else ""))
     ratios = data.get("ours_over_export_llm") or {}
     if ratios:
         lines.append("| ours / export_llm | " + " | ".join(str(ratios.get(k, "—")) for k in
