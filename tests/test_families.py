@@ -116,10 +116,11 @@ def run_greedy(program: LoadedProgram, reference, tokens: torch.Tensor):  # type
 PARITY_METHODS = "[forward]"
 
 
-# Two families' programs are graphs the full run already runs: Ministral 3's is Mistral's (only its RoPE table's values
-# differ, checked eagerly above), OLMo 3's is OLMo 2's with Gemma 3's windows and per-type RoPE. They run with
-# `pytest -m extended`, kept out of the full run for its time.
-FP32_PROGRAM_EXTENDED = {"ministral3", "olmo3"}
+# Some families' fp32 programs are graphs the full run already runs: Ministral 3's is Mistral's (only its RoPE table's
+# values differ, checked eagerly above), OLMo 3's is OLMo 2's with Gemma 3's windows and per-type RoPE; the hybrids'
+# fp32 programs run against transformers on the portable backend (tests/test_hybrid.py) and through XNNPACK as 8da4w
+# programs below. They run with `pytest -m extended`, kept out of the full run for its time.
+FP32_PROGRAM_EXTENDED = {"ministral3", "olmo3", "lfm2", "qwen3_5"}
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[pytest.mark.extended] if f in FP32_PROGRAM_EXTENDED else [])
