@@ -19,37 +19,21 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.exporting import exporter_command, run_measured
+from benchmarks.long_context import fill_and_time
 from benchmarks.presets import PRESETS, checkpoint_dir, exporter_overrides
 from exporters.manifest import Manifest
 from exporters.runtime.driver import Driver
 from exporters.runtime.memory import rss_after_load_mb
 from exporters.runtime.programs import LoadedProgram
+from exporters.runtime.speed import time_round
 
 # The hybrid shapes, and any other random-weight preset as the attention-only reference (360m: SmolLM2-360M's shape).
 RANDOM_PRESETS = [name for name, p in PRESETS.items() if not p.real]
-
-
-def decode_rate(driver: Driver, start: int, steps: int, vocab: int, seed: int) -> float:
-    """Tokens/s of ``steps`` greedy decode steps after a random prompt of ``start`` tokens."""
-    prompt = torch.randint(0, vocab, (1, start), generator=torch.Generator().manual_seed(seed))
-    logits = driver.prefill(prompt)
-    began = time.perf_counter()
-    for i in range(steps):
-        logits = driver.decode_one_token(int(logits.argmax()), start + i)
-    return steps / (time.perf_counter() - began)
-
-
-def prefill_rate(driver: Driver, tokens: int, vocab: int, seed: int) -> float:
-    prompt = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(seed))
-    began = time.perf_counter()
-    driver.prefill(prompt)
-    return tokens / (time.perf_counter() - began)
 
 
 def keep_row(results: Path, row: dict) -> None:
@@ -92,9 +76,10 @@ def main() -> None:
     late = args.context - args.steps
     rates: dict[str, list[float]] = {"prefill_64": [], "decode_at_64": [], f"decode_at_{late}": []}
     for r in range(args.repeats + 1):  # round 0 warms up
-        got = {"prefill_64": prefill_rate(driver, 64, preset.vocab, r),
-               "decode_at_64": decode_rate(driver, 64, args.steps, preset.vocab, r),
-               f"decode_at_{late}": decode_rate(driver, late, args.steps, preset.vocab, r)}
+        prompt = torch.randint(0, preset.vocab, (1, 64), generator=torch.Generator().manual_seed(r))
+        prefill_s, decode_s = time_round(driver, prompt, args.steps)
+        got = {"prefill_64": 64 / prefill_s, "decode_at_64": args.steps / decode_s,
+               f"decode_at_{late}": fill_and_time(driver, args.context, args.steps, preset.vocab, r)}
         if r:
             for key, value in got.items():
                 rates[key].append(value)

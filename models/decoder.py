@@ -462,6 +462,10 @@ class MLP(nn.Module):
         return self.down_proj(rotated(self.down_input_rotation, self.act_fn(gate) * up))
 
 
+# Each mixer's module in a layer, by transformers' attribute name (checkpoints load 1:1).
+MIXER_MODULES = {Mixer.attention: "self_attn", Mixer.short_conv: "conv", Mixer.gated_delta: "linear_attn"}
+
+
 class DecoderLayer(nn.Module):
     """Residual block normed where ``args.norms`` says: with sandwich norms (Gemma 2/3) and post norms (OLMo 2/3)
     ``post_attention_layernorm`` is the attention output's norm, as in transformers; with post norms there is no
@@ -494,7 +498,14 @@ class DecoderLayer(nn.Module):
 
     def recurrent(self) -> ShortConv | GatedDeltaNet:
         """The mixer of a layer that is not attention, whose state is not a KV cache."""
-        return self.conv if self.mixer == Mixer.short_conv else self.linear_attn
+        return getattr(self, MIXER_MODULES[self.mixer])
+
+    def state(self) -> tuple[str, KVCache | ShortConv | GatedDeltaNet]:
+        """The module holding the layer's state (each has ``reset``, ``bytes`` and its buffers) and its path in the
+        layer: the KV cache, or the recurrent mixer itself."""
+        if self.mixer == Mixer.attention:
+            return "self_attn.kv_cache", self.self_attn.kv_cache
+        return MIXER_MODULES[self.mixer], self.recurrent()
 
     def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
@@ -732,10 +743,8 @@ class CausalLM(nn.Module):
     def reset_cache(self) -> None:
         """Zero every KV buffer and recurrent state, so a new sequence starts clean (eager runs: baseline,
         validation)."""
-        for cache in self.kv_caches():
-            cache.reset()
-        for mixer in self.recurrent_mixers():
-            mixer.reset()
+        for layer in self.model.layers:
+            layer.state()[1].reset()
 
     def attention_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.model.layers if layer.mixer == Mixer.attention]
@@ -748,15 +757,9 @@ class CausalLM(nn.Module):
 
     def state_buffers(self) -> list[str]:
         """Names of every buffer of the state methods share: the KV caches' (codes, and scales when quantized) and
-        the short convolutions' inputs."""
-        names = []
-        for i, layer in enumerate(self.model.layers):
-            if layer.mixer == Mixer.attention:
-                names += [f"model.layers.{i}.self_attn.kv_cache.{name}" for name, _ in layer.self_attn.kv_cache.named_buffers()]
-            else:
-                prefix = "conv" if layer.mixer == Mixer.short_conv else "linear_attn"
-                names += [f"model.layers.{i}.{prefix}.{name}" for name, _ in layer.recurrent().named_buffers()]
-        return names
+        the recurrent mixers' (their last inputs, Gated DeltaNet's matrices)."""
+        return [f"model.layers.{i}.{path}.{name}" for i, layer in enumerate(self.model.layers)
+                for path, held in [layer.state()] for name, _ in held.named_buffers()]
 
     def recurrent_state_bytes(self) -> int:
         """Bytes of the state that is not a KV cache (a constant, whatever the context): short convolutions' inputs,

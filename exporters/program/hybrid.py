@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from exporters.errors import UserError
+from exporters.program.methods import with_verify
 from exporters.quant.rotation import rotates
 from models.decoder import CausalLM
 
@@ -36,7 +37,7 @@ def check_hybrid(shapes: CausalLM, plan: "ExportPlan", component: "Component") -
     state = ("a layer with a recurrent state (a short convolution's last inputs, Gated DeltaNet's matrices) has it "
              "overwritten by every call, whatever the position")
     blockers = []
-    if "verify" in {spec.kind for spec in plan.decoder.methods.specs.values()} or plan.draft is not None:
+    if "verify" in with_verify(plan.config.export.methods, plan.config.draft):
         blockers.append(("speculative decoding (verify, draft.checkpoint)",
                          f"{state}, so the tokens verify rejects cannot be rolled back by position as a KV cache's are",
                          "export without verify and draft.*"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from exporters.footprint import MemoryBudget
+from exporters.plan.component import Component
 from exporters.program.draft import check_pair
 from exporters.program.hybrid import check_hybrid
 from exporters.program.vision import vision_footprint
@@ -18,6 +19,7 @@ from exporters.quant.rotation import check_rotation
 from exporters.stages.artifacts import EagerModel, summary
 from exporters.stages.pipeline import ExportContext, Stage
 from models.checkpoint import stored_bytes
+from models.decoder import CausalLM
 from models.families import family_of_config
 from models.lora import attach_adapters, read_adapter
 
@@ -33,8 +35,7 @@ class LoadStage(Stage):
         ctx.checkpoint = checkpoint
         # The export's memory, estimated from the shapes alone and checked before any weight is read.
         shapes = build.build(checkpoint, device="meta")
-        check_rotation(shapes, self.plan.decoder.quant.config)
-        check_hybrid(shapes, self.plan, self.plan.decoder)
+        self.check_shapes(shapes, self.plan.decoder)
         budget = MemoryBudget.of(self.plan)
         footprint = budget.estimate(shapes, stored_bytes(checkpoint, shapes))
         components = {}
@@ -42,8 +43,7 @@ class LoadStage(Stage):
         if draft is not None:  # the pair is checked before either model's weights are read
             draft_checkpoint = draft.build.checkpoint(ctx.output_dir)
             draft_shapes = draft.build.build(draft_checkpoint, device="meta")
-            check_rotation(draft_shapes, draft.quant.config)
-            check_hybrid(draft_shapes, self.plan, draft)
+            self.check_shapes(draft_shapes, draft)
             check_pair(checkpoint, draft_checkpoint, shapes.parameter_count(), draft_shapes.parameter_count())
             ctx.component_checkpoints[draft.name] = draft_checkpoint
             footprint = footprint.beside(MemoryBudget.of(self.plan, draft).estimate(
@@ -64,6 +64,11 @@ class LoadStage(Stage):
         for opened in (checkpoint, *ctx.component_checkpoints.values()):
             opened.check_unchanged()
         return EagerModel(model, components=components)
+
+    def check_shapes(self, shapes: CausalLM, component: Component) -> None:
+        """What a component's options need of its model's shapes, checked before any of its weights is read."""
+        check_rotation(shapes, component.quant.config)
+        check_hybrid(shapes, self.plan, component)
 
     def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:
         assert ctx.checkpoint is not None
