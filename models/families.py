@@ -58,6 +58,8 @@ class Family:
     # (pattern, replacement) on checkpoint tensor names, for a family whose modules transformers names otherwise
     # than Llama's: the decoder keeps one set of names, so quantization, GPTQ and validation read every family alike.
     renames: tuple[tuple[str, str], ...] = ()
+    # Prefixes of checkpoint tensors transformers' own class skips on load (Qwen3.5's multi-token-prediction head).
+    unused: tuple[str, ...] = ()
 
     def tensor_name(self, name: str) -> str:
         for pattern, replacement in self.renames:
@@ -68,10 +70,10 @@ class Family:
 FAMILIES: dict[str, Family] = {}
 
 
-def register_family(name: str, *architectures: str, model_type: str,
-                    renames: tuple[tuple[str, str], ...] = ()) -> Callable[[FamilyAdapter], FamilyAdapter]:
+def register_family(name: str, *architectures: str, model_type: str, renames: tuple[tuple[str, str], ...] = (),
+                    unused: tuple[str, ...] = ()) -> Callable[[FamilyAdapter], FamilyAdapter]:
     def wrap(fn: FamilyAdapter) -> FamilyAdapter:
-        FAMILIES[name] = Family(name, architectures, model_type, fn, renames)
+        FAMILIES[name] = Family(name, architectures, model_type, fn, renames, unused)
         return fn
 
     return wrap
@@ -300,7 +302,7 @@ def lfm2(cfg: Any, max_context_len: int) -> dict[str, Any]:
 QWEN3_5_MIXERS = {"full_attention": Mixer.attention, "linear_attention": Mixer.gated_delta}
 
 
-@register_family("qwen3_5", "Qwen3_5ForCausalLM", model_type="qwen3_5_text")
+@register_family("qwen3_5", "Qwen3_5ForCausalLM", model_type="qwen3_5_text", unused=("mtp.",))
 def qwen3_5(cfg: Any, max_context_len: int) -> dict[str, Any]:
     """Qwen3.5 dense text models: Gated DeltaNet layers (a recurrent state per head) with every few layers a gated
     attention (q_proj also gives a sigmoid gate on the output), partial RoPE, norms scaling by ``1 + w``. Its M-RoPE
@@ -319,6 +321,8 @@ def tensor_namer(hf_config: Any) -> Callable[[str], str | None]:
     family = family_of_config(hf_config)
 
     def name(stored: str) -> str | None:
+        if family is not None and stored.startswith(family.unused):
+            return None
         text = text_tensor_name(hf_config, stored)
         return family.tensor_name(text) if text is not None and family is not None else text
 

@@ -33,8 +33,9 @@ class VisionLanguage:
     architectures: tuple[str, ...]
     # Prefixes of the tensors that are not the text decoder's (the vision tower and the projector), every layout.
     vision_prefixes: tuple[str, ...]
-    # config -> (S, N): the square every image is resized to, and the embedding positions it takes in the decoder.
-    geometry: Callable[[Any], tuple[int, int]]
+    # config -> (S, N): the square every image is resized to, and the embedding positions it takes in the decoder;
+    # None for a family whose vision encoder is not built yet: its checkpoint exports its text decoder alone.
+    geometry: Callable[[Any], tuple[int, int]] | None
 
     def image_token_id(self, hf_config: Any) -> int:
         """The token each image position takes in a prompt (the config's, not the processor's: Gemma 3's processor
@@ -69,6 +70,9 @@ VISION_LANGUAGE: tuple[VisionLanguage, ...] = (
     VisionLanguage("gemma3", ("Gemma3ForConditionalGeneration",), _TOWER_AND_PROJECTOR, _gemma3_geometry),
     VisionLanguage("idefics3", ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
                    ("model.vision_model.", "model.connector."), _idefics3_geometry),
+    # Every Qwen3.5 on the hub is this class; its ViT (2D rotary patches, M-RoPE positions in the decoder) is not built,
+    # so its text decoder exports alone, as transformers' Qwen3_5ForCausalLM loads it from the same files.
+    VisionLanguage("qwen3_5", ("Qwen3_5ForConditionalGeneration",), ("model.visual.",), None),
 )
 
 
@@ -76,6 +80,14 @@ def vision_language_of(hf_config: Any) -> VisionLanguage | None:
     """The vision-language architecture of ``config.json``, or None for a text checkpoint."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     return next((v for v in VISION_LANGUAGE for arch in archs if arch in v.architectures), None)
+
+
+def text_only(hf_config: Any) -> str | None:
+    """What the console says of a vision-language checkpoint whose vision encoder is not exported; None otherwise."""
+    family = vision_language_of(hf_config)
+    if family is None or family.geometry is not None:
+        return None
+    return f"text decoder only ({hf_config.architectures[0]}'s vision encoder is not exported yet)"
 
 
 def language_config(hf_config: Any) -> Any:

@@ -24,7 +24,7 @@ class VisionEncoder(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         family = vision_language_of(config)
-        assert family is not None, "a vision-language config"
+        assert family is not None and family.geometry is not None, "a vision-language config whose encoder is built"
         # S: the square the processor resizes every image to; N: embedding positions per image.
         self.image_size, self.tokens = family.geometry(config)
         self.compute_dtype = torch.float32  # what its weights and activations are in (quant.vision)

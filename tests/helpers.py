@@ -70,3 +70,41 @@ def eager_model_of(result: ExportResult):  # type: ignore[no-untyped-def]
 
     quantize_model(model, quant, calibration=calibration)
     return model
+
+
+def write_gguf(checkpoint: Path, out: Path, arch: str, metadata: dict[str, Any]) -> Path:
+    """``checkpoint`` (a Hugging Face folder with a byte-level BPE tokenizer.json) as a GGUF file, named and laid out
+    by gguf-py's own tables as llama.cpp's converter names them: matrices in Q8_0, the rest in F32. ``metadata``: the
+    ``<arch>.*`` keys. What a user's ``.gguf`` of a family looks like, in seconds."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    weights = load_file(checkpoint / "model.safetensors")
+    blocks = 1 + max(int(n.split(".")[2]) for n in weights if n.startswith("model.layers."))
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), blocks)
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    for key, value in metadata.items():
+        writer.add_key_value(f"{arch}.{key}", value, gguf.GGUFValueType.get_type(value),
+                             sub_type=gguf.GGUFValueType.INT32 if isinstance(value, list) else None)
+    vocab = gguf.vocab.BpeVocab(checkpoint)
+    tokens = list(vocab.all_tokens())
+    writer.add_tokenizer_model(vocab.tokenizer_model)
+    writer.add_token_list([t for t, _, _ in tokens])
+    writer.add_token_types([kind for _, _, kind in tokens])
+    gguf.SpecialVocab(checkpoint, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer)
+    for name, tensor in weights.items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, f"gguf-py has no name for {name}"
+        data = tensor.float().squeeze(1).numpy() if tensor.dim() == 3 else tensor.float().numpy()  # conv [C, 1, K]
+        if data.ndim == 2 and data.shape[1] % 32 == 0:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

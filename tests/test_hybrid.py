@@ -6,6 +6,7 @@ tests/test_families.py, as for every family; here is what is particular to a sta
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,69 @@ def test_a_hybrid_checkpoint_that_does_not_fit_is_named(tmp_path: Path, family_c
     save_file(weights, missing / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelError, match=r"model\.layers\.2\.conv\.conv\.weight"):
         build_model(open_checkpoint(missing), MAX_SEQ_LEN)
+
+
+def test_a_qwen3_5_checkpoint_as_the_hub_ships_it_exports_its_text_decoder(tmp_path: Path) -> None:
+    """Every Qwen3.5 on the hub is Qwen3_5ForConditionalGeneration with a multi-token-prediction head (``mtp.*``) beside
+    the text decoder: ``model=hf`` plans a text program, the decoder loads as transformers' Qwen3_5ForCausalLM loads it
+    (the ViT and the head left out) and gives the whole model's logits on text."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from models.families import family_of_config
+    from models.vision import text_only
+    from tests.family_cases import family_arch
+    from tests.helpers import assert_matches_transformers
+
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 8,
+              "out_hidden_size": 64, "num_position_embeddings": 16}
+    config = Qwen3_5Config(text_config={**family_arch("qwen3_5"), "model_type": "qwen3_5_text"}, vision_config=vision,
+                           image_token_id=385, video_token_id=386, tie_word_embeddings=True)
+    torch.manual_seed(5)
+    ref = Qwen3_5ForConditionalGeneration(config).eval()
+    folder = tmp_path / "Qwen3.5-tiny"
+    ref.save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["mtp.fc.weight"] = torch.randn(64, 128)  # what the hub's checkpoints add; transformers skips it
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+    cfg = compose_config("model=hf", f"model.checkpoint={folder}", "backend=portable", "quant=fp32")
+    assert plan_export(cfg).vision is None, "a text program"
+    ckpt = open_checkpoint(folder)
+    assert family_of_config(ckpt.hf_config).name == "qwen3_5"
+    assert text_only(ckpt.hf_config) == ("text decoder only (Qwen3_5ForConditionalGeneration's vision encoder is not "
+                                         "exported yet)")
+    ours = build_model(ckpt, MAX_SEQ_LEN)
+    tokens = torch.randint(0, 380, (1, 20), generator=torch.Generator().manual_seed(2))
+    assert_matches_transformers(ref, ours, tokens, prefill_len=11)
+
+
+def test_an_lfm2_gguf_file_exports_as_transformers_reads_it(tmp_path: Path) -> None:
+    """An LFM2 ``.gguf`` (named as llama.cpp names its tensors, matrices in Q8_0, no conv biases as LFM2 ships): dequantized
+    by transformers' GGUF reader into a folder, then built as any LFM2 checkpoint, matching transformers' model of it."""
+    from models.gguf import gguf_checkpoint
+    from models.tiny import write_tiny_checkpoint
+    from tests.family_cases import family_arch
+    from tests.helpers import assert_matches_transformers, write_gguf
+
+    arch = {**family_arch("lfm2"), "conv_bias": False}
+    hf = write_tiny_checkpoint(tmp_path / "hf", arch=arch, family="lfm2", seed=4, train_steps=0)
+    layers, theta = arch["layer_types"], json.loads((hf / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    metadata = {"context_length": 128, "block_count": len(layers), "feed_forward_length": 96,
+                "embedding_length": arch["hidden_size"], "rope.freq_base": theta,
+                "attention.head_count": arch["num_attention_heads"],
+                "attention.head_count_kv": [arch["num_key_value_heads"] if t == "full_attention" else 0 for t in layers],
+                "attention.layer_norm_rms_epsilon": arch["norm_eps"], "vocab_size": arch["vocab_size"],
+                "shortconv.l_cache": 3}
+    gguf = write_gguf(hf, tmp_path / "LFM2-tiny.Q8_0.gguf", "lfm2", metadata)
+
+    compose_config("model=hf", f"model.checkpoint={gguf}")  # the GGUF is a checkpoint option like any other
+    folder = gguf_checkpoint(gguf, tmp_path / "converted")
+    ours = build_model(open_checkpoint(folder), MAX_SEQ_LEN)
+    assert ours.args.layer_mixer == build_model(open_checkpoint(hf), MAX_SEQ_LEN, device="meta").args.layer_mixer
+    tokens = torch.randint(0, arch["vocab_size"], (1, 20), generator=torch.Generator().manual_seed(3))
+    assert_matches_transformers(transformers_model(folder), ours, tokens, prefill_len=9)
+    original = build_model(open_checkpoint(hf), MAX_SEQ_LEN)  # Q8_0 keeps the checkpoint's logits to about 1%
+    with torch.no_grad():
+        a, b = (m(tokens, torch.tensor([0]), full_logits=True) for m in (original, ours))
+    assert (b - a).norm() / a.norm() < 0.02, "a tensor misnamed or laid out wrong would not be this close"

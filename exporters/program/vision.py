@@ -73,8 +73,8 @@ def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
 
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     family = vision_language_of(hf_config)
-    if family is None or getattr(hf_config, "vision_config", None) is None:
-        return None  # an incomplete config: load names what is missing (models.vision.language_config)
+    if family is None or family.geometry is None or getattr(hf_config, "vision_config", None) is None:
+        return None  # text only (models.vision.text_only), or an incomplete config: load names what is missing
     size, tokens = family.geometry(hf_config)
     return VisionGeometry(family.name, size, tokens, family.image_token_id(hf_config))
 

@@ -22,6 +22,7 @@ from models.checkpoint import stored_bytes
 from models.decoder import CausalLM
 from models.families import family_of_config
 from models.lora import attach_adapters, read_adapter
+from models.vision import text_only
 
 log = logging.getLogger("exporters")
 
@@ -75,4 +76,6 @@ class LoadStage(Stage):
         family = family_of_config(ctx.checkpoint.hf_config)
         adapters = "".join(f"; adapter {a.describe()}" for a in ctx.adapters)
         others = "".join(f"; {name}: {summary(m)}" for name, m in loaded.components.items())
-        return f"{family.name if family else 'unknown'} family, {loaded.summary()}{adapters}{others}"
+        alone = text_only(ctx.checkpoint.hf_config)
+        return f"{family.name if family else 'unknown'} family, {loaded.summary()}{adapters}{others}" + (
+            f"; {alone}" if alone else "")
