@@ -134,6 +134,13 @@ class WeightsPlacement(Choice):
     external = "external"
 
 
+class AdapterMode(Choice):
+    """How ``model.adapters`` become part of the program (``exporters.program.swappable``)."""
+
+    methods = "methods"  # each adapter gets the base's methods of its own: <adapter>_prefill, ...
+    swappable = "swappable"  # the base's methods read LoRA slots an app fills at run time (set_adapter)
+
+
 class TiedEmbeddingStorage(Choice):
     """A tied, unquantized embedding / lm_head matrix: stored once, or copied for lm_head (``exporters.quant.tied``)."""
 
@@ -330,6 +337,15 @@ class ExportSection:
     shortcuts: bool = True
     # Token count of prefill on static-shape backends.
     prefill_chunk: int = 32
+    # How model.adapters become part of the program: "methods" gives each adapter the base's methods of its own
+    # (<adapter>_prefill, ...), validated per adapter; "swappable" gives the base's methods LoRA slots that the app
+    # fills at run time with the set_adapter method (any PEFT adapter whose targets and ranks fit, trained before or
+    # after the export), and writes each adapter given as adapters/<name>.ptd (docs/adapters.md).
+    adapters: AdapterMode = AdapterMode.methods
+    # Swappable slots: the largest rank an adapter may have, and the kinds of linear layer that take one (q_proj,
+    # v_proj, ...); null = those of model.adapters (both are needed when model.adapters is empty).
+    lora_max_rank: Optional[int] = None
+    lora_targets: Optional[List[str]] = None
     # The program's file name in the run folder (a .ptd beside it takes the same stem).
     output_name: str = "model.pte"
     # Where to write; null = the Hydra run folder.

@@ -10,6 +10,9 @@ re-read; each has a test that fails if the internal changes behaviour:
 - :func:`read_data_file_header`: the same for a ``.ptd`` (FlatTensor): its public ``FlatTensorSerializer.deserialize``
   copies every weight; the header and ``_deserialize_to_flat_tensor`` read the table of named tensors alone.
   Test: ``tests/test_external_weights.py``.
+- :func:`write_tensor_file` / :func:`read_tensor_file`: a ``.ptd`` of named tensors written and read with the
+  FlatTensor serializer and its payload types (``executorch.exir._serialize.data_serializer``), as the named data
+  store does for a program's weights: swappable adapters' files. Test: ``tests/test_swappable_adapters.py``.
 - :func:`reserialize`: emit adds ``forward`` as ``prefill``'s execution plan renamed, then serializes the
   manager again; the manager keeps its serialized bytes in private fields.
   Test: ``tests/test_export.py::test_an_alias_is_written_as_executorch_plans_and_emits_it``.
@@ -611,3 +614,55 @@ def pt2e_annotation_key() -> str:
     from torchao.quantization.pt2e.quantizer.quantizer import Q_ANNOTATION_KEY
 
     return str(Q_ANNOTATION_KEY)
+
+
+def write_tensor_file(tensors: dict[str, "torch.Tensor"], out: Path) -> None:
+    """A ``.ptd`` holding ``tensors`` by name (ExecuTorch's FlatTensor format, as its named data store writes)."""
+    import torch
+    from executorch.exir._serialize.data_serializer import DataEntry, DataPayload
+    from executorch.exir.tensor_layout import TensorLayout
+    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
+
+    buffers, named = [], {}
+    for key, tensor in tensors.items():
+        tensor = tensor.detach().contiguous()
+        named[key] = DataEntry(len(buffers), 64, TensorLayout.from_tensor(tensor))
+        buffers.append(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    with open(out, "wb") as fh:
+        FlatTensorSerializer().serialize(DataPayload(buffers=buffers, named_data=named)).write_to_file(fh)
+
+
+def read_tensor_file(path: Path) -> dict[str, "torch.Tensor"]:
+    """Every named tensor of a ``.ptd`` (:func:`write_tensor_file`'s, or any FlatTensor file); a ValueError for a file
+    that is not one or is cut short."""
+    import math
+
+    import torch
+    from executorch.exir._serialize._cord import Cord
+    from executorch.exir.scalar_type import ScalarType
+    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorHeader, FlatTensorSerializer
+
+    dtypes = {"FLOAT": torch.float32, "HALF": torch.float16, "BFLOAT16": torch.bfloat16, "CHAR": torch.int8,
+              "BYTE": torch.uint8, "INT": torch.int32, "LONG": torch.int64}
+    blob = path.read_bytes()
+    header = FlatTensorHeader.from_bytes(blob[8:8 + FlatTensorHeader.EXPECTED_LENGTH])
+    if not header.is_valid() or len(blob) < header.segment_base_offset + header.segment_data_size:
+        raise ValueError(f"{path} is not a whole ExecuTorch data file (.ptd): "
+                         + (f"{len(blob)} bytes of the {header.segment_base_offset + header.segment_data_size} its "
+                            "header names, it was cut short" if header.is_valid() else "no FlatTensor header"))
+    try:
+        payload = FlatTensorSerializer().deserialize(Cord(blob))
+    except Exception as e:  # the flatbuffer reader raises several types for a damaged file
+        raise ValueError(f"{path} is not a whole ExecuTorch data file (.ptd): {e}") from e
+    out = {}
+    for key, entry in payload.named_data.items():
+        layout = entry.tensor_layout
+        dtype = dtypes[ScalarType(layout.scalar_type).name]
+        data = payload.buffers[entry.buffer_index]
+        need = math.prod(layout.sizes) * dtype.itemsize
+        if len(data) < need:
+            raise ValueError(f"{path}: tensor {key} needs {need} bytes and the file holds {len(data)} of them: it was "
+                             "cut short")
+        out[key] = torch.frombuffer(bytearray(data[:need]), dtype=dtype).reshape(layout.sizes) if need else \
+            torch.zeros(layout.sizes, dtype=dtype)
+    return out

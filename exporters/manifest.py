@@ -484,6 +484,21 @@ class AdapterEntry:
 
 
 @dataclass
+class SwappableEntry:
+    """export.adapters=swappable: the base's methods read LoRA slots, which the method ``set_adapter`` writes and every
+    method shares (as the KV cache); all zeros (how the program starts) is the base model. docs/adapters.md."""
+
+    method: str  # set_adapter
+    # Its inputs, in order: <kind>.A = Aᵀ [layers, in, rank] and <kind>.B = (scale·B)ᵀ [layers, rank, out], zero past
+    # an adapter's rank and where it changes nothing (python -m exporters.adapter lays out any PEFT folder so).
+    inputs: list[TensorSpec]
+    slots: dict[str, Any]  # models.lora_slots.SlotGeometry.to_json(): layers, rank, dtype, each target's shape
+    # Each adapter given at export: adapters/<name>.ptd, its tensors named as set_adapter's inputs.
+    adapters: dict[str, DataFile] = field(default_factory=dict)
+    how: str = ""  # how an app swaps adapters (C++ and Python)
+
+
+@dataclass
 class HeadVocabularyEntry:
     """A component whose lm_head scores a few tokens (draft.vocab: FR-Spec)."""
 
@@ -576,6 +591,7 @@ class Manifest:
     kv_cache: KvCacheEntry | None = None  # None in manifests written before it was recorded
     # The models the program holds, by name (version 3; older manifests read as one "decoder").
     components: dict[str, ComponentEntry] = field(default_factory=dict)
+    swappable: SwappableEntry | None = None  # export.adapters=swappable: the LoRA slots and the adapters' files
     version: int = MANIFEST_VERSION
 
     @property
@@ -596,7 +612,8 @@ class Manifest:
     def files(self) -> set[str]:
         """The files of this export in its run folder: the program, its data files, the tokenizer's, the manifest."""
         data = [d.file for d in (self.data, *(a.data for a in self.adapters.values())) if d is not None]
-        return {self.program.file, *data, *self.tokenizer_files, MANIFEST_FILE}
+        swapped = [d.file for d in self.swappable.adapters.values()] if self.swappable else []
+        return {self.program.file, *data, *swapped, *self.tokenizer_files, MANIFEST_FILE}
 
     @property
     def passed(self) -> bool:

@@ -64,6 +64,11 @@ class LoraAdapter:
     modules: dict[str, int]  # targeted module path -> its rank
 
     @property
+    def matrices(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Module path -> (A [r, in], B [out, r])."""
+        return _by_module(self.name, self.folder, self.state_dict)
+
+    @property
     def ranks(self) -> list[int]:
         return sorted(set(self.modules.values()))
 
@@ -161,13 +166,8 @@ def check_adapter_folders(adapters: dict[str, str]) -> None:
             _read_weights(name, path)  # raises, saying what is there instead
 
 
-def read_adapter(name: str, folder: str | Path, model: CausalLM) -> LoraAdapter:
-    """Read and check one PEFT LoRA folder against ``model`` (our decoder, unquantized)."""
-    from peft.utils.other import get_pattern_key
-
-    folder = Path(folder).expanduser()
-    config = _read_config(name, folder)
-    weights = _read_weights(name, folder)
+def _by_module(name: str, folder: Path, weights: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT's saved keys -> module path: (A [r, in], B [out, r]); refuses anything else a folder may hold."""
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in weights.items():
         match = KEY.match(key)
@@ -178,6 +178,28 @@ def read_adapter(name: str, folder: str | Path, model: CausalLM) -> LoraAdapter:
         found.setdefault(match["module"], {})[match["part"]] = tensor
     if not found:
         raise _fail(name, folder, f"{WEIGHTS_FILE} holds no LoRA weights", "Save the adapter again.")
+    for path, parts in found.items():
+        if set(parts) != {"A", "B"}:
+            raise _fail(name, folder, f"{path} has lora_{''.join(parts)} but not both A and B", "Save the adapter again.")
+    return {path: (parts["A"], parts["B"]) for path, parts in found.items()}
+
+
+def read_peft_folder(name: str, folder: str | Path) -> tuple[Any, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """A PEFT LoRA folder without a model to check it against: its config and its (A, B) per module path (what
+    ``models.lora_slots.pack`` lays out for a program's slots, which check the shapes)."""
+    folder = Path(folder).expanduser()
+    config = _read_config(name, folder)
+    return config, _by_module(name, folder, _read_weights(name, folder))
+
+
+def read_adapter(name: str, folder: str | Path, model: CausalLM) -> LoraAdapter:
+    """Read and check one PEFT LoRA folder against ``model`` (our decoder, unquantized)."""
+    from peft.utils.other import get_pattern_key
+
+    folder = Path(folder).expanduser()
+    config = _read_config(name, folder)
+    weights = _read_weights(name, folder)
+    found = _by_module(name, folder, weights)
     if "lm_head" in found:
         raise _fail(name, folder, "it adapts lm_head", "Adapters on the output projection are not supported (it may be "
                     "the embedding matrix itself, stored once): merge this adapter into the checkpoint instead.")
@@ -189,11 +211,8 @@ def read_adapter(name: str, folder: str | Path, model: CausalLM) -> LoraAdapter:
                     f"It was trained for another architecture; this base's decoder layers have the linear layers "
                     f"{', '.join(kinds)}. Train the adapter on this base.")
     modules: dict[str, int] = {}
-    for path, parts in sorted(found.items()):
-        if set(parts) != {"A", "B"}:
-            raise _fail(name, folder, f"{path} has lora_{''.join(parts)} but not both A and B", "Save the adapter again.")
+    for path, (a, b) in sorted(found.items()):
         layer = model.get_submodule(path)
-        a, b = parts["A"], parts["B"]
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != layer.in_features or b.shape != (layer.out_features, r):
             raise _fail(name, folder,

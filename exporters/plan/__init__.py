@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from exporters.config import (Attention, BenchmarkConfig, ExportConfig, KvDType, WeightsPlacement, exhaustive,
+from exporters.config import (AdapterMode, Attention, BenchmarkConfig, ExportConfig, KvDType, WeightsPlacement, exhaustive,
                               to_typed)
 from exporters.errors import UserError
 from exporters.plan.backend import BackendCapabilities
@@ -111,6 +111,7 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: boo
     from exporters.program.cache import check_kv_cache
     from exporters.program.draft import check_draft
     from exporters.program.methods import check_methods
+    from exporters.program.swappable import check_swappable, slot_plan
     from exporters.program.vision import check_vision, vision_geometry
     from exporters.program.weights import check_weights
     from exporters.quant.pt2e import check_pt2e
@@ -126,12 +127,14 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: boo
     check_backend(cfg.backend, bench_runs(cfg, sweeping))
     check_quant(cfg.quant, cfg.backend)
     check_pt2e(cfg.quant, cfg.backend, list(cfg.model.adapters))
+    check_swappable(cfg)
+    slot_plan(cfg)
     lengths = Lengths.of_config(cfg)
     check_methods(cfg.export, cfg.backend, lengths, cfg.draft, cfg.quant)
     check_draft(cfg)
     check_vision(cfg, lengths, vision_geometry(cfg.model), cfg.backend.dynamic_shapes)
     check_kv_cache(cfg.export, cfg.backend, cfg.quant, lengths)
-    check_weights(cfg.export, cfg.backend, list(cfg.model.adapters))
+    check_weights(cfg.export, cfg.backend, list(cfg.model.adapters) if cfg.export.adapters == AdapterMode.methods else [])
     check_validation(cfg.validation, enabled=cfg.validate)
     for name in ("prompt_tokens", "steps", "repeats"):
         if getattr(cfg.benchmark, name) < 1:
@@ -155,6 +158,7 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
     """The plan of a config that passed :func:`check_config`."""
     from exporters.program.draft import draft_component
     from exporters.program.methods import MethodTable, with_verify
+    from exporters.program.swappable import slot_plan
     from exporters.program.vision import vision_component, vision_geometry, with_multimodal
 
     _closed_sets()
@@ -170,7 +174,7 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
         quant=QuantPlan(cfg.quant, ex.tied_embedding, shortcuts),
         # Aliases (forward = prefill) are emitted as renamed plans, a shortcut through the emitter's internals.
         methods=MethodTable.of(with_multimodal(with_verify(ex.methods, cfg.draft), geometry), layout, lengths,
-                               list(cfg.model.adapters), share_graphs=shortcuts))
+                               list(cfg.model.adapters), share_graphs=shortcuts, slots=slot_plan(cfg)))
     draft = draft_component(cfg.draft, cfg.quant, state, backend.attention, lengths, ex.tied_embedding, shortcuts)
     vision = vision_component(cfg, geometry, shortcuts)
     pt2e = cfg.quant.pt2e is not None

@@ -45,9 +45,9 @@ def check_hybrid(shapes: CausalLM, plan: "ExportPlan", component: "Component") -
         blockers.append((f"backend={plan.backend.name} (static shapes)",
                          f"{state}, and a static-shape backend pads the prompt to a fixed chunk, padding it would keep",
                          "use backend=xnnpack or backend=portable"))
-    if component.adapters:
-        blockers.append(("model.adapters", "LoRA adapters on hybrid models are not built or validated yet",
-                         "export the base without model.adapters"))
+    if component.adapters or component.methods.slots is not None:
+        blockers.append(("model.adapters / export.adapters=swappable", "LoRA adapters on hybrid models are not built "
+                         "or validated yet", "export the base without adapters"))
     if rotates(component.quant.config):
         blockers.append(("quant.rotation / quant.online_hadamard", "rotations are folded into attention and MLP "
                          "layers; the recurrent layers' gated projections are not rotated yet",

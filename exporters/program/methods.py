@@ -23,6 +23,7 @@ from exporters.program.layouts import LAYOUTS, Layout, check_layout
 
 if TYPE_CHECKING:
     from exporters.config import BackendConfig, DraftConfig, ExportSection, QuantConfig
+    from exporters.program.swappable import SlotPlan
 
 
 MethodInput = Literal["tokens", "embeddings", "pixels"]
@@ -181,19 +182,24 @@ class MethodTable:
     # The methods of the program's other components (the draft's), by method name -> component name; every method
     # not here is the decoder's.
     component_of: dict[str, str] = field(default_factory=dict)
+    # export.adapters=swappable: the base's methods read LoRA slots of this size, which the program's set_adapter
+    # method writes (exporters.program.swappable); the adapters given have no methods of their own.
+    slots: SlotPlan | None = None
 
     @staticmethod
     def of(kinds: Sequence[str], layout: Layout, lengths: Lengths, adapters: Sequence[str] = (),
-           share_graphs: bool = True) -> "MethodTable":
-        """The base methods as ``layout`` names them, then each adapter's (``<adapter>_<method>``);
-        ``share_graphs=False`` captures every method on its own (the stock path: no renamed plans)."""
+           share_graphs: bool = True, slots: SlotPlan | None = None) -> "MethodTable":
+        """The base methods as ``layout`` names them, then each adapter's (``<adapter>_<method>``) unless the adapters
+        go into ``slots``; ``share_graphs=False`` captures every method on its own (the stock path: no renamed
+        plans)."""
         base = method_specs(list(kinds), layout, lengths)
         specs, adapter_of = dict(base), dict.fromkeys(base)
-        for adapter in adapters:
+        for adapter in adapters if slots is None else ():
             for name, spec in base.items():
                 specs[adapter_method(adapter, name)] = spec
                 adapter_of[adapter_method(adapter, name)] = adapter
-        return MethodTable(specs, adapter_of, same_graph_aliases(specs, adapter_of) if share_graphs else {})
+        return MethodTable(specs, adapter_of, same_graph_aliases(specs, adapter_of) if share_graphs else {},
+                           slots=slots)
 
     @staticmethod
     def for_component(component: str, kinds: Sequence[str], lengths: Lengths) -> "MethodTable":
@@ -235,7 +241,7 @@ class MethodTable:
         others = "".join(f"; {c}: {', '.join(self.of_component(c))}" for c in dict.fromkeys(self.component_of.values()))
         return base + (f"; the same for adapter(s) {', '.join(adapters)} "
                        f"({len(self.specs) - len(self.of_adapter(None)) - len(self.component_of)} methods)"
-                       if adapters else "") + others
+                       if adapters else "") + others + (f"; set_adapter ({self.slots.describe()})" if self.slots else "")
 
 
 def check_methods(ex: ExportSection, backend: BackendConfig, lengths: Lengths, draft: DraftConfig,

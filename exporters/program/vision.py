@@ -111,7 +111,9 @@ def check_vision(cfg: ExportConfig, lengths: Lengths, geometry: VisionGeometry |
     for key, value, why in (
             ("quant.pt2e", cfg.quant.pt2e, "the backend's quantizer converts a graph that takes tokens"),
             ("draft.checkpoint", cfg.draft.checkpoint, "speculative decoding of image prompts is not built yet"),
-            ("model.adapters", cfg.model.adapters or None, "adapters on a vision-language program are not built yet")):
+            ("model.adapters", cfg.model.adapters or None, "adapters on a vision-language program are not built yet"),
+            ("export.adapters", cfg.export.adapters if cfg.export.adapters != "methods" else None,
+             "adapters on a vision-language program are not built yet")):
         if value is not None:
             raise UserError(f"{what}, and {key}={value}: {why}. Export it without {key}.")
 

@@ -9,6 +9,7 @@ the very same base weight tensors and the backend stores those once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from exporters.quant.activations import share_activation_quantization
 from exporters.stages.artifacts import CapturedMethods, EagerModel, ProgramMethods
 from exporters.stages.pipeline import ExportContext, Stage
 from models.lora import active_adapter
+from models.lora_slots import SET_ADAPTER, capturing_set_adapter
 
 
 def _tensor_spec(value: Any, name: str, dim_name: str) -> TensorSpec:
@@ -89,6 +91,13 @@ class CaptureStage(Stage):
         for program in programs.values():
             share_activation_quantization(program)
         signatures = {name: signature(p, embeddings_in=specs[name].takes == "embeddings") for name, p in programs.items()}
+        if table.slots is not None:  # set_adapter, from the same module: its buffers named as the methods read them
+            with torch.no_grad(), capturing_set_adapter(model) as inputs:
+                programs[SET_ADAPTER] = torch.export.export(model, inputs, strict=False)
+            found = signature(programs[SET_ADAPTER])
+            names = model.get_submodule("lora_slots").geometry.input_names()
+            signatures[SET_ADAPTER] = Signature(inputs=[dataclasses.replace(spec, name=name) for spec, name in
+                                                        zip(found.inputs, names, strict=True)], outputs=found.outputs)
         # Backends this host's runtime cannot execute are validated on a second, untouched capture (lowering
         # rewrites the programs it is given).
         undelegated = capture_all(reference) if self.plan.keep_undelegated else None
@@ -97,5 +106,5 @@ class CaptureStage(Stage):
             if undelegated is not None:
                 undelegated[alias] = undelegated[source]
         return CapturedMethods(model=model, methods=ProgramMethods(specs, adapter_of, aliases, table.component_of,
-                                                                   signatures),
+                                                                   table.slots, signatures),
                                programs=programs, undelegated=undelegated, components=quantized.components)

@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING, Any
 from exporters.errors import ValidationFailed
 from exporters.interrupts import held_back
 from exporters.footprint import MIB
+from exporters.internals import write_tensor_file
 from exporters.manifest import (MANIFEST_FILE, AdapterEntry, ComponentEntry, DataFile, HeadVocabularyEntry, Manifest,
-                                MethodEntry,
-                                ModelEntry, ProgramFile, Resources)
+                                MethodEntry, ModelEntry, ProgramFile, Resources, SwappableEntry)
 from exporters.program.adapters import adapter_method
 from exporters.program.cache import kv_cache_entry
 from exporters.program.constants import recorded
 from exporters.program.files import private_path, sha256_of
 from exporters.program.layouts import layout_manifest
+from exporters.program.swappable import SWAP_HOWTO, adapter_file
 from exporters.program.weights import data_path_for, runtime_needs
 from exporters.program.vision import vision_entry
 from exporters.plan.component import ComponentKind
@@ -31,6 +32,7 @@ from exporters.stages.artifacts import ExportResult, WrittenProgram
 from exporters.stages.pipeline import ExportContext, Stage
 from models.families import family_of_config
 from models.lora import WEIGHTS_FILE
+from models.lora_slots import SET_ADAPTER
 
 if TYPE_CHECKING:
     from exporters.plan import ExportPlan
@@ -54,15 +56,18 @@ def adapter_entries(ctx: ExportContext, written: WrittenProgram) -> dict[str, Ad
     """The manifest's entry of each adapter: its folder and weights, what it changes, its methods, its validation."""
     entries = {}
     base = written.methods.of_adapter(None)
+    slots = written.methods.slots
     for adapter in ctx.adapters:
         first = next(m for n, m in written.model.named_modules() if n.endswith(f"lora_A.{adapter.name}"))
+        dtype = (ctx.quantization.adapters.scheme if ctx.quantization and ctx.quantization.adapters
+                 else str(first.weight.dtype).removeprefix("torch."))
         entries[adapter.name] = AdapterEntry(
             folder=str(adapter.folder), weights_sha256=sha256_of(adapter.folder / WEIGHTS_FILE),
             rank=adapter.ranks, lora_alpha=adapter.config.lora_alpha,
             use_rslora=bool(adapter.config.use_rslora), layers=len(adapter.modules), targets=adapter.targets,
-            dtype=(ctx.quantization.adapters.scheme if ctx.quantization and ctx.quantization.adapters
-                   else str(first.weight.dtype).removeprefix("torch.")),
-            methods={name: adapter_method(adapter.name, name) for name in base},
+            dtype=written.model.get_submodule("lora_slots").geometry.dtype if slots else dtype,
+            # swappable: the base's methods compute with it once set_adapter has set it
+            methods={name: name if slots else adapter_method(adapter.name, name) for name in base},
             validation=ctx.adapter_validation.get(adapter.name))
     return entries
 
@@ -170,6 +175,7 @@ class FinalizeStage(Stage):
         data = placed(written.data, None, pte)
         for name, entry in adapters.items():
             entry.data = placed(written.adapter_data.get(name), name, pte)
+        swappable, adapter_files = self.swappable_entry(written, ctx, out_dir)
         sources = [src for src in [*ckpt.tokenizer_files, ckpt.generation_config_file] if src is not None]
         copied = [src.name for src in sources]
         family = family_of_config(ckpt.hf_config)
@@ -214,9 +220,10 @@ class FinalizeStage(Stage):
             quality_warning=ctx.quality_warning,
             kv_cache=kv_cache_entry(model, max(spec.max_tokens for spec in base.values())),
             components=component_entries(self.plan, ctx, written, parameters),
+            swappable=swappable,
         )
         manifest_path = out_dir / MANIFEST_FILE
-        staged: dict[Path, Path] = {}  # final path -> where it is written first
+        staged: dict[Path, Path] = dict(adapter_files)  # final path -> where it is written first
         try:
             for src in sources:
                 if src.parent.resolve() != out_dir.resolve():
@@ -249,3 +256,22 @@ class FinalizeStage(Stage):
                 "or quant.max_ppl_drift; validate=false skips the check."
             )
         return ExportResult(pte_path=pte, manifest_path=manifest_path, manifest=manifest)
+
+    def swappable_entry(self, written: WrittenProgram, ctx: ExportContext,
+                        out_dir: Path) -> tuple[SwappableEntry | None, dict[Path, Path]]:
+        """export.adapters=swappable: the manifest's record of the slots, and each adapter given written as
+        ``adapters/<name>.ptd`` under a private name (final path -> that name), renamed into place with the rest."""
+        if written.methods.slots is None:
+            return None, {}
+        geometry = written.model.get_submodule("lora_slots").geometry
+        staged, files = {}, {}
+        for name, tensors in ctx.packed_adapters.items():
+            final = adapter_file(out_dir, name)
+            final.parent.mkdir(exist_ok=True)
+            staged[final] = private_path(final, "staged")
+            write_tensor_file(tensors, staged[final])
+            files[name] = DataFile(file=str(final.relative_to(out_dir)), size_bytes=staged[final].stat().st_size,
+                                   sha256=sha256_of(staged[final]), entries=len(tensors))
+        entry = SwappableEntry(method=SET_ADAPTER, inputs=written.methods.signatures[SET_ADAPTER].inputs,
+                               slots=geometry.to_json(), adapters=files, how=SWAP_HOWTO)
+        return entry, staged

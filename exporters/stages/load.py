@@ -21,7 +21,9 @@ from exporters.stages.pipeline import ExportContext, Stage
 from models.checkpoint import stored_bytes
 from models.decoder import CausalLM
 from models.families import family_of_config
+from exporters.quant.schemes import DTYPES
 from models.lora import attach_adapters, read_adapter
+from models.lora_slots import attach_slots, pack, slot_geometry
 from models.vision import text_only
 
 log = logging.getLogger("exporters")
@@ -57,6 +59,11 @@ class LoadStage(Stage):
         model = build.build(checkpoint)
         ctx.adapters = [read_adapter(name, folder, model) for name, folder in build.model.adapters.items()]
         attach_adapters(model, ctx.adapters)
+        slots = self.plan.decoder.methods.slots
+        if slots is not None:  # swappable: PEFT's adapters stay the eager reference, the slots are what is exported
+            geometry = slot_geometry(model, list(slots.targets), slots.rank, DTYPES[str(self.plan.decoder.quant.config.dtype)])
+            attach_slots(model, geometry)
+            ctx.packed_adapters = {a.name: pack(a.name, a.config, a.matrices, geometry) for a in ctx.adapters}
         if draft is not None:
             components[draft.name] = draft.build.build(ctx.component_checkpoints[draft.name])
         if vision is not None:  # the image encoder, from the decoder's checkpoint folder

@@ -18,6 +18,7 @@ from exporters.internals import (lowering_forgets_graphs, named_data_stored_once
 from exporters.program.backends import partitioners
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
 from exporters.program.constants import constant_methods
+from exporters.program.swappable import slot_constants
 from exporters.program.vision import vision_constants
 from exporters.stages.artifacts import CapturedMethods, LoweredProgram
 from exporters.stages.pipeline import ExportContext, Stage
@@ -92,6 +93,8 @@ class LowerStage(Stage):
         draft = components.get(plan.draft.name) if plan.draft is not None else None
         constants = constant_methods(model.args, ctx.checkpoint, methods.specs, plan.lengths.max_seq_len,
                                      backend.dynamic_shapes, methods.adapters, draft.head_ids if draft else None)
+        if methods.slots is not None:  # what an app needs to fill set_adapter's inputs
+            constants.update(slot_constants(model.get_submodule("lora_slots").geometry))
         if plan.vision is not None:  # what an app needs to make vision_encoder's input
             constants.update(vision_constants(plan.vision.build.geometry))  # type: ignore[union-attr]
         external = plan.weights == WeightsPlacement.external

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from exporters.manifest import AppliedQuantization, Pt2eRecord, QualityWarning, ValidationReport, VisionCheck
     from exporters.stages.artifacts import BaselineQuality
     from models.checkpoint import Checkpoint
+    import torch
+
     from models.lora import LoraAdapter
 
 log = logging.getLogger("exporters")
@@ -58,6 +60,8 @@ class ExportContext:
     checkpoint: Checkpoint | None = None  # load
     component_checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # load: the other components' (draft)
     adapters: list[LoraAdapter] = field(default_factory=list)  # load: model.adapters, read and attached
+    # load, export.adapters=swappable: each adapter given, laid out as set_adapter's inputs (models.lora_slots.pack)
+    packed_adapters: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     footprint: Footprint | None = None  # load: the export's estimated memory
     baseline: BaselineQuality | None = None  # baseline (with validation only)
     quantization: AppliedQuantization | None = None  # quantize

@@ -29,6 +29,7 @@ from exporters.stages.pipeline import ExportContext, Stage
 from exporters.stages.vision_check import check_image_path
 from models.decoder import CausalLM
 from models.lora import active_adapter
+from models.lora_slots import SET_ADAPTER
 
 log = logging.getLogger("exporters")
 
@@ -306,9 +307,12 @@ class ValidateStage(Stage):
             others[name] = roles
             log.info("  validate: %s %s", name, "passed" if not failures else "FAILED")
         draft = self.plan.draft
-        for adapter in [None, *methods.adapters]:  # the base methods, then each adapter's
-            specs = methods.of_adapter(adapter)
+        # The base methods, then each adapter's: its own methods, or (swappable) the base's after set_adapter.
+        for adapter in [None, *methods.adapters, *ctx.packed_adapters]:
+            specs = methods.of_adapter(adapter if adapter not in ctx.packed_adapters else None)
             roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
+            if adapter in ctx.packed_adapters:
+                program.run(SET_ADAPTER, *ctx.packed_adapters[adapter].values())
             found = predictions(written.model, program, roles, specs, ctx.baseline.text, adapter, eager_graphs)
             scores = Scores.of(found, ctx.baseline.text)
             speculative = (speculative_check(written.model, program, roles, ctx.baseline.text, adapter,

@@ -1,0 +1,138 @@
+"""``export.adapters=swappable``: the base's methods with LoRA slots, an adapter being data an app sets at run time.
+
+The plan decides the slots once (:class:`SlotPlan`: which kinds of linear layer, the largest rank) from
+``export.lora_targets`` / ``export.lora_max_rank`` or from the adapters given, reading only their files' headers;
+load sizes them on the model (``models.lora_slots``); capture adds the method ``set_adapter``; validation sets each
+adapter given and compares the base's methods with PEFT's model of it; finalize writes each as ``adapters/<name>.ptd``,
+its tensors named as ``set_adapter``'s inputs (:data:`ADAPTER_FOLDER`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from exporters.config import AdapterMode, RotationKind
+from exporters.errors import UserError
+
+if TYPE_CHECKING:
+    from exporters.config import ExportConfig
+    from models.lora_slots import SlotGeometry
+
+ADAPTER_FOLDER = "adapters"  # beside the program: adapters/<name>.ptd
+# Constant methods an app reads to fill set_adapter without the manifest.
+LORA_INPUTS_CONSTANT = "get_lora_inputs"  # set_adapter's inputs, comma-separated: q_proj.A,q_proj.B,...
+LORA_RANK_CONSTANT = "get_lora_max_rank"
+# Backends whose programs run here, so a swapped adapter is validated in the runtime.
+SWAPPABLE_BACKENDS = ("xnnpack", "portable")
+# How an app swaps adapters (the manifest's swappable.how, the bundle's README).
+SWAP_HOWTO = (
+    "The program starts with every slot zero: the base model. To apply an adapter, call the method set_adapter once "
+    f"with its tensors, in the order the constant method {LORA_INPUTS_CONSTANT} lists them (comma-separated), as "
+    f"{ADAPTER_FOLDER}/<name>.ptd names them; every method computes with it from the next call on, until the next "
+    "set_adapter (all zeros: the base again). Start a new conversation (position 0) after a swap: the KV cache holds "
+    "the earlier tokens as the earlier adapter computed them. C++: load the file with "
+    "executorch::extension::FlatTensorDataMap::load(FileDataLoader), get_data(name) for each input, wrap each as a "
+    "tensor of the shape the manifest gives (extension/tensor from_blob), module.execute(\"set_adapter\", inputs). "
+    "Python: python -m exporters.generate <run> adapter=<name, .ptd or PEFT folder>, or exporters.runtime.generator."
+    "Generator(run, adapter=...); any PEFT folder whose targets and ranks fit becomes such a file with "
+    "python -m exporters.adapter <run> <peft folder> out=<file.ptd>.")
+_PEFT_KEY = re.compile(r"^base_model\.model\..*\.(?P<kind>[a-z_]+)\.lora_A\.weight$")
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """The slots of a swappable program: the kinds of linear layer with one in every decoder layer, and the rank."""
+
+    targets: tuple[str, ...]
+    rank: int
+
+    def describe(self) -> str:
+        return f"LoRA slots of rank {self.rank} on {', '.join(self.targets)}"
+
+
+def _adapter_shapes(folder: str) -> dict[str, int]:
+    """Kind of layer -> the largest rank an adapter folder gives it, from its safetensors header alone."""
+    from safetensors import safe_open
+
+    ranks: dict[str, int] = {}
+    with safe_open(str(Path(folder).expanduser() / "adapter_model.safetensors"), framework="pt") as fh:
+        for key in fh.keys():
+            match = _PEFT_KEY.match(key)
+            if match is not None:
+                rank = fh.get_slice(key).get_shape()[0]
+                ranks[match["kind"]] = max(rank, ranks.get(match["kind"], 0))
+    return ranks
+
+
+def slot_plan(cfg: ExportConfig) -> SlotPlan | None:
+    """The slots ``cfg`` asks for (None unless ``export.adapters=swappable``), every adapter given checked to fit."""
+    ex = cfg.export
+    if ex.adapters != AdapterMode.swappable:
+        for key in ("lora_max_rank", "lora_targets"):
+            if getattr(ex, key) is not None:
+                raise UserError(f"export.{key}={getattr(ex, key)} sizes the LoRA slots of export.adapters=swappable, "
+                                f"and export.adapters={ex.adapters}. Set export.adapters=swappable, or leave "
+                                f"export.{key} unset.")
+        return None
+    given = {name: _adapter_shapes(folder) for name, folder in cfg.model.adapters.items()}
+    if not given and (ex.lora_max_rank is None or not ex.lora_targets):
+        raise UserError("export.adapters=swappable without model.adapters: give the slots' size, e.g. "
+                        "export.lora_max_rank=16 'export.lora_targets=[q_proj,v_proj]' (the largest rank and the "
+                        "kinds of linear layer an adapter may change), or give the adapters to size them by.")
+    needed = sorted({kind for ranks in given.values() for kind in ranks})
+    targets = tuple(ex.lora_targets) if ex.lora_targets else tuple(needed)
+    rank = ex.lora_max_rank if ex.lora_max_rank is not None else max(r for g in given.values() for r in g.values())
+    if rank < 1:
+        raise UserError(f"export.lora_max_rank={rank}: give the largest rank an adapter may have (1 or more).")
+    for name, ranks in given.items():
+        outside = sorted(set(ranks) - set(targets))
+        if outside:
+            raise UserError(f"model.adapters.{name} changes {', '.join(outside)}, and export.lora_targets is "
+                            f"[{', '.join(targets)}]. Add {', '.join(outside)} to export.lora_targets, or leave it "
+                            "unset to take the adapters' targets.")
+        too_big = {kind: r for kind, r in ranks.items() if r > rank}
+        if too_big:
+            raise UserError(f"model.adapters.{name} has rank {max(too_big.values())} (on "
+                            f"{', '.join(sorted(too_big))}), above export.lora_max_rank={rank}. Raise "
+                            "export.lora_max_rank, or leave it unset to take the adapters' largest rank.")
+    return SlotPlan(targets, rank)
+
+
+def check_swappable(cfg: ExportConfig) -> None:
+    """What swappable slots cannot be combined with yet, refused by name before any work."""
+    if cfg.export.adapters != AdapterMode.swappable:
+        return
+    blockers = []
+    if cfg.backend.name not in SWAPPABLE_BACKENDS:
+        blockers.append((f"backend={cfg.backend.name}", "a swapped adapter is validated in this machine's runtime",
+                         f"use backend={' or backend='.join(SWAPPABLE_BACKENDS)}"))
+    if cfg.quant.rotation != RotationKind.none or cfg.quant.online_hadamard:
+        blockers.append(("quant.rotation / quant.online_hadamard", "a rotated base would need each adapter's A "
+                         "rotated as it is set", "use quant=8da4w_calibrated (GPTQ) or quant=8da4w"))
+    if cfg.quant.pt2e is not None:
+        blockers.append((f"quant.pt2e={cfg.quant.pt2e}", "the backend's quantizer converts a graph without the slots",
+                         "use a torchao scheme (quant=8da4w, 8da8w, 8da4w_calibrated)"))
+    if cfg.quant.adapters is not None:
+        blockers.append((f"quant.adapters={cfg.quant.adapters}", "the slots hold the adapters' matrices in the "
+                         "activations' dtype", "leave quant.adapters unset (or use export.adapters=methods)"))
+    if cfg.draft.checkpoint is not None:
+        blockers.append(("draft.checkpoint", "speculative programs do not hold adapters yet",
+                         "export without draft.*"))
+    if blockers:
+        lines = "; ".join(f"{option}: {why}. Instead, {fix}" for option, why, fix in blockers)
+        raise UserError(f"export.adapters=swappable cannot be combined with {lines}.")
+
+
+def slot_constants(geometry: SlotGeometry) -> dict[str, Any]:
+    """The constant methods that tell an app how to fill set_adapter (the manifest says more)."""
+    return {LORA_INPUTS_CONSTANT: ",".join(geometry.input_names()), LORA_RANK_CONSTANT: geometry.rank}
+
+
+def adapter_file(run: Path, name: str) -> Path:
+    """Where the export writes adapter ``name`` given at export time."""
+    return run / ADAPTER_FOLDER / f"{name}.ptd"
+
+

@@ -1,0 +1,230 @@
+"""Swappable LoRA (``export.adapters=swappable``): the base's methods read their adapter from state an app writes.
+
+A LoRA adapter adds ``scale * B(A(x))`` to each linear layer it targets (``models.lora``). Here every targeted kind
+of layer (``q_proj``, ``v_proj``, ...) gets, for all decoder layers at once, two buffers: ``Aᵀ`` as
+``[layers, in, rank]`` and ``(scale·B)ᵀ`` as ``[layers, rank, out]``, zero-padded to the program's rank. The base's
+methods add ``x @ Aᵀ[layer] @ (scale·B)ᵀ[layer]`` to each such layer's output; the method ``set_adapter`` copies new
+values into the buffers, which every method shares by name as it shares the KV cache. All zeros is the base, exactly
+(the sum adds 0.0). Any PEFT adapter whose targets and ranks fit is then data: :func:`pack` lays it out.
+
+Why state and not method inputs: the stock runners call the methods with tokens and a position only, and a swap is
+one call copying a few MB (measured in docs/adapters.md) instead of reloading a program. Why ``[layer]`` is read
+with ``select`` before the matmuls: XNNPACK packs a buffer a delegated op reads directly as a constant, and has no
+``select``; so the slice stays outside the delegate, a runtime input, and ``bmm`` inside runs on what
+``set_adapter`` wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from models.errors import ModelError
+
+SET_ADAPTER = "set_adapter"
+# The module path of each decoder layer's linear layers: model.layers.<layer>.<block>.<kind>.
+LAYER_LINEAR = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>[a-z_]+)\.(?P<kind>[a-z_]+)$")
+
+
+class SlotError(ModelError):
+    """An adapter that does not fit the program's slots (rank, targets, shapes, base)."""
+
+
+@dataclass(frozen=True)
+class SlotTarget:
+    """One kind of linear layer with a slot in every decoder layer."""
+
+    kind: str  # q_proj
+    block: str  # self_attn: its path is model.layers.<layer>.<block>.<kind>
+    in_features: int
+    out_features: int
+
+    def path(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.block}.{self.kind}"
+
+
+@dataclass(frozen=True)
+class SlotGeometry:
+    """The shapes an adapter must fit: decided once in the plan, recorded in the manifest, read by apps."""
+
+    layers: int
+    rank: int
+    targets: tuple[SlotTarget, ...]
+    dtype: str = "float32"
+
+    def input_names(self) -> list[str]:
+        """``set_adapter``'s inputs, in order, as an adapter file names its tensors: ``q_proj.A``, ``q_proj.B``, ..."""
+        return [f"{t.kind}.{part}" for t in self.targets for part in ("A", "B")]
+
+    def input_shapes(self) -> dict[str, tuple[int, int, int]]:
+        return {name: shape for t in self.targets for name, shape in (
+            (f"{t.kind}.A", (self.layers, t.in_features, self.rank)),
+            (f"{t.kind}.B", (self.layers, self.rank, t.out_features)))}
+
+    def zeros(self) -> dict[str, torch.Tensor]:
+        """The base model's adapter: every slot zero."""
+        dtype = getattr(torch, self.dtype)
+        return {name: torch.zeros(shape, dtype=dtype) for name, shape in self.input_shapes().items()}
+
+    def bytes(self) -> int:
+        return sum(math.prod(s) for s in self.input_shapes().values()) * getattr(torch, self.dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layers": self.layers, "rank": self.rank, "dtype": self.dtype,
+                "targets": [{"kind": t.kind, "block": t.block, "in_features": t.in_features,
+                             "out_features": t.out_features} for t in self.targets]}
+
+    @staticmethod
+    def from_json(raw: Mapping[str, Any]) -> "SlotGeometry":
+        return SlotGeometry(int(raw["layers"]), int(raw["rank"]),
+                            tuple(SlotTarget(**t) for t in raw["targets"]), str(raw.get("dtype", "float32")))
+
+    def describe(self) -> str:
+        return (f"rank {self.rank} on {', '.join(t.kind for t in self.targets)} of {self.layers} layers "
+                f"({self.bytes() / 1e6:.2f} MB of {self.dtype} state)")
+
+
+def _layer_linears(model: nn.Module) -> Iterator[tuple[re.Match[str], nn.Linear]]:
+    """The decoder layers' linear layers (PEFT's wrapper of one counts as it), with their path's parts."""
+    for path, module in model.named_modules():
+        match = LAYER_LINEAR.match(path)
+        linear = getattr(module, "base_layer", module)  # a PEFT LoraLayer wraps the linear as base_layer
+        if match is not None and isinstance(linear, nn.Linear):
+            yield match, linear
+
+
+def slot_geometry(model: nn.Module, kinds: list[str], rank: int, dtype: torch.dtype = torch.float32) -> SlotGeometry:
+    """The slots for ``kinds`` of ``model``'s decoder layers (our decoder, or its shapes on the meta device)."""
+    found: dict[str, SlotTarget] = {}
+    layers = 0
+    for match, module in _layer_linears(model):
+        layers = max(layers, int(match["layer"]) + 1)
+        kind = match["kind"]
+        if kind in kinds:
+            target = SlotTarget(kind, match["block"], module.in_features, module.out_features)
+            if found.setdefault(kind, target) != target:
+                raise SlotError(f"export.lora_targets: {kind} differs between layers ({found[kind]} and {target}); "
+                                "a swappable slot needs one shape for every layer. Leave it out of export.lora_targets.")
+    missing = [k for k in kinds if k not in found]
+    if missing:
+        have = sorted({m["kind"] for m, _ in _layer_linears(model)})
+        raise SlotError(f"export.lora_targets names {', '.join(missing)}, which this model's decoder layers do not "
+                        f"have. Allowed: {', '.join(have)}.")
+    if rank < 1:
+        raise SlotError(f"export.lora_max_rank={rank}: give the largest rank an adapter may have (1 or more).")
+    return SlotGeometry(layers, rank, tuple(found[k] for k in kinds), str(dtype).removeprefix("torch."))
+
+
+class LoraSlots(nn.Module):
+    """The slots' buffers (``lora_slots.<kind>_A`` / ``_B``) and the ``set_adapter`` computation."""
+
+    def __init__(self, geometry: SlotGeometry) -> None:
+        super().__init__()
+        self.geometry = geometry
+        for name, tensor in geometry.zeros().items():
+            self.register_buffer(name.replace(".", "_"), tensor)
+
+    def delta(self, kind: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """``x @ Aᵀ @ (scale·B)ᵀ`` of ``kind`` in ``layer``, for x of any leading shape."""
+        a = getattr(self, f"{kind}_A")[layer].unsqueeze(0)  # select: outside XNNPACK (module docstring)
+        b = getattr(self, f"{kind}_B")[layer].unsqueeze(0)
+        flat = x.reshape(1, -1, x.shape[-1])
+        return torch.bmm(torch.bmm(flat, a), b).reshape(*x.shape[:-1], b.shape[-1])
+
+    def keep_live(self) -> None:
+        """Write part of each slot with its own value. A method that only reads a buffer gets it folded into
+        constants by ExecuTorch's constant propagation (a constant buffer is one its method does not mutate); a
+        buffer a method writes is state, shared by name across methods as the KV cache is. The write is an in-place
+        ``index_put`` of layer 0's slice (the reinplace pass keeps it in place, as for the KV cache; ExecuTorch's
+        in-place kernel takes one index tensor)."""
+        zero = torch.zeros(1, dtype=torch.long)
+        for buffer in self.buffers():
+            buffer.index_put_((zero,), buffer[:1].clone())
+
+    def set_adapter(self, *tensors: torch.Tensor) -> torch.Tensor:
+        """Copy an adapter (tensors in :meth:`SlotGeometry.input_names` order) into the slots; gives the rank."""
+        for name, tensor in zip(self.geometry.input_names(), tensors, strict=True):
+            getattr(self, name.replace(".", "_")).copy_(tensor)
+        return torch.tensor([self.geometry.rank], dtype=torch.int64)
+
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Eagerly, what ``set_adapter`` does in the program."""
+        with torch.no_grad():
+            self.set_adapter(*(tensors[n] for n in self.geometry.input_names()))
+
+
+def _add_delta(slots: LoraSlots, kind: str, layer: int, first: bool, module: nn.Module, args: tuple[Any, ...],
+               out: torch.Tensor) -> torch.Tensor:
+    if first:  # once per call, before any slot is read
+        slots.keep_live()
+    return out + slots.delta(kind, layer, args[0])
+
+
+def attach_slots(model: nn.Module, geometry: SlotGeometry) -> LoraSlots:
+    """Give ``model`` the slots (as ``model.lora_slots``) and make each targeted layer add its slot's product."""
+    slots = LoraSlots(geometry)
+    model.add_module("lora_slots", slots)
+    for target in geometry.targets:
+        for layer in range(geometry.layers):
+            module = model.get_submodule(target.path(layer))
+            first = layer == 0 and target == geometry.targets[0]
+            module.register_forward_hook(functools.partial(_add_delta, slots, target.kind, layer, first))
+    return slots
+
+
+@contextlib.contextmanager
+def capturing_set_adapter(model: nn.Module) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Within this block ``model(*inputs)`` is ``set_adapter``: how the method is captured from the same module, so
+    its buffers have the names the decoder's methods read. Yields example inputs (zeros)."""
+    slots: LoraSlots = model.get_submodule("lora_slots")  # type: ignore[assignment]
+    model.forward = slots.set_adapter  # type: ignore[method-assign]
+    try:
+        yield tuple(slots.geometry.zeros().values())
+    finally:
+        del model.forward
+
+
+def _scale(config: Any, path: str, rank: int) -> float:
+    """PEFT's scaling of one layer: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), alpha per layer by pattern."""
+    from peft.utils.other import get_pattern_key
+
+    alphas = config.alpha_pattern or {}
+    alpha = alphas.get(get_pattern_key(alphas.keys(), path), config.lora_alpha) if alphas else config.lora_alpha
+    return alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+
+
+def pack(name: str, config: Any, modules: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+         geometry: SlotGeometry) -> dict[str, torch.Tensor]:
+    """A PEFT adapter (``modules``: module path -> its (A [r, in], B [out, r])) laid out in ``geometry``'s slots:
+    ``Aᵀ`` and ``(scale·B)ᵀ`` zero-padded to the slots' rank, zeros where it targets nothing. Refuses, naming the
+    adapter and the fix, what does not fit."""
+    tensors = geometry.zeros()
+    by_path = {t.path(layer): (t, layer) for t in geometry.targets for layer in range(geometry.layers)}
+    outside = sorted(p for p in modules if p not in by_path)
+    if outside:
+        kinds = sorted({p.rsplit(".", 1)[-1] for p in outside})
+        raise SlotError(f"adapter {name} targets {', '.join(kinds)} (e.g. {outside[0]}), and the program's slots are "
+                        f"{geometry.describe()}. Export the program again with export.lora_targets including "
+                        f"{', '.join(kinds)}, or train the adapter on those targets only.")
+    for path, (a, b) in modules.items():
+        target, layer = by_path[path]
+        rank = a.shape[0]
+        if rank > geometry.rank:
+            raise SlotError(f"adapter {name} has rank {rank} on {path}, above the program's export.lora_max_rank="
+                            f"{geometry.rank}. Export the program again with export.lora_max_rank={rank} or more, "
+                            f"or train the adapter with r<={geometry.rank}.")
+        if tuple(a.shape) != (rank, target.in_features) or tuple(b.shape) != (target.out_features, rank):
+            raise SlotError(f"adapter {name}: {path} has A {list(a.shape)} and B {list(b.shape)}; the program's layer "
+                            f"is {target.out_features} x {target.in_features}. The adapter was trained for another "
+                            "base model: train it on this program's base.")
+        scaled = b.float() * _scale(config, path, rank)
+        tensors[f"{target.kind}.A"][layer, :, :rank] = a.float().t()
+        tensors[f"{target.kind}.B"][layer, :rank, :] = scaled.t()
+    return tensors
