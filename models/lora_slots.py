@@ -42,7 +42,7 @@ class SlotTarget:
     """One kind of linear layer with a slot in every decoder layer."""
 
     kind: str  # q_proj
-    block: str  # self_attn: its path is model.layers.<layer>.<block>.<kind>
+    block: str  # self_attn: its path is model.layers.<layer>.<block>.<kind> ("" when read from a program)
     in_features: int
     out_features: int
 
@@ -62,6 +62,14 @@ class SlotGeometry:
     def input_names(self) -> list[str]:
         """``set_adapter``'s inputs, in order, as an adapter file names its tensors: ``q_proj.A``, ``q_proj.B``, ..."""
         return [f"{t.kind}.{part}" for t in self.targets for part in ("A", "B")]
+
+    @staticmethod
+    def of_inputs(names: list[str], shapes: list[tuple[int, ...]], dtype: torch.dtype) -> "SlotGeometry":
+        """The slots as a program's ``set_adapter`` takes them (its inputs' names and shapes): what an app knows."""
+        targets = []
+        for a_name, (layers, in_features, rank), (_, _, out_features) in zip(names[::2], shapes[::2], shapes[1::2]):
+            targets.append(SlotTarget(a_name.removesuffix(".A"), "", in_features, out_features))
+        return SlotGeometry(shapes[0][0], shapes[0][2], tuple(targets), str(dtype).removeprefix("torch."))
 
     def input_shapes(self) -> dict[str, tuple[int, int, int]]:
         return {name: shape for t in self.targets for name, shape in (
@@ -206,7 +214,12 @@ def pack(name: str, config: Any, modules: Mapping[str, tuple[torch.Tensor, torch
     ``Aᵀ`` and ``(scale·B)ᵀ`` zero-padded to the slots' rank, zeros where it targets nothing. Refuses, naming the
     adapter and the fix, what does not fit."""
     tensors = geometry.zeros()
-    by_path = {t.path(layer): (t, layer) for t in geometry.targets for layer in range(geometry.layers)}
+    kinds = {t.kind: t for t in geometry.targets}
+    by_path = {}
+    for path in modules:
+        match = LAYER_LINEAR.match(path)
+        if match is not None and match["kind"] in kinds and int(match["layer"]) < geometry.layers:
+            by_path[path] = (kinds[match["kind"]], int(match["layer"]))
     outside = sorted(p for p in modules if p not in by_path)
     if outside:
         kinds = sorted({p.rsplit(".", 1)[-1] for p in outside})

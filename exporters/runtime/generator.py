@@ -22,6 +22,7 @@ from exporters.errors import UserError, check_choice
 from exporters.manifest import program_in
 from exporters.program.weights import data_files_beside
 from exporters.runtime.programs import LoadedProgram
+from exporters.runtime.swap import Slots, is_swappable
 from exporters.runtime.sampling import SamplingConfig, distribution, sample  # noqa: F401 (re-exported)
 from exporters.runtime.speculative import (SPECULATIVE, DraftLength, DraftProposer, LookupProposer, Proposer,
                                            SpeculationStats, StopReason, continue_text)
@@ -111,11 +112,13 @@ class Generator:
     """A loaded program plus its metadata; ``generate`` may be called repeatedly (the cache is rewritten)."""
 
     def __init__(self, pte: str | Path, tokenizer: str | None = None, adapter: str | None = None) -> None:
-        """``adapter``: generate with that LoRA adapter's methods (``model.adapters`` at export); None: the base."""
+        """``adapter``: generate with that LoRA adapter (``model.adapters`` at export: its methods; of a swappable
+        program, also any ``.ptd`` or PEFT folder that fits, set with ``set_adapter``); None: the base."""
         start = time.perf_counter()
         self.pte = resolve_program(pte)
         # The base's data file and this adapter's only (export.weights=external), as an app loads them.
         self.program = LoadedProgram(self.pte, data_files_beside(self.pte, [adapter] if adapter else []))
+        self.slots = Slots(self.program, self.pte.parent) if is_swappable(self.program) else None
         self.tokenizer = tokenizer_for(self.pte, tokenizer)
         names = self.program.method_names
         self.max_context_len = program_context_len(self.program)
@@ -124,10 +127,12 @@ class Generator:
         self.bos_id = self.program.constant("get_bos_id") if "get_bos_id" in names else None
         eos = self.program.constant("get_eos_ids") if "get_eos_ids" in names else []
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-        self.driver = Driver.of(self.program, adapter)
+        self.driver = Driver.of(self.program, adapter if self.slots is None else None)
         self._draft: Driver | None = None  # the draft model's methods, loaded when speculation first uses them
         # Loaded now (XNNPACK packs each method's weights at load), so the rates measure running alone.
         self.driver.load()
+        if self.slots is not None and adapter is not None:
+            self.slots.set(adapter)
         self.load_seconds = time.perf_counter() - start
 
     def encode(self, prompt: str) -> list[int]:

@@ -143,6 +143,18 @@ class LoadedProgram:
         meta = self._program.metadata(method)
         return meta.num_inputs() > 1 and int(meta.input_tensor_meta(1).sizes()[0]) > 1
 
+    def inputs_of(self, method: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Each input's shape and dtype, from the program's method metadata, without loading the method."""
+        from executorch.exir.scalar_type import ScalarType
+
+        dtypes = {"FLOAT": torch.float32, "HALF": torch.float16, "BFLOAT16": torch.bfloat16, "LONG": torch.int64}
+        meta = self._program.metadata(method)
+        found = []
+        for i in range(meta.num_inputs()):
+            tensor = meta.input_tensor_meta(i)
+            found.append((tuple(int(d) for d in tensor.sizes()), dtypes[ScalarType(int(tensor.dtype())).name]))
+        return found
+
     def constant(self, method: str) -> Any:
         """Value of a constant method (a list for list-valued ones such as ``get_eos_ids``)."""
         values = [v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in self.run(method)]
