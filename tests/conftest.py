@@ -182,6 +182,17 @@ def lora_adapters(smollm2_truncated: Path, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.fixture(scope="session")
+def tiny_adapters(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny model's adapters (tests/peft_adapters.py TINY_RECIPES), trained once for every worker, so the
+    programs that name them are one export each."""
+    from tests.peft_adapters import TINY_RECIPES, train_adapter
+
+    folders = shared_folder(tmp_path_factory, "tiny_adapters", lambda f: [
+        train_adapter(tiny_checkpoint, f / name, recipe) for name, recipe in TINY_RECIPES.items()])
+    return {name: folders / name for name in TINY_RECIPES}
+
+
+@pytest.fixture(scope="session")
 def real_exported(smollm2_truncated: Path, exported: Callable[..., ExportResult]) -> Callable[..., ExportResult]:
     """``real_exported("quant=8da4w")``: an export of the truncated real model, once per distinct program.
 

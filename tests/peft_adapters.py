@@ -57,6 +57,9 @@ class AdapterRecipe:
     extra: dict = field(default_factory=dict)  # any other LoraConfig field (rank_pattern, use_dora, ...)
 
 
+OTHER_TEXT = ("People who build apps for phones want a language model that answers quickly, fits in memory and "
+              "still writes sensible sentences.")
+
 RECIPES: dict[str, AdapterRecipe] = {
     # Attention only, PEFT's default scale alpha / r.
     "pirate": AdapterRecipe(PIRATE_TEXT, ("q_proj", "v_proj")),
@@ -69,6 +72,13 @@ RECIPES: dict[str, AdapterRecipe] = {
     "legal": AdapterRecipe(LEGAL_TEXT, ("q_proj", "k_proj", "v_proj", "o_proj"), r=8, lora_alpha=16, seed=3, lr=3e-4,
                            extra={"rank_pattern": {"o_proj": 4}, "alpha_pattern": {"v_proj": 32}}),
 }
+
+
+# Adapters of the tiny model (seconds to train): pirate on attention and MLP, minutes on attention, and pirate
+# retrained on other text (the same name, ranks and targets).
+TINY_RECIPES = {"pirate": AdapterRecipe(PIRATE_TEXT, ("q_proj", "v_proj", "down_proj"), steps=4),
+                "minutes": AdapterRecipe(MINUTES_TEXT, ("q_proj", "v_proj"), steps=4, seed=1),
+                "retrained": AdapterRecipe(OTHER_TEXT, ("q_proj", "v_proj", "down_proj"), steps=4, seed=5)}
 
 
 def train_adapter(base: Path, out: Path, recipe: AdapterRecipe) -> Path:

@@ -28,12 +28,9 @@ from exporters.stages import capture
 from models.decoder import CausalLM
 from models.lora import active_adapter, attach_adapters, read_adapter
 from models.tokenizer import load_tokenizer
-from tests.conftest import shared_folder
 from tests.helpers import compose_config
-from tests.peft_adapters import RECIPES, AdapterRecipe, train_adapter
+from tests.peft_adapters import OTHER_TEXT, RECIPES, AdapterRecipe, train_adapter
 
-OTHER_TEXT = ("People who build apps for phones want a language model that answers quickly, fits in memory and "
-              "still writes sensible sentences.")
 PROMPT = "The ship sails at"
 
 
@@ -147,21 +144,6 @@ def test_adapter_methods_that_ignore_the_adapter_fail_validation(tiny_checkpoint
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["status"] == "failed validation" and manifest["validation"]["passed"]
     assert not manifest["adapters"]["pirate"]["validation"]["passed"]
-
-
-RECIPES_OF_TINY = {"pirate": AdapterRecipe(RECIPES["pirate"].text, ("q_proj", "v_proj", "down_proj"), steps=4),
-                   "minutes": AdapterRecipe(RECIPES["minutes"].text, ("q_proj", "v_proj"), steps=4, seed=1),
-                   "retrained": AdapterRecipe(OTHER_TEXT, ("q_proj", "v_proj", "down_proj"), steps=4, seed=5)}
-
-
-@pytest.fixture(scope="session")
-def tiny_adapters(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Adapters of the tiny model (seconds to train): pirate on attention and MLP, minutes on attention, and
-    pirate retrained on other text (the same name, ranks and targets). Made once for every worker, so the programs
-    that name them are one export each."""
-    folders = shared_folder(tmp_path_factory, "tiny_adapters", lambda f: [
-        train_adapter(tiny_checkpoint, f / name, recipe) for name, recipe in RECIPES_OF_TINY.items()])
-    return {name: folders / name for name in RECIPES_OF_TINY}
 
 
 def tiny_exported(exported, tiny_adapters: dict[str, Path], *overrides: str, pirate: str = "pirate",  # type: ignore[no-untyped-def]
