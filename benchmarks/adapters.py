@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -46,6 +48,8 @@ from exporters.runtime.memory import memory_after_load_mb
 from exporters.runtime.programs import LoadedProgram
 from exporters.runtime.quality import Agreement, negative_log_likelihood, perplexity, read_text
 from exporters.runtime.speed import measure_speeds
+from exporters.runtime.swap import Slots, is_swappable
+from models.lora_slots import SET_ADAPTER
 from tests.peft_adapters import RECIPES, train_adapter
 
 # The check against PEFT: this many tokens of the validation text, the first CHECK_PROMPT through the prompt
@@ -79,8 +83,47 @@ HELD_OUT = {
               "notice. Section 8. Notices shall be delivered by post to the addresses given above. Section 9. This "
               "lease is the whole agreement of the parties."),
 }
-# A program to measure: its .pte, the base's prompt and step methods, each adapter's.
+# A program to measure: its .pte, the base's prompt and step methods, each adapter's (a swappable program's: the
+# base's, each adapter set with set_adapter first).
 Program = tuple[Path, list[str], dict[str, list[str]]]
+# Every kind of linear layer of a decoder layer, and a rank above every test adapter's: the slots a release ships
+# before any adapter exists (export.adapters=swappable with no model.adapters).
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SLOTS_RANK = 16
+
+
+class Swapped:
+    """A swappable program's driver computing with one adapter: it sets it (``set_adapter``) before each prompt when
+    another one is set, as an app switching between adapters does; the swap's time is the prompt's."""
+
+    def __init__(self, driver: Driver, slots: Slots, adapter: str | None) -> None:
+        self.driver, self.slots, self.adapter = driver, slots, adapter
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.driver, name)
+
+    def prefill(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        if self.slots.current != self.adapter:
+            self.slots.set(self.adapter)
+        return self.driver.prefill(tokens, start)
+
+
+def swap_times(slots: Slots, names: list[str], repeats: int = 20) -> dict[str, float]:
+    """Median ms of a swap between adapters: the set_adapter call alone, and with reading the adapter's file."""
+    from exporters.internals import read_tensor_file
+
+    calls, reads = [], []
+    for i in range(repeats):
+        name = names[i % len(names)]
+        start = time.perf_counter()
+        tensors = read_tensor_file(slots.run / "adapters" / f"{name}.ptd")
+        reads.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        slots.program.run(SET_ADAPTER, *(tensors[n] for n in slots.geometry.input_names()))
+        calls.append(time.perf_counter() - start)
+    slots.current = names[(repeats - 1) % len(names)]
+    return {"set_adapter_ms": round(statistics.median(calls) * 1e3, 3),
+            "read_file_ms": round(statistics.median(reads) * 1e3, 1)}
 
 
 def measured_export(cmd: list[str], log: Path) -> dict:
@@ -208,20 +251,25 @@ def measure(programs: dict[str, Program], reference: dict[str, dict[str, torch.T
     results, drivers = {}, {}
     for exporter, (pte, base, adapters) in programs.items():
         names = list(adapters)
+        program = LoadedProgram(pte)
+        slots = Slots(program, pte.parent) if is_swappable(program) else None
         loads = {"base": (base, [])}
-        if names:
+        if names and slots is None:  # a swappable program's adapters are its base's methods: nothing more to load
             loads["base + 1 adapter"] = (base + adapters[names[0]], names[:1])
-        if len(names) > 1:
+        if len(names) > 1 and slots is None:
             loads["base + 2 adapters"] = (base + adapters[names[0]] + adapters[names[1]], names[:2])
         # RSS counts a data file's pages once per method mapping them, PSS once (export.weights=external).
         memory = {label: memory_after_load_mb(pte, methods, adapters=used) for label, (methods, used) in loads.items()}
         rss, pss = ({label: m[i] for label, m in memory.items()} for i in (0, 1))
-        program = LoadedProgram(pte)
-        mine = {label: Driver.of(program, adapter) for label, adapter in [("base", None), *[(n, n) for n in names]]}
-        checked = {label: scores(d, texts, reference[label]) for label, d in mine.items()}
+        labels = [("base", None), *[(n, n) for n in names]]
+        mine = ({label: Driver.of(program, adapter) for label, adapter in labels} if slots is None else
+                {label: Swapped(Driver.of(program), slots, adapter) for label, adapter in labels})
+        checked = {label: scores(d, texts, reference[label]) for label, d in mine.items()}  # type: ignore[arg-type]
         results[exporter] = {"rss_after_load_mb": rss, "pss_after_load_mb": pss, "speed": {},
                              "vs_peft": {label: c["vs_peft"] for label, c in checked.items()},
                              "held_out_ppl": {label: c["held_out_ppl"] for label, c in checked.items()}}
+        if slots is not None and names:
+            results[exporter]["swap"] = swap_times(slots, names)
         drivers.update({(exporter, label): d for label, d in mine.items()})
     speeds = measure_speeds({f"{e}: {label}": d for (e, label), d in drivers.items()}, prompt, steps, repeats, vocab)
     for (exporter, label), s in zip(drivers, speeds.values()):
@@ -261,17 +309,26 @@ def held_out_table(report: dict) -> list[str]:
     PEFT's eager fp32 on the same tokens."""
     lines = ["## Perplexity on held-out text (program / PEFT fp32)", "",
              "| exporter | methods | " + " | ".join(HELD_OUT) + " |", "|---|---|" + "---|" * len(HELD_OUT)]
-    for exporter in ("llm-exporters", "export_llm"):
-        if exporter not in report:
-            continue
+    for exporter in (k for k in report if k.startswith(("llm-exporters", "export_llm")) and isinstance(report[k], list)):
         for label, found in report[exporter][-1]["held_out_ppl"].items():
             lines.append(f"| {exporter} | {label} | " + " | ".join(
                 f"{found[t]['program']:.2f} / {found[t]['peft']:.2f}" for t in HELD_OUT) + " |")
     return lines
 
 
+def modes_md(report: dict) -> list[str]:
+    """Our rows, one table per export.adapters mode, each with its time to swap (swappable)."""
+    lines: list[str] = []
+    for label in (k for k in report if k.startswith("llm-exporters")):
+        lines += [*table(report[label], f"**{label}**"), ""]
+        swaps = [f"{len(r['adapters'])} adapters: set_adapter {r['swap']['set_adapter_ms']} ms, reading the file "
+                 f"{r['swap']['read_file_ms']} ms" for r in report[label] if "swap" in r]
+        lines += ["Time to swap (median of 20): " + "; ".join(swaps), ""] if swaps else []
+    return lines
+
+
 def report_md(report: dict, preset: str, quant: str) -> str:
-    lines = table(report["llm-exporters"], f"# LoRA adapters in one program: {preset}, {quant}")
+    lines = [f"# LoRA adapters in one program: {preset}, {quant}", "", *modes_md(report)]
     if "export_llm" in report:
         lines += ["", *table(report["export_llm"], f"## The same with ExecuTorch's export_llm (multimethod LoRA), "
                                                      f"{quant}"), "", EXPORT_LLM_ADAPTERS]
@@ -288,7 +345,8 @@ def export_ours(overrides: list[str], adapters: dict[str, Path], run_dir: Path) 
     # With export.weights=external: the program and the base's data file, and each adapter's file apart.
     size = m.program.size_bytes + (m.data.size_bytes if m.data else 0)
     row = {"adapters": list(adapters), "size_mb": round(size / 1e6, 2), "wall_s": done["wall_s"],
-           "adapter_files_mb": {k: round(a.data.size_bytes / 1e6, 3) for k, a in m.adapters.items() if a.data},
+           "adapter_files_mb": {k: round(a.data.size_bytes / 1e6, 3) for k, a in m.adapters.items() if a.data} or (
+               {k: round(f.size_bytes / 1e6, 3) for k, f in m.swappable.adapters.items()} if m.swappable else {}),
            "peak_rss_mb": done["peak_rss_mb"],
            "validation": {k: {"kl_mean": v.kl_mean, "top1": v.top1_agreement, "perplexity": v.perplexity,
                               "passed": v.passed} for k, v in reports.items() if v is not None}}
@@ -316,6 +374,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--ours-overrides", nargs="*", default=[],
                         help="more overrides for our exporter, e.g. export.weights=external (each adapter's own .ptd)")
+    parser.add_argument("--modes", default="methods", help="export.adapters modes to export, comma-separated: "
+                        "methods (each adapter's own methods), swappable (slots set at run time)")
     parser.add_argument("--export-llm", action="store_true",
                         help="also export and measure the same with ExecuTorch's export_llm (multimethod LoRA)")
     args = parser.parse_args()
@@ -336,7 +396,9 @@ def main() -> None:
                  f"export.max_seq_len={args.max_seq_len}", "bench=false", *args.ours_overrides]
     texts = check_texts(checkpoint)
     reference = peft_logits(checkpoint, adapters, texts)
-    rows: dict[str, list[dict]] = {"llm-exporters": []}
+    modes = args.modes.split(",")
+    labels = {mode: "llm-exporters" if mode == "methods" else f"llm-exporters ({mode})" for mode in modes}
+    rows: dict[str, list[dict]] = {label: [] for label in labels.values()}
     if args.export_llm:
         root = out / "export_llm"
         root.mkdir(parents=True, exist_ok=True)
@@ -346,7 +408,13 @@ def main() -> None:
         converted = {n: export_llm_adapter(folder, preset, root / "adapters" / n) for n, folder in adapters.items()}
         rows["export_llm"] = []
     for n in counts:
-        found = {"llm-exporters": export_ours(overrides, {k: adapters[k] for k in names[:n]}, out / f"adapters_{n}")}
+        found = {}
+        for mode, label in labels.items():
+            slots = [] if mode == "methods" else [f"export.adapters={mode}", *(
+                [f"export.lora_max_rank={SLOTS_RANK}", f"export.lora_targets=[{','.join(ALL_TARGETS)}]"] if n == 0
+                else [])]
+            found[label] = export_ours([*overrides, *slots], {k: adapters[k] for k in names[:n]},
+                                       out / f"{mode}_{n}")
         if args.export_llm:
             found["export_llm"] = export_theirs(llm_overrides, {k: converted[k] for k in names[:n]},
                                                 root / f"adapters_{n}")

@@ -12,7 +12,7 @@ A generated region in a Markdown file looks like this (the JSON path is relative
 Each renderer takes one tool's JSON: ``suite`` the test suite's durations (``pytest --durations-file PATH``),
 ``export`` a ``benchmarks.export`` report (``report.json``), ``speculative`` a ``benchmarks.speculative`` or
 ``benchmarks.llama_cpp`` report, ``memory`` a ``benchmarks.memory_estimate`` report, ``hybrid`` the rows
-``benchmarks.hybrid --results`` keeps. Keep the JSON files in
+``benchmarks.hybrid --results`` keeps, ``adapters`` a ``benchmarks.adapters`` report. Keep the JSON files in
 ``docs/results/``: they are the measurement, the table is a view of it. A new table is a renderer in
 :data:`RENDERERS` and a region in a doc.
 """
@@ -109,9 +109,16 @@ def render_hybrid(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_adapters(data: dict[str, Any]) -> str:
+    """A ``benchmarks.adapters`` report: each export.adapters mode's rows and its time to swap."""
+    from benchmarks.adapters import modes_md
+
+    return "\n".join(modes_md(data)).rstrip("\n") + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"suite": render_suite, "export": render_export,
                                                           "speculative": render_speculative, "memory": render_memory,
-                                                          "hybrid": render_hybrid}
+                                                          "hybrid": render_hybrid, "adapters": render_adapters}
 
 
 def regenerate(text: str, root: Path = ROOT) -> tuple[str, list[str]]:

@@ -75,10 +75,16 @@ def log_export_summary(result: Any) -> None:
         f"{validation.quality()} on {validation.scored_tokens} tokens of {validation.text}")
     runners = "; ".join(f"{release} {o.result.upper() if o.result != 'correct' else o.result}"
                         for release, o in m.layout.stock_runners.items())
+    swap = m.swappable
     adapters = "".join(
-        f"\n  adapter {name}: {', '.join(a.methods.values())}; {_verdict(a.validation)}"
+        (f"\n  adapter {name}: {swap.adapters[name].file} ({swap.adapters[name].size_bytes / 1e6:.2f} MB), set with "
+         f"{swap.method}; " if swap is not None and name in swap.adapters else
+         f"\n  adapter {name}: {', '.join(a.methods.values())}; ") + _verdict(a.validation)
         + ("" if a.data is None else f"; its weights in {a.data.file} ({a.data.size_bytes / 1e6:.2f} MB)")
         for name, a in m.adapters.items())
+    slots = "" if swap is None else (
+        f"; {swap.method}: LoRA slots of rank {swap.slots['rank']} on "
+        f"{', '.join(t['kind'] for t in swap.slots['targets'])}, any PEFT adapter that fits (docs/adapters.md)")
     others = "".join(
         f"\n  {name}: {', '.join(c.methods)}; {c.family or 'unknown'} family, {(c.parameters or 0) / 1e6:.1f}M "
         f"parameters, {c.quantization.describe() if c.quantization else 'not quantized'}; {_verdict(c.validation)}"
@@ -93,7 +99,7 @@ def log_export_summary(result: Any) -> None:
         "  ExecuTorch stock runners: %s\n  validation: %s\n  quality: %s%s\n  export: %s%s\n"
         "  manifest: %s",
         result.pte_path, m.program.size_bytes / 1e6, data, m.program.sha256[:16],
-        ", ".join(m.layout.methods),  # the base's; each adapter's are on its own line
+        ", ".join(m.layout.methods) + slots,  # the base's; each adapter's are on its own line
         m.layout.name, m.kv_cache.describe() if m.kv_cache else "not recorded", ", ".join(m.constant_methods), runners, verdict, quality,
         speculative + others + adapters,
         m.resources.describe(),

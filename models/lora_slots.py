@@ -175,6 +175,13 @@ def _add_delta(slots: LoraSlots, kind: str, layer: int, first: bool, module: nn.
     return out + slots.delta(kind, layer, args[0])
 
 
+class SlottedLinear(nn.Linear):
+    """A linear layer whose forward hook adds its LoRA slot's product: a type of its own, because XNNPACK's
+    ``ConvertToLinearPass`` gathers every op traced inside an ``nn.Linear`` call as that layer's and expects one
+    output, and the hook's matmuls are traced inside the call. Everything else (torchao's quantization, PEFT)
+    sees the ``nn.Linear`` it is."""
+
+
 def attach_slots(model: nn.Module, geometry: SlotGeometry) -> LoraSlots:
     """Give ``model`` the slots (as ``model.lora_slots``) and make each targeted layer add its slot's product."""
     slots = LoraSlots(geometry)
@@ -182,6 +189,8 @@ def attach_slots(model: nn.Module, geometry: SlotGeometry) -> LoraSlots:
     for target in geometry.targets:
         for layer in range(geometry.layers):
             module = model.get_submodule(target.path(layer))
+            if type(module) is nn.Linear:  # a PEFT layer wrapping it is a type of its own already
+                module.__class__ = SlottedLinear
             first = layer == 0 and target == geometry.targets[0]
             module.register_forward_hook(functools.partial(_add_delta, slots, target.kind, layer, first))
     return slots

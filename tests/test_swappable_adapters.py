@@ -76,8 +76,10 @@ def test_an_adapter_that_does_not_fit_the_slots_is_named(smollm2_truncated: Path
 # ---- Programs: one set of the base's methods, the adapter an app sets ----
 
 def swappable(exported, tiny_checkpoint: Path, tiny_adapters, *overrides: str):  # type: ignore[no-untyped-def]
-    """The tiny model with slots sized by pirate (q, v, down; r 8) and minutes (q, v): ``quant=fp32`` unless given."""
+    """The tiny model with slots of pirate's rank (8) on q, k, v and down: pirate (q, v, down) and minutes (q, v) are
+    given, k's slots are for adapters to come (a layer no given adapter wraps); ``quant=fp32`` unless given."""
     return exported("model=llama", f"model.checkpoint={tiny_checkpoint}", "export.adapters=swappable",
+                    "export.lora_targets=[q_proj,k_proj,v_proj,down_proj]",
                     f"+model.adapters={{pirate: {tiny_adapters['pirate']}, minutes: {tiny_adapters['minutes']}}}",
                     *(overrides or ("quant=fp32",)))
 
@@ -109,10 +111,10 @@ def test_one_set_of_methods_computes_with_the_adapter_the_app_sets(exported, tin
     m, run = result.manifest, result.pte_path.parent
     assert m.passed and m.swappable is not None and m.swappable.method == SET_ADAPTER
     assert m.swappable.slots["rank"] == 8 and [t["kind"] for t in m.swappable.slots["targets"]] == [
-        "down_proj", "q_proj", "v_proj"]
-    assert [s.name for s in m.swappable.inputs] == ["down_proj.A", "down_proj.B", "q_proj.A", "q_proj.B", "v_proj.A",
-                                                    "v_proj.B"]
-    assert m.swappable.inputs[0].shape == [2, 192, 8] and m.swappable.inputs[1].shape == [2, 8, 64]
+        "q_proj", "k_proj", "v_proj", "down_proj"]
+    assert [s.name for s in m.swappable.inputs] == ["q_proj.A", "q_proj.B", "k_proj.A", "k_proj.B", "v_proj.A",
+                                                    "v_proj.B", "down_proj.A", "down_proj.B"]
+    assert m.swappable.inputs[6].shape == [2, 192, 8] and m.swappable.inputs[7].shape == [2, 8, 64]
     program = LoadedProgram(result.pte_path)
     assert not [n for n in program.method_names if n.startswith(("pirate_", "minutes_"))], "no methods per adapter"
     for name in ("pirate", "minutes"):
@@ -138,13 +140,14 @@ def test_one_set_of_methods_computes_with_the_adapter_the_app_sets(exported, tin
 
 def test_an_adapter_trained_after_the_export_loads_and_matches_peft(exported, tiny_checkpoint: Path, tiny_adapters,  # type: ignore[no-untyped-def]
                                                                     tmp_path: Path) -> None:
-    """PEFT trains an adapter the export never saw (attention only, rank 4 under the slots' 8, rsLoRA); the adapter
-    command writes it for the program; generate's greedy tokens are transformers + PEFT's."""
+    """PEFT trains an adapter the export never saw (on q and k, whose slots no given adapter used; rank 4 under the
+    slots' 8, rsLoRA); the adapter command writes it for the program; generate's greedy tokens are transformers +
+    PEFT's."""
     from exporters.adapter import main as adapter_main
 
     result = swappable(exported, tiny_checkpoint, tiny_adapters)
     later = train_adapter(tiny_checkpoint, tmp_path / "later", AdapterRecipe(
-        RECIPES["legal"].text, ("q_proj", "v_proj"), r=4, lora_alpha=8, use_rslora=True, steps=4, seed=7))
+        RECIPES["legal"].text, ("q_proj", "k_proj"), r=4, lora_alpha=8, use_rslora=True, steps=4, seed=7))
     out = tmp_path / "later.ptd"
     assert adapter_main([str(result.pte_path.parent), str(later), f"out={out}"]) == 0 and out.is_file()
     from peft import PeftModel
@@ -185,8 +188,8 @@ def test_a_bad_adapter_is_refused_and_the_program_keeps_the_one_it_had(exported,
         str(train_adapter(family_checkpoint("qwen3"), tmp_path / "qwen3", AdapterRecipe(text, ("v_proj",), steps=1))):
             r"v_proj has A \[8, 64\] and B \[16, 8\]; the program's layer is 32 x 64. The adapter was trained for "
             r"another base model",
-        str(tmp_path / "half.ptd"): r"down_proj.A is float16 \[2, 192, 8\], and this program's set_adapter takes "
-                                    r"float32 \[2, 192, 8\]",
+        str(tmp_path / "half.ptd"): r"q_proj.A is float16 \[2, 64, 8\], and this program's set_adapter takes "
+                                    r"float32 \[2, 64, 8\]",
         str(tmp_path / "cut.ptd"): r"cut.ptd is not a whole ExecuTorch data file \(.ptd\): .* it was cut short",
         "legal": r"adapter=legal is neither an adapter of this program nor a .ptd file nor a PEFT folder. The "
                  r"program's own adapters: minutes, pirate",

@@ -173,8 +173,50 @@ KV cache: {kv.describe()}. Feed a prompt in calls of at most `get_max_seq_len` =
 """
 
 
+def _swappable_text(m: Manifest) -> str:
+    """How an app sets a LoRA adapter in a swappable program: set_adapter's inputs, the files, each one's quality."""
+    s = m.swappable
+    assert s is not None
+    slots = s.slots
+    targets = ", ".join(f"`{t['kind']}` ({t['out_features']} x {t['in_features']})" for t in slots["targets"])
+    inputs = "\n".join(f"| {i} | `{spec.name}` | {spec.dtype} {spec.shape} |" for i, spec in enumerate(s.inputs))
+    rows = "\n".join(f"| `{name}` | `{s.adapters[name].file}` ({s.adapters[name].size_bytes / 1e6:.2f} MB) | "
+                     f"r={'/'.join(map(str, a.rank))}, alpha {a.lora_alpha}{', rsLoRA' if a.use_rslora else ''}, "
+                     f"{a.layers} layers ({', '.join(a.targets)}) | "
+                     + (a.validation.quality() if a.validation else "not validated") + " |"
+                     for name, a in m.adapters.items() if name in s.adapters)
+    given = (f"""Adapters exported with it, each validated in the runtime against PEFT:
+
+| adapter | file | what it changes | quality |
+|---|---|---|---|
+{rows}
+
+""" if rows else "")
+    return f"""## LoRA adapters, swapped at run time
+
+The base model's methods read LoRA slots of rank {slots['rank']} on {targets} in each of its {slots['layers']} layers
+({slots['dtype']}). The method `{s.method}` writes them, and every method computes with what it wrote, until the
+next call of `{s.method}`: any PEFT LoRA adapter whose targets are among those and whose rank is at most
+{slots['rank']} is data for this program, including one trained after it. `{s.method}` takes, in this order (the
+constant method `get_lora_inputs` lists the names), `Aᵀ` and `(scale·B)ᵀ` of every layer, zero past an adapter's
+rank and where it changes nothing:
+
+| input | name | dtype, shape |
+|---|---|---|
+{inputs}
+
+{s.how}
+
+{given}`python -m exporters.adapter <this folder> <PEFT folder> out=<file.ptd>` turns another adapter into such a file,
+checked against these shapes; `python -m exporters.generate <this folder> prompt="..." adapter=<name or file>` runs it.
+
+"""
+
+
 def _adapters_text(m: Manifest) -> str:
     """How an app switches LoRA adapters: each one's methods, and its quality."""
+    if m.swappable is not None:
+        return _swappable_text(m)
     if not m.adapters:
         return ""
     rows = "\n".join(f"| `{name}` | " + ", ".join(f"`{n}`" for n in a.methods.values()) + f" | r={'/'.join(map(str, a.rank))}, "
@@ -271,11 +313,14 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     if bundle.exists():
         shutil.rmtree(bundle)
     bundle.mkdir(parents=True)
-    for file in (pte.name, *(p.name for p in data), *BUNDLED):
+    swapped = [entry.file for entry in m.swappable.adapters.values()] if m.swappable else []
+    for file in (pte.name, *(p.name for p in data), *BUNDLED, *swapped):
         if (run_dir / file).is_file():
+            (bundle / file).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(run_dir / file, bundle / file)
     (bundle / "README.md").write_text(_readme(name, m))
-    files = {p.name: {"sha256": sha256_of(p), "size_bytes": p.stat().st_size} for p in sorted(bundle.iterdir())}
+    files = {str(p.relative_to(bundle)): {"sha256": sha256_of(p), "size_bytes": p.stat().st_size}
+             for p in sorted(bundle.rglob("*")) if p.is_file()}
     if files[pte.name]["sha256"] != m.program.sha256:
         raise UserError(f"{pte} no longer matches the sha256 its manifest recorded.")
     full = m.to_dict()
@@ -285,7 +330,8 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
         "quant": full["quantization"], "backend": cfg["backend"]["name"],
         "methods": full["methods"], "layout": full["layout"], "constant_methods": m.constant_methods,
         "validation": {k: v for k, v in (full["validation"] or {}).items() if k != "per_window"},
-        "data": full["data"], "adapters": full["adapters"], "runtime": full["runtime"], "bench": full["bench"],
+        "data": full["data"], "adapters": full["adapters"], "swappable": full.get("swappable"),
+        "runtime": full["runtime"], "bench": full["bench"],
         "versions": m.versions, "config": cfg, "files": files,
         **({"vision": full["components"]["vision"]["vision"]} if "vision" in full["components"] else {}),
     }
@@ -298,8 +344,8 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
 def _deterministic_tar_gz(folder: Path) -> bytes:
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(folder.iterdir()):
-            info = tar.gettarinfo(str(path), arcname=f"{folder.name}/{path.name}")
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):  # adapters/<name>.ptd too
+            info = tar.gettarinfo(str(path), arcname=f"{folder.name}/{path.relative_to(folder)}")
             info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
             with open(path, "rb") as fh:
                 tar.addfile(info, fh)
@@ -328,6 +374,7 @@ def verify_bundle(path: Path) -> list[str]:
             problems.append(f"missing: {name}")
         elif (actual := sha256_of(f)) != expected["sha256"]:
             problems.append(f"changed: {name} (sha256 {actual[:16]}..., manifest says {expected['sha256'][:16]}...)")
-    extra = sorted(p.name for p in path.iterdir() if p.name not in files and p.name != MANIFEST_FILE)
+    extra = sorted(n for p in path.rglob("*") if p.is_file() and (n := str(p.relative_to(path))) not in files
+                   and n != MANIFEST_FILE)
     problems += [f"not in the manifest: {name}" for name in extra]
     return problems
