@@ -166,7 +166,8 @@ def check_adapter_folders(adapters: dict[str, str]) -> None:
             _read_weights(name, path)  # raises, saying what is there instead
 
 
-def _by_module(name: str, folder: Path, weights: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _by_module(name: str, folder: Path,
+               weights: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """PEFT's saved keys -> module path: (A [r, in], B [out, r]); refuses anything else a folder may hold."""
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in weights.items():
@@ -180,7 +181,8 @@ def _by_module(name: str, folder: Path, weights: dict[str, torch.Tensor]) -> dic
         raise _fail(name, folder, f"{WEIGHTS_FILE} holds no LoRA weights", "Save the adapter again.")
     for path, parts in found.items():
         if set(parts) != {"A", "B"}:
-            raise _fail(name, folder, f"{path} has lora_{''.join(parts)} but not both A and B", "Save the adapter again.")
+            raise _fail(name, folder, f"{path} has lora_{''.join(parts)} but not both A and B",
+                        "Save the adapter again.")
     return {path: (parts["A"], parts["B"]) for path, parts in found.items()}
 
 

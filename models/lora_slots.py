@@ -67,14 +67,16 @@ class SlotGeometry:
     def of_inputs(names: list[str], shapes: list[tuple[int, ...]], dtype: torch.dtype) -> "SlotGeometry":
         """The slots as a program's ``set_adapter`` takes them (its inputs' names and shapes): what an app knows."""
         targets = []
-        for a_name, (layers, in_features, rank), (_, _, out_features) in zip(names[::2], shapes[::2], shapes[1::2]):
-            targets.append(SlotTarget(a_name.removesuffix(".A"), "", in_features, out_features))
-        return SlotGeometry(shapes[0][0], shapes[0][2], tuple(targets), str(dtype).removeprefix("torch."))
+        for a_name, a_shape, b_shape in zip(names[::2], shapes[::2], shapes[1::2]):
+            targets.append(SlotTarget(a_name.removesuffix(".A"), "", a_shape[-2], b_shape[-1]))
+        return SlotGeometry(shapes[0][0], shapes[0][-1], tuple(targets), str(dtype).removeprefix("torch."))
 
-    def input_shapes(self) -> dict[str, tuple[int, int, int]]:
+    def input_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each input's shape: ``[layers, 1, in, rank]`` and ``[layers, 1, rank, out]`` (the 1: a layer's slice is the
+        batch of one that ``bmm`` takes, with no reshape between the slot and the matmul)."""
         return {name: shape for t in self.targets for name, shape in (
-            (f"{t.kind}.A", (self.layers, t.in_features, self.rank)),
-            (f"{t.kind}.B", (self.layers, self.rank, t.out_features)))}
+            (f"{t.kind}.A", (self.layers, 1, t.in_features, self.rank)),
+            (f"{t.kind}.B", (self.layers, 1, self.rank, t.out_features)))}
 
     def zeros(self) -> dict[str, torch.Tensor]:
         """The base model's adapter: every slot zero."""
@@ -140,11 +142,13 @@ class LoraSlots(nn.Module):
             self.register_buffer(name.replace(".", "_"), tensor)
 
     def delta(self, kind: str, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """``x @ Aᵀ @ (scale·B)ᵀ`` of ``kind`` in ``layer``, for x of any leading shape."""
-        a = getattr(self, f"{kind}_A")[layer].unsqueeze(0)  # select: outside XNNPACK (module docstring)
-        b = getattr(self, f"{kind}_B")[layer].unsqueeze(0)
-        flat = x.reshape(1, -1, x.shape[-1])
-        return torch.bmm(torch.bmm(flat, a), b).reshape(*x.shape[:-1], b.shape[-1])
+        """``x @ Aᵀ @ (scale·B)ᵀ`` of ``kind`` in ``layer``, x ``[1, T, in]`` as the decoder's layers take it. The
+        slices are read with ``select`` (outside XNNPACK: module docstring) and nothing else runs between them and the
+        delegated matmuls: a reshape of x at a dynamic length would be computed outside the delegate and cut the
+        layer's partition in pieces."""
+        a = getattr(self, f"{kind}_A")[layer]
+        b = getattr(self, f"{kind}_B")[layer]
+        return torch.bmm(torch.bmm(x, a), b)
 
     def keep_live(self) -> None:
         """Write part of each slot with its own value. A method that only reads a buffer gets it folded into
@@ -168,11 +172,13 @@ class LoraSlots(nn.Module):
             self.set_adapter(*(tensors[n] for n in self.geometry.input_names()))
 
 
-def _add_delta(slots: LoraSlots, kind: str, layer: int, first: bool, module: nn.Module, args: tuple[Any, ...],
+def _add_delta(slots: LoraSlots, kind: str, layer: int, module: nn.Module, args: tuple[Any, ...],
                out: torch.Tensor) -> torch.Tensor:
-    if first:  # once per call, before any slot is read
-        slots.keep_live()
     return out + slots.delta(kind, layer, args[0])
+
+
+def _keep_live(slots: LoraSlots, module: nn.Module, args: tuple[Any, ...]) -> None:
+    slots.keep_live()  # once per call, before the first layer: nothing of the model runs before it
 
 
 class SlottedLinear(nn.Linear):
@@ -186,13 +192,13 @@ def attach_slots(model: nn.Module, geometry: SlotGeometry) -> LoraSlots:
     """Give ``model`` the slots (as ``model.lora_slots``) and make each targeted layer add its slot's product."""
     slots = LoraSlots(geometry)
     model.add_module("lora_slots", slots)
+    model.register_forward_pre_hook(functools.partial(_keep_live, slots))
     for target in geometry.targets:
         for layer in range(geometry.layers):
             module = model.get_submodule(target.path(layer))
             if type(module) is nn.Linear:  # a PEFT layer wrapping it is a type of its own already
                 module.__class__ = SlottedLinear
-            first = layer == 0 and target == geometry.targets[0]
-            module.register_forward_hook(functools.partial(_add_delta, slots, target.kind, layer, first))
+            module.register_forward_hook(functools.partial(_add_delta, slots, target.kind, layer))
     return slots
 
 
@@ -247,6 +253,6 @@ def pack(name: str, config: Any, modules: Mapping[str, tuple[torch.Tensor, torch
                             f"is {target.out_features} x {target.in_features}. The adapter was trained for another "
                             "base model: train it on this program's base.")
         scaled = b.float() * _scale(config, path, rank)
-        tensors[f"{target.kind}.A"][layer, :, :rank] = a.float().t()
-        tensors[f"{target.kind}.B"][layer, :rank, :] = scaled.t()
+        tensors[f"{target.kind}.A"][layer, 0, :, :rank] = a.float().t()
+        tensors[f"{target.kind}.B"][layer, 0, :rank, :] = scaled.t()
     return tensors

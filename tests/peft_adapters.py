@@ -74,11 +74,13 @@ RECIPES: dict[str, AdapterRecipe] = {
 }
 
 
-# Adapters of the tiny model (seconds to train): pirate on attention and MLP, minutes on attention, and pirate
-# retrained on other text (the same name, ranks and targets).
+# Adapters of the tiny model (seconds to train): pirate on attention and MLP, minutes on attention, pirate retrained
+# on other text (the same name, ranks and targets), and one on every kind of linear layer with rsLoRA.
 TINY_RECIPES = {"pirate": AdapterRecipe(PIRATE_TEXT, ("q_proj", "v_proj", "down_proj"), steps=4),
                 "minutes": AdapterRecipe(MINUTES_TEXT, ("q_proj", "v_proj"), steps=4, seed=1),
-                "retrained": AdapterRecipe(OTHER_TEXT, ("q_proj", "v_proj", "down_proj"), steps=4, seed=5)}
+                "retrained": AdapterRecipe(OTHER_TEXT, ("q_proj", "v_proj", "down_proj"), steps=4, seed=5),
+                "every": AdapterRecipe(RECIPE_TEXT, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj"), r=4, lora_alpha=8, use_rslora=True, steps=6, seed=2)}
 
 
 def train_adapter(base: Path, out: Path, recipe: AdapterRecipe) -> Path:

@@ -84,44 +84,47 @@ def test_our_decoder_with_an_adapter_computes_what_peft_computes(smollm2_truncat
     assert (pirate - minutes).abs().max() > 0.1, "the two adapters pull the base different ways"
 
 
-def with_adapters(real_exported, lora_adapters):  # type: ignore[no-untyped-def]
-    """The truncated SmolLM2 in fp32 with a real adapter on every kind of linear layer (rsLoRA): fp32, where the
+def with_adapters(exported, tiny_checkpoint: Path, tiny_adapters):  # type: ignore[no-untyped-def]
+    """The tiny model in fp32 with a real adapter on every kind of linear layer (rsLoRA, ``every``): fp32, where the
     program computes what the eager model computes to rounding, so greedy tokens can be compared; the default methods,
-    so the base alone is the program tests/test_quant_backends.py and tests/test_stock_runners.py read. (Several
-    adapters in one program: the tiny model's programs below, each adapter's methods a lowering of their own.)"""
-    return real_exported("quant=fp32", adapters_override(lora_adapters, "minutes"))
+    so the base alone is the program tests/test_swappable_adapters.py compares its zero slots with. (Several adapters
+    in one program: the 8da4w programs below, each adapter's methods a lowering of their own.)"""
+    return exported("model=llama", f"model.checkpoint={tiny_checkpoint}", "quant=fp32",
+                    adapters_override(tiny_adapters, "every"))
 
 
-def test_one_program_holds_the_base_and_each_adapter_with_the_base_stored_once(real_exported, lora_adapters) -> None:  # type: ignore[no-untyped-def]
-    both = with_adapters(real_exported, lora_adapters)
-    alone = real_exported("quant=fp32")
+def test_one_program_holds_the_base_and_each_adapter_with_the_base_stored_once(exported, tiny_checkpoint: Path,  # type: ignore[no-untyped-def]
+                                                                                tiny_adapters) -> None:
+    both = with_adapters(exported, tiny_checkpoint, tiny_adapters)
+    alone = exported("model=llama", f"model.checkpoint={tiny_checkpoint}", "quant=fp32")
     m = both.manifest
     assert m.ok and m.passed and m.validation is not None and m.validation.checked == "runtime"
-    entry = m.adapters["minutes"]
-    assert entry.methods == {b: f"minutes_{b}" for b in ("prefill", "decode_one_token", "forward")}
+    entry = m.adapters["every"]
+    assert entry.methods == {b: f"every_{b}" for b in ("prefill", "decode_one_token", "forward")}
     assert set(entry.methods.values()) <= set(m.methods)
     assert entry.validation is not None and entry.validation.passed and entry.validation.checked == "runtime"
-    assert entry.validation.methods["prompt"] == "minutes_prefill" and entry.dtype == "float32"
+    assert entry.validation.methods["prompt"] == "every_prefill" and entry.dtype == "float32"
     # Validated against the eager model with this adapter: its unquantized perplexity is not the base's.
     assert entry.validation.baseline_perplexity != m.validation.baseline_perplexity
-    assert entry.use_rslora and entry.layers == 14
-    assert LoadedProgram(both.pte_path).constant("get_adapters") == "minutes"
-    # The base weights are stored once: the adapter adds its own fp32 matrices and graphs, nothing more.
-    adapter = load_file(str(lora_adapters["minutes"] / "adapter_model.safetensors"))
+    assert entry.use_rslora and entry.layers == 14  # 7 kinds of linear layer in each of 2 layers
+    assert LoadedProgram(both.pte_path).constant("get_adapters") == "every"
+    # The base weights are stored once: the adapter adds its own fp32 matrices (and graphs), nothing more.
+    adapter = load_file(str(tiny_adapters["every"] / "adapter_model.safetensors"))
     adapter_bytes = sum(t.numel() * 4 for t in adapter.values())
-    extra_weights = (both.manifest.program.storage["named_data_bytes"] + both.manifest.program.storage["constant_buffer_bytes"]
-                     - alone.manifest.program.storage["named_data_bytes"] - alone.manifest.program.storage["constant_buffer_bytes"])
+    storage, plain = both.manifest.program.storage, alone.manifest.program.storage
+    extra_weights = (storage["named_data_bytes"] + storage["constant_buffer_bytes"]
+                     - plain["named_data_bytes"] - plain["constant_buffer_bytes"])
     assert 0.9 * adapter_bytes <= extra_weights <= 1.1 * adapter_bytes
-    assert both.manifest.program.size_bytes < 1.2 * alone.manifest.program.size_bytes
 
 
-def test_each_adapters_methods_generate_the_eager_adapters_tokens(real_exported, lora_adapters, smollm2_truncated) -> None:  # type: ignore[no-untyped-def]
+def test_each_adapters_methods_generate_the_eager_adapters_tokens(exported, tiny_checkpoint: Path,  # type: ignore[no-untyped-def]
+                                                                  tiny_adapters) -> None:
     """Greedy tokens of each adapter's methods equal the eager model's with that adapter. (Quantized adapter programs
     are held to their scheme's tolerances by validation: test_adapters_can_be_stored_in_8_bits.)"""
-    result = with_adapters(real_exported, lora_adapters)
-    eager = our_model(smollm2_truncated, lora_adapters)
+    result = with_adapters(exported, tiny_checkpoint, tiny_adapters)
+    eager = our_model(tiny_checkpoint, {"every": tiny_adapters["every"]})
     texts = {}
-    for adapter in (None, "minutes"):
+    for adapter in (None, "every"):
         ours = Generator(result.pte_path, adapter=adapter).generate(PROMPT, SamplingConfig(max_new_tokens=8))
         ids = list(ours.prompt_ids)
         for _ in range(8):  # the eager model's greedy tokens, the whole sequence recomputed at each step

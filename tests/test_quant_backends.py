@@ -19,7 +19,7 @@ CALIBRATED_MIXED = ("xnnpack", "8da4w_calibrated", "quant.size_budget=1.05")
 # Kept out of the full run for its time (pytest -m extended): variants whose kernels another entry already runs.
 EXTENDED = pytest.mark.extended
 # Every quant option each runnable backend supports, on the real (truncated) SmolLM2. The default methods and layout,
-# so the programs other files read (fp32 and 8da4w: stock runners, LoRA) are these exports.
+# so the programs other files read (fp32 and 8da4w: stock runners) are these exports.
 RUNNABLE = [
     ("xnnpack", "fp32"), ("xnnpack", "fp16"), ("xnnpack", "bf16"), ("xnnpack", "8da8w"), ("xnnpack", "8da4w"),
     ("xnnpack", "8da4w_emb4w"),

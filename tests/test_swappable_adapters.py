@@ -15,6 +15,7 @@ import torch
 from exporters.errors import UserError
 from exporters.internals import read_tensor_file
 from exporters.plan import plan_export
+from exporters.release.bundle import make_bundle, verify_bundle
 from exporters.runtime.driver import Driver
 from exporters.runtime.generator import Generator, SamplingConfig
 from exporters.runtime.programs import LoadedProgram
@@ -106,7 +107,7 @@ def peft_logits(checkpoint: Path, folder: Path | None, tokens: torch.Tensor) -> 
 
 
 def test_one_set_of_methods_computes_with_the_adapter_the_app_sets(exported, tiny_checkpoint: Path,  # type: ignore[no-untyped-def]
-                                                                   tiny_adapters) -> None:
+                                                                   tiny_adapters, tmp_path: Path) -> None:
     result = swappable(exported, tiny_checkpoint, tiny_adapters)
     m, run = result.manifest, result.pte_path.parent
     assert m.passed and m.swappable is not None and m.swappable.method == SET_ADAPTER
@@ -114,7 +115,7 @@ def test_one_set_of_methods_computes_with_the_adapter_the_app_sets(exported, tin
         "q_proj", "k_proj", "v_proj", "down_proj"]
     assert [s.name for s in m.swappable.inputs] == ["q_proj.A", "q_proj.B", "k_proj.A", "k_proj.B", "v_proj.A",
                                                     "v_proj.B", "down_proj.A", "down_proj.B"]
-    assert m.swappable.inputs[6].shape == [2, 192, 8] and m.swappable.inputs[7].shape == [2, 8, 64]
+    assert m.swappable.inputs[6].shape == [2, 1, 192, 8] and m.swappable.inputs[7].shape == [2, 1, 8, 64]
     program = LoadedProgram(result.pte_path)
     assert not [n for n in program.method_names if n.startswith(("pirate_", "minutes_"))], "no methods per adapter"
     for name in ("pirate", "minutes"):
@@ -136,6 +137,11 @@ def test_one_set_of_methods_computes_with_the_adapter_the_app_sets(exported, tin
                                                                                tokens), atol=1e-4, rtol=1e-4)
     slots.set(None)
     assert torch.equal(decode_logits(program, tokens), base)
+    # A release bundle carries the adapters' files and says how an app sets them.
+    bundle, archive = make_bundle(run, tmp_path / "release")
+    assert (bundle / "adapters" / "pirate.ptd").is_file() and not verify_bundle(bundle) and not verify_bundle(archive)
+    readme = (bundle / "README.md").read_text()
+    assert "## LoRA adapters, swapped at run time" in readme and "FlatTensorDataMap" in readme
 
 
 def test_an_adapter_trained_after_the_export_loads_and_matches_peft(exported, tiny_checkpoint: Path, tiny_adapters,  # type: ignore[no-untyped-def]
@@ -188,8 +194,8 @@ def test_a_bad_adapter_is_refused_and_the_program_keeps_the_one_it_had(exported,
         str(train_adapter(family_checkpoint("qwen3"), tmp_path / "qwen3", AdapterRecipe(text, ("v_proj",), steps=1))):
             r"v_proj has A \[8, 64\] and B \[16, 8\]; the program's layer is 32 x 64. The adapter was trained for "
             r"another base model",
-        str(tmp_path / "half.ptd"): r"q_proj.A is float16 \[2, 64, 8\], and this program's set_adapter takes "
-                                    r"float32 \[2, 64, 8\]",
+        str(tmp_path / "half.ptd"): r"q_proj.A is float16 \[2, 1, 64, 8\], and this program's set_adapter takes "
+                                    r"float32 \[2, 1, 64, 8\]",
         str(tmp_path / "cut.ptd"): r"cut.ptd is not a whole ExecuTorch data file \(.ptd\): .* it was cut short",
         "legal": r"adapter=legal is neither an adapter of this program nor a .ptd file nor a PEFT folder. The "
                  r"program's own adapters: minutes, pirate",
