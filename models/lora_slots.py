@@ -1,17 +1,17 @@
 """Swappable LoRA (``export.adapters=swappable``): the base's methods read their adapter from state an app writes.
 
 A LoRA adapter adds ``scale * B(A(x))`` to each linear layer it targets (``models.lora``). Here every targeted kind
-of layer (``q_proj``, ``v_proj``, ...) gets, for all decoder layers at once, two buffers: ``Aᵀ`` as
-``[layers, in, rank]`` and ``(scale·B)ᵀ`` as ``[layers, rank, out]``, zero-padded to the program's rank. The base's
-methods add ``x @ Aᵀ[layer] @ (scale·B)ᵀ[layer]`` to each such layer's output; the method ``set_adapter`` copies new
-values into the buffers, which every method shares by name as it shares the KV cache. All zeros is the base, exactly
+of layer (``q_proj``, ``v_proj``, ...) gets, in every decoder layer, two buffers: ``Aᵀ`` ``[1, in, rank]`` and
+``(scale·B)ᵀ`` ``[1, rank, out]``, zero-padded to the program's rank. The base's methods add ``x @ Aᵀ @ (scale·B)ᵀ``
+to each such layer's output; the method ``set_adapter`` takes each kind's matrices for all layers at once
+(``[layers, 1, in, rank]``, ``[layers, 1, rank, out]``) and copies them into the buffers, which every method shares
+by name as it shares the KV cache. All zeros is the base, exactly
 (the sum adds 0.0). Any PEFT adapter whose targets and ranks fit is then data: :func:`pack` lays it out.
 
 Why state and not method inputs: the stock runners call the methods with tokens and a position only, and a swap is
-one call copying a few MB (measured in docs/adapters.md) instead of reloading a program. Why ``[layer]`` is read
-with ``select`` before the matmuls: XNNPACK packs a buffer a delegated op reads directly as a constant, and has no
-``select``; so the slice stays outside the delegate, a runtime input, and ``bmm`` inside runs on what
-``set_adapter`` wrote.
+one call copying a few MB (measured in docs/adapters.md) instead of reloading a program. How the state is read is
+decided by two ExecuTorch behaviours (:meth:`LoraSlots.keep_live`): a buffer a method only reads becomes one of its
+constants, which XNNPACK would pack; a buffer the method writes is state, handed to the delegate at run time.
 """
 
 from __future__ import annotations
@@ -133,37 +133,42 @@ def slot_geometry(model: nn.Module, kinds: list[str], rank: int, dtype: torch.dt
 
 
 class LoraSlots(nn.Module):
-    """The slots' buffers (``lora_slots.<kind>_A`` / ``_B``) and the ``set_adapter`` computation."""
+    """The slots' buffers, one pair per targeted layer (``lora_slots.<kind>_A_<layer>`` ``[1, in, rank]`` and
+    ``..._B_<layer>`` ``[1, rank, out]``), and the ``set_adapter`` computation."""
 
     def __init__(self, geometry: SlotGeometry) -> None:
         super().__init__()
         self.geometry = geometry
-        for name, tensor in geometry.zeros().items():
-            self.register_buffer(name.replace(".", "_"), tensor)
+        dtype = getattr(torch, geometry.dtype)
+        for t in geometry.targets:
+            for layer in range(geometry.layers):
+                self.register_buffer(f"{t.kind}_A_{layer}", torch.zeros(1, t.in_features, geometry.rank, dtype=dtype))
+                self.register_buffer(f"{t.kind}_B_{layer}", torch.zeros(1, geometry.rank, t.out_features, dtype=dtype))
 
     def delta(self, kind: str, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """``x @ Aᵀ @ (scale·B)ᵀ`` of ``kind`` in ``layer``, x ``[1, T, in]`` as the decoder's layers take it. The
-        slices are read with ``select`` (outside XNNPACK: module docstring) and nothing else runs between them and the
-        delegated matmuls: a reshape of x at a dynamic length would be computed outside the delegate and cut the
-        layer's partition in pieces."""
-        a = getattr(self, f"{kind}_A")[layer]
-        b = getattr(self, f"{kind}_B")[layer]
-        return torch.bmm(torch.bmm(x, a), b)
+        """``x @ Aᵀ @ (scale·B)ᵀ`` of ``kind`` in ``layer``, x ``[1, T, in]`` as the decoder's layers take it: the
+        slot's buffers go into XNNPACK's ``bmm`` as they are, runtime inputs of the delegate (module docstring), with
+        nothing computed outside the delegate in between (which would cut the layer's partition in pieces)."""
+        return torch.bmm(torch.bmm(x, getattr(self, f"{kind}_A_{layer}")), getattr(self, f"{kind}_B_{layer}"))
 
     def keep_live(self) -> None:
-        """Write part of each slot with its own value. A method that only reads a buffer gets it folded into
-        constants by ExecuTorch's constant propagation (a constant buffer is one its method does not mutate); a
-        buffer a method writes is state, shared by name across methods as the KV cache is. The write is an in-place
-        ``index_put`` of layer 0's slice (the reinplace pass keeps it in place, as for the KV cache; ExecuTorch's
-        in-place kernel takes one index tensor)."""
+        """Write one row of each slot with its own value, once per call before the first layer. A method that only
+        reads a buffer gets it folded into its constants by ExecuTorch's constant propagation, and XNNPACK packs a
+        constant it reads as its own; a buffer the method writes is state, shared by name across methods as the KV
+        cache is, and reaches the delegate as a runtime input. The write is an in-place ``index_put`` of one row (one
+        index tensor, on the middle dimension: what ExecuTorch's in-place kernel takes), ``rank`` or ``out`` numbers,
+        read with ``index_select``: no op of the write is one XNNPACK delegates, which would tie the write into a
+        layer's partition and cut it."""
         zero = torch.zeros(1, dtype=torch.long)
         for buffer in self.buffers():
-            buffer.index_put_((zero,), buffer[:1].clone())
+            torch.ops.aten.index_put_.default(buffer, [None, zero], buffer.index_select(1, zero))
 
     def set_adapter(self, *tensors: torch.Tensor) -> torch.Tensor:
-        """Copy an adapter (tensors in :meth:`SlotGeometry.input_names` order) into the slots; gives the rank."""
+        """Copy an adapter (tensors in :meth:`SlotGeometry.input_names` order, each ``[layers, 1, ...]``) into the
+        slots, layer by layer; gives the rank."""
         for name, tensor in zip(self.geometry.input_names(), tensors, strict=True):
-            getattr(self, name.replace(".", "_")).copy_(tensor)
+            for layer in range(self.geometry.layers):
+                getattr(self, f"{name.replace('.', '_')}_{layer}").copy_(tensor[layer])
         return torch.tensor([self.geometry.rank], dtype=torch.int64)
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -1,8 +1,9 @@
 """Swappable adapters (``export.adapters=swappable``): one set of the base's methods whose LoRA matrices are state
 an app writes with ``set_adapter``; any PEFT adapter whose targets and ranks fit is data (``models.lora_slots``).
 
-The adapters are PEFT's, trained on the truncated real SmolLM2 (``tests/peft_adapters.py``): every recipe (attention,
-every linear with rsLoRA, MLP only, per-layer ranks and alphas) laid out in the slots must compute what PEFT computes.
+Eagerly, the four adapters PEFT trains on the truncated real SmolLM2 (``tests/peft_adapters.py``: attention, every
+linear with rsLoRA, MLP only, per-layer ranks and alphas) laid out in the slots compute what PEFT computes. The
+programs are the tiny model's (seconds to export), run in the runtime against transformers + PEFT.
 """
 
 from __future__ import annotations
