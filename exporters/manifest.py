@@ -489,7 +489,7 @@ class SwappableEntry:
     method shares (as the KV cache); all zeros (how the program starts) is the base model. docs/adapters.md."""
 
     method: str  # set_adapter
-    # Its inputs, in order: <kind>.A = Aᵀ [layers, in, rank] and <kind>.B = (scale·B)ᵀ [layers, rank, out], zero past
+    # Its inputs, in order: <kind>.A = Aᵀ [layers, 1, in, rank] and <kind>.B = (scale·B)ᵀ [layers, 1, rank, out], zero past
     # an adapter's rank and where it changes nothing (python -m exporters.adapter lays out any PEFT folder so).
     inputs: list[TensorSpec]
     slots: dict[str, Any]  # models.lora_slots.SlotGeometry.to_json(): layers, rank, dtype, each target's shape

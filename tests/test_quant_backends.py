@@ -35,8 +35,10 @@ RUNNABLE = [
 # xnnpack bf16 the fp32 kernels on bf16 weights (fp16 has kernels of its own and stays); xnnpack 8da8w the 8-bit
 # kernels the lm_head of the group-size entry runs; portable fp16 and bf16 the ATen kernels portable fp32 runs, in
 # another dtype; portable's 4-bit and 8-bit embeddings the embedding op 8da4w_emb4w runs (outside the delegate, on
-# the same kernels); OpenVINO fp16 what its fp32 runs (its device computes in bf16 either way).
-SLOW_VARIANTS = {("xnnpack", "bf16"), ("xnnpack", "8da8w"), ("portable", "fp16"), ("portable", "bf16"),
+# the same kernels); OpenVINO fp16 what its fp32 runs (its device computes in bf16 either way); GPTQ with a size budget
+# the 4-bit kernels of 8da4w and the 8-bit ones of the group-size entry's lm_head (its codes are checked to be
+# XNNPACK's format eagerly: tests/test_calibrated.py).
+SLOW_VARIANTS = {CALIBRATED_MIXED, ("xnnpack", "bf16"), ("xnnpack", "8da8w"), ("portable", "fp16"), ("portable", "bf16"),
                  ("portable", "fp32", "quant.embedding=4w"),
                  ("portable", "fp32", "quant.embedding=8w", "quant.embedding_group_size=0"),
                  ("openvino", "fp16", "export.prefill_chunk=12", "quant.max_ppl_drift=0.1")}
@@ -245,7 +247,7 @@ def test_hqq_by_rows_is_torchaos_hqq_bit_for_bit(smollm2_truncated, bits: int, g
 
 
 def test_calibrated_mixed_program_records_its_text_and_choices_and_grows_as_estimated(real_exported) -> None:
-    """quant=8da4w_calibrated quant.size_budget=1.05 (validated in the runtime by the tests above): GPTQ codes,
+    """quant=8da4w_calibrated quant.size_budget=1.05 (validated in the runtime by its export): GPTQ codes,
     the measured layers upgraded to 8 bits, the calibration text traced, and the file grown by the estimate."""
     from exporters.quant.calibration import MIN_CALIBRATION_TOKENS
 

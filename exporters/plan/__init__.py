@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from exporters.config import (AdapterMode, Attention, BenchmarkConfig, ExportConfig, KvDType, WeightsPlacement, exhaustive,
-                              to_typed)
+from exporters.config import (AdapterMode, Attention, BenchmarkConfig, ExportConfig, KvDType, WeightsPlacement,
+                              exhaustive, to_typed)
 from exporters.errors import UserError
 from exporters.plan.backend import BackendCapabilities
 from exporters.plan.component import Component, ComponentKind, ModelBuild, QuantPlan, StatePlan
@@ -134,7 +134,8 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: boo
     check_draft(cfg)
     check_vision(cfg, lengths, vision_geometry(cfg.model), cfg.backend.dynamic_shapes)
     check_kv_cache(cfg.export, cfg.backend, cfg.quant, lengths)
-    check_weights(cfg.export, cfg.backend, list(cfg.model.adapters) if cfg.export.adapters == AdapterMode.methods else [])
+    with_methods = list(cfg.model.adapters) if cfg.export.adapters == AdapterMode.methods else []
+    check_weights(cfg.export, cfg.backend, with_methods)
     check_validation(cfg.validation, enabled=cfg.validate)
     for name in ("prompt_tokens", "steps", "repeats"):
         if getattr(cfg.benchmark, name) < 1:

@@ -239,9 +239,10 @@ class MethodTable:
                          for n, s in self.of_adapter(None).items())
         adapters = self.adapters
         others = "".join(f"; {c}: {', '.join(self.of_component(c))}" for c in dict.fromkeys(self.component_of.values()))
+        slots = f"; set_adapter ({self.slots.describe()})" if self.slots else ""
         return base + (f"; the same for adapter(s) {', '.join(adapters)} "
                        f"({len(self.specs) - len(self.of_adapter(None)) - len(self.component_of)} methods)"
-                       if adapters else "") + others + (f"; set_adapter ({self.slots.describe()})" if self.slots else "")
+                       if adapters else "") + others + slots
 
 
 def check_methods(ex: ExportSection, backend: BackendConfig, lengths: Lengths, draft: DraftConfig,

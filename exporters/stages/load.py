@@ -61,7 +61,8 @@ class LoadStage(Stage):
         attach_adapters(model, ctx.adapters)
         slots = self.plan.decoder.methods.slots
         if slots is not None:  # swappable: PEFT's adapters stay the eager reference, the slots are what is exported
-            geometry = slot_geometry(model, list(slots.targets), slots.rank, DTYPES[str(self.plan.decoder.quant.config.dtype)])
+            dtype = DTYPES[str(self.plan.decoder.quant.config.dtype)]  # the activations' the slots multiply
+            geometry = slot_geometry(model, list(slots.targets), slots.rank, dtype)
             attach_slots(model, geometry)
             ctx.packed_adapters = {a.name: pack(a.name, a.config, a.matrices, geometry) for a in ctx.adapters}
         if draft is not None:
