@@ -80,7 +80,8 @@ TINY_RECIPES = {"pirate": AdapterRecipe(PIRATE_TEXT, ("q_proj", "v_proj", "down_
                 "minutes": AdapterRecipe(MINUTES_TEXT, ("q_proj", "v_proj"), steps=4, seed=1),
                 "retrained": AdapterRecipe(OTHER_TEXT, ("q_proj", "v_proj", "down_proj"), steps=4, seed=5),
                 "every": AdapterRecipe(RECIPE_TEXT, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                     "down_proj"), r=4, lora_alpha=8, use_rslora=True, steps=6, seed=2)}
+                                                     "down_proj"), r=4, lora_alpha=8, use_rslora=True, steps=8, seed=2,
+                                       lr=1e-2)}
 
 
 def train_adapter(base: Path, out: Path, recipe: AdapterRecipe) -> Path:
