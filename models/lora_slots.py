@@ -91,11 +91,6 @@ class SlotGeometry:
                 "targets": [{"kind": t.kind, "block": t.block, "in_features": t.in_features,
                              "out_features": t.out_features} for t in self.targets]}
 
-    @staticmethod
-    def from_json(raw: Mapping[str, Any]) -> "SlotGeometry":
-        return SlotGeometry(int(raw["layers"]), int(raw["rank"]),
-                            tuple(SlotTarget(**t) for t in raw["targets"]), str(raw.get("dtype", "float32")))
-
     def describe(self) -> str:
         return (f"rank {self.rank} on {', '.join(t.kind for t in self.targets)} of {self.layers} layers "
                 f"({self.bytes() / 1e6:.2f} MB of {self.dtype} state)")
@@ -242,10 +237,10 @@ def pack(name: str, config: Any, modules: Mapping[str, tuple[torch.Tensor, torch
             by_path[path] = (kinds[match["kind"]], int(match["layer"]))
     outside = sorted(p for p in modules if p not in by_path)
     if outside:
-        kinds = sorted({p.rsplit(".", 1)[-1] for p in outside})
-        raise SlotError(f"adapter {name} targets {', '.join(kinds)} (e.g. {outside[0]}), and the program's slots are "
+        missing = sorted({p.rsplit(".", 1)[-1] for p in outside})
+        raise SlotError(f"adapter {name} targets {', '.join(missing)} (e.g. {outside[0]}), and the program's slots are "
                         f"{geometry.describe()}. Export the program again with export.lora_targets including "
-                        f"{', '.join(kinds)}, or train the adapter on those targets only.")
+                        f"{', '.join(missing)}, or train the adapter on those targets only.")
     for path, (a, b) in modules.items():
         target, layer = by_path[path]
         rank = a.shape[0]
