@@ -111,12 +111,13 @@ class Swapped:
 def swap_times(slots: Slots, names: list[str], repeats: int = 20) -> dict[str, float]:
     """Median ms of a swap between adapters: the set_adapter call alone, and with reading the adapter's file."""
     from exporters.internals import read_tensor_file
+    from exporters.program.swappable import adapter_file
 
     calls, reads = [], []
     for i in range(repeats):
         name = names[i % len(names)]
         start = time.perf_counter()
-        tensors = read_tensor_file(slots.run / "adapters" / f"{name}.ptd")
+        tensors = read_tensor_file(adapter_file(slots.run, name))
         reads.append(time.perf_counter() - start)
         start = time.perf_counter()
         slots.program.run(SET_ADAPTER, *(tensors[n] for n in slots.geometry.input_names()))

@@ -9,7 +9,6 @@ its tensors named as ``set_adapter``'s inputs (:data:`ADAPTER_FOLDER`).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +38,6 @@ SWAP_HOWTO = (
     "Python: python -m exporters.generate <run> adapter=<name, .ptd or PEFT folder>, or exporters.runtime.generator."
     "Generator(run, adapter=...); any PEFT folder whose targets and ranks fit becomes such a file with "
     "python -m exporters.adapter <run> <peft folder> out=<file.ptd>.")
-_PEFT_KEY = re.compile(r"^base_model\.model\..*\.(?P<kind>[a-z_]+)\.lora_A\.weight$")
 
 
 @dataclass(frozen=True)
@@ -57,13 +55,15 @@ def _adapter_shapes(folder: str) -> dict[str, int]:
     """Kind of layer -> the largest rank an adapter folder gives it, from its safetensors header alone."""
     from safetensors import safe_open
 
+    from models.lora import KEY, WEIGHTS_FILE
+
     ranks: dict[str, int] = {}
-    with safe_open(str(Path(folder).expanduser() / "adapter_model.safetensors"), framework="pt") as fh:
+    with safe_open(str(Path(folder).expanduser() / WEIGHTS_FILE), framework="pt") as fh:
         for key in fh.keys():
-            match = _PEFT_KEY.match(key)
-            if match is not None:
-                rank = fh.get_slice(key).get_shape()[0]
-                ranks[match["kind"]] = max(rank, ranks.get(match["kind"], 0))
+            match = KEY.match(key)
+            if match is not None and match["part"] == "A":  # A is [rank, in]
+                kind = match["module"].rsplit(".", 1)[-1]
+                ranks[kind] = max(fh.get_slice(key).get_shape()[0], ranks.get(kind, 0))
     return ranks
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from exporters.errors import UserError
-from exporters.program.swappable import ADAPTER_FOLDER, LORA_INPUTS_CONSTANT
+from exporters.program.swappable import ADAPTER_FOLDER, LORA_INPUTS_CONSTANT, adapter_file
 from exporters.runtime.programs import LoadedProgram
 from models.lora_slots import SET_ADAPTER, SlotError, SlotGeometry, pack
 
@@ -38,7 +38,7 @@ class Slots:
         from models.lora import read_peft_folder
 
         path = Path(adapter).expanduser()
-        exported = self.run / ADAPTER_FOLDER / f"{adapter}.ptd"
+        exported = adapter_file(self.run, adapter)
         if path.is_dir():
             config, modules = read_peft_folder(path.name, path)
             return pack(str(path), config, modules, self.geometry)
