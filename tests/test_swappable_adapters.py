@@ -215,6 +215,9 @@ def test_a_quantized_base_with_external_weights_takes_swapped_adapters(exported,
     m = result.manifest
     assert m.passed and m.data is not None and m.data.file == "model.ptd" and m.runtime.load.count(".ptd") >= 1
     assert "adapters/" not in m.runtime.load
+    # q, k and v (dynamically quantized, one input) with slots stay one XNNPACK partition with the rest of the layer:
+    # one delegate call per layer and one for the head, as without slots (products_after_projections).
+    assert m.methods["decode_one_token"].delegated_partitions == 2 + 1
     for name in ("pirate", "minutes"):
         report = m.adapters[name].validation
         assert report is not None and report.checked == "runtime" and report.passed

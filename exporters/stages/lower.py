@@ -18,7 +18,7 @@ from exporters.internals import (lowering_forgets_graphs, named_data_stored_once
 from exporters.program.backends import partitioners
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
 from exporters.program.constants import constant_methods
-from exporters.program.swappable import slot_constants
+from exporters.program.swappable import products_after_projections, slot_constants
 from exporters.program.vision import vision_constants
 from exporters.stages.artifacts import CapturedMethods, LoweredProgram
 from exporters.stages.pipeline import ExportContext, Stage
@@ -101,11 +101,13 @@ class LowerStage(Stage):
         # External weights: every constant is marked for its data file (the base's, or its adapter's) before
         # partitioning, and XNNPACK names its weights by tensor rather than by content, so the program is the same
         # bytes whatever the weights.
+        passes = ([tag_weights_by_data_file()] if external else []) + (
+            [products_after_projections()] if methods.slots is not None else [])
         naming = xnnpack_keys_by_name(structure_namespace(programs)) if external else contextlib.nullcontext()
         with naming, lowering_shortcuts(plan.shortcuts):
             edge = to_edge_transform_and_lower(
                 programs,
-                transform_passes=[tag_weights_by_data_file()] if external else None,
+                transform_passes=passes or None,
                 partitioner=with_progress(partitioners(backend.partitioner, backend.options), list(programs),
                                           backend.name),
                 constant_methods=constants,
