@@ -17,10 +17,10 @@ constants, which XNNPACK would pack; a buffer the method writes is state, handed
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import re
-from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -29,6 +29,8 @@ from torch import nn
 from models.errors import ModelError
 
 SET_ADAPTER = "set_adapter"
+INT8 = "int8"  # SlotGeometry.stored: the adapter's matrices in 8 bits
+SCALE = ".scale"  # an 8-bit matrix's scales: <kind>.A.scale
 # The module path of each decoder layer's linear layers: model.layers.<layer>.<block>.<kind>.
 LAYER_LINEAR = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>[a-z_]+)\.(?P<kind>[a-z_]+)$")
 
@@ -37,7 +39,7 @@ class SlotError(ModelError):
     """An adapter that does not fit the program's slots (rank, targets, shapes, base)."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class SlotTarget:
     """One kind of linear layer with a slot in every decoder layer."""
 
@@ -50,50 +52,81 @@ class SlotTarget:
         return f"model.layers.{layer}.{self.block}.{self.kind}"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class SlotGeometry:
-    """The shapes an adapter must fit: decided once in the plan, recorded in the manifest, read by apps."""
+    """The shapes an adapter must fit: decided once in the plan, recorded in the manifest, read by apps.
+
+    ``dtype`` is the slots' (the activations' dtype, in which the products are computed); ``stored`` is the dtype of
+    the matrices ``set_adapter`` takes and adapter files hold: the slots' own, or ``int8`` codes with one float scale
+    per row of A and of ``scale·B`` (``<kind>.A.scale`` ``[layers, 1, 1, rank]``, ``<kind>.B.scale``
+    ``[layers, 1, 1, out]``), which ``set_adapter`` multiplies back into the slots: a quarter of the bytes to ship and
+    to set, the same computation per token."""
 
     layers: int
     rank: int
     targets: tuple[SlotTarget, ...]
     dtype: str = "float32"
+    stored: str = "float32"
 
-    def input_names(self) -> list[str]:
-        """``set_adapter``'s inputs, in order, as an adapter file names its tensors: ``q_proj.A``, ``q_proj.B``, ..."""
-        return [f"{t.kind}.{part}" for t in self.targets for part in ("A", "B")]
-
-    @staticmethod
-    def of_inputs(names: list[str], shapes: list[tuple[int, ...]], dtype: torch.dtype) -> "SlotGeometry":
-        """The slots as a program's ``set_adapter`` takes them (its inputs' names and shapes): what an app knows."""
-        targets = []
-        for a_name, a_shape, b_shape in zip(names[::2], shapes[::2], shapes[1::2]):
-            targets.append(SlotTarget(a_name.removesuffix(".A"), "", a_shape[-2], b_shape[-1]))
-        return SlotGeometry(shapes[0][0], shapes[0][-1], tuple(targets), str(dtype).removeprefix("torch."))
+    @property
+    def quantized(self) -> bool:
+        return self.stored == INT8
 
     def input_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Each input's shape: ``[layers, 1, in, rank]`` and ``[layers, 1, rank, out]`` (the 1: a layer's slice is the
-        batch of one that ``bmm`` takes, with no reshape between the slot and the matmul)."""
-        return {name: shape for t in self.targets for name, shape in (
-            (f"{t.kind}.A", (self.layers, 1, t.in_features, self.rank)),
-            (f"{t.kind}.B", (self.layers, 1, self.rank, t.out_features)))}
+        """``set_adapter``'s inputs, in order, as an adapter file names them (``q_proj.A``, ``q_proj.B``, ... and,
+        stored in 8 bits, each one's ``.scale`` after it), with their shapes: ``[layers, 1, in, rank]`` and
+        ``[layers, 1, rank, out]`` (the 1: a layer's slice is the batch of one that ``bmm`` takes, with no reshape
+        between the slot and the matmul)."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for t in self.targets:
+            for part, shape in (("A", (self.layers, 1, t.in_features, self.rank)),
+                                ("B", (self.layers, 1, self.rank, t.out_features))):
+                shapes[f"{t.kind}.{part}"] = shape
+                if self.quantized:  # one scale per column of Aᵀ (row of A) and of (scale·B)ᵀ (row of scale·B)
+                    shapes[f"{t.kind}.{part}{SCALE}"] = (*shape[:2], 1, shape[-1])
+        return shapes
+
+    def input_names(self) -> list[str]:
+        return list(self.input_shapes())
+
+    def input_dtype(self, name: str) -> torch.dtype:
+        return getattr(torch, self.dtype if name.endswith(SCALE) or not self.quantized else self.stored)
+
+    @staticmethod
+    def of_inputs(names: list[str], shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> "SlotGeometry":
+        """The slots as a program's ``set_adapter`` takes them (its inputs' names, shapes, dtypes): what an app knows."""
+        inputs = {n: (shape, dtype) for n, shape, dtype in zip(names, shapes, dtypes, strict=True)}
+        targets = [SlotTarget(n.removesuffix(".A"), "", shape[-2], inputs[n.removesuffix("A") + "B"][0][-1])
+                   for n, (shape, _) in inputs.items() if n.endswith(".A")]
+        first_a, (a_shape, a_dtype) = next((n, v) for n, v in inputs.items() if n.endswith(".A"))
+        quantized = first_a + SCALE in inputs
+        slots_dtype = inputs[first_a + SCALE][1] if quantized else a_dtype
+        return SlotGeometry(a_shape[0], a_shape[-1], tuple(targets), str(slots_dtype).removeprefix("torch."),
+                            str(a_dtype).removeprefix("torch."))
 
     def zeros(self) -> dict[str, torch.Tensor]:
-        """The base model's adapter: every slot zero."""
-        dtype = getattr(torch, self.dtype)
-        return {name: torch.zeros(shape, dtype=dtype) for name, shape in self.input_shapes().items()}
+        """The base model's adapter: every slot zero (scales of one)."""
+        return {name: (torch.ones if name.endswith(SCALE) else torch.zeros)(shape, dtype=self.input_dtype(name))
+                for name, shape in self.input_shapes().items()}
 
     def bytes(self) -> int:
-        return sum(math.prod(s) for s in self.input_shapes().values()) * getattr(torch, self.dtype).itemsize
+        """The slots' state in the program."""
+        per_layer = sum(t.in_features + t.out_features for t in self.targets) * self.rank
+        return self.layers * per_layer * getattr(torch, self.dtype).itemsize
+
+    def file_bytes(self) -> int:
+        """An adapter's tensors, as set_adapter takes them."""
+        return sum(math.prod(shape) * self.input_dtype(name).itemsize for name, shape in self.input_shapes().items())
 
     def to_json(self) -> dict[str, Any]:
-        return {"layers": self.layers, "rank": self.rank, "dtype": self.dtype,
+        return {"layers": self.layers, "rank": self.rank, "dtype": self.dtype, "stored": self.stored,
                 "targets": [{"kind": t.kind, "block": t.block, "in_features": t.in_features,
                              "out_features": t.out_features} for t in self.targets]}
 
     def describe(self) -> str:
+        stored = f", set from {self.stored} matrices with a scale per row" if self.quantized else ""
         return (f"rank {self.rank} on {', '.join(t.kind for t in self.targets)} of {self.layers} layers "
-                f"({self.bytes() / 1e6:.2f} MB of {self.dtype} state)")
+                f"({self.bytes() / 1e6:.2f} MB of {self.dtype} state{stored})")
 
 
 def _layer_linears(model: nn.Module) -> Iterator[tuple[re.Match[str], nn.Linear]]:
@@ -105,8 +138,10 @@ def _layer_linears(model: nn.Module) -> Iterator[tuple[re.Match[str], nn.Linear]
             yield match, linear
 
 
-def slot_geometry(model: nn.Module, kinds: list[str], rank: int, dtype: torch.dtype = torch.float32) -> SlotGeometry:
-    """The slots for ``kinds`` of ``model``'s decoder layers (our decoder, or its shapes on the meta device)."""
+def slot_geometry(model: nn.Module, kinds: list[str], rank: int, dtype: torch.dtype = torch.float32,
+                  stored: str | None = None) -> SlotGeometry:
+    """The slots for ``kinds`` of ``model``'s decoder layers (our decoder, or its shapes on the meta device);
+    ``stored="int8"``: set from 8-bit matrices (:class:`SlotGeometry`)."""
     found: dict[str, SlotTarget] = {}
     layers = 0
     for match, module in _layer_linears(model):
@@ -124,7 +159,8 @@ def slot_geometry(model: nn.Module, kinds: list[str], rank: int, dtype: torch.dt
                         f"have. Allowed: {', '.join(have)}.")
     if rank < 1:
         raise SlotError(f"export.lora_max_rank={rank}: give the largest rank an adapter may have (1 or more).")
-    return SlotGeometry(layers, rank, tuple(found[k] for k in kinds), str(dtype).removeprefix("torch."))
+    name = str(dtype).removeprefix("torch.")
+    return SlotGeometry(layers, rank, tuple(found[k] for k in kinds), name, stored or name)
 
 
 class LoraSlots(nn.Module):
@@ -160,8 +196,13 @@ class LoraSlots(nn.Module):
 
     def set_adapter(self, *tensors: torch.Tensor) -> torch.Tensor:
         """Copy an adapter (tensors in :meth:`SlotGeometry.input_names` order, each ``[layers, 1, ...]``) into the
-        slots, layer by layer; gives the rank."""
-        for name, tensor in zip(self.geometry.input_names(), tensors, strict=True):
+        slots, layer by layer (8-bit codes times their scales); gives the rank."""
+        given = dict(zip(self.geometry.input_names(), tensors, strict=True))
+        for name, tensor in given.items():
+            if name.endswith(SCALE):
+                continue
+            if self.geometry.quantized:
+                tensor = tensor.to(getattr(torch, self.geometry.dtype)) * given[name + SCALE]
             for layer in range(self.geometry.layers):
                 getattr(self, f"{name.replace('.', '_')}_{layer}").copy_(tensor[layer])
         return torch.tensor([self.geometry.rank], dtype=torch.int64)
@@ -228,7 +269,7 @@ def pack(name: str, config: Any, modules: Mapping[str, tuple[torch.Tensor, torch
     """A PEFT adapter (``modules``: module path -> its (A [r, in], B [out, r])) laid out in ``geometry``'s slots:
     ``Aᵀ`` and ``(scale·B)ᵀ`` zero-padded to the slots' rank, zeros where it targets nothing. Refuses, naming the
     adapter and the fix, what does not fit."""
-    tensors = geometry.zeros()
+    tensors = dataclasses.replace(geometry, stored=geometry.dtype).zeros()  # the matrices before any rounding
     kinds = {t.kind: t for t in geometry.targets}
     by_path = {}
     for path in modules:
@@ -255,4 +296,19 @@ def pack(name: str, config: Any, modules: Mapping[str, tuple[torch.Tensor, torch
         scaled = b.float() * _scale(config, path, rank)
         tensors[f"{target.kind}.A"][layer, 0, :, :rank] = a.float().t()
         tensors[f"{target.kind}.B"][layer, 0, :rank, :] = scaled.t()
-    return tensors
+    return _quantized(tensors, geometry) if geometry.quantized else tensors
+
+
+def _quantized(tensors: dict[str, torch.Tensor], geometry: SlotGeometry) -> dict[str, torch.Tensor]:
+    """Each matrix as int8 codes and a float scale per column of Aᵀ / (scale·B)ᵀ (per row of A and of scale·B, as
+    ``quant.adapters=8w`` quantizes an adapter's layers in the methods mode): symmetric, largest magnitude to 127."""
+    out = {}
+    for name in geometry.input_names():
+        if name.endswith(SCALE):
+            continue
+        matrix = tensors[name]
+        scale = matrix.abs().amax(dim=-2, keepdim=True) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an unused column: codes 0, scale 1
+        out[name] = torch.round(matrix / scale).clamp(-127, 127).to(torch.int8)
+        out[name + SCALE] = scale.to(geometry.input_dtype(name + SCALE))
+    return out

@@ -125,7 +125,8 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: boo
     check_family(cfg.model.family)
     check_adapter_folders(cfg.model.adapters)
     check_backend(cfg.backend, bench_runs(cfg, sweeping))
-    check_quant(cfg.quant, cfg.backend)
+    swappable = cfg.export.adapters == AdapterMode.swappable  # its quant.adapters is the slots' (check_swappable)
+    check_quant(dataclasses.replace(cfg.quant, adapters=None) if swappable else cfg.quant, cfg.backend)
     check_pt2e(cfg.quant, cfg.backend, list(cfg.model.adapters))
     check_swappable(cfg)
     slot_plan(cfg)
@@ -172,7 +173,10 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
     decoder = Component(
         name="decoder", kind=ComponentKind.decoder,
         build=ModelBuild(cfg.model, state, backend.attention),
-        quant=QuantPlan(cfg.quant, ex.tied_embedding, shortcuts),
+        # Swappable slots take the adapters' matrices in 8 bits themselves (quant.adapters=8w); PEFT's adapters, the
+        # eager reference, stay as trained.
+        quant=QuantPlan(dataclasses.replace(cfg.quant, adapters=None) if ex.adapters == AdapterMode.swappable
+                        else cfg.quant, ex.tied_embedding, shortcuts),
         # Aliases (forward = prefill) are emitted as renamed plans, a shortcut through the emitter's internals.
         methods=MethodTable.of(with_multimodal(with_verify(ex.methods, cfg.draft), geometry), layout, lengths,
                                list(cfg.model.adapters), share_graphs=shortcuts, slots=slot_plan(cfg)))

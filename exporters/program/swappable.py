@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from exporters.config import ExportConfig
     from models.lora_slots import SlotGeometry
 
+# quant.adapters with swappable slots: the adapters' matrices set (and shipped) as int8 with a scale per row.
+EIGHT_BIT_SLOTS = "8w"
 ADAPTER_FOLDER = "adapters"  # beside the program: adapters/<name>.ptd
 # Constant methods an app reads to fill set_adapter without the manifest.
 LORA_INPUTS_CONSTANT = "get_lora_inputs"  # set_adapter's inputs, comma-separated: q_proj.A,q_proj.B,...
@@ -46,9 +48,11 @@ class SlotPlan:
 
     targets: tuple[str, ...]
     rank: int
+    eight_bit: bool = False  # set_adapter takes the matrices in 8 bits (quant.adapters=8w), else in the slots' dtype
 
     def describe(self) -> str:
-        return f"LoRA slots of rank {self.rank} on {', '.join(self.targets)}"
+        stored = ", set from 8-bit matrices" if self.eight_bit else ""
+        return f"LoRA slots of rank {self.rank} on {', '.join(self.targets)}{stored}"
 
 
 def _adapter_shapes(folder: str) -> dict[str, int]:
@@ -98,7 +102,7 @@ def slot_plan(cfg: ExportConfig) -> SlotPlan | None:
             raise UserError(f"model.adapters.{name} has rank {max(too_big.values())} (on "
                             f"{', '.join(sorted(too_big))}), above export.lora_max_rank={rank}. Raise "
                             "export.lora_max_rank, or leave it unset to take the adapters' largest rank.")
-    return SlotPlan(targets, rank)
+    return SlotPlan(targets, rank, eight_bit=cfg.quant.adapters == EIGHT_BIT_SLOTS)
 
 
 def check_swappable(cfg: ExportConfig) -> None:
@@ -115,9 +119,11 @@ def check_swappable(cfg: ExportConfig) -> None:
     if cfg.quant.pt2e is not None:
         blockers.append((f"quant.pt2e={cfg.quant.pt2e}", "the backend's quantizer converts a graph without the slots",
                          "use a torchao scheme (quant=8da4w, 8da8w, 8da4w_calibrated)"))
-    if cfg.quant.adapters is not None:
-        blockers.append((f"quant.adapters={cfg.quant.adapters}", "the slots hold the adapters' matrices in the "
-                         "activations' dtype", "leave quant.adapters unset (or use export.adapters=methods)"))
+    if cfg.quant.adapters not in (None, EIGHT_BIT_SLOTS):
+        blockers.append((f"quant.adapters={cfg.quant.adapters}", "the slots compute in the activations' dtype, set "
+                         f"from the adapters' matrices as they are or in 8 bits with a scale per row "
+                         f"(quant.adapters={EIGHT_BIT_SLOTS})", f"use quant.adapters={EIGHT_BIT_SLOTS} or leave it "
+                         "unset (or use export.adapters=methods)"))
     if cfg.draft.checkpoint is not None:
         blockers.append(("draft.checkpoint", "speculative programs do not hold adapters yet",
                          "export without draft.*"))

@@ -146,13 +146,13 @@ class LoadedProgram:
     def inputs_of(self, method: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Each input's shape and dtype, from the program's method metadata, without loading the method."""
         from executorch.exir.scalar_type import ScalarType
+        from executorch.exir.tensor import get_scalar_type
 
-        dtypes = {"FLOAT": torch.float32, "HALF": torch.float16, "BFLOAT16": torch.bfloat16, "LONG": torch.int64}
         meta = self._program.metadata(method)
         found = []
         for i in range(meta.num_inputs()):
             tensor = meta.input_tensor_meta(i)
-            found.append((tuple(int(d) for d in tensor.sizes()), dtypes[ScalarType(int(tensor.dtype())).name]))
+            found.append((tuple(int(d) for d in tensor.sizes()), get_scalar_type(ScalarType(int(tensor.dtype())))))
         return found
 
     def constant(self, method: str) -> Any:

@@ -29,7 +29,7 @@ class Slots:
         self.program, self.run = program, run
         names = str(program.constant(LORA_INPUTS_CONSTANT)).split(",")
         inputs = program.inputs_of(SET_ADAPTER)
-        self.geometry = SlotGeometry.of_inputs(names, [shape for shape, _ in inputs], inputs[0][1])
+        self.geometry = SlotGeometry.of_inputs(names, [shape for shape, _ in inputs], [dtype for _, dtype in inputs])
         self.current: str | None = None  # None: all zeros, the base
 
     def tensors_of(self, adapter: str) -> dict[str, torch.Tensor]:
@@ -64,17 +64,17 @@ class Slots:
     def check(self, adapter: str, tensors: dict[str, torch.Tensor]) -> None:
         """The tensors are exactly set_adapter's inputs: names, shapes and dtype."""
         shapes = self.geometry.input_shapes()
-        dtype = getattr(torch, self.geometry.dtype)
         if sorted(tensors) != sorted(shapes):
             raise SlotError(f"adapter {adapter} holds {', '.join(sorted(tensors))}, and this program's set_adapter "
                             f"takes {', '.join(self.geometry.input_names())} ({self.geometry.describe()}). It was "
                             "written for another program: write it for this one with python -m exporters.adapter "
                             "<run> <peft folder> out=<file.ptd>.")
         for name, shape in shapes.items():
-            got = tensors[name]
+            got, dtype = tensors[name], self.geometry.input_dtype(name)
             if tuple(got.shape) != shape or got.dtype != dtype:
-                raise SlotError(f"adapter {adapter}: {name} is {str(got.dtype).removeprefix('torch.')} "
-                                f"{list(got.shape)}, and this program's set_adapter takes {self.geometry.dtype} "
+                have, want = (str(t).removeprefix("torch.") for t in (got.dtype, dtype))
+                raise SlotError(f"adapter {adapter}: {name} is {have} {list(got.shape)}, and this program's "
+                                f"set_adapter takes {want} "
                                 f"{list(shape)} ({self.geometry.describe()}). It was written for another program "
                                 "(another base, rank or dtype): write it for this one with python -m "
                                 "exporters.adapter <run> <peft folder> out=<file.ptd>.")

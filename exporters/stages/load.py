@@ -23,7 +23,7 @@ from models.decoder import CausalLM
 from models.families import family_of_config
 from exporters.quant.schemes import DTYPES
 from models.lora import attach_adapters, read_adapter
-from models.lora_slots import attach_slots, pack, slot_geometry
+from models.lora_slots import INT8, attach_slots, pack, slot_geometry
 from models.vision import text_only
 
 log = logging.getLogger("exporters")
@@ -62,7 +62,7 @@ class LoadStage(Stage):
         slots = self.plan.decoder.methods.slots
         if slots is not None:  # swappable: PEFT's adapters stay the eager reference, the slots are what is exported
             dtype = DTYPES[str(self.plan.decoder.quant.config.dtype)]  # the activations' the slots multiply
-            geometry = slot_geometry(model, list(slots.targets), slots.rank, dtype)
+            geometry = slot_geometry(model, list(slots.targets), slots.rank, dtype, INT8 if slots.eight_bit else None)
             attach_slots(model, geometry)
             ctx.packed_adapters = {a.name: pack(a.name, a.config, a.matrices, geometry) for a in ctx.adapters}
         if draft is not None:
