@@ -90,6 +90,10 @@ Program = tuple[Path, list[str], dict[str, list[str]]]
 # before any adapter exists (export.adapters=swappable with no model.adapters).
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SLOTS_RANK = 16
+# --modes: each export.adapters mode measured, by its overrides.
+MODES = {"methods": [], "swappable": ["export.adapters=swappable"],
+         "swappable-8w": ["export.adapters=swappable", "quant.adapters=8w"]}
+BASE = "llm-exporters (base, no adapters)"  # --reference-base
 
 
 class Swapped:
@@ -376,7 +380,11 @@ def main() -> None:
     parser.add_argument("--ours-overrides", nargs="*", default=[],
                         help="more overrides for our exporter, e.g. export.weights=external (each adapter's own .ptd)")
     parser.add_argument("--modes", default="methods", help="export.adapters modes to export, comma-separated: "
-                        "methods (each adapter's own methods), swappable (slots set at run time)")
+                        "methods (each adapter's own methods), swappable (slots set at run time), swappable-8w "
+                        "(the same, set from 8-bit matrices: quant.adapters=8w)")
+    parser.add_argument("--reference-base", action="store_true",
+                        help="also export the base without adapters once, and time it in every count's rounds: "
+                             "the reference of each count's export time, memory and decode speed")
     parser.add_argument("--export-llm", action="store_true",
                         help="also export and measure the same with ExecuTorch's export_llm (multimethod LoRA)")
     args = parser.parse_args()
@@ -398,8 +406,14 @@ def main() -> None:
     texts = check_texts(checkpoint)
     reference = peft_logits(checkpoint, adapters, texts)
     modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"--modes {','.join(unknown)}: use {', '.join(MODES)}.")
     labels = {mode: "llm-exporters" if mode == "methods" else f"llm-exporters ({mode})" for mode in modes}
     rows: dict[str, list[dict]] = {label: [] for label in labels.values()}
+    base = export_ours(overrides, {}, out / "base") if args.reference_base else None
+    if base is not None:
+        rows[BASE] = []
     if args.export_llm:
         root = out / "export_llm"
         root.mkdir(parents=True, exist_ok=True)
@@ -411,11 +425,13 @@ def main() -> None:
     for n in counts:
         found = {}
         for mode, label in labels.items():
-            slots = [] if mode == "methods" else [f"export.adapters={mode}", *(
-                [f"export.lora_max_rank={SLOTS_RANK}", f"export.lora_targets=[{','.join(ALL_TARGETS)}]"] if n == 0
-                else [])]
+            slots = [*MODES[mode], *(
+                [f"export.lora_max_rank={SLOTS_RANK}", f"export.lora_targets=[{','.join(ALL_TARGETS)}]"]
+                if mode != "methods" and n == 0 else [])]
             found[label] = export_ours([*overrides, *slots], {k: adapters[k] for k in names[:n]},
                                        out / f"{mode}_{n}")
+        if base is not None:
+            found[BASE] = ({**base[0]}, base[1])
         if args.export_llm:
             found["export_llm"] = export_theirs(llm_overrides, {k: converted[k] for k in names[:n]},
                                                 root / f"adapters_{n}")

@@ -221,7 +221,8 @@ class QuantConfig:
     # Elements per group of the embedding's scheme; 0 = one scale per row.
     embedding_group_size: int = 32
     # Scheme of LoRA adapters' A and B matrices (model.adapters), a key of LINEAR_SCHEMES, or null: kept in
-    # the model's dtype (fp32 beside an 8da4w base). 8da8w stores them in 8 bits, one scale per row.
+    # the model's dtype (fp32 beside an 8da4w base). 8da8w stores them in 8 bits, one scale per row. With
+    # export.adapters=swappable only 8w: set_adapter and adapter files take the matrices in 8 bits, a scale per row.
     adapters: Optional[str] = None
     # How the linear layers' (and lm_head's) integer codes and scales are chosen: "hqq" as ExecuTorch's export_llm
     # does, "affine" (min/max), or "gptq": calibrated on quant.calibration's text (each column's rounding error
