@@ -114,10 +114,6 @@ class SlotGeometry:
         per_layer = sum(t.in_features + t.out_features for t in self.targets) * self.rank
         return self.layers * per_layer * getattr(torch, self.dtype).itemsize
 
-    def file_bytes(self) -> int:
-        """An adapter's tensors, as set_adapter takes them."""
-        return sum(math.prod(shape) * self.input_dtype(name).itemsize for name, shape in self.input_shapes().items())
-
     def to_json(self) -> dict[str, Any]:
         return {"layers": self.layers, "rank": self.rank, "dtype": self.dtype, "stored": self.stored,
                 "targets": [{"kind": t.kind, "block": t.block, "in_features": t.in_features,

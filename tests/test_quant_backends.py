@@ -246,6 +246,7 @@ def test_hqq_by_rows_is_torchaos_hqq_bit_for_bit(smollm2_truncated, bits: int, g
     assert intx._choose_qparams_and_quantize_scale_only_hqq is original
 
 
+@EXTENDED  # GPTQ and the size budget's choices are tested eagerly in the full run (tests/test_calibrated.py)
 def test_calibrated_mixed_program_records_its_text_and_choices_and_grows_as_estimated(real_exported) -> None:
     """quant=8da4w_calibrated quant.size_budget=1.05 (validated in the runtime by its export): GPTQ codes,
     the measured layers upgraded to 8 bits, the calibration text traced, and the file grown by the estimate."""

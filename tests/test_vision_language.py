@@ -93,7 +93,10 @@ def test_the_vision_encoder_computes_transformers_image_features(vlm_checkpoint,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+# LLaVA's program runs through exporters.generate (two images in one prompt, below) in the full run; through the stock
+# MultimodalRunner with -m extended, for the full run's time.
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.extended) if f == "llava" else f
+                                    for f in FAMILIES])
 def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_checkpoint, family: str,
                                                              tmp_path: Path) -> None:
     """ExecuTorch's MultimodalRunner (generate_hf: text | image | text, then one token at a time through

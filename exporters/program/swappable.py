@@ -142,8 +142,6 @@ def adapter_file(run: Path, name: str) -> Path:
     return run / ADAPTER_FOLDER / f"{name}.ptd"
 
 
-
-
 def products_after_projections() -> Any:
     """A pass (after ``to_edge``, before partitioning) moving each slot's product (its two ``bmm`` and the ``add``
     onto the layer's output) down to just before the first op that uses it.
