@@ -202,6 +202,13 @@ class DecoderArgs:
         return blockers
 
 
+def mean_last(h: torch.Tensor) -> torch.Tensor:
+    """The mean over the last dimension (kept) of ``[1, T, dim]`` or ``[1, T, heads, head_dim]``, as a 4-D mean over
+    dims (2, 3) with -1 views: the form XNNPACK delegates (it takes no mean over the last dim alone, which would end
+    the delegated partition there: one more delegate call per layer and step)."""
+    return h.view(1, -1, h.shape[-1], 1).mean(dim=(2, 3), keepdim=True).view(1, -1, *h.shape[2:-1], 1)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, exactly as transformers' ``LlamaRMSNorm`` or, with ``unit_offset``,
     ``GemmaRMSNorm`` (scale by ``1 + weight`` before casting back)."""
@@ -215,11 +222,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
-        if h.dim() in (3, 4):
-            # [1, T, dim], or [1, T, heads, head_dim] (Qwen3's and Gemma 3's q/k norms): a 4-D mean over dims (2, 3)
-            # with -1 views, the form XNNPACK delegates; a mean over the last dim alone would end the delegated
-            # partition there (one more delegate call per layer and step).
-            mean_sq = (h * h).view(1, -1, h.shape[-1], 1).mean(dim=(2, 3), keepdim=True).view(1, -1, *h.shape[2:-1], 1)
+        if h.dim() in (3, 4):  # [1, T, dim], or [1, T, heads, head_dim] (Qwen3's and Gemma 3's q/k norms)
+            mean_sq = mean_last(h * h)
         else:
             mean_sq = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(mean_sq + self.variance_epsilon)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.decoder import mean_last
 from models.errors import ModelError
 from models.vision import vision_language_of
 
@@ -98,6 +99,29 @@ class Idefics3Vision(VisionEncoder):
         return self.connector(h)
 
 
+class DelegatedLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` of a ``[1, P, D]`` fp32 input in ops XNNPACK delegates (ExecuTorch 1.5.1's XNNPACK takes no
+    ``layer_norm``: each of a ViT layer's two norms would end its partition and run on the portable kernels); the same
+    mean and biased variance, equal to the fused kernel within float rounding (tests/test_vision_language.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[0] != 1 or x.dtype != torch.float32:  # fp16 / bf16: the fused kernel's accuracy
+            return super().forward(x)
+        x = x.contiguous()  # a transposed input would make a transposed output, where the fused kernel's is contiguous
+        centered = x - mean_last(x)
+        return centered * torch.rsqrt(mean_last(centered * centered) + self.eps) * self.weight + self.bias
+
+
+def _delegated_norms(encoder: VisionEncoder) -> VisionEncoder:
+    """Every plain ``nn.LayerNorm`` of the encoder over one dimension, with weight and bias (CLIP's, SigLIP's),
+    computed as :class:`DelegatedLayerNorm` (the same parameters)."""
+    for module in encoder.modules():
+        if (type(module) is nn.LayerNorm and len(module.normalized_shape) == 1 and module.weight is not None
+                and module.bias is not None):
+            module.__class__ = DelegatedLayerNorm
+    return encoder
+
+
 ENCODERS: dict[str, type[VisionEncoder]] = {"llava": LlavaVision, "gemma3": Gemma3Vision, "idefics3": Idefics3Vision}
 
 
@@ -120,7 +144,7 @@ def load_vision_encoder(path: str, hf_config: Any) -> VisionEncoder:
     cls = getattr(transformers, hf_config.architectures[0])
     with _quiet_transformers():
         model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    return ENCODERS[family.name](model.config, *_parts(model)).eval()
+    return _delegated_norms(ENCODERS[family.name](model.config, *_parts(model))).eval()
 
 
 def vision_parameters(hf_config: Any) -> int:
@@ -151,7 +175,7 @@ def random_vision_encoder(hf_config: Any, seed: int = 0) -> VisionEncoder:
     with torch.no_grad():  # Gemma 3's projector starts at zero: random images would all embed to nothing
         for p in (p for part in parts for p in part.parameters() if p.dim() > 1 and not p.any()):
             p.normal_(0.0, 0.02)
-    return ENCODERS[family.name](hf_config, *parts).eval()
+    return _delegated_norms(ENCODERS[family.name](hf_config, *parts)).eval()
 
 
 class _quiet_transformers:

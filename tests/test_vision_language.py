@@ -119,6 +119,9 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     assert set(m.methods) == {"decode", "token_embedding", "text_decoder", VISION_METHOD}
     assert m.methods[VISION_METHOD].inputs[0].shape == [1, 3, vision.image_size, vision.image_size]
     assert m.methods["text_decoder"].inputs[0].name == "embeddings"
+    # The whole tower is one XNNPACK partition (LayerNorm in ops XNNPACK takes, no-op expands dropped); Gemma 3's
+    # projector norm, a mean over the last dim of [1, N, D], ends a second one.
+    assert m.methods[VISION_METHOD].delegated_partitions == (2 if family == "gemma3" else 1)
     # Four methods, each weight stored once: the decoder's (decode and text_decoder; the embedding table read by
     # decode and token_embedding) and the vision encoder's, all fp32 here.
     stored = m.program.storage["named_data_bytes"] + m.program.storage["constant_buffer_bytes"]

@@ -19,7 +19,7 @@ from exporters.program.backends import partitioners
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
 from exporters.program.constants import constant_methods
 from exporters.program.swappable import products_after_projections, slot_constants
-from exporters.program.vision import vision_constants
+from exporters.program.vision import noop_expands_dropped, vision_constants
 from exporters.stages.artifacts import CapturedMethods, LoweredProgram
 from exporters.stages.pipeline import ExportContext, Stage
 
@@ -102,7 +102,8 @@ class LowerStage(Stage):
         # partitioning, and XNNPACK names its weights by tensor rather than by content, so the program is the same
         # bytes whatever the weights.
         passes = ([tag_weights_by_data_file()] if external else []) + (
-            [products_after_projections()] if methods.slots is not None else [])
+            [products_after_projections()] if methods.slots is not None else []) + (
+            [noop_expands_dropped()] if plan.vision is not None else [])
         naming = xnnpack_keys_by_name(structure_namespace(programs)) if external else contextlib.nullcontext()
         with naming, lowering_shortcuts(plan.shortcuts):
             edge = to_edge_transform_and_lower(
