@@ -98,9 +98,8 @@ class SlotGeometry:
         inputs = {n: (shape, dtype) for n, shape, dtype in zip(names, shapes, dtypes, strict=True)}
         targets = [SlotTarget(n.removesuffix(".A"), "", shape[-2], inputs[n.removesuffix("A") + "B"][0][-1])
                    for n, (shape, _) in inputs.items() if n.endswith(".A")]
-        first_a, (a_shape, a_dtype) = next((n, v) for n, v in inputs.items() if n.endswith(".A"))
-        quantized = first_a + SCALE in inputs
-        slots_dtype = inputs[first_a + SCALE][1] if quantized else a_dtype
+        a_shape, a_dtype = inputs[names[0]]  # the first target's A: inputs start with it (input_shapes)
+        slots_dtype = inputs[names[0] + SCALE][1] if names[0] + SCALE in inputs else a_dtype
         return SlotGeometry(a_shape[0], a_shape[-1], tuple(targets), str(slots_dtype).removeprefix("torch."),
                             str(a_dtype).removeprefix("torch."))
 
@@ -296,8 +295,9 @@ def pack(name: str, config: Any, modules: Mapping[str, tuple[torch.Tensor, torch
 
 
 def _quantized(tensors: dict[str, torch.Tensor], geometry: SlotGeometry) -> dict[str, torch.Tensor]:
-    """Each matrix as int8 codes and a float scale per column of Aᵀ / (scale·B)ᵀ (per row of A and of scale·B, as
-    ``quant.adapters=8w`` quantizes an adapter's layers in the methods mode): symmetric, largest magnitude to 127."""
+    """Each matrix as int8 codes and a float scale per column of Aᵀ / (scale·B)ᵀ (per row of A and of scale·B):
+    symmetric, the largest magnitude to 127. (The methods mode's ``quant.adapters`` quantizes PEFT's layers with
+    torchao and HQQ instead; here the codes are what an app's file holds, made without torchao.)"""
     out = {}
     for name in geometry.input_names():
         if name.endswith(SCALE):

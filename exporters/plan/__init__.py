@@ -111,7 +111,7 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: boo
     from exporters.program.cache import check_kv_cache
     from exporters.program.draft import check_draft
     from exporters.program.methods import check_methods
-    from exporters.program.swappable import check_swappable, slot_plan
+    from exporters.program.swappable import base_quant, check_swappable, slot_plan
     from exporters.program.vision import check_vision, vision_geometry
     from exporters.program.weights import check_weights
     from exporters.quant.pt2e import check_pt2e
@@ -125,8 +125,7 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: boo
     check_family(cfg.model.family)
     check_adapter_folders(cfg.model.adapters)
     check_backend(cfg.backend, bench_runs(cfg, sweeping))
-    swappable = cfg.export.adapters == AdapterMode.swappable  # its quant.adapters is the slots' (check_swappable)
-    check_quant(dataclasses.replace(cfg.quant, adapters=None) if swappable else cfg.quant, cfg.backend)
+    check_quant(base_quant(cfg), cfg.backend)  # swappable slots' quant.adapters: check_swappable
     check_pt2e(cfg.quant, cfg.backend, list(cfg.model.adapters))
     check_swappable(cfg)
     slot_plan(cfg)
@@ -160,7 +159,7 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
     """The plan of a config that passed :func:`check_config`."""
     from exporters.program.draft import draft_component
     from exporters.program.methods import MethodTable, with_verify
-    from exporters.program.swappable import slot_plan
+    from exporters.program.swappable import base_quant, slot_plan
     from exporters.program.vision import vision_component, vision_geometry, with_multimodal
 
     _closed_sets()
@@ -173,10 +172,7 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
     decoder = Component(
         name="decoder", kind=ComponentKind.decoder,
         build=ModelBuild(cfg.model, state, backend.attention),
-        # Swappable slots take the adapters' matrices in 8 bits themselves (quant.adapters=8w); PEFT's adapters, the
-        # eager reference, stay as trained.
-        quant=QuantPlan(dataclasses.replace(cfg.quant, adapters=None) if ex.adapters == AdapterMode.swappable
-                        else cfg.quant, ex.tied_embedding, shortcuts),
+        quant=QuantPlan(base_quant(cfg), ex.tied_embedding, shortcuts),
         # Aliases (forward = prefill) are emitted as renamed plans, a shortcut through the emitter's internals.
         methods=MethodTable.of(with_multimodal(with_verify(ex.methods, cfg.draft), geometry), layout, lengths,
                                list(cfg.model.adapters), share_graphs=shortcuts, slots=slot_plan(cfg)))

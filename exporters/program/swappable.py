@@ -9,7 +9,7 @@ its tensors named as ``set_adapter``'s inputs (:data:`ADAPTER_FOLDER`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ from exporters.config import AdapterMode, RotationKind
 from exporters.errors import UserError
 
 if TYPE_CHECKING:
-    from exporters.config import ExportConfig
+    from exporters.config import ExportConfig, QuantConfig
     from models.lora_slots import SlotGeometry
 
 # quant.adapters with swappable slots: the adapters' matrices set (and shipped) as int8 with a scale per row.
@@ -103,6 +103,15 @@ def slot_plan(cfg: ExportConfig) -> SlotPlan | None:
                             f"{', '.join(sorted(too_big))}), above export.lora_max_rank={rank}. Raise "
                             "export.lora_max_rank, or leave it unset to take the adapters' largest rank.")
     return SlotPlan(targets, rank, eight_bit=cfg.quant.adapters == EIGHT_BIT_SLOTS)
+
+
+def base_quant(cfg: ExportConfig) -> QuantConfig:
+    """The quant config of the model's own layers. With swappable slots ``quant.adapters`` is how ``set_adapter``
+    takes the adapters' matrices (:data:`EIGHT_BIT_SLOTS`), not a scheme for PEFT's layers: they stay as trained, the
+    eager reference, and no backend kernel runs them."""
+    if cfg.export.adapters != AdapterMode.swappable:
+        return cfg.quant
+    return replace(cfg.quant, adapters=None)
 
 
 def check_swappable(cfg: ExportConfig) -> None:
