@@ -50,7 +50,38 @@ def gemma3_4b() -> Any:
         architectures=["Gemma3ForConditionalGeneration"])
 
 
-SHAPES: dict[str, Callable[[], Any]] = {"smolvlm-256m": smolvlm_256m, "gemma3-4b": gemma3_4b}
+def _lfm2_vl(text: str, width: int, ffn: int, layers: int, heads: int) -> Any:
+    """LFM2-VL: SigLIP2 NaFlex (patches of 16, a 16 x 16 position grid) pixel-unshuffled by 2 into a two-layer
+    projector 2048 wide (no norm), beside an LFM2 decoder of ``benchmarks.presets``. The values are the published
+    config.json's, as a public loader pins them against the hub's tensor headers."""
+    from transformers import Lfm2VlConfig, Siglip2VisionConfig
+
+    from benchmarks.presets import PRESETS
+
+    decoder = PRESETS[text].hf_config()
+    decoder.architectures = None
+    return Lfm2VlConfig(
+        text_config=decoder,
+        vision_config=Siglip2VisionConfig(hidden_size=width, intermediate_size=ffn, num_hidden_layers=layers,
+                                          num_attention_heads=heads, patch_size=16, num_patches=256,
+                                          vision_use_head=False),
+        downsample_factor=2, projector_hidden_size=2048, projector_use_layernorm=False, image_token_id=396,
+        tie_word_embeddings=True, architectures=["Lfm2VlForConditionalGeneration"])
+
+
+def lfm2_vl_450m() -> Any:
+    """LFM2-VL-450M: SigLIP2 NaFlex base (768 wide x 12 layers), LFM2-350M's decoder. Without processor files the
+    program takes LFM2-VL's default budget of 256 positions: 512 x 512 images."""
+    return _lfm2_vl("lfm2-350m", 768, 3072, 12, 12)
+
+
+def lfm2_vl_1_6b() -> Any:
+    """LFM2-VL-1.6B: SigLIP2 NaFlex so400m (1152 wide x 27 layers), LFM2-1.2B's decoder."""
+    return _lfm2_vl("lfm2-1.2b", 1152, 4304, 27, 16)
+
+
+SHAPES: dict[str, Callable[[], Any]] = {"smolvlm-256m": smolvlm_256m, "gemma3-4b": gemma3_4b,
+                                        "lfm2-vl-450m": lfm2_vl_450m, "lfm2-vl-1.6b": lfm2_vl_1_6b}
 
 
 def write_shape(name: str, out: Path) -> Path:

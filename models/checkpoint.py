@@ -22,6 +22,7 @@ import torch
 from models.decoder import CausalLM
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE
+from models.vision import PROCESSOR_FILES
 from models.families import decoder_args, tensor_namer
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 WEIGHTS_INDEX = "model.safetensors.index.json"
 # Copied next to the program: what the runner and chat templates need.
 TOKENIZER_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                        CHAT_TEMPLATE_FILE, "processor_config.json", "preprocessor_config.json")
+                        CHAT_TEMPLATE_FILE, *PROCESSOR_FILES)
 # Buffers some checkpoints carry that this decoder recomputes itself.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 

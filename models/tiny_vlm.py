@@ -83,8 +83,30 @@ def _idefics3() -> tuple[Any, Any]:
     return config, processor
 
 
+def _lfm2_vl() -> tuple[Any, Any]:
+    """A conv layer and an attention layer (the hybrid decoder); SigLIP2's 2 x 2 position grid resized to the 4 x 4
+    patches of a 32 px image (as the hub's 16 x 16 grid to 32 x 32 at 512 px), pixel-unshuffled to 4 positions."""
+    from transformers import Lfm2Config, Lfm2VlConfig, Lfm2VlProcessor, Siglip2VisionConfig
+
+    from models.lfm2_vl_images import Lfm2VlSquareImages
+
+    tok = _tokenizer({"image_token": "<image>", "image_start_token": "<|image_start|>",
+                      "image_end_token": "<|image_end|>", "image_thumbnail_token": "<|img_thumbnail|>"})
+    config = Lfm2VlConfig(
+        vision_config=Siglip2VisionConfig(**VISION_ARCH, patch_size=8, num_patches=4, vision_use_head=False),
+        text_config=Lfm2Config(**TEXT_ARCH, layer_types=["conv", "full_attention"], vocab_size=len(tok),
+                               bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=0),
+        downsample_factor=2, projector_hidden_size=32, image_token_id=tok.image_token_id,
+        architectures=["Lfm2VlForConditionalGeneration"])
+    images = Lfm2VlSquareImages(encoder_patch_size=8, downsample_factor=2, do_image_splitting=False,
+                                min_image_tokens=IMAGE_TOKENS, max_image_tokens=IMAGE_TOKENS, tile_size=32,
+                                use_thumbnail=False)
+    return config, Lfm2VlProcessor(images, tok)
+
+
 #: family (``models.vision.VisionLanguage.name``) -> its tiny config and processor.
-TINY_VLM: dict[str, Callable[[], tuple[Any, Any]]] = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3}
+TINY_VLM: dict[str, Callable[[], tuple[Any, Any]]] = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3,
+                                                      "lfm2_vl": _lfm2_vl}
 
 
 def write_tiny_vlm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, train_steps: int = 100) -> Path:

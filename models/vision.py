@@ -10,7 +10,9 @@ and :func:`text_tensor_name`, so the decoder is built and loaded as from a text 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from models.errors import ModelError
@@ -33,9 +35,10 @@ class VisionLanguage:
     architectures: tuple[str, ...]
     # Prefixes of the tensors that are not the text decoder's (the vision tower and the projector), every layout.
     vision_prefixes: tuple[str, ...]
-    # config -> (S, N): the square every image is resized to, and the embedding positions it takes in the decoder;
-    # None for a family whose vision encoder is not built yet: its checkpoint exports its text decoder alone.
-    geometry: Callable[[Any], tuple[int, int]] | None
+    # (config, the processor's saved fields) -> (S, N): the square every image is resized to, and the embedding
+    # positions it takes in the decoder; None for a family whose vision encoder is not built yet: its checkpoint
+    # exports its text decoder alone.
+    geometry: Callable[[Any, dict[str, Any]], tuple[int, int]] | None
 
     def image_token_id(self, hf_config: Any) -> int:
         """The token each image position takes in a prompt (the config's, not the processor's: Gemma 3's processor
@@ -47,20 +50,42 @@ def _patches(vision_config: Any) -> int:
     return (vision_config.image_size // vision_config.patch_size) ** 2
 
 
-def _llava_geometry(cfg: Any) -> tuple[int, int]:
+def _llava_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
     """CLIP's patches, plus its class token unless the ``default`` strategy drops it."""
     extra = 0 if cfg.vision_feature_select_strategy == "default" else 1
     return cfg.vision_config.image_size, _patches(cfg.vision_config) + extra
 
 
-def _gemma3_geometry(cfg: Any) -> tuple[int, int]:
+def _gemma3_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
     """SigLIP's patches average-pooled to ``mm_tokens_per_image``."""
     return cfg.vision_config.image_size, int(cfg.mm_tokens_per_image)
 
 
-def _idefics3_geometry(cfg: Any) -> tuple[int, int]:
+def _idefics3_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
     """SigLIP's patches, pixel-shuffled by ``scale_factor`` in each direction."""
     return cfg.vision_config.image_size, _patches(cfg.vision_config) // cfg.scale_factor**2
+
+
+def _lfm2_vl_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
+    """One square image of ``max_image_tokens`` positions (SigLIP2's patches, pixel-unshuffled by
+    ``downsample_factor``): the processor's token budget fixes the side, as its tiles are squares."""
+    from models.lfm2_vl_images import LFM2_VL_DEFAULTS, square_side
+
+    for key, ours in (("encoder_patch_size", cfg.vision_config.patch_size), ("downsample_factor", cfg.downsample_factor)):
+        theirs = processor.get(key, LFM2_VL_DEFAULTS[key])
+        if theirs != ours:
+            raise ModelError(f"the processor's {key}={theirs} and config.json's {ours} disagree: the processor files "
+                             "are not this checkpoint's. Copy the checkpoint's own processor_config.json beside it.")
+    try:
+        return square_side(processor)
+    except ValueError as e:
+        raise ModelError(f"the processor's {e}. Set max_image_tokens in processor_config.json to a square.") from None
+
+
+def _lfm2_vl_processor(folder: Path) -> Any:
+    from models.lfm2_vl_images import lfm2_vl_processor
+
+    return lfm2_vl_processor(folder)
 
 
 _TOWER_AND_PROJECTOR = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
@@ -70,10 +95,52 @@ VISION_LANGUAGE: tuple[VisionLanguage, ...] = (
     VisionLanguage("gemma3", ("Gemma3ForConditionalGeneration",), _TOWER_AND_PROJECTOR, _gemma3_geometry),
     VisionLanguage("idefics3", ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
                    ("model.vision_model.", "model.connector."), _idefics3_geometry),
+    # LFM2-VL: SigLIP2 (NaFlex) beside an LFM2 decoder; one square image per picture (no tiles).
+    VisionLanguage("lfm2_vl", ("Lfm2VlForConditionalGeneration",), _TOWER_AND_PROJECTOR, _lfm2_vl_geometry),
     # Every Qwen3.5 on the hub is this class; its ViT (2D rotary patches, M-RoPE positions in the decoder) is not built,
     # so its text decoder exports alone, as transformers' Qwen3_5ForCausalLM loads it from the same files.
     VisionLanguage("qwen3_5", ("Qwen3_5ForConditionalGeneration",), ("model.visual.",), None),
 )
+
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def processor_settings(folder: Path) -> dict[str, Any]:
+    """The image processor's fields saved beside a checkpoint: ``processor_config.json``'s (its ``image_processor``)
+    over ``preprocessor_config.json``'s (the hub's checkpoints carry either or both, neither always a superset); {}
+    for a folder without them (a random-weight shape)."""
+    settings: dict[str, Any] = {}
+    for name in reversed(PROCESSOR_FILES):
+        path = Path(folder) / name
+        if path.is_file():
+            raw = json.loads(path.read_text())
+            settings.update(raw.get("image_processor", raw))
+    return settings
+
+
+# Processors (by the class their saved files name) that transformers cannot load here, and what we load instead.
+OWN_PROCESSORS: dict[str, Callable[[Path], Any]] = {"Lfm2VlProcessor": _lfm2_vl_processor}
+
+
+def load_processor(folder: Path) -> Any:
+    """The processor saved in ``folder`` (a checkpoint or a run): transformers' own, or ours where its own needs
+    what this project cannot install (:data:`OWN_PROCESSORS`)."""
+    saved = Path(folder) / PROCESSOR_FILES[0]
+    named = json.loads(saved.read_text()).get("processor_class") if saved.is_file() else None
+    named = named or processor_settings(folder).get("processor_class")
+    if named in OWN_PROCESSORS:
+        return OWN_PROCESSORS[named](Path(folder))
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+
+
+def geometry_of(hf_config: Any, folder: str | Path | None) -> tuple[int, int]:
+    """(S, N) of a vision-language checkpoint: its config, and the processor's files in ``folder`` (if any)."""
+    family = vision_language_of(hf_config)
+    assert family is not None and family.geometry is not None, "a vision-language config whose encoder is built"
+    return family.geometry(hf_config, processor_settings(Path(folder)) if folder is not None else {})
 
 
 def vision_language_of(hf_config: Any) -> VisionLanguage | None:

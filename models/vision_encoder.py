@@ -9,6 +9,7 @@ tests/test_vision_language.py.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,18 +17,16 @@ from torch import nn
 
 from models.decoder import mean_last
 from models.errors import ModelError
-from models.vision import vision_language_of
+from models.vision import geometry_of, vision_language_of
 
 
 class VisionEncoder(nn.Module):
     """``forward(pixels [1, 3, S, S]) -> [1, N, hidden]``: one image, the positions it takes in the text decoder."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, geometry: tuple[int, int]) -> None:
         super().__init__()
-        family = vision_language_of(config)
-        assert family is not None and family.geometry is not None, "a vision-language config whose encoder is built"
         # S: the square the processor resizes every image to; N: embedding positions per image.
-        self.image_size, self.tokens = family.geometry(config)
+        self.image_size, self.tokens = geometry
         self.compute_dtype = torch.float32  # what its weights and activations are in (quant.vision)
         self.out_dtype = torch.float32  # what the text decoder takes: MultimodalRunner converts nothing
 
@@ -47,8 +46,8 @@ class LlavaVision(VisionEncoder):
     """CLIP's layers up to ``vision_feature_layer`` (the later ones are never read: left out), the class token
     dropped (``default`` strategy), the projector."""
 
-    def __init__(self, config: Any, tower: nn.Module, projector: nn.Module) -> None:
-        super().__init__(config)
+    def __init__(self, config: Any, geometry: tuple[int, int], tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__(config, geometry)
         layer, strategy = config.vision_feature_layer, config.vision_feature_select_strategy
         if not isinstance(layer, int):
             raise ModelError(f"vision_feature_layer={layer}: features concatenated from several CLIP layers are not "
@@ -71,8 +70,8 @@ class Gemma3Vision(VisionEncoder):
     """SigLIP's last hidden state, then Gemma 3's projector (average pooled to ``mm_tokens_per_image``, normed,
     projected). Gemma's image features are not multiplied by the text embedding scale."""
 
-    def __init__(self, config: Any, tower: nn.Module, projector: nn.Module) -> None:
-        super().__init__(config)
+    def __init__(self, config: Any, geometry: tuple[int, int], tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__(config, geometry)
         self.tower, self.projector = tower, projector
 
     def features(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -84,8 +83,8 @@ class Idefics3Vision(VisionEncoder):
     a linear). A whole image's patch positions are 0..P-1, a constant here: transformers derives them with
     ``torch.bucketize``, which ExecuTorch has no kernel for."""
 
-    def __init__(self, config: Any, tower: nn.Module, projector: nn.Module) -> None:
-        super().__init__(config)
+    def __init__(self, config: Any, geometry: tuple[int, int], tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__(config, geometry)
         self.patch_embedding = tower.embeddings.patch_embedding
         self.position_embedding = tower.embeddings.position_embedding
         self.encoder, self.post_layernorm = tower.encoder, tower.post_layernorm
@@ -99,13 +98,45 @@ class Idefics3Vision(VisionEncoder):
         return self.connector(h)
 
 
+class Lfm2VlVision(VisionEncoder):
+    """LFM2-VL's SigLIP2 (NaFlex) on one whole S x S image, then the projector (pixel unshuffle, norm, two linears).
+    transformers resizes the position grid to each image's patch grid (antialiased bilinear, sizes read from the
+    input): at one fixed size that is a constant, computed here once by transformers' own function. Its patch
+    embedding is a linear on the processor's patch rows; the same weights as a stride-p convolution take the
+    ``[1, 3, S, S]`` image the runner feeds (the rows' layout, channel fastest, folded into the kernel)."""
+
+    def __init__(self, config: Any, geometry: tuple[int, int], tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__(config, geometry)
+        embeddings, p = tower.embeddings, config.vision_config.patch_size
+        self.grid = self.image_size // p  # patches per side
+        linear = embeddings.patch_embedding
+        self.patch_embedding = nn.Conv2d(config.vision_config.num_channels, linear.out_features, p, stride=p)
+        with torch.no_grad():
+            self.patch_embedding.weight.copy_(linear.weight.view(linear.out_features, p, p, -1).permute(0, 3, 1, 2))
+            self.patch_embedding.bias.copy_(linear.bias)
+            side = embeddings.position_embedding_size
+            grid = embeddings.position_embedding.weight.reshape(side, side, -1)
+            positions = embeddings.resize_positional_embeddings(grid, torch.tensor([[self.grid, self.grid]]),
+                                                                self.grid**2)
+        self.register_buffer("positions", positions, persistent=False)
+        self.encoder, self.post_layernorm = tower.encoder, tower.post_layernorm
+        self.projector = projector
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        h = self.patch_embedding(pixels).flatten(2).transpose(1, 2) + self.positions
+        h = self.post_layernorm(self.encoder(inputs_embeds=h).last_hidden_state)
+        return self.projector(h.reshape(1, self.grid, self.grid, -1)).reshape(1, self.tokens, -1)
+
+
 class DelegatedLayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` of a ``[1, P, D]`` fp32 input in ops XNNPACK delegates (ExecuTorch 1.5.1's XNNPACK takes no
-    ``layer_norm``: each of a ViT layer's two norms would end its partition and run on the portable kernels); the same
-    mean and biased variance, equal to the fused kernel within float rounding (tests/test_vision_language.py)."""
+    """``nn.LayerNorm`` of a ``[1, P, D]`` (or ``[1, H, W, D]``: LFM2-VL's projector) fp32 input in ops XNNPACK
+    delegates (ExecuTorch 1.5.1's XNNPACK takes no ``layer_norm``: each of a ViT layer's two norms would end its
+    partition and run on the portable kernels); the same mean and biased variance, equal to the fused kernel within
+    float rounding (tests/test_vision_language.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 3 or x.shape[0] != 1 or x.dtype != torch.float32:  # fp16 / bf16: the fused kernel's accuracy
+        # fp16 / bf16 keep the fused kernel's accuracy
+        if x.dim() not in (3, 4) or x.shape[0] != 1 or x.dtype != torch.float32:
             return super().forward(x)
         x = x.contiguous()  # a transposed input would make a transposed output, where the fused kernel's is contiguous
         centered = x - mean_last(x)
@@ -122,7 +153,8 @@ def _delegated_norms(encoder: VisionEncoder) -> VisionEncoder:
     return encoder
 
 
-ENCODERS: dict[str, type[VisionEncoder]] = {"llava": LlavaVision, "gemma3": Gemma3Vision, "idefics3": Idefics3Vision}
+ENCODERS: dict[str, type[VisionEncoder]] = {"llava": LlavaVision, "gemma3": Gemma3Vision, "idefics3": Idefics3Vision,
+                                            "lfm2_vl": Lfm2VlVision}
 
 
 def _parts(model: Any) -> tuple[nn.Module, nn.Module]:
@@ -144,7 +176,8 @@ def load_vision_encoder(path: str, hf_config: Any) -> VisionEncoder:
     cls = getattr(transformers, hf_config.architectures[0])
     with _quiet_transformers():
         model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    return _delegated_norms(ENCODERS[family.name](model.config, *_parts(model))).eval()
+    geometry = geometry_of(model.config, path)
+    return _delegated_norms(ENCODERS[family.name](model.config, geometry, *_parts(model))).eval()
 
 
 def vision_parameters(hf_config: Any) -> int:
@@ -157,9 +190,10 @@ def vision_parameters(hf_config: Any) -> int:
     return sum(p.numel() for part in _parts(layout) for p in part.parameters())
 
 
-def random_vision_encoder(hf_config: Any, seed: int = 0) -> VisionEncoder:
+def random_vision_encoder(hf_config: Any, seed: int = 0, folder: str | Path | None = None) -> VisionEncoder:
     """The vision encoder of ``hf_config``'s shape with seeded random weights (transformers' own initialization),
-    built alone: the whole model is only laid out on the meta device to find the tower's and projector's classes."""
+    built alone: the whole model is only laid out on the meta device to find the tower's and projector's classes.
+    ``folder``: where the processor's files are, if the shape has them."""
     import transformers
 
     family = vision_language_of(hf_config)
@@ -175,7 +209,7 @@ def random_vision_encoder(hf_config: Any, seed: int = 0) -> VisionEncoder:
     with torch.no_grad():  # Gemma 3's projector starts at zero: random images would all embed to nothing
         for p in (p for part in parts for p in part.parameters() if p.dim() > 1 and not p.any()):
             p.normal_(0.0, 0.02)
-    return _delegated_norms(ENCODERS[family.name](hf_config, *parts)).eval()
+    return _delegated_norms(ENCODERS[family.name](hf_config, geometry_of(hf_config, folder), *parts)).eval()
 
 
 class _quiet_transformers:

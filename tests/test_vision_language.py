@@ -1,4 +1,5 @@
-"""Vision-language checkpoints (LLaVA, Gemma 3, Idefics3 / SmolVLM): tiny ones built by transformers' own classes.
+"""Vision-language checkpoints (LLaVA, Gemma 3, Idefics3 / SmolVLM, LFM2-VL): tiny ones built by transformers' own
+classes.
 
 Fast: each family's text decoder and vision encoder against transformers eagerly; every refusal at the config
 check. Slow: one program per family, with vision_encoder, token_embedding and text_decoder beside decode_one_token, run by
@@ -16,7 +17,7 @@ import torch
 
 from exporters.errors import UserError
 from exporters.export import checked_config
-from exporters.program.vision import IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD
+from exporters.program.vision import IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD, program_pixels
 from exporters.release.bundle import make_bundle
 from exporters.runtime.generator import Generator, SamplingConfig
 from models.checkpoint import build_model, open_checkpoint
@@ -31,7 +32,7 @@ NEW_TOKENS = 8
 # graphs to lower: the suite's time), named as apps that share memory arenas name them.
 PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=32")
 # Where the prompt's image goes: the processor expands this into the image's tokens (Gemma 3's begin-of-image token).
-IMAGE_MARK = {"llava": "<image>", "gemma3": "<start_of_image>", "idefics3": "<image>"}
+IMAGE_MARK = {"llava": "<image>", "gemma3": "<start_of_image>", "idefics3": "<image>", "lfm2_vl": "<image>"}
 
 
 def transformers_vlm(ckpt: Path):  # type: ignore[no-untyped-def]
@@ -53,11 +54,28 @@ def prompt_of(family: str) -> str:
 
 
 def processed(ckpt: Path, family: str):  # type: ignore[no-untyped-def]
-    """A 50x40 picture and a prompt around it, as the checkpoint's own processor makes them."""
-    from transformers import AutoProcessor
+    """A 50x40 picture and a prompt around it, as the checkpoint's own processor makes them (LFM2-VL's: ours, on
+    transformers' SigLIP2 one, as transformers' needs torchvision)."""
+    from models.vision import load_processor
 
-    return AutoProcessor.from_pretrained(ckpt)(images=picture(), text=prompt_of(family),
-                                              return_tensors="pt")  # a BatchFeature, as generate_hf takes
+    return load_processor(ckpt)(images=picture(), text=prompt_of(family),
+                                return_tensors="pt")  # a BatchFeature, as generate_hf takes
+
+
+def transformers_features(ref, family: str, pixels: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """transformers' image features of one ``[1, 3, S, S]`` image, given as each family's processor writes it."""
+    if family == "lfm2_vl":  # SigLIP2 NaFlex: patch rows (channel fastest), the grid, a mask of real patches
+        patch = ref.config.vision_config.patch_size
+        grid = pixels.shape[-1] // patch
+        rows = pixels.reshape(1, 3, grid, patch, grid, patch).permute(0, 2, 4, 3, 5, 1).reshape(1, grid**2, -1)
+        args = (rows, torch.tensor([[grid, grid]]), torch.ones(1, grid**2, dtype=torch.int32))
+        features = ref.model.get_image_features(*args).pooler_output
+    else:
+        features = ref.model.get_image_features(pixels.unsqueeze(1) if family == "idefics3" else pixels,
+                                                **({"vision_feature_layer": ref.config.vision_feature_layer,
+                                                    "vision_feature_select_strategy": "default"}
+                                                   if family == "llava" else {})).pooler_output
+    return features[0] if isinstance(features, (list, tuple)) else features
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -83,11 +101,7 @@ def test_the_vision_encoder_computes_transformers_image_features(vlm_checkpoint,
     pixels = torch.rand(1, 3, encoder.image_size, encoder.image_size, generator=torch.Generator().manual_seed(0)) * 2 - 1
     with torch.no_grad():
         ours = encoder(pixels)
-        features = ref.model.get_image_features(pixels.unsqueeze(1) if family == "idefics3" else pixels,
-                                                **({"vision_feature_layer": ref.config.vision_feature_layer,
-                                                    "vision_feature_select_strategy": "default"}
-                                                   if family == "llava" else {})).pooler_output
-    features = features[0] if isinstance(features, (list, tuple)) else features
+        features = transformers_features(ref, family, pixels)
     assert ours.shape == (1, TINY_IMAGE_TOKENS, ref.config.text_config.hidden_size)
     torch.testing.assert_close(ours, features.reshape(ours.shape), atol=1e-5, rtol=0)
 
@@ -134,15 +148,15 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     assert json.loads((run / "processor_config.json").read_text()) == json.loads((ckpt / "processor_config.json").read_text())
 
     inputs = processed(ckpt, family)
-    if inputs["pixel_values"].dim() == 5:  # Idefics3: (batch, images, 3, S, S), one image
-        inputs["pixel_values"] = inputs["pixel_values"][:, 0]
+    reference = {k: v for k, v in inputs.items() if k != "token_type_ids"}  # what transformers takes
+    # What the runner takes: one image [1, 3, S, S] (Idefics3 adds an images dimension; LFM2-VL writes patch rows).
+    inputs = transformers.BatchFeature({k: v for k, v in inputs.items() if k not in ("spatial_shapes",
+                                                                                   "pixel_attention_mask")})
+    inputs["pixel_values"] = program_pixels(reference, vision.image_size)
     runner = MultimodalRunner(str(result.pte_path), str(run / "tokenizer.json"))
     pieces: list[str] = []
     generate_hf(runner, inputs=inputs, config=GenerationConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False),
                 image_token_id=config.image_token_id, token_callback=pieces.append)
-    reference = {k: v for k, v in inputs.items() if k != "token_type_ids"}
-    if family == "idefics3":
-        reference["pixel_values"] = reference["pixel_values"].unsqueeze(1)
     with torch.no_grad():
         generated = transformers_vlm(ckpt).generate(**reference, max_new_tokens=NEW_TOKENS, do_sample=False)
     from transformers import AutoTokenizer
@@ -170,6 +184,39 @@ def test_what_a_vision_language_export_cannot_do_is_refused_before_any_work(vlm_
                                                                              says: str) -> None:
     with pytest.raises(UserError, match=says.replace(".", r"\.")):
         checked_config(compose_config("model=hf", f"model.checkpoint={vlm_checkpoint('llava')}", *overrides))
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"max_image_tokens": 12}, "max_image_tokens=12 is not a square"),
+    ({"encoder_patch_size": 16}, "encoder_patch_size=16 and config.json's 8 disagree"),
+])
+def test_lfm2_vl_processors_that_make_no_single_square_are_refused_before_any_work(vlm_checkpoint, tmp_path: Path,
+                                                                                   change: dict, says: str) -> None:
+    """LFM2-VL's program takes one S x S image whose side the processor's token budget fixes: a budget that is no
+    square, or processor files of another checkpoint, are refused at the config check."""
+    import shutil
+
+    from models.errors import ModelError
+
+    ckpt = shutil.copytree(vlm_checkpoint("lfm2_vl"), tmp_path / "ckpt")
+    saved = json.loads((ckpt / "processor_config.json").read_text())
+    saved["image_processor"].update(change)
+    (ckpt / "processor_config.json").write_text(json.dumps(saved))
+    with pytest.raises(ModelError, match=says):
+        checked_config(compose_config("model=hf", f"model.checkpoint={ckpt}", "export.max_seq_len=32"))
+
+
+def test_patch_rows_of_another_grid_are_refused_and_one_square_folds_back_into_pixels() -> None:
+    """A NaFlex processor's output (patch rows, the grid, a mask) becomes the [n, 3, S, S] pixels vision_encoder
+    takes, exactly; rows of another grid (a processor that kept a picture's aspect ratio) are refused by name."""
+    pixels = torch.rand(2, 3, 32, 32)
+    rows = pixels.reshape(2, 3, 4, 8, 4, 8).permute(0, 2, 4, 3, 5, 1).reshape(2, 16, 192)
+    made = {"pixel_values": rows, "spatial_shapes": torch.tensor([[4, 4], [4, 4]]),
+            "pixel_attention_mask": torch.ones(2, 16, dtype=torch.int32)}
+    assert torch.equal(program_pixels(made, 32), pixels)
+    made["spatial_shapes"] = torch.tensor([[4, 4], [2, 8]])
+    with pytest.raises(UserError, match="made a 16x64 image and the program's vision_encoder takes 32x32"):
+        program_pixels(made, 32)
 
 
 def test_quant_vision_on_a_text_checkpoint_is_refused(tiny_checkpoint) -> None:
@@ -257,7 +304,8 @@ def test_random_weights_of_a_vision_language_shape_give_the_decoder_what_it_take
 
 
 @pytest.mark.parametrize("shape,family,size,positions,millions", [("smolvlm-256m", "idefics3", 512, 64, 93.51),
-                                                                  ("gemma3-4b", "gemma3", 896, 256, 419.82)])
+                                                                  ("gemma3-4b", "gemma3", 896, 256, 419.82),
+                                                                  ("lfm2-vl-450m", "lfm2_vl", 512, 256, 94.23)])
 def test_the_published_shapes_plan_the_programs_their_numbers_are_of(tmp_path: Path, shape: str, family: str,
                                                                      size: int, positions: int,
                                                                      millions: float) -> None:

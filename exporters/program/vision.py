@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from exporters.errors import UserError, check_choice
 from exporters.plan.component import Component, ComponentKind, QuantPlan
 from exporters.plan.lengths import Lengths
 from exporters.program.methods import MULTIMODAL_METHODS, MethodSpec, MethodTable
+from models.vision import PROCESSOR_FILES, load_processor, processor_settings
 
 if TYPE_CHECKING:
     from exporters.footprint import Footprint
@@ -75,7 +77,7 @@ def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
     family = vision_language_of(hf_config)
     if family is None or family.geometry is None or getattr(hf_config, "vision_config", None) is None:
         return None  # text only (models.vision.text_only), or an incomplete config: load names what is missing
-    size, tokens = family.geometry(hf_config)
+    size, tokens = family.geometry(hf_config, processor_settings(path))
     return VisionGeometry(family.name, size, tokens, family.image_token_id(hf_config))
 
 
@@ -148,7 +150,7 @@ class VisionBuild:
         from models.vision_encoder import load_vision_encoder, random_vision_encoder
 
         if self.model.random_init:
-            return random_vision_encoder(checkpoint.hf_config, self.model.seed)
+            return random_vision_encoder(checkpoint.hf_config, self.model.seed, checkpoint.path)
         return load_vision_encoder(str(checkpoint.path), checkpoint.hf_config)
 
 
@@ -198,9 +200,6 @@ def vision_constants(geometry: VisionGeometry) -> dict[str, Any]:
     return {IMAGE_SIZE: geometry.image_size, IMAGE_TOKENS: geometry.tokens, IMAGE_TOKEN_ID: geometry.image_token_id}
 
 
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
-
-
 def noop_expands_dropped() -> Any:
     """A pass (after ``to_edge``, before partitioning) replacing each ``expand_copy`` to its input's own shape by its
     input. The eager attention of the vision towers (transformers' 4-D ``matmul``) traces to such expands, which
@@ -228,21 +227,33 @@ def noop_expands_dropped() -> Any:
 def preprocessing(folder: Path) -> dict[str, Any]:
     """The processor's rescale factor, mean and std (and how it resizes), from its saved config: what an app does
     to a picture before vision_encoder."""
-    for name in PROCESSOR_FILES:
-        path = folder / name
-        if path.is_file():
-            raw = json.loads(path.read_text())
-            raw = raw.get("image_processor", raw)
-            return {key: raw[key] for key in ("rescale_factor", "image_mean", "image_std", "size", "resample",
-                                              "do_image_splitting") if key in raw}
-    return {}
+    settings = processor_settings(folder)
+    return {key: settings[key] for key in ("rescale_factor", "image_mean", "image_std", "size", "resample",
+                                           "do_image_splitting") if key in settings}
 
 
 def processor_of(folder: Path) -> Any:
     """The checkpoint's own processor (image resizing and normalization, the prompt's image tokens)."""
-    from transformers import AutoProcessor
+    return load_processor(folder)
 
-    return AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+
+def program_pixels(processed: Any, size: int) -> torch.Tensor:
+    """The images of a processor's output as ``vision_encoder`` takes them, ``[n, 3, S, S]``. A NaFlex processor
+    (LFM2-VL's SigLIP2) writes patch rows ``[n, P, 3 p^2]`` with each image's patch grid: one whole S x S image
+    each is folded back into pixels; an image of any other grid cannot be fed to the program, and is refused."""
+    pixels = processed["pixel_values"]
+    if "spatial_shapes" not in processed:
+        return pixels.reshape(-1, *pixels.shape[-3:])
+    grids, mask = processed["spatial_shapes"].tolist(), processed["pixel_attention_mask"]
+    patch = int(math.isqrt(pixels.shape[-1] // 3))
+    side = size // patch
+    for rows, cols in grids:
+        if (rows, cols) != (side, side) or not bool(mask.all()):
+            raise UserError(f"the processor made a {rows * patch}x{cols * patch} image and the program's vision_encoder "
+                            f"takes {size}x{size} (get_image_size): the processor files beside the program are not "
+                            "the ones it was exported with. Export again, or restore the run folder's processor files.")
+    return (pixels.reshape(-1, side, side, patch, patch, 3).permute(0, 5, 1, 3, 2, 4)
+            .reshape(-1, 3, size, size).contiguous())
 
 
 def has_processor(folder: Path) -> bool:

@@ -8,6 +8,7 @@ positions as ``vision_encoder`` gives embeddings). Every mismatch is refused bef
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,10 @@ import torch
 
 from exporters.errors import UserError
 from exporters.program.vision import (IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD, processor_of,
-                                     prompt_marker)
+                                     program_pixels, prompt_marker)
 from exporters.runtime.driver import Driver, MethodRoles, RunsMethods
+
+log = logging.getLogger("exporters")
 
 
 @dataclass(frozen=True)
@@ -42,12 +45,14 @@ def image_prompt(program: Any, folder: Path, prompt: str, images: list[str], cha
     names = program.method_names
     if VISION_METHOD not in names:
         raise UserError(f"image= needs a vision-language program, and {program.path} has no {VISION_METHOD} method: "
-                        "export a vision-language checkpoint (LLaVA, Gemma 3, SmolVLM / Idefics3), or leave image out.")
+                        "export a vision-language checkpoint (LLaVA, Gemma 3, SmolVLM / Idefics3, LFM2-VL), or leave image "
+                        "out.")
     size, per_image = int(program.constant(IMAGE_SIZE)), int(program.constant(IMAGE_TOKENS))
     image_token = int(program.constant(IMAGE_TOKEN_ID))
     processor = processor_of(folder)
     marker = prompt_marker(processor)
     pictures = [_open_image(path) for path in images]
+    _say_stretched(processor, images, pictures, size)
     if chat and not getattr(processor, "chat_template", None):
         raise UserError(f"chat=true needs the processor's chat template, and {folder} has none (this checkpoint was "
                         f"saved without one): use chat=false and write {marker!r} where each image goes.")
@@ -65,12 +70,26 @@ def image_prompt(program: Any, folder: Path, prompt: str, images: list[str], cha
     ids = out["input_ids"][0].tolist()
     if not images:
         return ImagePrompt(ids, [torch.tensor([ids])])
-    pixels = out["pixel_values"].reshape(-1, *out["pixel_values"].shape[-3:])
+    pixels = program_pixels(out, size)
     if tuple(pixels.shape[-2:]) != (size, size):
         raise UserError(f"the processor made {tuple(pixels.shape[-2:])} images and the program's vision_encoder takes "
                         f"{size}x{size} (get_image_size): the processor files beside the program are not the ones it "
                         "was exported with. Export again, or restore the run folder's processor_config.json.")
     return ImagePrompt(ids, _parts(ids, pixels, image_token, per_image))
+
+
+def _say_stretched(processor: Any, paths: list[str], pictures: list[Any], size: int) -> None:
+    """LFM2-VL's processor here makes one S x S image of every picture (the program's one shape): a picture of another
+    aspect ratio is stretched, which the console says (transformers' own processor would keep the ratio, in tiles)."""
+    from models.lfm2_vl_images import Lfm2VlSquareImages
+
+    if not isinstance(processor.image_processor, Lfm2VlSquareImages):
+        return
+    for path, picture in zip(paths, pictures):
+        width, height = picture.size
+        if width != height:
+            log.info("image=%s is %dx%d; the program takes %dx%d images: stretched to it (its aspect ratio is lost: "
+                     "crop it square first to keep it)", path, width, height, size, size)
 
 
 def _parts(ids: list[int], pixels: torch.Tensor, image_token: int, per_image: int) -> list[torch.Tensor]:
