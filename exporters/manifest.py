@@ -529,7 +529,7 @@ class VisionCheck:
 class VisionEntry:
     """What an app needs to give the program an image (the processor's steps, done before vision_encoder)."""
 
-    family: str  # models.vision: llava, gemma3, idefics3
+    family: str  # models.vision: llava, gemma3, idefics3, lfm2_vl
     image_size: int  # every image resized to image_size x image_size
     tokens_per_image: int  # embedding positions an image takes in text_decoder
     image_token_id: int  # the token each image position takes in a prompt (the runner splits the prompt there)

@@ -223,10 +223,23 @@ def stored_bytes(ckpt: Checkpoint, model: CausalLM) -> int:
 def load_weights(model: CausalLM, files: list[Path], rename: Callable[[str], str | None] = lambda name: name) -> None:
     """Stream tensors file by file into a meta-device model, checking names and shapes. ``rename``: the model's name
     for a checkpoint tensor, None for one another component reads (a vision-language checkpoint's vision tower)."""
+    tied = model.args.tie_word_embeddings
+    expected = {name: tuple(p.shape) for name, p in model.state_dict(keep_vars=True).items()
+                if not (tied and name == "lm_head.weight")}  # shared with the embedding
+    loaded = read_tensors(files, expected, rename, skip=lambda name: name.endswith(IGNORED_TENSOR_SUFFIXES)
+                          or (tied and name == "lm_head.weight"))
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if tied:
+        model.tie_weights()
+
+
+def read_tensors(files: list[Path], expected: dict[str, tuple[int, ...]], rename: Callable[[str], str | None],
+                 skip: Callable[[str], bool] = lambda name: False) -> dict[str, torch.Tensor]:
+    """The tensors of ``files`` under ``rename``'s names, each of ``expected``'s shape, every expected one present
+    and no other (``rename`` None: another component's tensor; ``skip``: recomputed ones), finite; read lazily, so
+    only these tensors are read."""
     from safetensors import SafetensorError, safe_open
 
-    expected = {name: p for name, p in model.state_dict(keep_vars=True).items()}
-    tied = model.args.tie_word_embeddings
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for file in files:
@@ -234,17 +247,16 @@ def load_weights(model: CausalLM, files: list[Path], rename: Callable[[str], str
             with safe_open(str(file), framework="pt", backend="mmap") as fh:
                 for stored in fh.keys():
                     name = rename(stored)
-                    if name is None or name.endswith(IGNORED_TENSOR_SUFFIXES) or (tied and name == "lm_head.weight"):
-                        continue  # another component's, recomputed, or shared with the embedding
+                    if name is None or skip(name):
+                        continue
                     if name not in expected:
                         unexpected.append(stored)
                         continue
-                    want = expected[name]
                     tensor = fh.get_tensor(stored)
-                    if tuple(tensor.shape) != tuple(want.shape):
+                    if tuple(tensor.shape) != expected[name]:
                         raise ModelError(
                             f"{file}: tensor {stored} has shape {tuple(tensor.shape)}, but config.json implies "
-                            f"{tuple(want.shape)}. The weights and config.json come from different models."
+                            f"{expected[name]}. The weights and config.json come from different models."
                         )
                     if not tensor.is_floating_point():
                         raise ModelError(
@@ -255,9 +267,7 @@ def load_weights(model: CausalLM, files: list[Path], rename: Callable[[str], str
                     loaded[name] = tensor
         except SafetensorError as e:
             raise ModelError(f"{file}: damaged or truncated safetensors file ({e}). Re-download it.") from e
-    if tied:
-        loaded.pop("lm_head.weight", None)
-    missing = sorted(n for n in expected if n not in loaded and not (tied and n == "lm_head.weight"))
+    missing = sorted(n for n in expected if n not in loaded)
     if missing:
         raise ModelError(
             f"{files[0].parent}: tensor(s) missing from the safetensors files: {', '.join(missing[:8])}"
@@ -269,9 +279,7 @@ def load_weights(model: CausalLM, files: list[Path], rename: Callable[[str], str
             "config.json's architecture does not match the weights."
         )
     check_finite(loaded, files[0].parent)
-    model.load_state_dict(loaded, strict=False, assign=True)
-    if tied:
-        model.tie_weights()
+    return loaded
 
 
 # Elements checked at once: the check's temporary is this many bytes, however large the tensor.

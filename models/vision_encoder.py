@@ -165,47 +165,73 @@ def _parts(model: Any) -> tuple[nn.Module, nn.Module]:
     return inner.vision_tower, inner.multi_modal_projector
 
 
+# Where a checkpoint keeps the vision tower's and the projector's tensors, in every layout transformers reads: the hub's
+# older ``vision_tower.vision_model.*``, transformers 5's ``model.vision_tower.*`` (saved back as ``vision_tower.*``),
+# Idefics3's ``model.vision_model.*`` and ``model.connector.*``.
+PART_PREFIXES: dict[str, tuple[str, ...]] = {
+    "tower": ("model.vision_tower.", "vision_tower.", "model.vision_model."),
+    "projector": ("model.multi_modal_projector.", "multi_modal_projector.", "model.connector.")}
+NESTED = "vision_model."  # CLIP's and SigLIP's layers are under it in some layouts and not in others
+
+
+def _part_name(stored: str) -> str | None:
+    """``tower.<name>`` / ``projector.<name>`` of a checkpoint tensor (None: the text decoder's)."""
+    for part, prefixes in PART_PREFIXES.items():
+        prefix = next((p for p in prefixes if stored.startswith(p)), None)
+        if prefix is not None:
+            return f"{part}.{stored[len(prefix):].removeprefix(NESTED)}"
+    return None
+
+
 def load_vision_encoder(path: str, hf_config: Any) -> VisionEncoder:
-    """The vision encoder of the checkpoint folder ``path``, in fp32, read by transformers' own loader (every key
-    layout it knows); the text decoder it also reads is dropped when this returns (the encoder holds only the
-    vision modules)."""
-    import transformers
+    """The vision encoder of the checkpoint folder ``path`` in fp32: the tower and projector built alone, and only
+    their tensors read from the safetensors files (the text decoder's are not read: a 4B checkpoint's vision
+    tower costs its own 1.7 GB, not the whole model in fp32)."""
+    from models.checkpoint import open_checkpoint, read_tensors
 
     family = vision_language_of(hf_config)
     assert family is not None, "a vision-language checkpoint"
-    cls = getattr(transformers, hf_config.architectures[0])
+    tower, projector = _new_parts(hf_config)
+    parts = {"tower": tower, "projector": projector}
+    names = {f"{part}.{name.removeprefix(NESTED)}": (part, name) for part, module in parts.items()
+             for name in module.state_dict()}
+    shapes = {ours: tuple(parts[part].state_dict()[name].shape) for ours, (part, name) in names.items()}
+    tensors = read_tensors(open_checkpoint(path).weight_files, shapes, _part_name)
+    for part, module in parts.items():
+        module.load_state_dict({name: tensors[ours] for ours, (owner, name) in names.items() if owner == part})
+    return _delegated_norms(ENCODERS[family.name](hf_config, geometry_of(hf_config, path), tower, projector)).eval()
+
+
+def _new_parts(hf_config: Any) -> tuple[nn.Module, nn.Module]:
+    """The vision tower and projector of ``hf_config``'s architecture in fp32 with transformers' initialization, built
+    alone: the whole model is only laid out on the meta device to find their classes."""
+    hf_config._attn_implementation = "eager"
+    tower, projector = _parts(_layout(hf_config))
     with _quiet_transformers():
-        model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    geometry = geometry_of(model.config, path)
-    return _delegated_norms(ENCODERS[family.name](model.config, geometry, *_parts(model))).eval()
+        return type(tower)(hf_config.vision_config), type(projector)(hf_config)
+
+
+def _layout(hf_config: Any) -> nn.Module:
+    """The whole vision-language model of ``hf_config`` on the meta device: its modules, nothing allocated."""
+    import transformers
+
+    with torch.device("meta"), _quiet_transformers():
+        return getattr(transformers, hf_config.architectures[0])(hf_config)
 
 
 def vision_parameters(hf_config: Any) -> int:
     """The vision tower's and projector's parameters (all of the tower's layers: an upper bound for LLaVA, which reads
     fewer), counted on the meta device: nothing allocated."""
-    import transformers
-
-    with torch.device("meta"), _quiet_transformers():
-        layout = getattr(transformers, hf_config.architectures[0])(hf_config)
-    return sum(p.numel() for part in _parts(layout) for p in part.parameters())
+    return sum(p.numel() for part in _parts(_layout(hf_config)) for p in part.parameters())
 
 
 def random_vision_encoder(hf_config: Any, seed: int = 0, folder: str | Path | None = None) -> VisionEncoder:
-    """The vision encoder of ``hf_config``'s shape with seeded random weights (transformers' own initialization),
-    built alone: the whole model is only laid out on the meta device to find the tower's and projector's classes.
+    """The vision encoder of ``hf_config``'s shape with seeded random weights (transformers' own initialization).
     ``folder``: where the processor's files are, if the shape has them."""
-    import transformers
-
     family = vision_language_of(hf_config)
     assert family is not None, "a vision-language config"
-    hf_config._attn_implementation = "eager"
-    with torch.device("meta"), _quiet_transformers():
-        layout = getattr(transformers, hf_config.architectures[0])(hf_config)
-    tower, projector = _parts(layout)
     torch.manual_seed(seed)
-    with _quiet_transformers():
-        parts = type(tower)(hf_config.vision_config), type(projector)(hf_config)
-    del layout
+    parts = _new_parts(hf_config)
     with torch.no_grad():  # Gemma 3's projector starts at zero: random images would all embed to nothing
         for p in (p for part in parts for p in part.parameters() if p.dim() > 1 and not p.any()):
             p.normal_(0.0, 0.02)

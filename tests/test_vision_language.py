@@ -106,6 +106,39 @@ def test_the_vision_encoder_computes_transformers_image_features(vlm_checkpoint,
     torch.testing.assert_close(ours, features.reshape(ours.shape), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family,layout", [("gemma3", "vision_tower.vision_model."),  # google/gemma-3-*
+                                           ("llava", "model.vision_tower."),  # transformers 5 in memory
+                                           ("lfm2_vl", "model.vision_tower.vision_model.")])  # transformers 4.5x
+def test_the_vision_tower_is_read_alone_from_each_layout_checkpoints_have(vlm_checkpoint, tmp_path: Path, family: str,
+                                                                          layout: str) -> None:
+    """load_vision_encoder reads only the tower's and the projector's tensors (a 4B checkpoint's text decoder is not
+    loaded for them), under each key layout transformers reads; a missing one is named."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from models.errors import ModelError
+
+    ckpt = vlm_checkpoint(family)
+    moved = shutil.copytree(ckpt, tmp_path / "moved")
+    tensors = load_file(ckpt / "model.safetensors")
+    tower = next(p for p in ("model.vision_tower.", "vision_tower.") if any(k.startswith(p) for k in tensors))
+    renamed = {(layout + k[len(tower):].removeprefix("vision_model.") if k.startswith(tower) else k): v
+               for k, v in tensors.items()}
+    assert renamed.keys() != tensors.keys()
+    save_file(renamed, moved / "model.safetensors", metadata={"format": "pt"})
+    config = open_checkpoint(ckpt).hf_config
+    pixels = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    reference = load_vision_encoder(str(ckpt), config)
+    pixels = pixels[..., :reference.image_size, :reference.image_size]
+    with torch.no_grad():
+        assert torch.equal(load_vision_encoder(str(moved), config)(pixels), reference(pixels))
+    patch = next(k for k in renamed if k.startswith(layout) and "patch_embedding.weight" in k)
+    save_file({k: v for k, v in renamed.items() if k != patch}, moved / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match="missing from the safetensors files: tower.embeddings.patch_embedding.weight"):
+        load_vision_encoder(str(moved), config)
+
+
 @pytest.mark.slow
 # LLaVA's program runs through exporters.generate (two images in one prompt, below) in the full run; through the stock
 # MultimodalRunner with -m extended, for the full run's time.

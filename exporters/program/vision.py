@@ -237,6 +237,10 @@ def processor_of(folder: Path) -> Any:
     return load_processor(folder)
 
 
+# Families whose processor writes patch rows (SigLIP2 NaFlex) where vision_encoder takes pixels: program_pixels.
+PATCH_ROW_FAMILIES = ("lfm2_vl",)
+
+
 def program_pixels(processed: Any, size: int) -> torch.Tensor:
     """The images of a processor's output as ``vision_encoder`` takes them, ``[n, 3, S, S]``. A NaFlex processor
     (LFM2-VL's SigLIP2) writes patch rows ``[n, P, 3 p^2]`` with each image's patch grid: one whole S x S image

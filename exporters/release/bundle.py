@@ -19,7 +19,7 @@ from exporters.run_folder import check_writable
 from exporters.program.files import sha256_of
 from exporters.manifest import MANIFEST_FILE, Manifest, ValidationReport
 from exporters.program.weights import data_files_beside
-from exporters.program.vision import PROCESSOR_FILES
+from exporters.program.vision import PATCH_ROW_FAMILIES, PROCESSOR_FILES
 from models.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 
 BUNDLED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", CHAT_TEMPLATE_FILE, "generation_config.json",
@@ -109,12 +109,16 @@ def _vision_text(m: Manifest) -> str:
     if vision is None or vision.vision is None:
         return ""
     v, p = vision.vision, vision.vision.preprocessing
+    processor = ("the processor files here do exactly this: `AutoProcessor.from_pretrained(<this folder>)`"
+                 if v.family not in PATCH_ROW_FAMILIES else
+                 "the processor files here are LFM2-VL's, whose transformers processor keeps the picture's aspect "
+                 "ratio and writes patch rows: `models.vision.load_processor(<this folder>)` of llm-exporters makes "
+                 "one square, and `exporters.program.vision.program_pixels` folds its rows into these pixels")
     return f"""## Images
 
 `vision_encoder` takes one image as float32 `[1, 3, {v.image_size}, {v.image_size}]`: resize the picture to
 {v.image_size} x {v.image_size}, multiply its RGB values by {p.get('rescale_factor', 1 / 255):.6g}, subtract
-`{p.get('image_mean')}` and divide by `{p.get('image_std')}` per channel, channels first (the processor files here
-do exactly this: `AutoProcessor.from_pretrained(<this folder>)`). It returns the image's {v.tokens_per_image}
+`{p.get('image_mean')}` and divide by `{p.get('image_std')}` per channel, channels first ({processor}). It returns the image's {v.tokens_per_image}
 embeddings, which `text_decoder` takes at the next {v.tokens_per_image} positions; text goes through
 `token_embedding` then `text_decoder`. In a prompt the image's place is token {v.image_token_id}
 (`{v.image_token}`), {v.tokens_per_image} times.
@@ -122,7 +126,8 @@ embeddings, which `text_decoder` takes at the next {v.tokens_per_image} position
 - Android / iOS (C++): `MultimodalRunner` from `executorch/extension/llm/runner` with a list of inputs: text,
   `Image` (the float CHW pixels above), text; it calls the three methods in order and then decodes.
 - Python: `executorch.extension.llm.runner.MultimodalRunner("<program>", "tokenizer.json")` and
-  `generate_hf(runner, inputs=processor(images=..., text=...), image_token_id={v.image_token_id})`.
+  `generate_hf(runner, inputs=processor(images=..., text=...), image_token_id={v.image_token_id})` (its
+  `pixel_values` as above).
 - `python -m exporters.generate <this folder> prompt="... {v.prompt_marker} ..." image=<file>` (the processor turns
   `{v.prompt_marker}` into the image's tokens).
 
