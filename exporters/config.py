@@ -254,8 +254,9 @@ class QuantConfig:
     # transforms (quant.linear must then be null). One of Pt2eQuantizer, for the backend it names; conf/quant/pt2e_*.
     pt2e: Optional[Pt2eQuantizer] = None
     # A vision-language checkpoint's vision encoder (tower and projector): its own scheme, whatever the text
-    # decoder's; validated against its own eager model (exporters.program.vision).
-    vision: str = "fp32"  # one of exporters.program.vision.VISION_SCHEMES
+    # decoder's; validated against its own eager model (exporters.program.vision). "auto": 8da8w beside a quantized
+    # decoder (half the encoder's bytes and image encode time, docs/vision.md), fp32 beside a float one.
+    vision: str = "auto"  # "auto" or one of exporters.program.vision.VISION_SCHEMES
     # Static int8 activations (pt2e_xnnpack_static, pt2e_coreml_8a_*) are refused unless this is true: one scale per
     # tensor is set by the first token's massive activation, and SmolLM2-135M loses +831% perplexity (+165%
     # rotated; docs/quality.md#pt2e-the-backends-own-quantizers). true: export it anyway, to study it or as QAT's start.

@@ -509,6 +509,21 @@ class HeadVocabularyEntry:
 
 
 @dataclass
+class ImageQuality:
+    """What quantization cost the image path: the program against the unquantized encoder and decoder on the same
+    image prompt and tokens (exporters.stages.vision_check)."""
+
+    encoder_cosine: float  # least cosine of one position's embedding, quantized encoder against unquantized
+    kl_mean: float  # KL(unquantized || program) over the prompt's last position and each step, mean
+    kl_max: float  # and most
+    top1: float  # share of those positions where both pick the same token
+
+    def describe(self) -> str:
+        return (f"against the unquantized model: encoder cosine {self.encoder_cosine:.4f}, image prompt KL mean "
+                f"{self.kl_mean:.3g} (max {self.kl_max:.3g}), top-1 {self.top1:.0%}")
+
+
+@dataclass
 class VisionCheck:
     """The vision encoder against its own eager model on one image, and an image prompt through the program's
     text_decoder against the eager decoder on the same embeddings (exporters.stages.vision_check)."""
@@ -523,6 +538,7 @@ class VisionCheck:
     greedy_tokens: list[int]  # the program's greedy continuation of the image prompt
     eager_choices: list[int]  # the eager decoder's greedy choice at each step, on the program's tokens
     tolerance: dict[str, float] = field(default_factory=dict)
+    unquantized: ImageQuality | None = None  # what quantization cost the image path (reported, not judged)
 
 
 @dataclass
@@ -543,7 +559,8 @@ class VisionEntry:
     def describe(self) -> str:
         check = ("not validated" if self.check is None else
                  f"{'passed' if self.check.passed else 'FAILED'} (embeddings cosine {self.check.cosine:.4f}, image "
-                 f"prompt KL {self.check.kl_max:.2g})")
+                 f"prompt KL {self.check.kl_max:.2g})"
+                 + (f"; {self.check.unquantized.describe()}" if self.check.unquantized else ""))
         return (f"{self.family}, {self.image_size}x{self.image_size} images to {self.tokens_per_image} positions of "
                 f"token {self.image_token or self.image_token_id}, {self.quantization}; {check}")
 

@@ -163,6 +163,9 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     assert m.validation.passed and m.validation.text_decoder_kl < 1e-9
     vision = m.components["vision"].vision
     assert vision.check.passed and vision.check.cosine > 0.9999 and vision.check.greedy_tokens == vision.check.eager_choices
+    # Nothing quantized: the image path is the unquantized model's (the baseline stage's image prompt, the same tokens).
+    quality = vision.check.unquantized
+    assert quality.encoder_cosine > 0.9999 and quality.kl_max < 1e-6 and quality.top1 == 1.0
     assert set(m.methods) == {"decode", "token_embedding", "text_decoder", VISION_METHOD}
     assert m.methods[VISION_METHOD].inputs[0].shape == [1, 3, vision.image_size, vision.image_size]
     assert m.methods["text_decoder"].inputs[0].name == "embeddings"
@@ -250,6 +253,18 @@ def test_patch_rows_of_another_grid_are_refused_and_one_square_folds_back_into_p
     made["spatial_shapes"] = torch.tensor([[4, 4], [2, 8]])
     with pytest.raises(UserError, match="made a 16x64 image and the program's vision_encoder takes 32x32"):
         program_pixels(made, 32)
+
+
+@pytest.mark.parametrize("quant,vision,scheme", [("fp32", "auto", "fp32"), ("8da4w", "auto", "8da8w"),
+                                                ("8da4w_emb4w", "auto", "8da8w"), ("bf16", "auto", "fp32"),
+                                                ("8da4w", "fp32", "fp32"), ("fp32", "8da4w", "8da4w")])
+def test_quant_vision_auto_quantizes_the_encoder_beside_a_quantized_decoder(vlm_checkpoint, quant: str, vision: str,
+                                                                             scheme: str) -> None:
+    from exporters.program.vision import vision_scheme
+
+    cfg = checked_config(compose_config("model=hf", f"model.checkpoint={vlm_checkpoint('idefics3')}", f"quant={quant}",
+                                        f"quant.vision={vision}"))
+    assert vision_scheme(cfg.quant) == scheme
 
 
 def test_quant_vision_on_a_text_checkpoint_is_refused(tiny_checkpoint) -> None:

@@ -40,6 +40,9 @@ VISION_METHOD = "vision_encoder"  # the method ExecuTorch's MultimodalRunner cal
 # (int8 weights per channel, int8 activations per token at run time); 8da4w (int4 weights in groups of
 # quant.group_size, int8 activations per token).
 VISION_SCHEMES = ("fp32", "fp16", "8da8w", "8da4w")
+# quant.vision=auto: the scheme beside a decoder whose linear layers are quantized (chosen by measurement:
+# docs/vision.md), and beside a float one.
+AUTO, AUTO_QUANTIZED, AUTO_FLOAT = "auto", "8da8w", "fp32"
 # Our constant methods beside the runner's: what an app needs to turn a picture into the method's input.
 IMAGE_SIZE, IMAGE_TOKENS, IMAGE_TOKEN_ID = "get_image_size", "get_image_tokens", "get_image_token_id"
 
@@ -92,12 +95,19 @@ def with_multimodal(kinds: list[str], geometry: VisionGeometry | None) -> list[s
     return [*kinds, *(m for m in MULTIMODAL_METHODS if geometry is not None and m not in kinds)]
 
 
+def vision_scheme(quant: Any) -> str:
+    """The scheme ``quant.vision`` gives the vision encoder (``auto`` resolved by the decoder's linear scheme)."""
+    if quant.vision != AUTO:
+        return quant.vision
+    return AUTO_QUANTIZED if quant.linear else AUTO_FLOAT
+
+
 def check_vision(cfg: ExportConfig, lengths: Lengths, geometry: VisionGeometry | None,
                  dynamic_shapes: bool) -> None:
     """What a vision-language export cannot do, refused before any weight is read."""
-    check_choice("quant.vision", cfg.quant.vision, list(VISION_SCHEMES), "Fix quant.vision.")
+    check_choice("quant.vision", cfg.quant.vision, [AUTO, *VISION_SCHEMES], "Fix quant.vision.")
     if geometry is None:
-        if cfg.quant.vision != "fp32":
+        if cfg.quant.vision != AUTO:
             raise UserError(f"quant.vision={cfg.quant.vision} quantizes a vision-language checkpoint's image encoder, "
                             "and model.checkpoint is a text model. Leave quant.vision unset.")
         return

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exporters.manifest import DataFile, Manifest, Signature
 from exporters.program.methods import MethodTable
 from exporters.runtime.quality import TextWindows, perplexity
 from models.decoder import CausalLM
 from models.vision_encoder import VisionEncoder
+
+if TYPE_CHECKING:
+    from exporters.stages.vision_check import ImageBaseline
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class BaselineQuality:
     component_nll: dict[str, float] = field(default_factory=dict)  # each other component (the draft), unquantized
     # the targets each one's nll is over: fewer than the text's when its head scores a few tokens (draft.vocab)
     component_tokens: dict[str, int] = field(default_factory=dict)
+    # a vision-language checkpoint's image prompt through the unquantized encoder and decoder
+    image: ImageBaseline | None = None
 
     @property
     def perplexity(self) -> float:

@@ -1,7 +1,8 @@
 """Baseline: score the unquantized model on the validation text, before quantization changes it.
 
 Cuts the validation text into the windows validation will drive the program over, and records the
-unquantized model's negative log-likelihood on them: the perplexity quality loss is measured against.
+unquantized model's negative log-likelihood on them: the perplexity quality loss is measured against (and, for a
+vision-language checkpoint, its logits on the image prompt validation gives the program).
 Runs only with validation on.
 """
 
@@ -12,6 +13,7 @@ from exporters.quant.schemes import DTYPES
 from exporters.runtime.quality import full_sequence, make_windows, read_text, text_ids, window_logits
 from exporters.stages.artifacts import BaselineQuality, EagerModel
 from exporters.stages.pipeline import ExportContext, Stage
+from exporters.stages.vision_check import unquantized_image_path
 from models.lora import active_adapter
 from models.tiny import CORPUS
 
@@ -50,11 +52,14 @@ class BaselineStage(Stage):
                 component_nll[name] = windows.nll(window_logits(full_sequence(other), windows), other.head_ids)
             component_tokens[name] = windows.scored(other.head_ids)
             other.reset_cache()
+        image = None
+        if self.plan.vision is not None:  # the image prompt validation will give the program, unquantized
+            image = unquantized_image_path(model, loaded.components[self.plan.vision.name], windows.windows[0])
         dtype = model.lm_head.weight.dtype
         dtype_name = next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
         ctx.baseline = BaselineQuality(text=windows, nll=nll.pop(None), dtype=dtype_name,
                                        adapter_nll={name: value for name, value in nll.items() if name is not None},
-                                       component_nll=component_nll, component_tokens=component_tokens)
+                                       component_nll=component_nll, component_tokens=component_tokens, image=image)
         return loaded
 
     def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:

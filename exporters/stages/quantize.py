@@ -8,7 +8,7 @@ artifact this stage returns is a new one that says so; the one it was handed is 
 from __future__ import annotations
 
 from exporters.config import CalibrationConfig, Source
-from exporters.program.vision import quantize_vision
+from exporters.program.vision import quantize_vision, vision_scheme
 from exporters.quant.apply import quantize_model
 from exporters.quant.calibration import CalibrationText, calibration_text
 from exporters.stages.artifacts import EagerModel
@@ -45,7 +45,7 @@ class QuantizeStage(Stage):
         vision = self.plan.vision
         if vision is not None:  # after the decoder: its output must be in the dtype the decoder now computes in
             quant = vision.quant.config
-            ctx.vision_quantization = quantize_vision(models[vision.name], quant.vision, quant.group_size,
+            ctx.vision_quantization = quantize_vision(models[vision.name], vision_scheme(quant), quant.group_size,
                                                       loaded.model.activation_dtype())
         return EagerModel(loaded.model, quantized=True, components=loaded.components)
 

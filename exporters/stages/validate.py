@@ -33,7 +33,6 @@ from models.lora_slots import SET_ADAPTER
 
 log = logging.getLogger("exporters")
 
-IMAGE_PROMPT_TEXT = 8  # tokens of the validation text before the image, and as many after it
 
 
 @dataclass(frozen=True)
@@ -330,10 +329,9 @@ class ValidateStage(Stage):
                 log.info("  validate: adapter %s %s", adapter, "passed" if verdict.passed else "FAILED")
         vision = self.plan.vision
         if vision is not None:
-            window = ctx.baseline.text.windows[0]
-            half = min(IMAGE_PROMPT_TEXT, window.shape[1] // 2)
             ctx.vision_check = check_image_path(program, written.model, written.components[vision.name],
-                                                window[:, :half], window[:, half:2 * half], plan.tolerance.max_kl)
+                                                ctx.baseline.text.windows[0], plan.tolerance.max_kl,
+                                                ctx.baseline.image)
             log.info("  validate: image path %s", "passed" if ctx.vision_check.passed else "FAILED")
         return written  # unchanged: the verdicts are facts for finalize, in the context
 
