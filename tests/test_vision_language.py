@@ -210,6 +210,27 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     assert (bundle / "processor_config.json").is_file() and "## Images" in (bundle / "README.md").read_text()
 
 
+@pytest.mark.slow
+def test_a_quantized_program_reports_what_quantization_cost_the_image_path(exported, vlm_checkpoint, tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """quant=8da4w on LFM2-VL (a hybrid decoder): quant.vision=auto gives the encoder 8da8w; the program validates
+    against its eager counterparts, and the manifest says what quantization cost the image path against the
+    unquantized encoder and decoder. exporters.generate stretches a picture that is not square, and says so."""
+    import logging
+
+    ckpt = vlm_checkpoint("lfm2_vl")
+    result = exported("model=hf", f"model.checkpoint={ckpt}", *PROGRAM, "quant=8da4w")
+    vision = result.manifest.components["vision"].vision
+    assert vision.quantization.startswith("8da8w") and vision.check.passed
+    quality = vision.check.unquantized
+    assert 0.99 < quality.encoder_cosine < 1 and 0 < quality.kl_mean <= quality.kl_max and quality.top1 >= 0.5
+    picture().save(tmp_path / "picture.png")  # 50 x 40
+    with caplog.at_level(logging.INFO, logger="exporters"):
+        made = Generator(result.pte_path).with_images(prompt_of("lfm2_vl"), [str(tmp_path / "picture.png")])
+    assert "is 50x40; the program takes 32x32 images: stretched to it" in caplog.text
+    assert made.parts[1].shape == (1, 3, 32, 32)
+
+
 @pytest.mark.parametrize("overrides,says", [
     (["backend=coreml", "export.layout=split", "export.methods=[prefill,decode]"], "exports fixed-size calls"),
     (["export.max_seq_len=4"], "Set export.max_seq_len=5 or more"),
