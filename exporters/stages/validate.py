@@ -34,7 +34,6 @@ from models.lora_slots import SET_ADAPTER
 log = logging.getLogger("exporters")
 
 
-
 @dataclass(frozen=True)
 class Predictions:
     """Per window, the next-token logits [L - P, V] of the eager model and of the program; and ``forward``

@@ -25,8 +25,6 @@ from models.vision_encoder import VisionEncoder
 GREEDY_STEPS = 8
 MIN_COSINE = 0.99  # each image position's embedding, program against eager (fp32 gives 1 - 1e-7)
 IMAGE = "seeded uniform pixels in [-1, 1]"
-
-
 IMAGE_PROMPT_TEXT = 8  # tokens of the validation text before the image, and as many after it
 
 
