@@ -12,7 +12,8 @@ A generated region in a Markdown file looks like this (the JSON path is relative
 Each renderer takes one tool's JSON: ``suite`` the test suite's durations (``pytest --durations-file PATH``),
 ``export`` a ``benchmarks.export`` report (``report.json``), ``speculative`` a ``benchmarks.speculative`` or
 ``benchmarks.llama_cpp`` report, ``memory`` a ``benchmarks.memory_estimate`` report, ``hybrid`` the rows
-``benchmarks.hybrid --results`` keeps, ``adapters`` a ``benchmarks.adapters`` report. Keep the JSON files in
+``benchmarks.hybrid --results`` keeps, ``adapters`` a ``benchmarks.adapters`` report, ``vision_quant`` the rows
+``benchmarks.vision_quant --results`` writes. Keep the JSON files in
 ``docs/results/``: they are the measurement, the table is a view of it. A new table is a renderer in
 :data:`RENDERERS` and a region in a doc.
 """
@@ -116,9 +117,24 @@ def render_adapters(data: dict[str, Any]) -> str:
     return "\n".join(modes_md(data)).rstrip("\n") + "\n"
 
 
-RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"suite": render_suite, "export": render_export,
-                                                          "speculative": render_speculative, "memory": render_memory,
-                                                          "hybrid": render_hybrid, "adapters": render_adapters}
+def render_vision_quant(data: Any) -> str:
+    """``benchmarks.vision_quant`` rows: each shape's image embeddings under each quant.vision scheme against fp32."""
+    lines = ["| shape (random weights) | `quant.vision` | least cosine, uniform image | least cosine, smooth image | "
+             "relative error (smooth) |", "|---|---|---|---|---|"]
+    for shape in data:
+        for row in shape["schemes"]:
+            if row["scheme"] == "fp32":
+                continue
+            lines.append(f"| {shape['shape']} ({shape['encoder_params_m']}M, {shape['image_size']} px) | "
+                         f"`{row['scheme']}` | {row['uniform']['least_cosine']:.4f} | {row['smooth']['least_cosine']:.4f} "
+                         f"| {row['smooth']['relative_error']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS: dict[str, Callable[[Any], str]] = {"suite": render_suite, "export": render_export,
+                                              "speculative": render_speculative, "memory": render_memory,
+                                              "hybrid": render_hybrid, "adapters": render_adapters,
+                                              "vision_quant": render_vision_quant}
 
 
 def regenerate(text: str, root: Path = ROOT) -> tuple[str, list[str]]:

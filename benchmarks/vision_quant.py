@@ -1,6 +1,6 @@
 """What each ``quant.vision`` scheme does to a vision encoder's image embeddings, eagerly, on a published shape.
 
-    python -m benchmarks.vision_quant smolvlm-256m lfm2-vl-450m gemma3-4b [--results docs/results/vision-quant.json]
+    python -m benchmarks.vision_quant smolvlm-256m lfm2-vl-450m [--results docs/results/vision-quant.json]
 
 For each shape (``benchmarks.vision_shapes``, seeded random weights: no vision-language weights ship in a package we
 found), the fp32 encoder's embeddings of two images (the validation's seeded uniform pixels, and a smooth one: a
