@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from transformers.image_utils import SizeDict
-from transformers.models.siglip2.image_processing_pil_siglip2 import Siglip2ImageProcessorPil, Siglip2ImageProcessorKwargs
+from transformers.models.siglip2.image_processing_pil_siglip2 import (Siglip2ImageProcessorKwargs,
+                                                                      Siglip2ImageProcessorPil)
 
-# LFM2-VL's processor fields (Lfm2VlImageProcessor's defaults in transformers 5.23) and what S x S programs make of them.
+# LFM2-VL's processor fields and their defaults (Lfm2VlImageProcessor's in transformers 5.23): kept as saved, read
+# for N (max_image_tokens), p (encoder_patch_size) and f (downsample_factor); the tiling ones do nothing here.
 LFM2_VL_DEFAULTS: dict[str, Any] = {"downsample_factor": 2, "do_image_splitting": True, "min_tiles": 2, "max_tiles": 10,
                                     "use_thumbnail": True, "min_image_tokens": 64, "max_image_tokens": 256,
                                     "encoder_patch_size": 16, "tile_size": 512, "max_pixels_tolerance": 2.0}

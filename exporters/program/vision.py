@@ -242,11 +242,6 @@ def preprocessing(folder: Path) -> dict[str, Any]:
                                            "do_image_splitting") if key in settings}
 
 
-def processor_of(folder: Path) -> Any:
-    """The checkpoint's own processor (image resizing and normalization, the prompt's image tokens)."""
-    return load_processor(folder)
-
-
 # Families whose processor writes patch rows (SigLIP2 NaFlex) where vision_encoder takes pixels: program_pixels.
 PATCH_ROW_FAMILIES = ("lfm2_vl",)
 
@@ -295,7 +290,7 @@ def vision_entry(component: Component, checkpoint: "Checkpoint", applied: str | 
     size = geometry.image_size
     return VisionEntry(family=geometry.family, image_size=size, tokens_per_image=geometry.tokens,
                        image_token_id=geometry.image_token_id, image_token=token,
-                       prompt_marker=prompt_marker(processor_of(checkpoint.path)) if has_processor(checkpoint.path)
+                       prompt_marker=prompt_marker(load_processor(checkpoint.path)) if has_processor(checkpoint.path)
                        else None,
                        input=f"float32 [1, 3, {size}, {size}]: one RGB image, channels first, normalized",
                        preprocessing=preprocessing(checkpoint.path), quantization=applied or "fp32", check=check)

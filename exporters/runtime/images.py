@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from exporters.errors import UserError
-from exporters.program.vision import (IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD, processor_of,
-                                     program_pixels, prompt_marker)
+from exporters.program.vision import (IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD, program_pixels,
+                                     prompt_marker)
 from exporters.runtime.driver import Driver, MethodRoles, RunsMethods
+from models.vision import load_processor
 
 log = logging.getLogger("exporters")
 
@@ -49,7 +50,7 @@ def image_prompt(program: Any, folder: Path, prompt: str, images: list[str], cha
                         "out.")
     size, per_image = int(program.constant(IMAGE_SIZE)), int(program.constant(IMAGE_TOKENS))
     image_token = int(program.constant(IMAGE_TOKEN_ID))
-    processor = processor_of(folder)
+    processor = load_processor(folder)
     marker = prompt_marker(processor)
     pictures = [_open_image(path) for path in images]
     _say_stretched(processor, images, pictures, size)
