@@ -36,6 +36,9 @@ def write_weights(shape: str, out: Path) -> Path:
     torch.manual_seed(0)
     with default_dtype(torch.bfloat16):  # made in bf16: Gemma 3 4B in fp32 would not fit beside its copy
         model = getattr(transformers, config.architectures[0])(config)
+    with torch.no_grad():  # Gemma 3's projector starts at zero: every image would embed to nothing
+        for p in (p for name, p in model.named_parameters() if "multi_modal_projector" in name and not p.any()):
+            p.normal_(0.0, 0.02)
     model.save_pretrained(out, max_shard_size="2GB")
     return out
 

@@ -114,8 +114,11 @@ def check_image_path(program: RunsMethods, model: CausalLM, encoder: VisionEncod
 
 
 def _least_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The least cosine similarity of one image position's embedding between ``a`` and ``b`` ([1, N, hidden])."""
-    return float(torch.nn.functional.cosine_similarity(a[0].float(), b[0].float(), dim=-1).min())
+    """The least cosine similarity of one image position's embedding between ``a`` and ``b`` ([1, N, hidden]); equal
+    embeddings count as 1, zero ones included (a projector of zeros: torch's cosine of two zero vectors is 0)."""
+    a, b = a[0].float(), b[0].float()
+    cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    return float(torch.where((a == b).all(dim=-1), torch.ones_like(cosine), cosine).min())
 
 
 def _program_image_prompt(program: RunsMethods, embed: str, decoder: str, image: torch.Tensor, before: torch.Tensor,
