@@ -126,9 +126,9 @@ OWN_PROCESSORS: dict[str, Callable[[Path], Any]] = {"Lfm2VlProcessor": _lfm2_vl_
 def load_processor(folder: Path) -> Any:
     """The processor saved in ``folder`` (a checkpoint or a run): transformers' own, or ours where its own needs
     what this project cannot install (:data:`OWN_PROCESSORS`)."""
-    saved = Path(folder) / PROCESSOR_FILES[0]
-    named = json.loads(saved.read_text()).get("processor_class") if saved.is_file() else None
-    named = named or processor_settings(folder).get("processor_class")
+    files = (Path(folder) / name for name in PROCESSOR_FILES)
+    saved = [json.loads(path.read_text()) for path in files if path.is_file()]
+    named = next((raw["processor_class"] for raw in saved if raw.get("processor_class")), None)
     if named in OWN_PROCESSORS:
         return OWN_PROCESSORS[named](Path(folder))
     from transformers import AutoProcessor

@@ -9,7 +9,6 @@ tests/test_vision_language.py.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -183,10 +182,11 @@ def _part_name(stored: str) -> str | None:
     return None
 
 
-def load_vision_encoder(path: str, hf_config: Any) -> VisionEncoder:
+def load_vision_encoder(path: str, hf_config: Any, geometry: tuple[int, int] | None = None) -> VisionEncoder:
     """The vision encoder of the checkpoint folder ``path`` in fp32: the tower and projector built alone, and only
     their tensors read from the safetensors files (the text decoder's are not read: a 4B checkpoint's vision
-    tower costs its own 1.7 GB, not the whole model in fp32)."""
+    tower costs its own 1.7 GB, not the whole model in fp32). ``geometry``: (S, N) as the plan decided it; None:
+    from the folder's files (:func:`models.vision.geometry_of`)."""
     from models.checkpoint import open_checkpoint, read_tensors
 
     family = vision_language_of(hf_config)
@@ -199,7 +199,8 @@ def load_vision_encoder(path: str, hf_config: Any) -> VisionEncoder:
     tensors = read_tensors(open_checkpoint(path).weight_files, shapes, _part_name)
     for part, module in parts.items():
         module.load_state_dict({name: tensors[ours] for ours, (owner, name) in names.items() if owner == part})
-    return _delegated_norms(ENCODERS[family.name](hf_config, geometry_of(hf_config, path), tower, projector)).eval()
+    geometry = geometry or geometry_of(hf_config, path)
+    return _delegated_norms(ENCODERS[family.name](hf_config, geometry, tower, projector)).eval()
 
 
 def _new_parts(hf_config: Any) -> tuple[nn.Module, nn.Module]:
@@ -225,9 +226,9 @@ def vision_parameters(hf_config: Any) -> int:
     return sum(p.numel() for part in _parts(_layout(hf_config)) for p in part.parameters())
 
 
-def random_vision_encoder(hf_config: Any, seed: int = 0, folder: str | Path | None = None) -> VisionEncoder:
+def random_vision_encoder(hf_config: Any, seed: int = 0, geometry: tuple[int, int] | None = None) -> VisionEncoder:
     """The vision encoder of ``hf_config``'s shape with seeded random weights (transformers' own initialization).
-    ``folder``: where the processor's files are, if the shape has them."""
+    ``geometry``: (S, N) as the plan decided it; None: the config's alone (no processor files)."""
     family = vision_language_of(hf_config)
     assert family is not None, "a vision-language config"
     torch.manual_seed(seed)
@@ -235,7 +236,8 @@ def random_vision_encoder(hf_config: Any, seed: int = 0, folder: str | Path | No
     with torch.no_grad():  # Gemma 3's projector starts at zero: random images would all embed to nothing
         for p in (p for part in parts for p in part.parameters() if p.dim() > 1 and not p.any()):
             p.normal_(0.0, 0.02)
-    return _delegated_norms(ENCODERS[family.name](hf_config, geometry_of(hf_config, folder), *parts)).eval()
+    geometry = geometry or geometry_of(hf_config, None)
+    return _delegated_norms(ENCODERS[family.name](hf_config, geometry, *parts)).eval()
 
 
 class _quiet_transformers:

@@ -70,7 +70,7 @@ def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
         architectures = json.loads(config_file.read_text()).get("architectures") or []
     except (OSError, json.JSONDecodeError):
         return None  # open_checkpoint reports it, with the fix
-    from models.vision import VISION_LANGUAGE, vision_language_of
+    from models.vision import VISION_LANGUAGE, geometry_of, vision_language_of
 
     if not any(arch in v.architectures for v in VISION_LANGUAGE for arch in architectures):
         return None
@@ -80,7 +80,7 @@ def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
     family = vision_language_of(hf_config)
     if family is None or family.geometry is None or getattr(hf_config, "vision_config", None) is None:
         return None  # text only (models.vision.text_only), or an incomplete config: load names what is missing
-    size, tokens = family.geometry(hf_config, processor_settings(path))
+    size, tokens = geometry_of(hf_config, path)
     return VisionGeometry(family.name, size, tokens, family.image_token_id(hf_config))
 
 
@@ -159,9 +159,10 @@ class VisionBuild:
         """The encoder with the checkpoint's weights, or with seeded random ones of its shape (model.random_init)."""
         from models.vision_encoder import load_vision_encoder, random_vision_encoder
 
+        geometry = (self.geometry.image_size, self.geometry.tokens)  # the plan's, read from the files once
         if self.model.random_init:
-            return random_vision_encoder(checkpoint.hf_config, self.model.seed, checkpoint.path)
-        return load_vision_encoder(str(checkpoint.path), checkpoint.hf_config)
+            return random_vision_encoder(checkpoint.hf_config, self.model.seed, geometry)
+        return load_vision_encoder(str(checkpoint.path), checkpoint.hf_config, geometry)
 
 
 def quantize_vision(encoder: "VisionEncoder", scheme: str, group_size: int, out_dtype: torch.dtype) -> str:
