@@ -71,7 +71,7 @@ def estimated_stages(overrides: list[str]) -> dict[str, float]:
     too, when validation may set it off)."""
     from exporters.config import compose
     from exporters.footprint import planned_footprint
-    from exporters.plan import plan_export
+    from exporters.components.resolve import plan_export
 
     with tempfile.TemporaryDirectory() as tmp:
         footprint = planned_footprint(plan_export(compose(*overrides)), Path(tmp))

@@ -22,7 +22,7 @@ from exporters.runtime.generator import resolve_program
 from exporters.runtime.images import prefill_parts
 from exporters.runtime.memory import current_rss_mb
 from exporters.runtime.programs import LoadedProgram
-from exporters.stages.vision_check import test_image
+from exporters.validation.image import test_image
 
 
 def _median_seconds(run, repeats: int) -> float:  # type: ignore[no-untyped-def]

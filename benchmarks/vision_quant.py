@@ -32,8 +32,8 @@ def smooth_image(size: int, seed: int = 0) -> torch.Tensor:
 
 
 def measure(shape: str) -> dict[str, object]:
-    from exporters.program.vision import VISION_SCHEMES, quantize_vision
-    from exporters.stages.vision_check import test_image
+    from exporters.quant.vision import VISION_SCHEMES, quantize_vision
+    from exporters.validation.image import test_image
     from models.checkpoint import open_checkpoint
     from models.vision_encoder import random_vision_encoder
 

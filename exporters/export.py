@@ -15,12 +15,13 @@ from omegaconf import DictConfig
 
 from exporters.config import ExportConfig
 from exporters.errors import Interrupted, UserError
-from exporters.plan import ExportPlan, check_config, plan_export
+from exporters.plan import ExportPlan
+from exporters.components.resolve import check_config, plan_export
 from exporters.program.files import private_files
 from exporters.run_folder import check_writable, held, is_no_room, no_room
 from exporters.runtime.memory import reset_peak_rss
 from exporters.stages.advise import AdviseStage
-from exporters.stages.artifacts import ExportResult
+from exporters.context.artifacts import ExportResult
 from exporters.stages.baseline import BaselineStage
 from exporters.stages.bench import BenchStage
 from exporters.stages.capture import CaptureStage

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from exporters import console
 from exporters.export import export
-from exporters.plan import plan_export
+from exporters.components.resolve import plan_export
 from exporters.config import CONF_DIR, register_configs
 from exporters.errors import REPORTED_ERRORS, Interrupted
 from exporters.interrupts import signal_of, sigterm_interrupts

@@ -511,7 +511,7 @@ class HeadVocabularyEntry:
 @dataclass
 class ImageQuality:
     """What quantization cost the image path: the program against the unquantized encoder and decoder on the same
-    image prompt and tokens (exporters.stages.vision_check)."""
+    image prompt and tokens (exporters.validation.image)."""
 
     encoder_cosine: float  # least cosine of one position's embedding, quantized encoder against unquantized
     kl_mean: float  # KL(unquantized || program) over the prompt's last position and each step, mean
@@ -526,7 +526,7 @@ class ImageQuality:
 @dataclass
 class VisionCheck:
     """The vision encoder against its own eager model on one image, and an image prompt through the program's
-    text_decoder against the eager decoder on the same embeddings (exporters.stages.vision_check)."""
+    text_decoder against the eager decoder on the same embeddings (exporters.validation.image)."""
 
     passed: bool
     failures: list[str]

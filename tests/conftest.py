@@ -21,8 +21,8 @@ from filelock import FileLock
 
 from exporters.export import export
 from exporters.manifest import Manifest
-from exporters.plan import plan_export
-from exporters.stages.artifacts import ExportResult
+from exporters.components.resolve import plan_export
+from exporters.context.artifacts import ExportResult
 from models.tiny import write_tiny_checkpoint
 from tests.helpers import REAL_LAYERS, compose_config
 from exporters.config import register_configs

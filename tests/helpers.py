@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from exporters.stages.artifacts import ExportResult
+from exporters.context.artifacts import ExportResult
 from exporters.config import CONF_DIR, compose
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ import pytest
 
 from exporters.config import TiedEmbeddingStorage
 from exporters.export import build_stages, checked_config
-from exporters.plan import plan_export
+from exporters.components.resolve import plan_export
 from exporters.quant.tied import TiedEmbedding, plan_tied_embedding
 from exporters.stages.pipeline import ExportContext, check_order, run_pipeline
 from tests.helpers import REPO_ROOT, compose_config
@@ -98,7 +98,7 @@ def test_the_tied_embedding_is_decided_in_one_place(tiny_checkpoint, overrides, 
 def test_the_plan_derives_each_length_once_and_every_stage_reads_it() -> None:
     """call_tokens is the cache length less one when max_seq_len reaches it, else max_seq_len; the methods' bounds,
     the cache's and validation's prompt come from the same plan."""
-    from exporters.plan import plan_export
+    from exporters.components.resolve import plan_export
 
     plan = plan_export(compose_config("export.max_seq_len=16", "export.max_context_len=64", "export.kv_dtype=int8"))
     lengths, decoder = plan.lengths, plan.decoder
@@ -117,7 +117,7 @@ def test_the_plan_derives_each_length_once_and_every_stage_reads_it() -> None:
 
 def test_the_plan_digest_names_what_decides_the_program() -> None:
     """The same config gives the same digest wherever it is written; any field that changes the program changes it."""
-    from exporters.plan import plan_export
+    from exporters.components.resolve import plan_export
 
     base = plan_export(compose_config()).digest()
     assert plan_export(compose_config("export.output_dir=/tmp/elsewhere")).digest() == base
@@ -126,7 +126,8 @@ def test_the_plan_digest_names_what_decides_the_program() -> None:
 
 
 def test_a_program_is_components_and_todays_is_one_decoder() -> None:
-    from exporters.plan import ComponentKind, plan_export
+    from exporters.plan import ComponentKind
+    from exporters.components.resolve import plan_export
 
     plan = plan_export(compose_config())
     assert [(c.name, c.kind) for c in plan.components] == [("decoder", ComponentKind.decoder)]
@@ -149,7 +150,7 @@ def test_another_executorch_takes_the_stock_path_and_says_so_once(monkeypatch, c
     import logging
 
     from exporters import versions
-    from exporters.plan import plan_export
+    from exporters.components.resolve import plan_export
 
     assert versions.shortcuts_allowed(True) and not versions.shortcuts_allowed(False)
     assert plan_export(compose_config()).shortcuts

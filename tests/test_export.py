@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exporters.stages.artifacts import ExportResult
+from exporters.context.artifacts import ExportResult
 from exporters.errors import UserError
 from exporters.manifest import Manifest
 from exporters.runtime.programs import LoadedProgram

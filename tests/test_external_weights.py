@@ -137,7 +137,7 @@ def test_sweep_rows_count_what_an_app_ships(exported) -> None:  # type: ignore[n
 def test_the_bench_measures_the_pair_with_and_without_the_weight_cache(exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import dataclasses
 
-    from exporters.plan import plan_export
+    from exporters.components.resolve import plan_export
     from exporters.stages.bench import BenchStage
 
     result = exported(EXTERNAL)

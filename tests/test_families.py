@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exporters.stages.artifacts import ExportResult
+from exporters.context.artifacts import ExportResult
 from exporters.runtime.driver import Driver
 from exporters.runtime.programs import LoadedProgram
 from models.checkpoint import build_model, open_checkpoint

@@ -77,7 +77,7 @@ def test_the_estimate_reads_the_plan_calibration_and_advise(tmp_path: Path) -> N
     """What the plan runs changes the estimate: a calibrated algorithm casts the whole model before quantize, and
     advise's remedies (only past the warning) are reported beside the peak, not refused."""
     from exporters.footprint import MemoryBudget, planned_footprint
-    from exporters.plan import plan_export
+    from exporters.components.resolve import plan_export
 
     def footprint(*overrides: str):  # type: ignore[no-untyped-def]
         plan = plan_export(compose_config(*overrides))

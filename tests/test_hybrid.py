@@ -14,7 +14,7 @@ import torch
 
 from exporters.errors import UserError
 from exporters.export import export
-from exporters.plan import plan_export
+from exporters.components.resolve import plan_export
 from exporters.runtime.driver import Driver
 from exporters.runtime.programs import LoadedProgram
 from models.checkpoint import build_model, open_checkpoint
@@ -193,7 +193,7 @@ def test_a_qwen3_5_checkpoint_as_the_hub_ships_it_exports_its_text_decoder(tmp_p
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
 
     cfg = compose_config("model=hf", f"model.checkpoint={folder}", "backend=portable", "quant=fp32")
-    assert plan_export(cfg).vision is None, "a text program"
+    assert [c.name for c in plan_export(cfg).components] == ["decoder"], "a text program"
     ckpt = open_checkpoint(folder)
     assert family_of_config(ckpt.hf_config).name == "qwen3_5"
     assert text_only(ckpt.hf_config) == ("text decoder only (Qwen3_5ForConditionalGeneration's vision encoder is not "

@@ -226,7 +226,7 @@ def greedy_through(driver, eos: set[int], turns: list[list[int]], per_turn: int)
 def test_a_sink_program_generates_four_caches_long_as_the_eager_model(exported) -> None:  # type: ignore[no-untyped-def]
     result = exported(*SINK)
     m = result.manifest
-    from exporters.plan import plan_export
+    from exporters.components.resolve import plan_export
     from models.kv_cache import CacheGeometry
 
     state = plan_export(compose_config(*SINK)).decoder.build.state  # 32 positions, calls of 8, a sink of 4
@@ -320,7 +320,7 @@ def test_a_program_with_window_rings_matches_transformers_past_the_window(export
 def test_the_cache_record_names_the_dtype_it_stores(tmp_path: Path, backend: str, stored: str) -> None:
     """quant.dtype=fp16: ExecuTorch's attention kernels keep an fp32 cache (xnnpack); ATen attention (OpenVINO)
     keeps it in fp16, and the manifest's kv_cache and the console say so (2 bytes per element, not 4)."""
-    from exporters.plan import plan_export
+    from exporters.components.resolve import plan_export
     from exporters.program.cache import kv_cache_entry
     from exporters.quant.apply import quantize_model
 

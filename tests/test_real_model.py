@@ -19,7 +19,7 @@ import torch
 
 from exporters.errors import ValidationFailed
 from exporters.export import build_stages
-from exporters.plan import plan_export
+from exporters.components.resolve import plan_export
 from exporters.manifest import Manifest, ValidationReport
 from exporters.stages.pipeline import ExportContext, Stage, run_pipeline
 from models.errors import ModelError

@@ -135,7 +135,7 @@ def test_a_wrong_verify_is_rejected(tmp_path: Path) -> None:
     """Negative control: verify's logits shifted by one token after capture (the other methods untouched) must fail
     validation, and the program is kept only as model.rejected.pte."""
     from exporters.export import build_stages
-    from exporters.plan import plan_export
+    from exporters.components.resolve import plan_export
     from exporters.stages.pipeline import ExportContext, Stage, run_pipeline
 
     class ShiftVerify(Stage):

@@ -16,7 +16,7 @@ import torch
 
 from exporters.errors import UserError
 from exporters.internals import read_tensor_file
-from exporters.plan import plan_export
+from exporters.components.resolve import plan_export
 from exporters.release.bundle import make_bundle, verify_bundle
 from exporters.runtime.driver import Driver
 from exporters.runtime.generator import Generator, SamplingConfig

@@ -279,7 +279,7 @@ def test_patch_rows_of_another_grid_are_refused_and_one_square_folds_back_into_p
                                                 ("8da4w", "fp32", "fp32"), ("fp32", "8da4w", "8da4w")])
 def test_quant_vision_auto_quantizes_the_encoder_beside_a_quantized_decoder(vlm_checkpoint, quant: str, vision: str,
                                                                              scheme: str) -> None:
-    from exporters.program.vision import vision_scheme
+    from exporters.quant.vision import vision_scheme
 
     cfg = checked_config(compose_config("model=hf", f"model.checkpoint={vlm_checkpoint('idefics3')}", f"quant={quant}",
                                         f"quant.vision={vision}"))
@@ -289,7 +289,7 @@ def test_quant_vision_auto_quantizes_the_encoder_beside_a_quantized_decoder(vlm_
 def test_equal_image_embeddings_pass_the_image_check_even_when_zero() -> None:
     """A checkpoint whose projector is all zeros (transformers initializes Gemma 3's so) embeds every image to zeros,
     in the program as eagerly: equal, so the check passes them (torch's cosine of two zero vectors is 0)."""
-    from exporters.stages.vision_check import _least_cosine
+    from exporters.validation.image import _least_cosine
 
     zeros, ones = torch.zeros(1, 4, 8), torch.ones(1, 4, 8)
     assert _least_cosine(zeros, zeros) == 1.0 and _least_cosine(ones, ones) == pytest.approx(1.0)
@@ -322,7 +322,7 @@ def test_bad_image_prompts_are_refused_before_any_method_runs(exported, vlm_chec
 def test_quant_vision_schemes_keep_the_image_features(vlm_checkpoint) -> None:
     """Each quant.vision scheme on the eager encoder: its linear layers quantized (fp16: cast), the output in the
     decoder's dtype, close to fp32's (the program is validated against this eager encoder at export)."""
-    from exporters.program.vision import VISION_SCHEMES, quantize_vision
+    from exporters.quant.vision import VISION_SCHEMES, quantize_vision
 
     ckpt = vlm_checkpoint("idefics3")
     config = open_checkpoint(ckpt).hf_config
@@ -389,13 +389,13 @@ def test_the_published_shapes_plan_the_programs_their_numbers_are_of(tmp_path: P
     """benchmarks.vision_shapes: each shape's config.json plans a vision component of its published geometry, and the
     memory estimate counts its encoder's parameters (as load built them: docs/vision.md's numbers)."""
     from benchmarks.vision_shapes import write_shape
-    from exporters.plan import plan_export
+    from exporters.components.resolve import plan_export
     from models.vision_encoder import vision_parameters
 
     folder = write_shape(shape, tmp_path / shape)
     plan = plan_export(compose_config("model=hf", f"model.checkpoint={folder}", "model.random_init=true",
                                       f"export.max_seq_len={positions + 64}"))
-    geometry = plan.vision.build.geometry
+    geometry = plan.component("vision").build.geometry
     assert (geometry.family, geometry.image_size, geometry.tokens) == (family, size, positions)
     assert {"token_embedding", "text_decoder", VISION_METHOD} <= set(plan.methods.specs)
     assert round(vision_parameters(open_checkpoint(folder, need_weights=False).hf_config) / 1e6, 2) == millions

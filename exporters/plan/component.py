@@ -1,25 +1,22 @@
 """Components: the models a program holds, each with its own build, quantization, methods and state.
 
-Today's programs hold one component, the decoder; LoRA adapters are variants of it (its methods again with the
-adapter applied, over the same stored weights). The components that come next are each one more entry here and
-one more :class:`ComponentKind` (docs/ARCHITECTURE.md, "Components"): a draft decoder (speculative decoding), a
-vision encoder with a token embedding beside an embeddings-in text decoder, layers with convolution or recurrent
-state. Every stage that builds, quantizes, captures or validates a model reads its component; nothing re-derives
-a component's lengths, cache or methods.
+Every program holds the decoder; a draft (speculative decoding) and a vision encoder are components beside it; LoRA
+adapters are variants of the decoder (its methods again with the adapter applied, or slots set at run time). These
+are the plan's types; what each kind does at each stage is its module in ``exporters.components``
+(docs/ARCHITECTURE.md, "Components"). Nothing re-derives a component's lengths, cache or methods.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from exporters.config import (Algorithm, Attention, Choice, KvDType, ModelConfig, QuantConfig, RotationKind, Source,
                               TiedEmbeddingStorage)
 
 if TYPE_CHECKING:
     from exporters.program.methods import MethodTable
-    from exporters.program.vision import VisionBuild
     from models.checkpoint import Checkpoint
     from models.decoder import CausalLM
 
@@ -29,7 +26,20 @@ class ComponentKind(Choice):
 
     decoder = "decoder"  # token ids in, logits out, a KV cache: the program's LLM methods
     draft = "draft"  # a smaller decoder with the target's tokenizer proposing tokens for verify (draft.checkpoint)
-    vision_encoder = "vision_encoder"  # an image in, embeddings for the decoder out; no state (exporters.program.vision)
+    vision_encoder = "vision_encoder"  # an image in, embeddings for the decoder out; no state
+
+
+class Build(Protocol):
+    """How a component's eager model is built (``ModelBuild``; a vision encoder's: ``exporters.components.vision``)."""
+
+    model: ModelConfig
+
+    @property
+    def source(self) -> Source: ...
+
+    def checkpoint(self, work_dir: Path) -> "Checkpoint": ...
+
+    def build(self, checkpoint: "Checkpoint", device: str = "cpu") -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -119,7 +129,7 @@ class Component:
 
     name: str  # also the prefix of its methods' names and of its buffers' (draft_prefill, draft.layers.0...)
     kind: ComponentKind
-    build: "ModelBuild | VisionBuild"
+    build: Build
     quant: QuantPlan
     methods: MethodTable  # its methods by program name, adapters' included
 

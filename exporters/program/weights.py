@@ -19,6 +19,7 @@ before anything is loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -30,6 +31,7 @@ from exporters.program.files import sha256_of
 
 if TYPE_CHECKING:
     from exporters.config import BackendConfig, ExportSection
+    from exporters.manifest import DataFile
 
 DATA_SUFFIX = ".ptd"
 # The named data store's tag for the base's data file. Only ExecuTorch's file writing sees tags (the program refers
@@ -70,6 +72,10 @@ def data_path_for(pte: Path, adapter: str | None = None) -> Path:
     for an adapter's A and B matrices (provisional and rejected names too)."""
     return pte.with_suffix(DATA_SUFFIX) if adapter is None else pte.with_name(f"{pte.stem}.{adapter}{DATA_SUFFIX}")
 
+
+def placed(data: DataFile | None, adapter: str | None, pte: Path) -> DataFile | None:
+    """The data file of the base (or of ``adapter``) as it will be named beside ``pte``."""
+    return None if data is None else dataclasses.replace(data, file=data_path_for(pte, adapter).name)
 
 def structure_namespace(programs: dict[str, Any]) -> str:
     """A short name of the program's structure: every constant's name, shape and dtype over all methods.

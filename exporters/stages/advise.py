@@ -16,9 +16,10 @@ from exporters.config import KvDType
 from exporters.footprint import GB, memory_limit
 from exporters.quant.advice import advise, changes
 from exporters.runtime.quality import full_sequence, perplexity, window_logits
-from exporters.stages.artifacts import WrittenProgram
-from exporters.stages.pipeline import ExportContext, Stage
-from exporters.stages.quantize import read_calibration
+from exporters.context.artifacts import WrittenProgram
+from exporters.context import ExportContext
+from exporters.stages.pipeline import Stage
+from exporters.components.language_model import read_calibration
 from models.decoder import CausalLM
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class AdviseStage(Stage):
         ctx.quality_warning = advise(
             quant, self.threshold, self.increase, written.model, report.eager_perplexity,
             report.baseline_perplexity, build, score,
-            lambda model: lambda: read_calibration(quant.config.calibration, component.build.source, model, ctx),
+            lambda model: lambda: read_calibration(quant.config.calibration, component.build.source, model, checkpoint),
             too_big)
         return written
 

@@ -1,20 +1,20 @@
-"""Baseline: score the unquantized model on the validation text, before quantization changes it.
+"""Baseline: score the unquantized models on the validation text, before quantization changes them.
 
-Cuts the validation text into the windows validation will drive the program over, and records the
-unquantized model's negative log-likelihood on them: the perplexity quality loss is measured against (and, for a
-vision-language checkpoint, its logits on the image prompt validation gives the program).
+Cuts the validation text into the windows validation will drive the program over, and asks each part to record what
+its unquantized model does on them (``exporters.components``): the decoder's negative log-likelihood is the
+perplexity quality loss is measured against; each adapter's, a draft's, a vision encoder's image prompt likewise.
 Runs only with validation on.
 """
 
 from __future__ import annotations
 
-from exporters.config import KvDType, Source, ValidationConfig
+from exporters.components import parts
+from exporters.config import Source, ValidationConfig
+from exporters.context import ExportContext
+from exporters.context.artifacts import BaselineQuality, EagerModel
 from exporters.quant.schemes import DTYPES
-from exporters.runtime.quality import full_sequence, make_windows, read_text, text_ids, window_logits
-from exporters.stages.artifacts import BaselineQuality, EagerModel
-from exporters.stages.pipeline import ExportContext, Stage
-from exporters.stages.vision_check import unquantized_image_path
-from models.lora import active_adapter
+from exporters.runtime.quality import make_windows, read_text, text_ids
+from exporters.stages.pipeline import Stage
 from models.tiny import CORPUS
 
 
@@ -39,27 +39,12 @@ class BaselineStage(Stage):
         ids = text_ids(ctx.checkpoint, model.args.vocab_size, text)
         windows = make_windows(ids, ctx.checkpoint.bos_id, model.args.max_context_len, validation.prompt_tokens,
                                validation.config.max_tokens, source)
-        nll = {}
-        for adapter in [None, *(a.name for a in ctx.adapters)]:  # the base, then each adapter applied to it
-            with active_adapter(model, adapter), model.kv_dtype_as(KvDType.fp32):
-                logits = window_logits(full_sequence(model), windows)
-            model.reset_cache()
-            nll[adapter] = windows.nll(logits)
-        component_nll, component_tokens = {}, {}
-        for name in (c.name for c in self.plan.language_models if not c.is_decoder):  # the draft, same windows
-            other = loaded.components[name]
-            with other.kv_dtype_as(KvDType.fp32):
-                component_nll[name] = windows.nll(window_logits(full_sequence(other), windows), other.head_ids)
-            component_tokens[name] = windows.scored(other.head_ids)
-            other.reset_cache()
-        image = None
-        if self.plan.vision is not None:  # the image prompt validation will give the program, unquantized
-            image = unquantized_image_path(model, loaded.components[self.plan.vision.name], windows.windows[0])
+        models = {self.plan.decoder.name: model, **loaded.components}
+        for part in parts(self.plan):
+            part.kind.baseline(part, ctx, models, windows)
         dtype = model.lm_head.weight.dtype
         dtype_name = next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
-        ctx.baseline = BaselineQuality(text=windows, nll=nll.pop(None), dtype=dtype_name,
-                                       adapter_nll={name: value for name, value in nll.items() if name is not None},
-                                       component_nll=component_nll, component_tokens=component_tokens, image=image)
+        ctx.baseline = BaselineQuality(text=windows, nll=ctx.main.nll, dtype=dtype_name)
         return loaded
 
     def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:

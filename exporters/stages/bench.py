@@ -10,13 +10,14 @@ import dataclasses
 import time
 from dataclasses import asdict
 
-from exporters.stages.artifacts import ExportResult
+from exporters.context.artifacts import ExportResult
 from exporters.runtime.memory import memory_after_load_mb, rss_after_load_mb
 from exporters.runtime.speed import measure_speed
 from exporters.config import BenchmarkConfig
 from exporters.runtime.driver import Driver
 from exporters.manifest import BenchResult
-from exporters.stages.pipeline import ExportContext, Stage
+from exporters.context import ExportContext
+from exporters.stages.pipeline import Stage
 from exporters.runtime.programs import LoadedProgram
 
 

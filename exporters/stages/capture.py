@@ -9,38 +9,18 @@ the very same base weight tensors and the backend stores those once.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any
 
 import torch
 
-from exporters.manifest import Signature, TensorSpec
+from exporters.components import parts
+from exporters.program.signatures import signature
 from exporters.program.methods import MethodSpec
 from exporters.quant.activations import share_activation_quantization
-from exporters.stages.artifacts import CapturedMethods, EagerModel, ProgramMethods
-from exporters.stages.pipeline import ExportContext, Stage
+from exporters.context.artifacts import CapturedMethods, EagerModel, ProgramMethods
+from exporters.context import ExportContext
+from exporters.stages.pipeline import Stage
 from models.lora import active_adapter
-from models.lora_slots import SET_ADAPTER, capturing_set_adapter
-
-
-def _tensor_spec(value: Any, name: str, dim_name: str) -> TensorSpec:
-    shape: list[int | str] = [d if isinstance(d, int) else dim_name for d in value.shape]
-    return TensorSpec(name=name, shape=shape, dtype=str(value.dtype).removeprefix("torch."))
-
-
-def signature(program: torch.export.ExportedProgram, dim_name: str = "num_tokens",
-              embeddings_in: bool = False) -> Signature:
-    """Input and output shapes/dtypes of a captured method; the dynamic token dim appears as ``dim_name``.
-    ``embeddings_in``: its first input is embeddings (text_decoder), named so whatever the module calls it."""
-    sig = program.graph_signature
-    nodes = {n.name: n for n in program.graph.nodes}
-    inputs = [_tensor_spec(nodes[name].meta["val"], "embeddings" if embeddings_in and i == 0 else name, dim_name)
-              for i, name in enumerate(sig.user_inputs)]
-    output_node = next(n for n in program.graph.nodes if n.op == "output")
-    outputs = output_node.args[0]
-    user_outputs = [o for o in outputs[len(outputs) - len(sig.user_outputs):]]
-    return Signature(inputs=inputs,
-                     outputs=[_tensor_spec(o.meta["val"], f"output_{i}", dim_name) for i, o in enumerate(user_outputs)])
 
 
 class Prefixed(torch.nn.Module):
@@ -91,13 +71,10 @@ class CaptureStage(Stage):
         for program in programs.values():
             share_activation_quantization(program)
         signatures = {name: signature(p, embeddings_in=specs[name].takes == "embeddings") for name, p in programs.items()}
-        if table.slots is not None:  # set_adapter, from the same module: its buffers named as the methods read them
-            with torch.no_grad(), capturing_set_adapter(model) as inputs:
-                programs[SET_ADAPTER] = torch.export.export(model, inputs, strict=False)
-            found = signature(programs[SET_ADAPTER])
-            names = model.get_submodule("lora_slots").geometry.input_names()
-            signatures[SET_ADAPTER] = Signature(inputs=[dataclasses.replace(spec, name=name) for spec, name in
-                                                        zip(found.inputs, names, strict=True)], outputs=found.outputs)
+        models = {self.plan.decoder.name: model, **quantized.components}
+        for part in parts(self.plan):  # methods of a part's own beyond the table (set_adapter)
+            for name, (program, found) in part.kind.capture(part, models).items():
+                programs[name], signatures[name] = program, found
         # Backends this host's runtime cannot execute are validated on a second, untouched capture (lowering
         # rewrites the programs it is given).
         undelegated = capture_all(reference) if self.plan.keep_undelegated else None

@@ -17,8 +17,9 @@ from exporters.program.contents import data_file_entries, storage_breakdown
 from exporters.program.files import sha256_of, write_atomically
 from exporters.program.weights import data_path_for, data_tag, external_constant_tag
 from exporters.run_folder import is_no_room, no_room
-from exporters.stages.artifacts import LoweredProgram, WrittenProgram
-from exporters.stages.pipeline import ExportContext, Stage
+from exporters.context.artifacts import LoweredProgram, WrittenProgram
+from exporters.context import ExportContext
+from exporters.stages.pipeline import Stage
 
 
 def backend_config(external: bool = False):  # type: ignore[no-untyped-def]

@@ -1,89 +1,52 @@
-"""Load: pick the checkpoint source, build the exportable decoder, load its weights and attach its adapters.
+"""Load: open every part's checkpoint, estimate the export's memory, then build each model with its weights.
 
-The decoder is built from the plan's :class:`~exporters.plan.ModelBuild`, the recipe advise and the memory
-estimate use too. Adapters (``model.adapters``) are read and checked against the loaded base here, the first
-stage, so a folder that does not fit fails before any long stage; PEFT attaches them (``models.lora``).
+Each part (``exporters.components``) opens its checkpoint and checks its shapes before any weight is read (a draft
+against its target, adapters against the base come later), so a combination that cannot work, or a model that
+cannot fit, fails in seconds. Then each builds its model (variants attach to the decoder's) in registry order.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from exporters.footprint import MemoryBudget
-from exporters.plan.component import Component
-from exporters.program.draft import check_pair
-from exporters.program.hybrid import check_hybrid
-from exporters.program.vision import vision_footprint
-from models.vision_encoder import vision_parameters
-from exporters.quant.rotation import check_rotation
-from exporters.stages.artifacts import EagerModel, summary
-from exporters.stages.pipeline import ExportContext, Stage
-from models.checkpoint import stored_bytes
-from models.decoder import CausalLM
-from models.families import family_of_config
-from exporters.quant.schemes import DTYPES
-from models.lora import attach_adapters, read_adapter
-from models.lora_slots import INT8, attach_slots, pack, slot_geometry
-from models.vision import text_only
+from exporters.components import parts
+from exporters.footprint import check_fits
+from exporters.context import ExportContext
+from exporters.context.artifacts import EagerModel
+from exporters.stages.pipeline import Stage
 
 log = logging.getLogger("exporters")
+
+
+def opened(ctx: ExportContext) -> list[Any]:
+    """Every checkpoint the parts opened, each once (a vision encoder reads the decoder's)."""
+    found = {id(c): c for r in ctx.records.values() for c in [getattr(r, "checkpoint", None)] if c is not None}
+    return list(found.values())
 
 
 class LoadStage(Stage):
     name = "load"
 
     def run(self, artifact: None, ctx: ExportContext) -> EagerModel:
-        build = self.plan.decoder.build
-        checkpoint = build.checkpoint(ctx.output_dir)
-        ctx.checkpoint = checkpoint
+        found = parts(self.plan)
         # The export's memory, estimated from the shapes alone and checked before any weight is read.
-        shapes = build.build(checkpoint, device="meta")
-        self.check_shapes(shapes, self.plan.decoder)
-        budget = MemoryBudget.of(self.plan)
-        footprint = budget.estimate(shapes, stored_bytes(checkpoint, shapes))
-        components = {}
-        draft = self.plan.draft
-        if draft is not None:  # the pair is checked before either model's weights are read
-            draft_checkpoint = draft.build.checkpoint(ctx.output_dir)
-            draft_shapes = draft.build.build(draft_checkpoint, device="meta")
-            self.check_shapes(draft_shapes, draft)
-            check_pair(checkpoint, draft_checkpoint, shapes.parameter_count(), draft_shapes.parameter_count())
-            ctx.component_checkpoints[draft.name] = draft_checkpoint
-            footprint = footprint.beside(MemoryBudget.of(self.plan, draft).estimate(
-                draft_shapes, stored_bytes(draft_checkpoint, draft_shapes)))
-        vision = self.plan.vision
-        if vision is not None:  # the image encoder, alive beside the decoder from load to the end
-            footprint = footprint.beside(vision_footprint(vision_parameters(checkpoint.hf_config)))
-        ctx.footprint = budget.check(footprint)
-        log.info("  load: %s%s", ctx.footprint.describe(), " (target and draft)" if draft is not None else "")
-        model = build.build(checkpoint)
-        ctx.adapters = [read_adapter(name, folder, model) for name, folder in build.model.adapters.items()]
-        attach_adapters(model, ctx.adapters)
-        slots = self.plan.decoder.methods.slots
-        if slots is not None:  # swappable: PEFT's adapters stay the eager reference, the slots are what is exported
-            dtype = DTYPES[str(self.plan.decoder.quant.config.dtype)]  # the activations' the slots multiply
-            geometry = slot_geometry(model, list(slots.targets), slots.rank, dtype, INT8 if slots.eight_bit else None)
-            attach_slots(model, geometry)
-            ctx.packed_adapters = {a.name: pack(a.name, a.config, a.matrices, geometry) for a in ctx.adapters}
-        if draft is not None:
-            components[draft.name] = draft.build.build(ctx.component_checkpoints[draft.name])
-        if vision is not None:  # the image encoder, from the decoder's checkpoint folder
-            ctx.component_checkpoints[vision.name] = checkpoint
-            components[vision.name] = vision.build.build(checkpoint)
-        for opened in (checkpoint, *ctx.component_checkpoints.values()):
-            opened.check_unchanged()
-        return EagerModel(model, components=components)
-
-    def check_shapes(self, shapes: CausalLM, component: Component) -> None:
-        """What a component's options need of its model's shapes, checked before any of its weights is read."""
-        check_rotation(shapes, component.quant.config)
-        check_hybrid(shapes, self.plan, component)
+        footprints = [(part.name, f) for part in found for f in [part.kind.open(part, ctx)] if f is not None]
+        footprint = footprints[0][1]
+        for _, other in footprints[1:]:
+            footprint = footprint.beside(other)
+        check_fits(footprint, self.plan.memory_limit_gb)
+        ctx.footprint = footprint
+        held = f" ({', '.join(name for name, _ in footprints)})" if len(footprints) > 1 else ""
+        log.info("  load: %s%s", footprint.describe(), held)
+        models: dict[str, Any] = {}
+        for part in found:
+            part.kind.load(part, ctx, models)
+        for checkpoint in opened(ctx):  # read lazily: none changed meanwhile
+            checkpoint.check_unchanged()
+        main = models.pop(self.plan.decoder.name)
+        return EagerModel(main, components=models)
 
     def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:
-        assert ctx.checkpoint is not None
-        family = family_of_config(ctx.checkpoint.hf_config)
-        adapters = "".join(f"; adapter {a.describe()}" for a in ctx.adapters)
-        others = "".join(f"; {name}: {summary(m)}" for name, m in loaded.components.items())
-        alone = text_only(ctx.checkpoint.hf_config)
-        return f"{family.name if family else 'unknown'} family, {loaded.summary()}{adapters}{others}" + (
-            f"; {alone}" if alone else "")
+        models = {self.plan.decoder.name: loaded.model, **loaded.components}
+        return "".join(part.kind.describe("load", part, ctx, models) for part in parts(self.plan))

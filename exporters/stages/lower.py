@@ -15,13 +15,12 @@ from exporters.config import WeightsPlacement
 from exporters.internals import (lowering_forgets_graphs, named_data_stored_once, torchao_quant_ops_shape_only,
                                  xnnpack_keys_by_name, xnnpack_passes_only_where_they_apply,
                                  xnnpack_preprocess_copies_one_at_a_time)
+from exporters.components import parts
 from exporters.program.backends import partitioners
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
-from exporters.program.constants import constant_methods
-from exporters.program.swappable import products_after_projections, slot_constants
-from exporters.program.vision import noop_expands_dropped, vision_constants
-from exporters.stages.artifacts import CapturedMethods, LoweredProgram
-from exporters.stages.pipeline import ExportContext, Stage
+from exporters.context.artifacts import CapturedMethods, LoweredProgram
+from exporters.context import ExportContext
+from exporters.stages.pipeline import Stage
 
 log = logging.getLogger("exporters")
 
@@ -85,25 +84,20 @@ class LowerStage(Stage):
     def run(self, captured: CapturedMethods, ctx: ExportContext) -> LoweredProgram:
         from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-        assert ctx.checkpoint is not None
         model, methods, undelegated, programs = captured.model, captured.methods, captured.undelegated, captured.programs
         components = captured.components
         del captured  # to_edge_transform_and_lower rewrites the programs: nothing may use them after it
         plan, backend = self.plan, self.plan.backend
-        draft = components.get(plan.draft.name) if plan.draft is not None else None
-        constants = constant_methods(model.args, ctx.checkpoint, methods.specs, plan.lengths.max_seq_len,
-                                     backend.dynamic_shapes, methods.adapters, draft.head_ids if draft else None)
-        if methods.slots is not None:  # what an app needs to fill set_adapter's inputs
-            constants.update(slot_constants(model.get_submodule("lora_slots").geometry))
-        if plan.vision is not None:  # what an app needs to make vision_encoder's input
-            constants.update(vision_constants(plan.vision.build.geometry))  # type: ignore[union-attr]
+        models, found = {plan.decoder.name: model, **components}, parts(plan)
+        constants: dict[str, Any] = {}
+        for part in found:  # the runners' constants (the decoder's), then what each other part adds
+            constants.update(part.kind.constants(part, ctx, models))
         external = plan.weights == WeightsPlacement.external
         # External weights: every constant is marked for its data file (the base's, or its adapter's) before
         # partitioning, and XNNPACK names its weights by tensor rather than by content, so the program is the same
-        # bytes whatever the weights.
-        passes = ([tag_weights_by_data_file()] if external else []) + (
-            [products_after_projections()] if methods.slots is not None else []) + (
-            [noop_expands_dropped()] if plan.vision is not None else [])
+        # bytes whatever the weights. Then each part's own passes.
+        passes = ([tag_weights_by_data_file()] if external else []) + [
+            p for part in found for p in part.kind.passes(part)]
         naming = xnnpack_keys_by_name(structure_namespace(programs)) if external else contextlib.nullcontext()
         with naming, lowering_shortcuts(plan.shortcuts):
             edge = to_edge_transform_and_lower(

@@ -18,24 +18,15 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Protocol, Sequence
 
+from exporters.context import ExportContext
 from exporters.errors import Interrupted
 from exporters.interrupts import signal_of
 from exporters.runtime.memory import peak_rss_mb, return_freed_memory
 
 if TYPE_CHECKING:
-    from exporters.config import ExportConfig
-    from exporters.footprint import Footprint
     from exporters.plan import ExportPlan
-    from exporters.manifest import AppliedQuantization, Pt2eRecord, QualityWarning, ValidationReport, VisionCheck
-    from exporters.stages.artifacts import BaselineQuality
-    from models.checkpoint import Checkpoint
-    import torch
-
-    from models.lora import LoraAdapter
 
 log = logging.getLogger("exporters")
 
@@ -45,38 +36,6 @@ HEARTBEAT_S = 60.0
 
 StageName = Literal["load", "baseline", "quantize", "pt2e", "capture", "lower", "emit", "validate", "advise",
                     "finalize", "bench"]
-
-
-@dataclass
-class ExportContext:
-    """What one export knows besides the artifact in hand. Stages fill in the facts as they learn them."""
-
-    plan: ExportPlan  # every decision of the export, resolved once from the checked config
-    output_dir: Path
-    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds, filled in by the pipeline
-    # stage -> the process's peak RSS (MiB) when it ended: the peak so far (VmHWM is monotone unless an observer
-    # resets it per stage, as benchmarks.profile_memory does). Filled in by the pipeline.
-    peak_rss_mb: dict[str, float] = field(default_factory=dict)
-    checkpoint: Checkpoint | None = None  # load
-    component_checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # load: the other components' (draft)
-    adapters: list[LoraAdapter] = field(default_factory=list)  # load: model.adapters, read and attached
-    # load, export.adapters=swappable: each adapter given, laid out as set_adapter's inputs (models.lora_slots.pack)
-    packed_adapters: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    footprint: Footprint | None = None  # load: the export's estimated memory
-    baseline: BaselineQuality | None = None  # baseline (with validation only)
-    quantization: AppliedQuantization | None = None  # quantize
-    component_quantization: dict[str, AppliedQuantization] = field(default_factory=dict)  # quantize: the draft's
-    vision_quantization: str | None = None  # quantize: what quant.vision did to the vision encoder
-    vision_check: VisionCheck | None = None  # validate: the vision encoder and an image prompt against eager
-    pt2e: Pt2eRecord | None = None  # pt2e: what the backend's quantizer did (finalize records it with quantize's)
-    validation: ValidationReport | None = None  # validate (with validation only)
-    adapter_validation: dict[str, ValidationReport] = field(default_factory=dict)  # validate: one per adapter
-    component_validation: dict[str, ValidationReport] = field(default_factory=dict)  # validate: the draft's methods
-    quality_warning: QualityWarning | None = None  # advise: the perplexity increase passed its threshold
-
-    @property
-    def config(self) -> ExportConfig:
-        return self.plan.config
 
 
 class Stage(ABC):

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from exporters.program.methods import MethodSpec
 from exporters.quant.pt2e import PT2E_QUANTIZERS, quantize_graph, reference_graph
-from exporters.stages.artifacts import EagerModel
-from exporters.stages.pipeline import ExportContext, Stage
-from exporters.stages.quantize import read_calibration
+from exporters.context.artifacts import EagerModel
+from exporters.context import ExportContext
+from exporters.stages.pipeline import Stage
+from exporters.components.language_model import read_calibration
 
 
 class Pt2eStage(Stage):
@@ -25,7 +26,7 @@ class Pt2eStage(Stage):
         # The graph calibrated is the prompt method with any number of tokens: it takes the single tokens of
         # decode too, so one calibration serves every method (on static-shape backends as well).
         prompt = MethodSpec("prefill", 1, self.plan.lengths.call_tokens, True)
-        text = (read_calibration(quant.calibration, component.build.source, model, ctx)
+        text = (read_calibration(quant.calibration, component.build.source, model, ctx.checkpoint)
                 if PT2E_QUANTIZERS[quant.pt2e].calibrated else None)
         graph, record = quantize_graph(model, prompt, quant.pt2e, text)
         ctx.pt2e = record

@@ -1,276 +1,20 @@
-"""Validate: run the written ``.pte`` over the validation text and compare it with the eager model.
+"""Validate: run the written ``.pte`` over the validation text and compare each part with its eager model.
 
-The program goes over the windows the ``baseline`` stage made, the way generation drives it (prompt method,
-then one token per step through the step method), and so does the eager model quantized the same way; the
-measures are in :mod:`exporters.runtime.quality`. Both sides keep their own KV cache, so a runtime cache that
-does not carry from prefill to decode shows up as a large KL. Four steps, one function each: run both
-sides (:func:`predictions`), score them (:class:`Scores`), judge the scores against the tolerance
-(:func:`judge`), and write the report (:func:`report`).
+The program is loaded once (or, where its delegate cannot run here, the undelegated programs stand in for it) and
+each part checks its methods (``exporters.components``): the decoder's and each adapter's on the windows the
+``baseline`` stage made (``exporters.validation.methods``), a draft's against its own model, a vision encoder's image
+path (``exporters.validation.image``). The verdicts are facts for finalize, in the parts' records.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-
-import torch
-
-from exporters.config import DType, KvDType
-from exporters.manifest import Checked, SpeculativeCheck, ValidationReport
-from exporters.plan.validation import Tolerance
-from exporters.program.methods import MethodSpec
-from exporters.runtime.driver import Driver, MethodRoles
+from exporters.components import parts
+from exporters.context import ExportContext
+from exporters.context.artifacts import WrittenProgram
+from exporters.manifest import Checked
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
-from exporters.runtime.sampling import SamplingConfig
-from exporters.runtime.speculative import DraftProposer, LookupProposer, continue_text
-from exporters.runtime.quality import Agreement, TextWindows, full_sequence, perplexity, window_logits
-from exporters.stages.artifacts import BaselineQuality, WrittenProgram
-from exporters.stages.pipeline import ExportContext, Stage
-from exporters.stages.vision_check import check_image_path
-from models.decoder import CausalLM
-from models.lora import active_adapter
-from models.lora_slots import SET_ADAPTER
-
-log = logging.getLogger("exporters")
-
-
-@dataclass(frozen=True)
-class Predictions:
-    """Per window, the next-token logits [L - P, V] of the eager model and of the program; and ``forward``
-    against ``prefill`` on the first prompt (None when the program lacks either)."""
-
-    eager: list[torch.Tensor]
-    program: list[torch.Tensor]
-    forward_kl: float | None
-    # token_embedding -> text_decoder (ExecuTorch's MultimodalRunner's path) over the first window against the prompt
-    # and step methods, when the program has both paths.
-    text_decoder_kl: float | None = None
-
-
-@dataclass(frozen=True)
-class Scores:
-    agreement: Agreement  # over every scored position
-    per_window: list[dict[str, float]]
-    perplexity: float  # of the program
-    eager_perplexity: float
-    scored: int  # the targets perplexity is over: all, or those a draft's restricted head scores
-
-    @staticmethod
-    def of(predictions: Predictions, text: TextWindows, columns: torch.Tensor | None = None) -> "Scores":
-        """``columns``: the token of each logit when the head scores a few (a draft's ``draft.vocab``)."""
-        per_window, parts = [], []
-        for i, (window, e, p) in enumerate(zip(text.windows, predictions.eager, predictions.program)):
-            a = Agreement.of(e, p)
-            parts.append(a)
-            per_window.append({"window": i, "tokens": window.shape[1], "kl_mean": float(a.kl.mean()),
-                               "kl_max": float(a.kl.max()), "top1_agreement": float(a.top1.double().mean()),
-                               "max_abs_error": a.max_abs_error})
-        n = text.scored(columns)
-        return Scores(Agreement.joined(parts), per_window, perplexity(text.nll(predictions.program, columns), n),
-                      perplexity(text.nll(predictions.eager, columns), n), n)
-
-    @property
-    def kl_mean(self) -> float:
-        return float(self.agreement.kl.mean())
-
-    @property
-    def top1(self) -> float:
-        return float(self.agreement.top1.double().mean())
-
-
-def program_predictions(driver: Driver, window: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
-    """The program's predictions for one window [L - P, V]: the prompt at once, then one token per step."""
-    rows = [driver.prefill(window[:, :prompt_tokens])]
-    rows += [driver.decode_one_token(window[:, i:i + 1], i) for i in range(prompt_tokens, window.shape[1] - 1)]
-    return torch.cat(rows).float()
-
-
-def forward_against_prefill(program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
-                            specs: dict[str, MethodSpec], text: TextWindows) -> float | None:
-    """``forward`` (what the stock runner calls) on the first prompt, against ``prefill`` on the same tokens."""
-    by_kind = {spec.kind: name for name, spec in specs.items()}
-    if not {"prefill", "forward"} <= by_kind.keys():
-        return None
-    prompt = text.windows[0][:, :text.prompt_tokens]
-    by_method = [Driver(program, roles.with_prompt(by_kind[k], specs[by_kind[k]].shape)).prefill(prompt)
-                 for k in ("prefill", "forward")]
-    return float(Agreement.of(*by_method).kl.max())
-
-
-def text_decoder_against_prompt_methods(program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
-                                        specs: dict[str, MethodSpec], text: TextWindows,
-                                        theirs: torch.Tensor) -> float | None:
-    """token_embedding then text_decoder over the first window (the prompt at once, then each token: how
-    ExecuTorch's MultimodalRunner drives the text), against ``theirs``, the prompt and step methods' predictions."""
-    shapes = {name: spec.shape for name, spec in specs.items()}
-    kinds = {shape.kind for shape in shapes.values()}
-    if roles.embed is not None or not {"token_embedding", "text_decoder"} <= kinds:
-        return None
-    pair = Driver(program, MethodRoles.through_embeddings(shapes))
-    return float(Agreement.of(theirs, program_predictions(pair, text.windows[0], text.prompt_tokens)).kl.max())
-
-
-def driven(program: LoadedProgram | CapturedPrograms, roles: MethodRoles, text: TextWindows,
-           side: str) -> list[torch.Tensor]:
-    """Every window through ``program``'s methods, as generation drives them."""
-    driver = Driver(program, roles)
-    found = []
-    for i, w in enumerate(text.windows, start=1):
-        found.append(program_predictions(driver, w, text.prompt_tokens))
-        if len(text.windows) > 1:
-            log.info("  validate: %s window %d/%d (%d tokens)", side, i, len(text.windows), w.shape[1])
-    return found
-
-
-def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
-                specs: dict[str, MethodSpec], text: TextWindows, adapter: str | None = None,
-                eager_graphs: CapturedPrograms | None = None, side: str = "program") -> Predictions:
-    """The eager model's and the program's predictions; ``adapter``: the eager side applies it (the program's
-    side is in ``roles``: that adapter's methods). ``eager_graphs``: the eager side is these captured programs
-    (PT2E: the quantized model exists only as graphs), driven like the program."""
-    with torch.no_grad():
-        if eager_graphs is not None:
-            eager = driven(eager_graphs, roles, text, "eager")
-        else:
-            with active_adapter(model, adapter), model.kv_dtype_as(KvDType.fp32):
-                eager = window_logits(full_sequence(model), text)
-        # The undelegated programs standing in for a delegate that cannot run here may be the eager side itself.
-        ours = eager if program is eager_graphs else driven(program, roles, text, side)
-        forward_kl = forward_against_prefill(program, roles, specs, text)
-        text_decoder_kl = text_decoder_against_prompt_methods(program, roles, specs, text, ours[0])
-    model.reset_cache()
-    return Predictions(eager, ours, forward_kl, text_decoder_kl)
-
-
-#: Greedy tokens the speculative check generates each way (plain and lookup-speculative) from the first prompt.
-SPECULATIVE_TOKENS = 24
-
-
-#: A divergence of speculative from plain greedy decoding is a tie when plain decoding's top two logits there were
-#: closer than this many times the largest difference between verify's and the one-token method's logits.
-TIE_FACTOR = 4.0
-
-
-def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
-                      text: TextWindows, adapter: str | None, context: int,
-                      draft_roles: MethodRoles | None = None, draft_vocab: torch.Tensor | None = None,
-                      ) -> SpeculativeCheck:
-    """The verify method on the first window after its prompt, against the eager model's logits at the same positions
-    and against the one-token method's (how far the batched kernels round from the single-token ones); then greedy
-    generation from that prompt with speculation (the draft's methods, ``draft_roles``; else lookup) against
-    without, in the program."""
-    window, prompt = text.windows[0], text.prompt_tokens
-    k = roles.verify_tokens - 1
-    driver = Driver(program, roles)
-    with torch.no_grad(), active_adapter(model, adapter), model.kv_dtype_as(KvDType.fp32):
-        eager = full_sequence(model)(window)  # [L, V]: row i follows token i
-    model.reset_cache()
-    checked = window[0, prompt:prompt + k + 1].tolist()  # the text's own next tokens, as if all were proposed
-    driver.prefill(window[:, :prompt])
-    ours = driver.verify((checked + checked[-1:] * k)[:k + 1], prompt).float()[:len(checked)]  # exactly k + 1
-    agreement = Agreement.of(eager[prompt:prompt + len(checked)], ours)
-    driver.prefill(window[:, :prompt])
-    stepwise = torch.cat([driver.decode_one_token(t, prompt + j) for j, t in enumerate(checked)]).float()
-    noise = float((stepwise - ours).abs().max())
-    ids = window[0, :prompt].tolist()
-    greedy = SamplingConfig(max_new_tokens=SPECULATIVE_TOKENS)
-    margins: list[float] = []
-    plain_rows: list[torch.Tensor] = []
-
-    def margin(logits: torch.Tensor) -> None:
-        row = logits.float().reshape(-1)
-        plain_rows.append(row)
-        top = row.topk(2).values
-        margins.append(float(top[0] - top[1]))
-
-    proposer = (DraftProposer(Driver(program, draft_roles), draft_vocab) if draft_roles is not None
-                else LookupProposer())
-    runs = {}
-    for speculating in (False, True):
-        first = driver.prefill(window[:, :prompt])
-        runs[speculating] = continue_text(driver, ids, first, greedy, set(), context, False,
-                                          proposer if speculating else None, seen=None if speculating else margin)
-    plain, fast, stats = runs[False][0], runs[True][0], runs[True][2]
-    assert stats is not None
-    # The same tokens through verify calls alone (every proposal kept): the cache written by the batched kernels, as
-    # in speculation. Under dynamically quantized activations a last-bit difference in one cached entry can flip an
-    # int8 rounding later, so this trajectory, not one call, measures how far the two paths drift apart.
-    driver.prefill(window[:, :prompt])
-    for start in range(0, len(plain) - 1, k + 1):
-        fed = plain[start:start + k + 1]
-        if prompt + start + k >= context:
-            break
-        rows = driver.verify((fed + fed[-1:] * k)[:k + 1], prompt + start).float()
-        for j in range(min(len(fed), len(plain_rows) - start - 1)):
-            noise = max(noise, float((rows[j] - plain_rows[start + j + 1]).abs().max()))
-    diverged = next((i for i, (a, b) in enumerate(zip(plain, fast)) if a != b), None)
-    return SpeculativeCheck(
-        verify_kl=float(agreement.kl.mean()), verify_top1=float(agreement.top1.double().mean()), tokens=len(plain),
-        identical=plain == fast, proposer=proposer.name, acceptance=round(stats.acceptance, 4),
-        tokens_per_call=round(stats.tokens_per_call, 4), kernel_noise=noise, diverged_at=diverged,
-        margin_there=None if diverged is None else margins[diverged], tie_factor=TIE_FACTOR)
-
-
-def judge(scores: Scores, found: Predictions, t: Tolerance,
-          speculative: SpeculativeCheck | None = None) -> list[str]:
-    """Each measure outside its tolerance, with its value and limit (empty: the program passes)."""
-    return [
-        *([f"verify differs from the eager model: KL {speculative.verify_kl:.3g} > {t.max_kl:.3g}"]
-          if speculative is not None and speculative.verify_kl > t.max_kl else []),
-        *([f"speculative greedy decoding ({speculative.proposer}, verify) differs from plain greedy decoding at token "
-           f"{speculative.diverged_at}, where plain decoding's top two logits were {speculative.margin_there:.3g} apart: "
-           f"more than {speculative.tie_factor:g} x the {speculative.kernel_noise:.3g} verify and decode differ by"]
-          if speculative is not None and not speculative.matches else []),
-        *([f"KL {scores.kl_mean:.3g} > {t.max_kl:.3g}"] if scores.kl_mean > t.max_kl else []),
-        *([f"top-1 agreement {scores.top1:.1%} < {t.min_top1:.0%}"] if scores.top1 < t.min_top1 else []),
-        *([f"perplexity {scores.perplexity:.4g} > eager {scores.eager_perplexity:.4g} x (1 + {t.max_ppl_drift:.3g})"]
-          if scores.perplexity > scores.eager_perplexity * (1 + t.max_ppl_drift) else []),
-        *([f"forward differs from prefill: KL {found.forward_kl:.3g} > {t.max_kl:.3g}"]
-          if found.forward_kl is not None and found.forward_kl > t.max_kl else []),
-        *([f"token_embedding -> text_decoder differs from the prompt and step methods: KL "
-           f"{found.text_decoder_kl:.3g} > {t.max_kl:.3g}"]
-          if found.text_decoder_kl is not None and found.text_decoder_kl > t.max_kl else []),
-    ]
-
-
-def report(scores: Scores, failures: list[str], found: Predictions, roles: MethodRoles, checked: Checked,
-           baseline: BaselineQuality, t: Tolerance, runs_in: DType | None = None,
-           adapter: str | None = None, eager_kv_dtype: str | None = None,
-           speculative: SpeculativeCheck | None = None, component: str | None = None) -> ValidationReport:
-    """``component``: the report of another component's methods (the draft's), against its own unquantized model."""
-    text, total = baseline.text, scores.agreement
-    return ValidationReport(
-        passed=not failures,
-        failures=failures,
-        checked=checked,
-        text=text.source,
-        methods={"prompt": roles.prompt, "step": roles.step,
-                 "forward": "checked against prefill" if found.forward_kl is not None else None,
-                 **({"embeddings": roles.embed} if roles.embed else {}),
-                 **({"text_decoder": "token_embedding -> text_decoder checked against prompt and step"}
-                    if found.text_decoder_kl is not None else {})},
-        windows=len(text.windows),
-        prompt_tokens=text.prompt_tokens,
-        scored_tokens=scores.scored,
-        kl_mean=scores.kl_mean,
-        kl_max=float(total.kl.max()),
-        top1_agreement=scores.top1,
-        top5_overlap=float(total.topk_overlap.mean()),
-        max_abs_error=total.max_abs_error,
-        max_rel_error=total.max_rel_error,
-        perplexity=scores.perplexity,
-        eager_perplexity=scores.eager_perplexity,
-        baseline_perplexity=(baseline.perplexity_of(adapter) if component is None
-                             else baseline.perplexity_of_component(component)),
-        baseline_dtype=baseline.dtype,
-        forward_kl=found.forward_kl,
-        text_decoder_kl=found.text_decoder_kl,
-        tolerance={"max_kl": t.max_kl, "min_top1": t.min_top1, "max_ppl_drift": t.max_ppl_drift},
-        runs_in=str(runs_in) if runs_in is not None else None,
-        per_window=scores.per_window,
-        eager_kv_dtype=eager_kv_dtype,
-        speculative=speculative,
-    )
+from exporters.stages.pipeline import Stage
+from exporters.validation.methods import ProgramUnderTest
 
 
 class ValidateStage(Stage):
@@ -289,53 +33,14 @@ class ValidateStage(Stage):
         else:
             assert undelegated is not None, "capture keeps undelegated programs for such backends"
             program, checked = undelegated, "undelegated programs"
-        eager_graphs = undelegated if plan.eager_from_graphs else None
-        methods = written.methods
-        others = {}  # the other components' methods (the draft's) against their own eager models
-        for name in (c.name for c in self.plan.language_models if not c.is_decoder):
-            component_model = written.components[name]
-            specs = methods.of_component(name)
-            roles = MethodRoles.choose({n: spec.shape for n, spec in specs.items()})
-            found = predictions(component_model, program, roles, specs, ctx.baseline.text, side=name)
-            scores = Scores.of(found, ctx.baseline.text, component_model.head_ids)
-            tolerance = plan.component_tolerance[name]
-            failures = judge(scores, found, tolerance)
-            ctx.component_validation[name] = report(scores, failures, found, roles, checked, ctx.baseline,
-                                                    tolerance, plan.runs_in, component=name)
-            others[name] = roles
-            log.info("  validate: %s %s", name, "passed" if not failures else "FAILED")
-        draft = self.plan.draft
-        # The base methods, then each adapter's: its own methods, or (swappable) the base's after set_adapter.
-        for adapter in [None, *methods.adapters, *ctx.packed_adapters]:
-            specs = methods.of_adapter(adapter if adapter not in ctx.packed_adapters else None)
-            roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
-            if adapter in ctx.packed_adapters:
-                program.run(SET_ADAPTER, *ctx.packed_adapters[adapter].values())
-            found = predictions(written.model, program, roles, specs, ctx.baseline.text, adapter, eager_graphs)
-            scores = Scores.of(found, ctx.baseline.text)
-            speculative = (speculative_check(written.model, program, roles, ctx.baseline.text, adapter,
-                                             self.plan.lengths.context, others[draft.name] if draft else None,
-                                             written.components[draft.name].head_ids if draft else None)
-                           if roles.verify else None)
-            failures = judge(scores, found, plan.tolerance, speculative)
-            verdict = report(scores, failures, found, roles, checked, ctx.baseline, plan.tolerance,
-                             plan.runs_in, adapter, str(plan.eager_kv_dtype) if plan.eager_kv_dtype else None,
-                             speculative)
-            if adapter is None:
-                ctx.validation = verdict
-            else:
-                ctx.adapter_validation[adapter] = verdict
-                log.info("  validate: adapter %s %s", adapter, "passed" if verdict.passed else "FAILED")
-        vision = self.plan.vision
-        if vision is not None:
-            ctx.vision_check = check_image_path(program, written.model, written.components[vision.name],
-                                                ctx.baseline.text.windows[0], plan.tolerance.max_kl,
-                                                ctx.baseline.image)
-            log.info("  validate: image path %s", "passed" if ctx.vision_check.passed else "FAILED")
+        under = ProgramUnderTest(program, checked, ctx.baseline, plan.tolerance, self.plan.lengths.context,
+                                 eager_graphs=undelegated if plan.eager_from_graphs else None, runs_in=plan.runs_in,
+                                 eager_kv_dtype=str(plan.eager_kv_dtype) if plan.eager_kv_dtype else None)
+        models = {self.plan.decoder.name: written.model, **written.components}
+        for part in parts(self.plan):
+            part.kind.validate(part, ctx, under, models)
         return written  # unchanged: the verdicts are facts for finalize, in the context
 
     def describe(self, written: WrittenProgram, ctx: ExportContext) -> str:
-        assert ctx.validation is not None
-        return ctx.validation.describe() + "".join(f"\n  adapter {name}: {v.describe()}"
-                                                   for name, v in ctx.adapter_validation.items()) + "".join(
-            f"\n  {name}: {v.describe()}" for name, v in ctx.component_validation.items())
+        models = {self.plan.decoder.name: written.model, **written.components}
+        return "".join(part.kind.describe("validate", part, ctx, models) for part in parts(self.plan))

@@ -128,7 +128,7 @@ def _child_main(request: dict[str, Any]) -> int:
     from exporters.config import ExportConfig, check_known_keys
     from exporters.errors import REPORTED_ERRORS, Interrupted
     from exporters.export import export
-    from exporters.plan import plan_export
+    from exporters.components.resolve import plan_export
 
     console.VERBOSE = bool(request["verbose"])
     _configure_child_logging(request["label"], request["log_file"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from exporters.manifest import DataFile, Manifest, Signature
 from exporters.program.methods import MethodTable
@@ -18,35 +18,19 @@ from exporters.runtime.quality import TextWindows, perplexity
 from models.decoder import CausalLM
 from models.vision_encoder import VisionEncoder
 
-if TYPE_CHECKING:
-    from exporters.stages.vision_check import ImageBaseline
-
 
 @dataclass(frozen=True)
 class BaselineQuality:
-    """The validation text in windows, and the unquantized model's negative log-likelihood on it."""
+    """The validation text in windows, and the unquantized decoder's negative log-likelihood on it (each other
+    part's unquantized score is in its own record: exporters.components)."""
 
     text: TextWindows
     nll: float
     dtype: str  # the checkpoint's dtype it ran in (fp32, or bf16 for a bf16 checkpoint)
-    adapter_nll: dict[str, float] = field(default_factory=dict)  # the unquantized base with each adapter applied
-    component_nll: dict[str, float] = field(default_factory=dict)  # each other component (the draft), unquantized
-    # the targets each one's nll is over: fewer than the text's when its head scores a few tokens (draft.vocab)
-    component_tokens: dict[str, int] = field(default_factory=dict)
-    # a vision-language checkpoint's image prompt through the unquantized encoder and decoder
-    image: ImageBaseline | None = None
 
     @property
     def perplexity(self) -> float:
         return perplexity(self.nll, self.text.scored_tokens)
-
-    def perplexity_of(self, adapter: str | None) -> float:
-        """The unquantized model's perplexity with ``adapter`` applied (None: the base)."""
-        return self.perplexity if adapter is None else perplexity(self.adapter_nll[adapter], self.text.scored_tokens)
-
-    def perplexity_of_component(self, component: str) -> float:
-        """Another component's (the draft's) unquantized perplexity on the same text."""
-        return perplexity(self.component_nll[component], self.component_tokens.get(component, self.text.scored_tokens))
 
     def summary(self) -> str:
         return (f"unquantized {self.dtype} perplexity {self.perplexity:.2f} on {self.text.scored_tokens} tokens of "
@@ -65,7 +49,8 @@ class EagerModel:
     # What the backend computes, as a graph PyTorch steps through many times faster (exporters.quant.pt2e.
     # reference_graph): what validation's undelegated programs are captured from.
     reference_graph: Any = None
-    # The program's other components' models (the draft), by component name, in the same state as ``model``.
+    # The program's other components' models (the draft, the vision encoder), by component name, in the same state
+    # as ``model``.
     components: dict[str, CausalLM] = field(default_factory=dict)
 
     def summary(self) -> str:

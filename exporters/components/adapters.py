@@ -1,0 +1,118 @@
+"""LoRA adapters: variants of the decoder, each applied over its stored weights (``model.adapters``).
+
+Each folder is read and checked against the loaded base, and attached with PEFT (``models.lora``): PEFT's model of
+an adapter is the eager reference whichever way the program holds it. With ``export.adapters=methods`` each adapter
+gets the base's methods again, ``<adapter>_<method>`` (``exporters.program.adapters``), validated here; with
+``swappable`` the slots carry them (``exporters.components.slots``, which validates each and records it here).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from exporters.components.kind import Finalized, Kind, Part
+from exporters.config import ExportConfig, KvDType
+from exporters.manifest import AdapterEntry
+from exporters.program.adapters import ADAPTERS_CONSTANT, adapter_method
+from exporters.program.files import sha256_of
+from exporters.program.weights import placed
+from exporters.runtime.quality import full_sequence, perplexity, window_logits
+from exporters.validation.methods import validate_methods
+from models.lora import WEIGHTS_FILE, LoraAdapter, active_adapter, attach_adapters, check_adapter_folders, read_adapter
+
+if TYPE_CHECKING:
+    from exporters.context import ExportContext
+    from exporters.context.artifacts import WrittenProgram
+    from exporters.manifest import ValidationReport
+    from exporters.plan import ExportPlan
+    from exporters.plan.lengths import Lengths
+    from exporters.runtime.quality import TextWindows
+    from exporters.validation.methods import ProgramUnderTest
+
+log = logging.getLogger("exporters")
+
+ADAPTERS = "adapters"
+
+
+@dataclass
+class AdaptersRecord:
+    adapters: list[LoraAdapter] = field(default_factory=list)  # load: read and attached, in model.adapters' order
+    nll: dict[str, float] = field(default_factory=dict)  # baseline: the unquantized base with each applied
+    validation: dict[str, ValidationReport] = field(default_factory=dict)  # validate: each adapter's methods
+
+    def perplexity(self, adapter: str, scored: int) -> float:
+        return perplexity(self.nll[adapter], scored)
+
+
+class Adapters(Kind):
+    name = ADAPTERS
+    variant = True
+
+    def check(self, cfg: ExportConfig, lengths: Lengths) -> None:
+        check_adapter_folders(cfg.model.adapters)
+
+    def applies(self, plan: ExportPlan) -> bool:
+        return bool(plan.decoder.adapters)
+
+    def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
+        model = models[part.component.name]
+        record = ctx.records[part.name] = AdaptersRecord(
+            [read_adapter(name, folder, model) for name, folder in part.component.build.model.adapters.items()])
+        attach_adapters(model, record.adapters)
+
+    def baseline(self, part: Part, ctx: ExportContext, models: dict[str, Any], windows: TextWindows) -> None:
+        model, record = models[part.component.name], ctx.record(part.name)
+        for adapter in record.adapters:  # the unquantized base with each adapter applied
+            with active_adapter(model, adapter.name), model.kv_dtype_as(KvDType.fp32):
+                logits = window_logits(full_sequence(model), windows)
+            model.reset_cache()
+            record.nll[adapter.name] = windows.nll(logits)
+
+    def constants(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> dict[str, Any]:
+        """The adapters' names, so a runner finds ``<adapter>_<method>`` from the program alone."""
+        adapters = ctx.plan.methods.adapters
+        return {ADAPTERS_CONSTANT: ",".join(adapters)} if adapters else {}
+
+    def validate(self, part: Part, ctx: ExportContext, under: ProgramUnderTest, models: dict[str, Any]) -> None:
+        """Each adapter's methods (export.adapters=methods) against PEFT's eager model of it."""
+        record, methods = ctx.record(part.name), ctx.plan.methods
+        for adapter in methods.adapters:
+            record.validation[adapter] = validate_methods(
+                models[part.component.name], under, methods.of_adapter(adapter), adapter,
+                record.perplexity(adapter, under.text.scored_tokens))
+            log.info("  validate: adapter %s %s", adapter, "passed" if record.validation[adapter].passed else "FAILED")
+
+    def failures(self, part: Part, ctx: ExportContext) -> list[str]:
+        return [f"adapter {name}'s methods: {report.describe()}"
+                for name, report in ctx.record(part.name).validation.items() if not report.passed]
+
+    def finalize(self, part: Part, ctx: ExportContext, written: WrittenProgram, pte: Path) -> Finalized:
+        """The manifest's entry of each adapter: its folder and weights, what it changes, its methods, its validation,
+        its data file as it will be named beside ``pte``."""
+        record, entries = ctx.record(part.name), {}
+        base, slots = written.methods.of_adapter(None), written.methods.slots
+        quantized = ctx.quantization.adapters if ctx.quantization is not None else None
+        for adapter in record.adapters:
+            first = next(m for n, m in written.model.named_modules() if n.endswith(f"lora_A.{adapter.name}"))
+            dtype = quantized.scheme if quantized else str(first.weight.dtype).removeprefix("torch.")
+            entries[adapter.name] = AdapterEntry(
+                folder=str(adapter.folder), weights_sha256=sha256_of(adapter.folder / WEIGHTS_FILE),
+                rank=adapter.ranks, lora_alpha=adapter.config.lora_alpha,
+                use_rslora=bool(adapter.config.use_rslora), layers=len(adapter.modules), targets=adapter.targets,
+                dtype=written.model.get_submodule("lora_slots").geometry.dtype if slots else dtype,
+                # swappable: the base's methods compute with it once set_adapter has set it
+                methods={name: name if slots else adapter_method(adapter.name, name) for name in base},
+                validation=record.validation.get(adapter.name),
+                data=placed(written.adapter_data.get(adapter.name), adapter.name, pte))
+        return Finalized(fields={"adapters": entries})
+
+    def describe(self, stage: str, part: Part, ctx: ExportContext, models: dict[str, Any]) -> str:
+        record = ctx.record(part.name)
+        if stage == "load":
+            return "".join(f"; adapter {a.describe()}" for a in record.adapters)
+        if stage == "validate":
+            return "".join(f"\n  adapter {name}: {v.describe()}" for name, v in record.validation.items())
+        return ""

@@ -1,0 +1,100 @@
+"""The decoder: the program's main model, token ids in, logits out, a KV cache.
+
+Every program holds one. Its methods are ``export.methods`` as the layout names them, plus what the other
+components need of it (``verify`` for a draft, ``token_embedding`` and ``text_decoder`` for a vision encoder:
+:meth:`Kind.decoder_methods`); its quantization and validation are the manifest's top-level ones. Its variants
+(adapters, slots) are kinds of their own (``exporters.components.adapters``, ``.slots``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from exporters.components.kind import Basis, Finalized, Part
+from exporters.components.language_model import LanguageModel, unquantized_nll
+from exporters.context.artifacts import summary
+from exporters.manifest import ComponentEntry
+from exporters.plan.component import Component, ComponentKind, ModelBuild, QuantPlan
+from exporters.program.constants import constant_methods
+from exporters.program.layouts import LAYOUTS
+from exporters.program.methods import MethodTable
+from exporters.program.swappable import base_quant, slot_plan
+from exporters.runtime.driver import MethodRoles
+from exporters.validation.methods import validate_methods
+from models.families import family_of_config
+from models.lora import active_adapter
+from models.vision import text_only
+
+if TYPE_CHECKING:
+    from exporters.runtime.quality import TextWindows
+    from exporters.config import ExportConfig
+    from exporters.context import ExportContext
+    from exporters.context.artifacts import WrittenProgram
+    from exporters.validation.methods import ProgramUnderTest
+
+DECODER = "decoder"  # the component's name; its methods and buffers are unprefixed
+
+
+def proposer_of(ctx: ExportContext, models: dict[str, Any]) -> tuple[MethodRoles, Any] | None:
+    """A draft's methods and the token of each of its logits, when the program holds one: what verify is checked
+    with (speculative greedy decoding against plain)."""
+    draft = next((c for c in ctx.plan.components if c.kind == ComponentKind.draft), None)
+    if draft is None:
+        return None
+    specs = ctx.plan.methods.of_component(draft.name)
+    return MethodRoles.choose({n: spec.shape for n, spec in specs.items()}), models[draft.name].head_ids
+
+
+class Decoder(LanguageModel):
+    name = str(ComponentKind.decoder)
+
+    def plan(self, cfg: ExportConfig, basis: Basis) -> Component:
+        ex = cfg.export
+        # export.methods, then what the other components need of the decoder (verify, text_decoder, ...)
+        kinds = [*ex.methods, *(k for k in basis.decoder_methods if k not in ex.methods)]
+        return Component(
+            name=DECODER, kind=ComponentKind.decoder,
+            build=ModelBuild(cfg.model, basis.state, basis.attention),
+            quant=QuantPlan(base_quant(cfg), ex.tied_embedding, basis.shortcuts),
+            # Aliases (forward = prefill) are emitted as renamed plans, a shortcut through the emitter's internals.
+            methods=MethodTable.of(kinds, LAYOUTS[ex.layout], basis.lengths, list(cfg.model.adapters),
+                                   share_graphs=basis.shortcuts, slots=slot_plan(cfg)))
+
+    def baseline(self, part: Part, ctx: ExportContext, models: dict[str, Any], windows: TextWindows) -> None:
+        record, model = ctx.record(part.name), models[part.name]
+        with active_adapter(model, None):  # the base, whatever adapters are attached
+            record.nll, record.scored = unquantized_nll(model, windows)
+
+    def constants(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> dict[str, Any]:
+        plan = ctx.plan
+        return constant_methods(models[part.name].args, ctx.record(part.name).checkpoint, plan.methods.specs,
+                                plan.lengths.max_seq_len, plan.backend.dynamic_shapes)
+
+    def validate(self, part: Part, ctx: ExportContext, under: ProgramUnderTest, models: dict[str, Any]) -> None:
+        ctx.record(part.name).validation = validate_methods(models[part.name], under, ctx.plan.methods.of_adapter(None),
+                                                            proposer=proposer_of(ctx, models))
+
+    def failures(self, part: Part, ctx: ExportContext) -> list[str]:
+        report = ctx.record(part.name).validation
+        return [report.describe()] if report is not None and not report.passed else []
+
+    def finalize(self, part: Part, ctx: ExportContext, written: WrittenProgram, pte: Path) -> Finalized:
+        methods = [n for n in written.methods.specs if n not in written.methods.component_of]
+        return Finalized(ComponentEntry(
+            kind=str(part.component.kind), methods=methods, adapters=part.component.adapters,
+            checkpoint=str(ctx.record(part.name).checkpoint.path), parameters=written.model.parameter_count(),
+            state=["kv_cache"]))
+
+    def describe(self, stage: str, part: Part, ctx: ExportContext, models: dict[str, Any]) -> str:
+        record = ctx.record(part.name)
+        if stage == "load":
+            hf_config = record.checkpoint.hf_config
+            family, alone = family_of_config(hf_config), text_only(hf_config)
+            return (f"{family.name if family else 'unknown'} family, {summary(models[part.name])}"
+                    + (f"; {alone}" if alone else ""))
+        if stage == "quantize":
+            return record.quantization.describe()
+        if stage == "validate":
+            return record.validation.describe()
+        return ""

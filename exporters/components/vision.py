@@ -1,0 +1,229 @@
+"""The vision encoder: a vision-language checkpoint's image encoder beside its text decoder, in one program.
+
+A checkpoint whose ``config.json`` names a vision-language architecture (``models.vision``) gets a component
+``vision`` with one method, ``vision_encoder`` (one image of the processor's normalized pixels ``[1, 3, S, S]`` to
+``[1, N, hidden]`` embeddings), and the decoder gets ``token_embedding`` and ``text_decoder``: the three methods
+ExecuTorch's ``MultimodalRunner`` calls. The plan reads ``config.json`` (not the weights) to size the method; load
+reads the tower and projector alone from the decoder's checkpoint folder (``models.vision_encoder``); ``quant.vision``
+quantizes it apart (``exporters.quant.vision``); validation runs an image and an image prompt through the program
+(``exporters.validation.image``). What the program holds of it: ``exporters.program.vision``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from exporters.components.kind import Basis, Finalized, Kind, Part
+from exporters.config import ExportConfig, ModelConfig, Source
+from exporters.context.artifacts import summary
+from exporters.errors import UserError, check_choice
+from exporters.footprint import BASE_BYTES, Footprint
+from exporters.manifest import ComponentEntry, VisionEntry
+from exporters.plan.component import Component, ComponentKind, QuantPlan
+from exporters.program.methods import MULTIMODAL_METHODS, MethodTable
+from exporters.program.vision import (VISION, VISION_METHOD, VisionGeometry, has_processor, noop_expands_dropped,
+                                      preprocessing, prompt_marker, vision_constants, vision_spec)
+from exporters.quant.vision import AUTO, VISION_SCHEMES, quantize_vision, vision_scheme
+from exporters.validation.image import ImageBaseline, check_image_path, unquantized_image_path
+from models.checkpoint import open_checkpoint
+from models.tokenizer import find_tokenizer
+from models.vision import VISION_LANGUAGE, geometry_of, load_processor, vision_language_of
+from models.vision_encoder import load_vision_encoder, random_vision_encoder, vision_parameters
+from tokenizers import Tokenizer
+from transformers import AutoConfig
+
+if TYPE_CHECKING:
+    from exporters.runtime.quality import TextWindows
+    from exporters.context import ExportContext
+    from exporters.context.artifacts import WrittenProgram
+    from exporters.manifest import VisionCheck
+    from exporters.plan.lengths import Lengths
+    from exporters.validation.methods import ProgramUnderTest
+    from models.checkpoint import Checkpoint
+    from models.vision_encoder import VisionEncoder
+
+log = logging.getLogger("exporters")
+
+
+@dataclass
+class VisionRecord:
+    """What the stages learn of the vision encoder."""
+
+    checkpoint: Checkpoint  # the decoder's: the encoder is read from the same folder
+    quantization: str | None = None  # quantize: what quant.vision did
+    baseline: ImageBaseline | None = None  # baseline: the image prompt through the unquantized models
+    check: VisionCheck | None = None  # validate: the image path in the program against eager
+
+
+def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
+    """The vision encoder ``model.checkpoint`` holds (with ``model.random_init``, of its shape), from its
+    ``config.json``; None for a text checkpoint (or a GGUF file, a tiny model: text only)."""
+    if model.source != Source.hf or model.checkpoint is None:
+        return None
+    path = Path(model.checkpoint).expanduser()
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        architectures = json.loads(config_file.read_text()).get("architectures") or []
+    except (OSError, json.JSONDecodeError):
+        return None  # open_checkpoint reports it, with the fix
+    if not any(arch in v.architectures for v in VISION_LANGUAGE for arch in architectures):
+        return None
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    family = vision_language_of(hf_config)
+    if family is None or family.geometry is None or getattr(hf_config, "vision_config", None) is None:
+        return None  # text only (models.vision.text_only), or an incomplete config: load names what is missing
+    size, tokens = geometry_of(hf_config, path)
+    return VisionGeometry(family.name, size, tokens, family.image_token_id(hf_config))
+
+
+@dataclass(frozen=True)
+class VisionBuild:
+    """How the vision encoder is built: from the decoder's checkpoint folder, by transformers' own loader."""
+
+    model: ModelConfig
+    geometry: VisionGeometry
+
+    @property
+    def source(self) -> Source:
+        return self.model.source
+
+    def checkpoint(self, work_dir: Path) -> Checkpoint:
+        return open_checkpoint(self.model.checkpoint, need_weights=not self.model.random_init)
+
+    def build(self, checkpoint: Checkpoint, device: str = "cpu") -> VisionEncoder:
+        """The encoder with the checkpoint's weights, or with seeded random ones of its shape (model.random_init)."""
+        geometry = (self.geometry.image_size, self.geometry.tokens)  # the plan's, read from the files once
+        if self.model.random_init:
+            return random_vision_encoder(checkpoint.hf_config, self.model.seed, geometry)
+        return load_vision_encoder(str(checkpoint.path), checkpoint.hf_config, geometry)
+
+
+# Peak RSS the vision encoder adds to an export, per byte of its fp32 weights: measured on SmolVLM-256M's shape
+# (docs/vision.md; 3215 MB measured against 1819 MB estimated for the decoder alone, over 374 MB of fp32 encoder
+# weights: the eager encoder, its captured and lowered graphs, the program's copy at validation).
+VISION_PEAK_PER_BYTE = 3.7
+
+
+def vision_footprint(parameters: int) -> Footprint:
+    """What the vision encoder adds to the export's memory, held from load to the end (exporters.footprint)."""
+    fp32 = 4 * parameters
+    return Footprint(parameters, fp32, fp32, fp32,
+                     {stage: BASE_BYTES + int(VISION_PEAK_PER_BYTE * fp32)
+                      for stage in ("load", "quantize", "lower", "emit", "validate")})
+
+
+class Vision(Kind):
+    name = str(ComponentKind.vision_encoder)
+
+    def check(self, cfg: ExportConfig, lengths: Lengths) -> None:
+        """What a vision-language export cannot do, refused before any weight is read."""
+        geometry, dynamic_shapes = vision_geometry(cfg.model), cfg.backend.dynamic_shapes
+        check_choice("quant.vision", cfg.quant.vision, [AUTO, *VISION_SCHEMES], "Fix quant.vision.")
+        if geometry is None:
+            if cfg.quant.vision != AUTO:
+                raise UserError(f"quant.vision={cfg.quant.vision} quantizes a vision-language checkpoint's image encoder, "
+                                "and model.checkpoint is a text model. Leave quant.vision unset.")
+            return
+        what = f"{cfg.model.checkpoint} sees images ({geometry.family}, {geometry.tokens} positions per image)"
+        if not dynamic_shapes:
+            raise UserError(f"{what}, and backend={cfg.backend.name} exports fixed-size calls: ExecuTorch's "
+                            "MultimodalRunner feeds each text segment and each image to text_decoder in one call of its "
+                            "own length. Use backend=xnnpack or backend=portable.")
+        if geometry.tokens > lengths.call_tokens:
+            raise UserError(f"{what}, and one call of text_decoder takes at most {lengths.call_tokens} tokens "
+                            f"(export.max_seq_len): the MultimodalRunner feeds an image in one call. Set "
+                            f"export.max_seq_len={geometry.tokens + 1} or more (and export.max_context_len above it).")
+        for key, value, why in (
+                ("quant.pt2e", cfg.quant.pt2e, "the backend's quantizer converts a graph that takes tokens"),
+                ("draft.checkpoint", cfg.draft.checkpoint, "speculative decoding of image prompts is not built yet"),
+                ("model.adapters", cfg.model.adapters or None, "adapters on a vision-language program are not built yet"),
+                ("export.adapters", cfg.export.adapters if cfg.export.adapters != "methods" else None,
+                 "adapters on a vision-language program are not built yet")):
+            if value is not None:
+                raise UserError(f"{what}, and {key}={value}: {why}. Export it without {key}.")
+
+    def plan(self, cfg: ExportConfig, basis: Basis) -> Component | None:
+        """The vision encoder as a component of the plan (None for a text checkpoint)."""
+        geometry = vision_geometry(cfg.model)
+        if geometry is None:
+            return None
+        table = MethodTable({VISION_METHOD: vision_spec(geometry)}, {VISION_METHOD: None}, {}, {VISION_METHOD: VISION})
+        return Component(name=VISION, kind=ComponentKind.vision_encoder, build=VisionBuild(cfg.model, geometry),
+                         quant=QuantPlan(cfg.quant, cfg.export.tied_embedding, basis.shortcuts), methods=table)
+
+    def decoder_methods(self, component: Component) -> Sequence[str]:
+        return MULTIMODAL_METHODS
+
+    def open(self, part: Part, ctx: ExportContext) -> Footprint:
+        """The image encoder, alive beside the decoder from load to the end; read from the decoder's checkpoint."""
+        checkpoint = ctx.main.checkpoint
+        ctx.records[part.name] = VisionRecord(checkpoint)
+        return vision_footprint(vision_parameters(checkpoint.hf_config))
+
+    def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
+        models[part.name] = part.component.build.build(ctx.record(part.name).checkpoint)
+
+    def baseline(self, part: Part, ctx: ExportContext, models: dict[str, Any], windows: TextWindows) -> None:
+        """The image prompt validation will give the program, through the unquantized encoder and decoder."""
+        ctx.record(part.name).baseline = unquantized_image_path(models[ctx.plan.decoder.name], models[part.name],
+                                                                windows.windows[0])
+
+    def quantize(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
+        """After the decoder: the encoder's output must be in the dtype the decoder now computes in."""
+        quant = part.component.quant.config
+        ctx.record(part.name).quantization = quantize_vision(
+            models[part.name], vision_scheme(quant), quant.group_size, models[ctx.plan.decoder.name].activation_dtype())
+
+    def passes(self, part: Part) -> list[Any]:
+        return [noop_expands_dropped()]
+
+    def constants(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> dict[str, Any]:
+        """What an app needs to make vision_encoder's input."""
+        return vision_constants(part.component.build.geometry)
+
+    def validate(self, part: Part, ctx: ExportContext, under: ProgramUnderTest, models: dict[str, Any]) -> None:
+        record = ctx.record(part.name)
+        record.check = check_image_path(under.program, models[ctx.plan.decoder.name], models[part.name],
+                                        under.text.windows[0], under.tolerance.max_kl, record.baseline)
+        log.info("  validate: image path %s", "passed" if record.check.passed else "FAILED")
+
+    def failures(self, part: Part, ctx: ExportContext) -> list[str]:
+        check = ctx.record(part.name).check
+        return [f"the image path: {', '.join(check.failures)}"] if check is not None and not check.passed else []
+
+    def finalize(self, part: Part, ctx: ExportContext, written: WrittenProgram, pte: Path) -> Finalized:
+        encoder = written.components[part.name]
+        return Finalized(ComponentEntry(
+            kind=str(part.component.kind), methods=list(written.methods.of_component(part.name)), adapters=[],
+            checkpoint=str(ctx.record(part.name).checkpoint.path), parameters=sum(p.numel() for p in encoder.parameters()),
+            state=[], vision=self.entry(part, ctx)))
+
+    def entry(self, part: Part, ctx: ExportContext) -> VisionEntry:
+        """The manifest's record of the encoder: what an app does to a picture, and how the image path was checked."""
+        geometry = part.component.build.geometry
+        checkpoint, record = ctx.main.checkpoint, ctx.record(part.name)
+        tokenizer = find_tokenizer(checkpoint.path)
+        token = None
+        if tokenizer is not None and tokenizer.name == "tokenizer.json":
+            token = Tokenizer.from_file(str(tokenizer)).id_to_token(geometry.image_token_id)
+        size = geometry.image_size
+        return VisionEntry(family=geometry.family, image_size=size, tokens_per_image=geometry.tokens,
+                           image_token_id=geometry.image_token_id, image_token=token,
+                           prompt_marker=prompt_marker(load_processor(checkpoint.path)) if has_processor(checkpoint.path)
+                           else None,
+                           input=f"float32 [1, 3, {size}, {size}]: one RGB image, channels first, normalized",
+                           preprocessing=preprocessing(checkpoint.path), quantization=record.quantization or "fp32",
+                           check=record.check)
+
+    def describe(self, stage: str, part: Part, ctx: ExportContext, models: dict[str, Any]) -> str:
+        if stage == "load":
+            return f"; {part.name}: {summary(models[part.name])}"
+        if stage == "quantize":
+            return f"; vision encoder: {ctx.record(part.name).quantization}"
+        return ""
