@@ -114,7 +114,7 @@ class Swapped:
 
 def swap_times(slots: Slots, names: list[str], repeats: int = 20) -> dict[str, float]:
     """Median ms of a swap between adapters: the set_adapter call alone, and with reading the adapter's file."""
-    from exporters.internals import read_tensor_file
+    from exporters.program.internals import read_tensor_file
     from exporters.program.swappable import adapter_file
 
     calls, reads = [], []

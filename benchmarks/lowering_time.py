@@ -4,7 +4,7 @@
     python -m benchmarks.lowering_time --preset 1b --quant 8da4w_emb4w
 
 torchao's quantize/dequantize/choose-qparams ops have no fake kernel, so every pass of lowering re-runs their
-Python bodies on fake tensors; ``exporters.internals.torchao_quant_ops_shape_only`` gives them their shapes
+Python bodies on fake tensors; ``exporters.program.internals.torchao_quant_ops_shape_only`` gives them their shapes
 directly. This exports the preset up to lowering twice, alternating (without, with, without, with for
 ``--rounds 2``), times the lower stage and checks that both write the same program bytes (sha256 of
 ``to_executorch``'s output). Measure alone.

@@ -70,7 +70,7 @@ def estimated_stages(overrides: list[str]) -> dict[str, float]:
     """Each stage's estimated peak (MiB) for the export ``overrides`` describe, as the load stage computes it (advise's
     too, when validation may set it off)."""
     from exporters.config import compose
-    from exporters.footprint import planned_footprint
+    from exporters.plan.footprint import planned_footprint
     from exporters.components.resolve import plan_export
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,7 +105,7 @@ def measure(run: Run, work: Path) -> dict:
            "advised": manifest.quality_warning is not None}
     row = with_estimate(row, run, work)
     if manifest.resources.estimated_peak_rss_mb != row["estimated_mb"]:
-        print(f"  (the export estimated {manifest.resources.estimated_peak_rss_mb} MB: exporters/footprint.py changed "
+        print(f"  (the export estimated {manifest.resources.estimated_peak_rss_mb} MB: exporters/plan/footprint.py changed "
               "while this ran; the row has this process's estimate)", flush=True)
     return row
 
@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="the JSON report (rows are kept as each run finishes)")
     ap.add_argument("--refresh-estimates", action="store_true",
                     help="measure nothing: write this code's estimate into every row of --out (after a change to "
-                         "exporters/footprint.py; tests/test_footprint.py checks the rows hold the current estimate)")
+                         "exporters/plan/footprint.py; tests/test_footprint.py checks the rows hold the current estimate)")
     args = ap.parse_args()
     if args.refresh_estimates:
         runs_by_name = {r.name: r for r in RUNS}

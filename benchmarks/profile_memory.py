@@ -76,7 +76,7 @@ PROBED_STEPS = (
     ("executorch.backends.xnnpack.xnnpack_preprocess:XnnpackBackend", ("preprocess",)),
     ("executorch.exir.program._program",
      ("quant_fusion_and_const_prop_pass", "reinplace_pass", "emit_program", "serialize_for_executorch")),
-    # serialize_for_executorch here: emit's second serialization when a method is an alias (exporters.internals).
+    # serialize_for_executorch here: emit's second serialization when a method is an alias (exporters.program.internals).
     ("executorch.exir._serialize._serialize", ("serialize_pte_binary", "serialize_for_executorch")),
     ("exporters.stages.emit", ("write_atomically", "sha256_of", "storage_breakdown")),
     # validation: loading the program, then each side's predictions

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 from exporters.errors import REPORTED_ERRORS, UserError
-from exporters.internals import write_tensor_file
-from exporters.program.files import private_path
-from exporters.run_folder import check_writable
+from exporters.program.internals import write_tensor_file
+from exporters.output.files import private_path
+from exporters.output.folder import check_writable
 from exporters.runtime.generator import resolve_program
 from exporters.runtime.programs import LoadedProgram
 from exporters.runtime.swap import Slots, is_swappable

@@ -24,7 +24,7 @@ MOVED_MODULES = {
     "exporters.layouts": "exporters.program.layouts",
     "exporters.backends": "exporters.program.backends",
     "exporters.pte_contents": "exporters.program.contents",
-    "exporters.files": "exporters.program.files",
+    "exporters.files": "exporters.output.files",
     "exporters.driver": "exporters.runtime.driver",
     "exporters.generator": "exporters.runtime.generator",
     "exporters.benchmark": "exporters.runtime.speed and exporters.runtime.memory",
@@ -36,6 +36,23 @@ MOVED_MODULES = {
 }
 
 
+#: Modules of llm-exporters 0.2.0 that moved when each kind of model became one module (exporters.components) and
+#: the top of the package was sorted into folders by role -> where they are now. Goes in 0.5.
+MOVED_AFTER_0_2 = {
+    "exporters.internals": "exporters.program.internals",
+    "exporters.versions": "exporters.program.versions",
+    "exporters.footprint": "exporters.plan.footprint",
+    "exporters.run_folder": "exporters.output.folder",
+    "exporters.interrupts": "exporters.output.interrupts",
+    "exporters.plan.lengths": "exporters.program.lengths",
+    "exporters.program.files": "exporters.output.files",
+    "exporters.program.hybrid": "exporters.components.hybrid",
+    "exporters.stages.artifacts": "exporters.context.artifacts",
+    "exporters.stages.vision_check": "exporters.validation.image",
+    "exporters.sweeps.resolvers": "exporters.config.resolvers",
+}
+
+
 class _MovedModules(importlib.abc.MetaPathFinder):
     """``import exporters.quantization`` fails with the module's new place instead of a bare "no module"."""
 
@@ -43,6 +60,9 @@ class _MovedModules(importlib.abc.MetaPathFinder):
         if fullname in MOVED_MODULES:
             raise ModuleNotFoundError(f"{fullname} moved in llm-exporters 0.2: import from "
                                       f"{MOVED_MODULES[fullname]}", name=fullname)
+        if fullname in MOVED_AFTER_0_2:
+            raise ModuleNotFoundError(f"{fullname} moved after llm-exporters 0.2.0: import from "
+                                      f"{MOVED_AFTER_0_2[fullname]}", name=fullname)
         return None
 
 

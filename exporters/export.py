@@ -17,8 +17,8 @@ from exporters.config import ExportConfig
 from exporters.errors import Interrupted, UserError
 from exporters.plan import ExportPlan
 from exporters.components.resolve import check_config, plan_export
-from exporters.program.files import private_files
-from exporters.run_folder import check_writable, held, is_no_room, no_room
+from exporters.output.files import private_files
+from exporters.output.folder import check_writable, held, is_no_room, no_room
 from exporters.runtime.memory import reset_peak_rss
 from exporters.stages.advise import AdviseStage
 from exporters.context.artifacts import ExportResult

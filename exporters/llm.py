@@ -17,11 +17,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from exporters import console
-from exporters.export import export
 from exporters.components.resolve import plan_export
-from exporters.config import CONF_DIR, register_configs
+from exporters.config import CONF_DIR, compose, register_configs
 from exporters.errors import REPORTED_ERRORS, Interrupted
-from exporters.interrupts import signal_of, sigterm_interrupts
+from exporters.export import export
+from exporters.help import help_text
+from exporters.output.interrupts import signal_of, sigterm_interrupts
 from exporters.sweeps.job import run_sweep_job
 from exporters.sweeps.search import objective
 
@@ -57,8 +58,6 @@ def run(cfg: DictConfig) -> float | None:
 def main() -> None:
     register_configs()  # the schema and the launcher resolvers, before Hydra composes
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:  # every field with what it does (Hydra's lists none)
-        from exporters.config import compose
-        from exporters.help import help_text
 
         overrides = [a for a in sys.argv[1:] if a not in ("--help", "-h") and not a.startswith("-")]
         try:

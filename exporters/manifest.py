@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from exporters.compat import upgrade_manifest
 from exporters.errors import UserError
-from exporters.program.files import write_atomically
+from exporters.output.files import write_atomically
 
 MANIFEST_FILE = "manifest.json"
 #: 2: validation's reference_* fields became baseline_*, its tolerance max_ppl_increase became max_ppl_drift,
@@ -419,7 +419,7 @@ class Resources:
     wall_s: float
     peak_rss_mb: float  # MiB (the kernel's VmHWM), every stage before finalize
     peak_stage: str | None = None  # the stage in which the peak was reached
-    # The load stage's estimate (exporters/footprint.py) of the same peak, with advise's when advise ran, in MiB:
+    # The load stage's estimate (exporters/plan/footprint.py) of the same peak, with advise's when advise ran, in MiB:
     # benchmarks.memory_estimate holds the two within 15% on every benchmark preset.
     estimated_peak_rss_mb: float | None = None
     estimated_peak_stage: str | None = None

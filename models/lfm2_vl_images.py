@@ -21,6 +21,8 @@ from transformers.image_utils import SizeDict
 from transformers.models.siglip2.image_processing_pil_siglip2 import (Siglip2ImageProcessorKwargs,
                                                                       Siglip2ImageProcessorPil)
 
+from models.processor_files import processor_settings
+
 # LFM2-VL's processor fields and their defaults (Lfm2VlImageProcessor's in transformers 5.23): kept as saved, read
 # for N (max_image_tokens), p (encoder_patch_size) and f (downsample_factor); the tiling ones do nothing here.
 LFM2_VL_DEFAULTS: dict[str, Any] = {"downsample_factor": 2, "do_image_splitting": True, "min_tiles": 2, "max_tiles": 10,
@@ -97,8 +99,6 @@ def lfm2_vl_processor(folder: Path) -> Any:
     """``Lfm2VlProcessor`` of the checkpoint ``folder`` (its tokenizer, image tokens and chat template) with
     :class:`Lfm2VlSquareImages` in place of the torchvision image processor."""
     from transformers import AutoTokenizer, Lfm2VlProcessor
-
-    from models.vision import processor_settings
 
     settings = processor_settings(folder)
     template = folder / "chat_template.jinja"

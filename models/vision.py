@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from models.errors import ModelError
+from models.lfm2_vl_images import LFM2_VL_DEFAULTS, lfm2_vl_processor, square_side
+from models.processor_files import PROCESSOR_FILES, processor_settings
 
 # Where transformers' vision-language checkpoints keep the text decoder, in every layout it reads: checkpoint
 # prefix -> the prefix our decoder (and a text checkpoint) uses. The longest matching prefix wins.
@@ -69,7 +71,6 @@ def _idefics3_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
 def _lfm2_vl_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
     """One square image of ``max_image_tokens`` positions (SigLIP2's patches, pixel-unshuffled by
     ``downsample_factor``): the processor's token budget fixes the side, as its tiles are squares."""
-    from models.lfm2_vl_images import LFM2_VL_DEFAULTS, square_side
 
     for key, ours in (("encoder_patch_size", cfg.vision_config.patch_size), ("downsample_factor", cfg.downsample_factor)):
         theirs = processor.get(key, LFM2_VL_DEFAULTS[key])
@@ -83,8 +84,6 @@ def _lfm2_vl_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
 
 
 def _lfm2_vl_processor(folder: Path) -> Any:
-    from models.lfm2_vl_images import lfm2_vl_processor
-
     return lfm2_vl_processor(folder)
 
 
@@ -101,22 +100,6 @@ VISION_LANGUAGE: tuple[VisionLanguage, ...] = (
     # so its text decoder exports alone, as transformers' Qwen3_5ForCausalLM loads it from the same files.
     VisionLanguage("qwen3_5", ("Qwen3_5ForConditionalGeneration",), ("model.visual.",), None),
 )
-
-
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
-
-
-def processor_settings(folder: Path) -> dict[str, Any]:
-    """The image processor's fields saved beside a checkpoint: ``processor_config.json``'s (its ``image_processor``)
-    over ``preprocessor_config.json``'s (the hub's checkpoints carry either or both, neither always a superset); {}
-    for a folder without them (a random-weight shape)."""
-    settings: dict[str, Any] = {}
-    for name in reversed(PROCESSOR_FILES):
-        path = Path(folder) / name
-        if path.is_file():
-            raw = json.loads(path.read_text())
-            settings.update(raw.get("image_processor", raw))
-    return settings
 
 
 # Processors (by the class their saved files name) that transformers cannot load here, and what we load instead.

@@ -149,7 +149,7 @@ def test_another_executorch_takes_the_stock_path_and_says_so_once(monkeypatch, c
     """Shortcuts through private internals are only taken with the versions they were read in."""
     import logging
 
-    from exporters import versions
+    from exporters.program import versions
     from exporters.components.resolve import plan_export
 
     assert versions.shortcuts_allowed(True) and not versions.shortcuts_allowed(False)

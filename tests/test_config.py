@@ -13,7 +13,7 @@ from omegaconf.errors import ValidationError
 
 from exporters.config import CONF_DIR, ExportConfig
 from exporters.export import checked_config as to_typed
-from exporters.sweeps.resolvers import parallel_jobs, ray_temp_dir
+from exporters.config.resolvers import parallel_jobs, ray_temp_dir
 from exporters.errors import UserError
 from tests.helpers import compose_config
 

@@ -218,7 +218,7 @@ def test_the_xnnpack_passes_lowering_may_skip_are_the_ones_that_were_read() -> N
 
     from executorch.backends.xnnpack._passes import XNNPACKPassManager
 
-    from exporters.internals import _XNNPACK_PASS_OPS, _XNNPACK_SKIPPED_PASS_SOURCES, _xnnpack_pattern_pass_ops
+    from exporters.program.internals import _XNNPACK_PASS_OPS, _XNNPACK_SKIPPED_PASS_SOURCES, _xnnpack_pattern_pass_ops
 
     passes = {p.__name__: p for p in XNNPACKPassManager(None).passes}  # type: ignore[arg-type]
     skippable = set(_XNNPACK_PASS_OPS) | set(_xnnpack_pattern_pass_ops())
@@ -229,7 +229,7 @@ def test_the_xnnpack_passes_lowering_may_skip_are_the_ones_that_were_read() -> N
 
 @pytest.mark.slow
 def test_the_stock_path_writes_the_same_program_as_the_shortcuts(tmp_path: Path) -> None:
-    """export.shortcuts=false takes the libraries' stock path everywhere exporters.internals patches them: torchao's
+    """export.shortcuts=false takes the libraries' stock path everywhere exporters.program.internals patches them: torchao's
     own HQQ, its quant ops run op by op, ExecuTorch's multi-method to_backend copying every partition at once with all
     of XNNPACK's passes, each packed weight held per method, forward lowered on its own instead of written as prefill's
     plan renamed. The program is the same bytes; afterwards the patched internals are ExecuTorch's and torchao's own."""
@@ -262,7 +262,7 @@ def test_the_stock_path_writes_the_same_program_as_the_shortcuts(tmp_path: Path)
 @pytest.mark.slow
 def test_lowering_leaves_no_graph_alive(tmp_path: Path) -> None:
     """Once lowering's result is dropped, its graphs are gone: nothing of ExecuTorch's keeps them (and with them the
-    weights, delegates and packed weights) alive under validation (exporters.internals.lowering_forgets_graphs)."""
+    weights, delegates and packed weights) alive under validation (exporters.program.internals.lowering_forgets_graphs)."""
     import gc
     import weakref
 
@@ -316,7 +316,7 @@ def test_failed_load_writes_no_program(tmp_path: Path) -> None:
 def test_xnnpack_pattern_ops_are_traced_once_per_executorch_version(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The ops of XNNPACK's pattern graphs (which passes a partition needs) are traced by the first export process
     and read back from the cache folder by the next ones: the same sets either way."""
-    from exporters import internals
+    from exporters.program import internals
 
     monkeypatch.setenv("LLM_EXPORTERS_CACHE", str(tmp_path))
     internals._xnnpack_pattern_pass_ops.cache_clear()

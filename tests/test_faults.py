@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from exporters.errors import Interrupted, UserError
 from exporters.export import run_stages
-from exporters.interrupts import held_back, sigterm_interrupts
+from exporters.output.interrupts import held_back, sigterm_interrupts
 from exporters.manifest import Manifest
-from exporters.run_folder import LOCK_FILE, check_writable, held
+from exporters.output.folder import LOCK_FILE, check_writable, held
 from models.errors import ModelError
 from tests.helpers import REPO_ROOT, compose_config, copy_checkpoint
 

@@ -1,4 +1,4 @@
-"""The memory estimate (exporters/footprint.py): it counts what quantization and lowering really hold, and an export
+"""The memory estimate (exporters/plan/footprint.py): it counts what quantization and lowering really hold, and an export
 that would not fit is refused before any weight is read."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_an_export_that_does_not_fit_is_refused_before_loading(tmp_path: Path) -
 def test_the_estimate_counts_the_quantized_models_bytes(tmp_path: Path, quant: str) -> None:
     """The estimate's quantized eager bytes are what torchao's tensors hold once the model is quantized."""
     from exporters.export import checked_config
-    from exporters.footprint import estimate
+    from exporters.plan.footprint import estimate
     from exporters.quant.apply import quantize_model
     from models.checkpoint import build_model, stored_bytes
     from models.sources import SOURCES
@@ -76,7 +76,7 @@ def test_replaced_checkpoint_weights_give_their_pages_back(tmp_path: Path) -> No
 def test_the_estimate_reads_the_plan_calibration_and_advise(tmp_path: Path) -> None:
     """What the plan runs changes the estimate: a calibrated algorithm casts the whole model before quantize, and
     advise's remedies (only past the warning) are reported beside the peak, not refused."""
-    from exporters.footprint import MemoryBudget, planned_footprint
+    from exporters.plan.footprint import MemoryBudget, planned_footprint
     from exporters.components.resolve import plan_export
 
     def footprint(*overrides: str):  # type: ignore[no-untyped-def]

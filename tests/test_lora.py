@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from exporters.errors import REPORTED_ERRORS, UserError, ValidationFailed
 from exporters.export import export
-from exporters.internals import read_data_file_header
+from exporters.program.internals import read_data_file_header
 from exporters.program.weights import DataFileError
 from exporters.release.bundle import make_bundle
 from exporters.runtime.driver import Driver

@@ -1,4 +1,4 @@
-"""XNNPACK's weight cache, turned on from Python through ExecuTorch's C++ ``set_option`` (exporters.internals).
+"""XNNPACK's weight cache, turned on from Python through ExecuTorch's C++ ``set_option`` (exporters.program.internals).
 
 The option must reach the runtime our tools load programs with, read back as set, refuse what the runtime
 refuses, and change nothing in what the methods compute. How much memory it saves is measured by the bench
@@ -13,14 +13,14 @@ import sys
 import pytest
 import torch
 
-from exporters.internals import backend_options, set_backend_options
+from exporters.program.internals import backend_options, set_backend_options
 from exporters.runtime.driver import Driver
 from exporters.runtime.programs import XNNPACK_BACKEND, LoadedProgram, use_xnnpack_weight_cache
 
 
 def test_the_option_reads_back_and_the_runtime_refuses_what_it_does_not_know() -> None:
     # In a fresh interpreter: the option is process-wide, and the pip runtime's default is off.
-    code = ("from exporters.internals import backend_options as o; "
+    code = ("from exporters.program.internals import backend_options as o; "
             "print(o('XnnpackBackend', 'weight_cache_enabled', 'workspace_sharing_mode'))")
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "{'weight_cache_enabled': False, 'workspace_sharing_mode': 2}" in fresh.stdout

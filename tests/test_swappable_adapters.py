@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from exporters.errors import UserError
-from exporters.internals import read_tensor_file
+from exporters.program.internals import read_tensor_file
 from exporters.components.resolve import plan_export
 from exporters.release.bundle import make_bundle, verify_bundle
 from exporters.runtime.driver import Driver
@@ -183,7 +183,7 @@ def test_an_adapter_trained_after_the_export_loads_and_matches_peft(exported, ti
 def test_a_bad_adapter_is_refused_and_the_program_keeps_the_one_it_had(exported, tiny_checkpoint: Path,  # type: ignore[no-untyped-def]
                                                                       tiny_adapters, family_checkpoint,
                                                                       tmp_path: Path) -> None:
-    from exporters.internals import write_tensor_file
+    from exporters.program.internals import write_tensor_file
 
     result = swappable(exported, tiny_checkpoint, tiny_adapters)
     run = result.pte_path.parent

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from exporters.components.kind import Finalized, Kind, Part
 from exporters.config import ExportConfig, KvDType
 from exporters.manifest import AdapterEntry
+from exporters.output.files import sha256_of
 from exporters.program.adapters import ADAPTERS_CONSTANT, adapter_method
-from exporters.program.files import sha256_of
 from exporters.program.weights import placed
 from exporters.runtime.quality import full_sequence, perplexity, window_logits
 from exporters.validation.methods import validate_methods
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from exporters.context.artifacts import WrittenProgram
     from exporters.manifest import ValidationReport
     from exporters.plan import ExportPlan
-    from exporters.plan.lengths import Lengths
+    from exporters.program.lengths import Lengths
     from exporters.runtime.quality import TextWindows
     from exporters.validation.methods import ProgramUnderTest
 

@@ -27,10 +27,10 @@ from models.lora import active_adapter
 from models.vision import text_only
 
 if TYPE_CHECKING:
-    from exporters.runtime.quality import TextWindows
     from exporters.config import ExportConfig
     from exporters.context import ExportContext
     from exporters.context.artifacts import WrittenProgram
+    from exporters.runtime.quality import TextWindows
     from exporters.validation.methods import ProgramUnderTest
 
 DECODER = "decoder"  # the component's name; its methods and buffers are unprefixed

@@ -17,23 +17,23 @@ from exporters.components.language_model import LanguageModel, unquantized_nll
 from exporters.config import DraftConfig, ExportConfig, ModelConfig, QuantConfig, quant_option
 from exporters.context.artifacts import summary
 from exporters.errors import UserError
-from exporters.footprint import Footprint
 from exporters.manifest import ComponentEntry, HeadVocabularyEntry
 from exporters.plan.component import Component, ComponentKind, HeadVocabulary, ModelBuild, QuantPlan
+from exporters.plan.footprint import Footprint
 from exporters.program.constants import DRAFT_VOCAB
 from exporters.program.draft import DRAFT, DRAFT_KINDS, check_pair
 from exporters.program.methods import MethodTable
-from exporters.runtime.driver import MethodRoles
 from exporters.quant.schemes import check_quant
+from exporters.runtime.driver import MethodRoles
 from exporters.runtime.quality import perplexity, read_text
 from exporters.validation.methods import Scores, judge, predictions, report
 from models.families import family_of_config
 
 if TYPE_CHECKING:
-    from exporters.runtime.quality import TextWindows
     from exporters.context import ExportContext
     from exporters.context.artifacts import WrittenProgram
-    from exporters.plan.lengths import Lengths
+    from exporters.program.lengths import Lengths
+    from exporters.runtime.quality import TextWindows
     from exporters.validation.methods import ProgramUnderTest
 
 log = logging.getLogger("exporters")

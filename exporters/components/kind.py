@@ -38,10 +38,10 @@ if TYPE_CHECKING:
     from exporters.config import Attention, ExportConfig
     from exporters.context import ExportContext
     from exporters.context.artifacts import WrittenProgram
-    from exporters.footprint import Footprint
     from exporters.manifest import ComponentEntry, Signature
     from exporters.plan import Component, ExportPlan, StatePlan
-    from exporters.plan.lengths import Lengths
+    from exporters.plan.footprint import Footprint
+    from exporters.program.lengths import Lengths
     from exporters.runtime.quality import TextWindows
     from exporters.validation.methods import ProgramUnderTest
 

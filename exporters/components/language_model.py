@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from exporters.components.hybrid import check_hybrid
 from exporters.components.kind import Kind, Part
 from exporters.config import CalibrationConfig, KvDType, Source
-from exporters.footprint import Footprint, MemoryBudget
-from exporters.program.hybrid import check_hybrid
+from exporters.plan.footprint import Footprint, MemoryBudget
 from exporters.quant.apply import quantize_model
 from exporters.quant.calibration import CalibrationText, calibration_text
 from exporters.quant.rotation import check_rotation

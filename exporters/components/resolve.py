@@ -15,24 +15,24 @@ from omegaconf import DictConfig, OmegaConf
 
 from exporters.components import KINDS
 from exporters.components.kind import Basis
-from exporters.config import (AdapterMode, Attention, ExportConfig, KvDType, Pt2eQuantizer, exhaustive, to_typed)
+from exporters.config import AdapterMode, Attention, ExportConfig, KvDType, Pt2eQuantizer, exhaustive, to_typed
 from exporters.errors import UserError
 from exporters.plan import ExportPlan
 from exporters.plan.backend import BackendCapabilities
 from exporters.plan.component import ComponentKind, StatePlan
-from exporters.plan.lengths import Lengths
 from exporters.plan.validation import Tolerance, ValidationPlan, coarser, prompt_length
 from exporters.program.backends import check_backend
 from exporters.program.cache import check_kv_cache
 from exporters.program.layouts import LAYOUTS
+from exporters.program.lengths import Lengths
 from exporters.program.methods import check_methods
 from exporters.program.swappable import base_quant
+from exporters.program.versions import shortcuts_allowed
 from exporters.program.weights import check_weights
 from exporters.quant.pt2e import PT2E_QUANTIZERS, check_pt2e
 from exporters.quant.schemes import check_quant
 from exporters.runtime.quality import check_validation
 from exporters.sweeps.summary import check_search
-from exporters.versions import shortcuts_allowed
 from models.decoder import ATTENTION
 from models.families import check_family
 from models.kv_cache import KV_CACHES

@@ -20,21 +20,21 @@ import torch
 from exporters.components.adapters import ADAPTERS
 from exporters.components.kind import Finalized, Kind, Part
 from exporters.config import ExportConfig
-from exporters.internals import write_tensor_file
 from exporters.manifest import DataFile, Signature, SwappableEntry
-from exporters.program.files import private_path, sha256_of
+from exporters.output.files import private_path, sha256_of
+from exporters.program.internals import write_tensor_file
+from exporters.program.signatures import signature
 from exporters.program.swappable import (SWAP_HOWTO, adapter_file, check_swappable, products_after_projections,
                                          slot_constants, slot_plan)
 from exporters.quant.schemes import DTYPES
 from exporters.validation.methods import validate_methods
-from exporters.program.signatures import signature
 from models.lora_slots import INT8, SET_ADAPTER, attach_slots, capturing_set_adapter, pack, slot_geometry
 
 if TYPE_CHECKING:
     from exporters.context import ExportContext
     from exporters.context.artifacts import WrittenProgram
     from exporters.plan import ExportPlan
-    from exporters.plan.lengths import Lengths
+    from exporters.program.lengths import Lengths
     from exporters.validation.methods import ProgramUnderTest
 
 log = logging.getLogger("exporters")

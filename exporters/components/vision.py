@@ -17,13 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from tokenizers import Tokenizer
+from transformers import AutoConfig
+
 from exporters.components.kind import Basis, Finalized, Kind, Part
 from exporters.config import ExportConfig, ModelConfig, Source
 from exporters.context.artifacts import summary
 from exporters.errors import UserError, check_choice
-from exporters.footprint import BASE_BYTES, Footprint
 from exporters.manifest import ComponentEntry, VisionEntry
 from exporters.plan.component import Component, ComponentKind, QuantPlan
+from exporters.plan.footprint import BASE_BYTES, Footprint
 from exporters.program.methods import MULTIMODAL_METHODS, MethodTable
 from exporters.program.vision import (VISION, VISION_METHOD, VisionGeometry, has_processor, noop_expands_dropped,
                                       preprocessing, prompt_marker, vision_constants, vision_spec)
@@ -33,15 +36,13 @@ from models.checkpoint import open_checkpoint
 from models.tokenizer import find_tokenizer
 from models.vision import VISION_LANGUAGE, geometry_of, load_processor, vision_language_of
 from models.vision_encoder import load_vision_encoder, random_vision_encoder, vision_parameters
-from tokenizers import Tokenizer
-from transformers import AutoConfig
 
 if TYPE_CHECKING:
-    from exporters.runtime.quality import TextWindows
     from exporters.context import ExportContext
     from exporters.context.artifacts import WrittenProgram
     from exporters.manifest import VisionCheck
-    from exporters.plan.lengths import Lengths
+    from exporters.program.lengths import Lengths
+    from exporters.runtime.quality import TextWindows
     from exporters.validation.methods import ProgramUnderTest
     from models.checkpoint import Checkpoint
     from models.vision_encoder import VisionEncoder
@@ -111,7 +112,7 @@ VISION_PEAK_PER_BYTE = 3.7
 
 
 def vision_footprint(parameters: int) -> Footprint:
-    """What the vision encoder adds to the export's memory, held from load to the end (exporters.footprint)."""
+    """What the vision encoder adds to the export's memory, held from load to the end (exporters.plan.footprint)."""
     fp32 = 4 * parameters
     return Footprint(parameters, fp32, fp32, fp32,
                      {stage: BASE_BYTES + int(VISION_PEAK_PER_BYTE * fp32)

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from exporters.config import ExportConfig
     from exporters.context.artifacts import BaselineQuality
-    from exporters.footprint import Footprint
     from exporters.manifest import AppliedQuantization, Pt2eRecord, QualityWarning, ValidationReport
     from exporters.plan import ExportPlan
+    from exporters.plan.footprint import Footprint
     from models.checkpoint import Checkpoint
 
 

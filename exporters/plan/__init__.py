@@ -1,10 +1,10 @@
 """The export plan: every decision and derived value of one export, resolved once from the checked config.
 
 ``exporters.components.resolve.plan_export(cfg)`` checks the composed config (every rule, before any work) and
-resolves it into a frozen :class:`ExportPlan`, defined here with the types it is made of (a low layer: program, quant
-and footprint import it; it imports none of them): the lengths every method and cache is built for, the backend's capabilities, the components
-the program holds (each with its model build, quantization and methods), the validation plan, the stages that will
-run. Stages, the memory estimate, advise, finalize and the manifest read the plan; none re-derives a value from the
+resolves it into a frozen :class:`ExportPlan`, defined here with the types it is made of: the lengths every method
+and cache is built for, the backend's capabilities, the components the program holds (each with its model build,
+quantization and methods), the validation plan, the stages that will run. The plan's types hold program's and quant's
+(a method table, a quant plan) and import nothing above them; the kinds that resolve a plan sit above it. Stages, the memory estimate, advise, finalize and the manifest read the plan; none re-derives a value from the
 config. Fields and their readers: docs/ARCHITECTURE.md, "The export plan".
 """
 
@@ -14,17 +14,15 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from exporters.config import BenchmarkConfig, ExportConfig, WeightsPlacement
 from exporters.plan.backend import BackendCapabilities
 from exporters.plan.component import Component, ComponentKind, ModelBuild, QuantPlan, StatePlan
-from exporters.plan.lengths import Lengths
 from exporters.plan.validation import Tolerance, ValidationPlan
 from exporters.program.layouts import Layout
-
-if TYPE_CHECKING:
-    from exporters.program.methods import MethodTable
+from exporters.program.lengths import Lengths
+from exporters.program.methods import MethodTable
 
 __all__ = ["BackendCapabilities", "Component", "ComponentKind", "ExportPlan", "Lengths", "ModelBuild", "QuantPlan",
            "StatePlan", "Tolerance", "ValidationPlan"]
@@ -44,7 +42,7 @@ class ExportPlan:
     # Validation runs the undelegated programs where the delegate cannot run here; with PT2E they are also the
     # eager side (the quantized model exists only as the converted graph).
     keep_undelegated: bool
-    shortcuts: bool  # asked for, and the checked versions installed (exporters.versions)
+    shortcuts: bool  # asked for, and the checked versions installed (exporters.program.versions)
     memory_limit_gb: float | None
     output_name: str
 

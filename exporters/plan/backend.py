@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from exporters.config import Attention, BackendConfig, DType, Pt2eQuantizer, WeightsPlacement
+from exporters.program.backends import runtime_precision
+from exporters.quant.pt2e import PT2E_QUANTIZERS
 
 
 @dataclass(frozen=True)
@@ -27,9 +29,6 @@ class BackendCapabilities:
 
     @staticmethod
     def of(cfg: BackendConfig) -> "BackendCapabilities":
-        from exporters.program.backends import runtime_precision
-        from exporters.quant.pt2e import PT2E_QUANTIZERS
-
         return BackendCapabilities(
             name=cfg.name, partitioner=cfg.partitioner, options=dict(cfg.options), dynamic_shapes=cfg.dynamic_shapes,
             attention=cfg.attention, runs_here=cfg.runs_here, runs_in=runtime_precision(cfg),

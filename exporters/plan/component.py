@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from exporters.config import (Algorithm, Attention, Choice, KvDType, ModelConfig, QuantConfig, RotationKind, Source,
-                              TiedEmbeddingStorage)
+from exporters.config import Attention, Choice, KvDType, ModelConfig, Source
+from exporters.program.methods import MethodTable
+from exporters.quant.plan import QuantPlan
+from models.checkpoint import build_model
+from models.sources import SOURCES
+from models.vocabulary import frequent_tokens
 
 if TYPE_CHECKING:
-    from exporters.program.methods import MethodTable
     from models.checkpoint import Checkpoint
     from models.decoder import CausalLM
 
@@ -75,52 +78,21 @@ class ModelBuild:
 
     def checkpoint(self, work_dir: Path) -> "Checkpoint":
         """The checkpoint folder, opened (the tiny source writes one into ``work_dir`` first)."""
-        from models.sources import SOURCES
 
         return SOURCES[self.model.source](self.model, work_dir)
 
     def build(self, checkpoint: "Checkpoint", device: str = "cpu") -> "CausalLM":
         """The decoder with ``checkpoint``'s weights (or seeded random ones); on ``device="meta"`` its shapes alone."""
-        from models.checkpoint import build_model
 
         s = self.state
         model = build_model(checkpoint, s.positions, family=self.model.family, random_init=self.model.random_init,
                             seed=self.model.seed, attention=self.attention, kv_dtype=s.kv_dtype,
                             attention_sink=s.attention_sink, call_tokens=s.call_tokens, device=device)
         if self.head is not None:
-            from models.vocabulary import frequent_tokens
 
             text = Path(self.head.ranked_by).expanduser() if self.head.ranked_by else None
             model.score_only(frequent_tokens(checkpoint, self.head.size, model.args.vocab_size, text))
         return model
-
-
-@dataclass(frozen=True)
-class QuantPlan:
-    """How a component is quantized: the scheme of each layer role (``quant.*``), the tied-embedding storage, and
-    whether a calibration text is read."""
-
-    config: QuantConfig
-    tied_storage: TiedEmbeddingStorage
-    shortcuts: bool = True  # HQQ's scales chosen by blocks of rows (exporters.quant.hqq; torchao's own otherwise)
-
-    @property
-    def cast_whole(self) -> bool:
-        """The whole model is cast to ``quant.dtype`` before quantizing: calibration runs it, a rotation turns it."""
-        from exporters.quant.rotation import rotates
-
-        return self.calibrated or rotates(self.config)
-
-    @property
-    def calibrated(self) -> bool:
-        """A calibration text is read: a calibrated algorithm, a size budget, a PT2E quantizer with static
-        activations, or a rotation (which looks for massive activations in it)."""
-        from exporters.quant.pt2e import PT2E_QUANTIZERS
-
-        q = self.config
-        computes = bool(q.linear or q.lm_head)
-        return ((not Algorithm(q.algorithm).data_free and computes) or (q.size_budget is not None and computes)
-                or (q.pt2e is not None and PT2E_QUANTIZERS[q.pt2e].calibrated) or q.rotation != RotationKind.none)
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,13 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from exporters.versions import EXECUTORCH
+from exporters.config import DType
 from exporters.errors import UserError, check_choice, listed
+from exporters.program.contents import delegate_ids
+from exporters.program.versions import EXECUTORCH
 
 if TYPE_CHECKING:
-    from exporters.config import BackendConfig, DType
+    from exporters.config import BackendConfig
 
 PartitionerFactory = Callable[[dict[str, Any]], list[Any]]
 
@@ -146,7 +148,6 @@ RUNTIME_PRECISION: dict[str, Callable[[dict[str, Any]], str]] = {"openvino": _op
 
 def runtime_precision(backend: BackendConfig) -> DType | None:
     """The dtype the delegate computes in on this host when the device picks it, else None (the program's)."""
-    from exporters.config import DType
 
     read = RUNTIME_PRECISION.get(backend.partitioner)
     return DType(read(dict(backend.options))) if read and backend.runs_here else None
@@ -155,7 +156,6 @@ def runtime_precision(backend: BackendConfig) -> DType | None:
 def check_loadable(path: Any, error: Exception) -> None:
     """After a method of ``path`` failed to load: if a delegate it uses lacks its packages, say which and how to
     install them (the runtime itself reports only an error code)."""
-    from exporters.program.contents import delegate_ids
 
     used = delegate_ids(path)
     for name, extra in EXTRAS.items():

@@ -16,7 +16,7 @@ from models.decoder import CausalLM
 
 if TYPE_CHECKING:
     from exporters.config import BackendConfig, ExportSection, QuantConfig
-    from exporters.plan.lengths import Lengths
+    from exporters.program.lengths import Lengths
 
 
 def check_kv_cache(ex: ExportSection, backend: BackendConfig, quant: QuantConfig, lengths: Lengths) -> None:

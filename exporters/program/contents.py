@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exporters.internals import read_data_file_header, read_program_header
+from exporters.program.internals import read_data_file_header, read_program_header
 
 
 def storage_breakdown(path: Path) -> dict[str, int]:

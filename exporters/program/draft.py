@@ -17,6 +17,8 @@ from exporters.config import LayoutName
 from exporters.errors import UserError
 from exporters.program.adapters import adapter_method
 from exporters.program.layouts import LAYOUTS
+from models.families import FAMILIES, family_of_config
+from models.tokenizer import find_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
@@ -30,8 +32,6 @@ DRAFT_METHODS = frozenset(adapter_method(DRAFT, LAYOUTS[LayoutName.stock].name_o
 
 
 def _vocabulary(checkpoint: "Checkpoint") -> dict[str, int]:
-    from models.tokenizer import find_tokenizer, load_tokenizer
-
     path = find_tokenizer(checkpoint.path)
     if path is None:
         raise UserError(f"{checkpoint.path} has no tokenizer: a draft and its target must share one. Give "
@@ -42,7 +42,6 @@ def _vocabulary(checkpoint: "Checkpoint") -> dict[str, int]:
 def check_pair(target: "Checkpoint", draft: "Checkpoint", target_parameters: int, draft_parameters: int) -> None:
     """The draft proposes token ids the target reads: the same vocabulary (token -> id, not just its size), a
     family this tool builds, and (a warning) fewer parameters, or speculation costs more than it saves."""
-    from models.families import FAMILIES, family_of_config
 
     if family_of_config(draft.hf_config) is None:
         archs = ", ".join(draft.hf_config.architectures or [getattr(draft.hf_config, "model_type", "?")])

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection
 
-from exporters.versions import EXECUTORCH, STOCK_RUNNER_RELEASES
+from exporters.program.versions import EXECUTORCH, STOCK_RUNNER_RELEASES
 from exporters.errors import UserError
 from exporters.manifest import LayoutEntry, RunnerEntry
 

@@ -18,7 +18,7 @@ from torch.export import Dim
 from exporters.config import LayoutName
 from exporters.errors import UserError, check_choice
 from exporters.program.adapters import adapter_method
-from exporters.plan.lengths import Lengths
+from exporters.program.lengths import Lengths
 from exporters.program.layouts import LAYOUTS, Layout, check_layout
 
 if TYPE_CHECKING:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from exporters.config import AdapterMode, RotationKind
 from exporters.errors import UserError
+from models.lora import KEY, WEIGHTS_FILE
 
 if TYPE_CHECKING:
     from exporters.config import ExportConfig, QuantConfig
@@ -59,7 +60,6 @@ def _adapter_shapes(folder: str) -> dict[str, int]:
     """Kind of layer -> the largest rank an adapter folder gives it, from its safetensors header alone."""
     from safetensors import safe_open
 
-    from models.lora import KEY, WEIGHTS_FILE
 
     ranks: dict[str, int] = {}
     with safe_open(str(Path(folder).expanduser() / WEIGHTS_FILE), framework="pt") as fh:

@@ -1,11 +1,8 @@
 """A vision encoder in the program: its method, its constants, its lowering pass, and an image as it takes it.
 
-The kind itself (planning, building, quantizing, validating it) is ``exporters.components.vision``. A checkpoint whose ``config.json`` names a vision-language architecture (``models.vision``) gets a component
-``vision`` with one method, ``vision_encoder`` (one image of the processor's normalized pixels ``[1, 3, S, S]`` to
-``[1, N, hidden]`` embeddings), and the decoder gets ``token_embedding`` and ``text_decoder``: the three methods
-ExecuTorch's ``MultimodalRunner`` calls, which feeds each text segment and each image to ``text_decoder`` in one
-call. The plan reads ``config.json`` (not the weights) to size the method; load reads the encoder with
-transformers' own loader (``models.vision_encoder``); ``quant.vision`` quantizes it on its own.
+The kind itself (planning, building, quantizing, validating it) is ``exporters.components.vision``. Its method,
+``vision_encoder``, takes one image of the processor's normalized pixels ``[1, 3, S, S]`` and gives ``[1, N, hidden]``
+embeddings, which ExecuTorch's ``MultimodalRunner`` feeds to ``text_decoder``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the backend hands them to the named data store marked for the data file (XNNPACK
 weights, which ``to_edge`` splits into new placeholders). Weights of non-delegated ops:
 ``ExecutorchBackendConfig(external_constants=...)`` at emit. XNNPACK names its weights by their bytes' sha256,
 which would make the ``.pte`` differ with every checkpoint; during lowering they are named by tensor instead
-(:func:`exporters.internals.xnnpack_keys_by_name`), prefixed with :func:`structure_namespace`.
+(:func:`exporters.program.internals.xnnpack_keys_by_name`), prefixed with :func:`structure_namespace`.
 
 A program whose data file is missing crashes ExecuTorch 1.5.1's runtime in ``load_method`` (XNNPACK reads a
 null data map) rather than raising, so every reader here goes through :func:`data_file_for`, which refuses
@@ -25,9 +25,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from exporters.versions import EXECUTORCH
 from exporters.errors import UserError, listed
-from exporters.program.files import sha256_of
+from exporters.manifest import MANIFEST_FILE, Manifest, RuntimeNeeds, bundle_manifest
+from exporters.output.files import sha256_of
+from exporters.program.internals import read_program_header
+from exporters.program.versions import EXECUTORCH
+from models.lora import ADAPTER_NAME, adapter_of_parameter
 
 if TYPE_CHECKING:
     from exporters.config import BackendConfig, ExportSection
@@ -102,7 +105,6 @@ def tag_weights_by_data_file() -> Any:
     placeholders in ``to_edge``."""
     from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
 
-    from models.lora import adapter_of_parameter
 
     class TagWeightsByDataFile(ExportedProgramPassBase):
         def call(self, exported_program: Any) -> ExportedProgramPassResult:
@@ -131,7 +133,6 @@ def references_external_data(pte: Path) -> bool:
     XNNPACK bf16 program, for one, holds its weights with no named data)."""
     from executorch.exir.schema import TensorDataLocation
 
-    from exporters.internals import read_program_header
 
     program = read_program_header(pte)
     return any(getattr(getattr(value.val, "extra_tensor_info", None), "location", None) == TensorDataLocation.EXTERNAL
@@ -176,7 +177,6 @@ def listed_data_files(pte: Path) -> dict[str | None, tuple[str, str]] | None:
     """The data files the manifest beside ``pte`` lists for it, (file, sha256) by owner (None: the base; else the
     adapter's name); None when no manifest there describes this program. Reads a run's manifest and a release
     bundle's (``exporters.package``), which carries the same ``data`` and ``adapters`` entries."""
-    from exporters.manifest import MANIFEST_FILE, Manifest, bundle_manifest
 
     path = pte.parent / MANIFEST_FILE
     if not path.is_file():
@@ -199,7 +199,6 @@ def data_files_beside(pte: Path, adapters: Sequence[str] | None = None) -> list[
     """The data files to load with ``pte``, checked: the base's (:func:`data_file_for`) and each adapter's (all,
     or those of ``adapters``), as the manifest beside it lists them (present, same sha256); without a manifest,
     ``<stem>.ptd`` if the program needs one and the ``<stem>.<adapter>.ptd`` beside it."""
-    from models.lora import ADAPTER_NAME
 
     pte = Path(pte)
     wanted = lambda owner: owner is None or adapters is None or owner in adapters  # noqa: E731
@@ -235,7 +234,6 @@ PACKED_ONCE = {
 
 def runtime_needs(backend: str, program: str, data: str | None,
                   adapter_data: dict[str, str] | None = None) -> "RuntimeNeeds":
-    from exporters.manifest import RuntimeNeeds
 
     if data is None:
         load = f"{program} alone: it holds its weights."

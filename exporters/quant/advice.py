@@ -27,7 +27,7 @@ from exporters.runtime.memory import return_freed_memory
 from models.decoder import CausalLM
 
 if TYPE_CHECKING:
-    from exporters.plan import QuantPlan
+    from exporters.quant.plan import QuantPlan
 
 MB = 1e6
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from exporters.internals import torchao_hqq_replaced, torchao_hqq_scale_only
+from exporters.program.internals import torchao_hqq_replaced, torchao_hqq_scale_only
 
 # Elements per block: 4 MB of fp32, so a block's temporaries fit in a last-level cache while the Python
 # overhead per block (about ten tensor ops) stays small next to the work.

@@ -14,8 +14,8 @@ capture). Names follow ExecuTorch's export_llm (``quantization.pt2e_quantize``).
 from __future__ import annotations
 
 import time
-from operator import attrgetter
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
@@ -23,6 +23,8 @@ import torch
 from exporters.config import Algorithm, Pt2eQuantizer
 from exporters.errors import UserError, listed
 from exporters.manifest import CalibrationRecord, Pt2eRecord
+from exporters.program.internals import pt2e_annotation_key
+from exporters.quant.calibration import check_calibration
 from models.decoder import is_constant_matrix
 
 if TYPE_CHECKING:
@@ -87,7 +89,6 @@ def linears_only(inner: Any, outputs: bool = True) -> Any:
     """
     from torchao.quantization.pt2e.quantizer import Quantizer
 
-    from exporters.internals import pt2e_annotation_key
 
     key = pt2e_annotation_key()
 
@@ -115,7 +116,7 @@ def linears_only(inner: Any, outputs: bool = True) -> Any:
 
 def _xnnpack(activations: Activations, bits: int) -> Any:
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (XNNPACKQuantizer,
-                                                                          get_symmetric_quantization_config)
+                                                                         get_symmetric_quantization_config)
 
     limit = 1 << (bits - 1)
     weight_range = {"weight_qmin": -limit, "weight_qmax": limit - 1} if bits < 8 else {}
@@ -126,8 +127,7 @@ def _xnnpack(activations: Activations, bits: int) -> Any:
 
 def _coreml(activations: Activations, bits: int) -> Any:
     """coremltools' quantizer: affine uint8 activations (or float ones), symmetric per-channel weights."""
-    from coremltools.optimize.torch.quantization.quantization_config import (LinearQuantizerConfig,
-                                                                             QuantizationScheme)
+    from coremltools.optimize.torch.quantization.quantization_config import LinearQuantizerConfig, QuantizationScheme
     from executorch.backends.apple.coreml.quantizer import CoreMLQuantizer
 
     config = LinearQuantizerConfig.from_dict({"global_config": {
@@ -140,8 +140,7 @@ def _coreml(activations: Activations, bits: int) -> Any:
 
 
 def _vulkan(activations: Activations, bits: int) -> Any:
-    from executorch.backends.vulkan.quantizer.vulkan_quantizer import (VulkanQuantizer,
-                                                                        get_symmetric_quantization_config)
+    from executorch.backends.vulkan.quantizer.vulkan_quantizer import VulkanQuantizer, get_symmetric_quantization_config
 
     return VulkanQuantizer().set_global(get_symmetric_quantization_config(is_dynamic=False, weight_bits=bits))
 
@@ -165,7 +164,6 @@ PT2E_QUANTIZERS: dict[Pt2eQuantizer, Pt2eRecipe] = {
 
 def check_pt2e(quant: QuantConfig, backend: BackendConfig, adapters: list[str]) -> None:
     """``quant.pt2e`` names a quantizer of ``backend``, and nothing else quantizes the linear layers."""
-    from exporters.quant.calibration import check_calibration
 
     if quant.pt2e is None:
         return

@@ -16,6 +16,7 @@ import torch
 
 from exporters.config import Algorithm, DType
 from exporters.errors import UserError, check_choice, listed
+from exporters.quant.calibration import check_calibration
 from exporters.quant.gptq import IntGrid
 
 if TYPE_CHECKING:
@@ -129,7 +130,6 @@ def check_quant(quant: QuantConfig, backend: BackendConfig) -> None:
 def check_algorithms(quant: QuantConfig) -> None:
     """A calibrated ``quant.algorithm`` has integer linears to calibrate and a usable text; the embedding's is
     data-free (a lookup table has no inputs to calibrate with)."""
-    from exporters.quant.calibration import check_calibration
 
     if quant.embedding_algorithm not in DATA_FREE:
         raise UserError(

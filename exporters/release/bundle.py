@@ -13,10 +13,10 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from exporters.versions import STOCK_RUNNER_RELEASES
+from exporters.program.versions import STOCK_RUNNER_RELEASES
 from exporters.errors import UserError
-from exporters.run_folder import check_writable
-from exporters.program.files import sha256_of
+from exporters.output.folder import check_writable
+from exporters.output.files import sha256_of
 from exporters.manifest import MANIFEST_FILE, Manifest, ValidationReport
 from exporters.program.weights import data_files_beside
 from exporters.program.vision import PATCH_ROW_FAMILIES, PROCESSOR_FILES

@@ -17,8 +17,9 @@ import torch
 
 from exporters.errors import UserError
 from exporters.program.vision import (IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD, program_pixels,
-                                     prompt_marker)
+                                      prompt_marker)
 from exporters.runtime.driver import Driver, MethodRoles, RunsMethods
+from models.lfm2_vl_images import Lfm2VlSquareImages
 from models.vision import load_processor
 
 log = logging.getLogger("exporters")
@@ -82,7 +83,6 @@ def image_prompt(program: Any, folder: Path, prompt: str, images: list[str], cha
 def _say_stretched(processor: Any, paths: list[str], pictures: list[Any], size: int) -> None:
     """LFM2-VL's processor here makes one S x S image of every picture (the program's one shape): a picture of another
     aspect ratio is stretched, which the console says (transformers' own processor would keep the ratio, in tiles)."""
-    from models.lfm2_vl_images import Lfm2VlSquareImages
 
     if not isinstance(processor.image_processor, Lfm2VlSquareImages):
         return

@@ -15,6 +15,13 @@ from typing import Any, Sequence
 
 import torch
 
+from exporters.errors import UserError
+from exporters.output.files import sha256_of
+from exporters.program.backends import check_loadable
+from exporters.program.internals import (backend_options, is_xnnpack_weight_name, merge_data_files,
+                                         read_data_file_header, set_backend_options)
+from exporters.program.weights import data_files_beside
+
 
 def register_runtime_kernels() -> None:
     """Kernels some programs need that the bindings do not load by themselves (quantized embeddings)."""
@@ -30,7 +37,6 @@ XNNPACK_BACKEND = "XnnpackBackend"
 def use_xnnpack_weight_cache(enabled: bool) -> None:
     """XNNPACK's weight cache for the methods loaded from now on in this process (a runtime option of the
     backend, read when a method is loaded; XNNPACK matches packed weights by their name in the named data store)."""
-    from exporters.internals import backend_options, set_backend_options
 
     if backend_options(XNNPACK_BACKEND, "weight_cache_enabled")["weight_cache_enabled"] != enabled:
         set_backend_options(XNNPACK_BACKEND, weight_cache_enabled=enabled)
@@ -49,10 +55,6 @@ class PackedWeightNames:
         self._owners: dict[str, tuple[str, Path, set[int]]] = {}
 
     def claim(self, claimant: object, data_paths: list[Path]) -> None:
-        from exporters.errors import UserError
-        from exporters.internals import is_xnnpack_weight_name, read_data_file_header
-        from exporters.program.files import sha256_of
-
         names = {}
         for path in data_paths:
             sha = sha256_of(path)
@@ -88,14 +90,13 @@ class LoadedProgram:
     ``data_paths``: the program's data files (the base's weights, then each adapter's); by default the ones its
     manifest lists (checked: present, same sha256), else ``<stem>.ptd`` if the program references external weights
     and the ``<stem>.<adapter>.ptd`` beside it. ExecuTorch 1.5.1's Python runtime takes one data file: several are
-    merged into a temporary one (:func:`exporters.internals.merge_data_files`), kept while this object lives.
+    merged into a temporary one (:func:`exporters.program.internals.merge_data_files`), kept while this object lives.
     ``weight_cache``: load the methods with XNNPACK's weight cache (methods share packed weights)."""
 
     def __init__(self, path: str | Path, data_paths: Sequence[str | Path] | None = None,
                  weight_cache: bool = True) -> None:
         from executorch.runtime import Runtime
 
-        from exporters.program.weights import data_files_beside
 
         register_runtime_kernels()
         self.path = Path(path)
@@ -109,7 +110,6 @@ class LoadedProgram:
     def _one_data_file(self) -> Path | None:
         if len(self.data_paths) < 2:
             return self.data_paths[0] if self.data_paths else None
-        from exporters.internals import merge_data_files
 
         self._merged = tempfile.TemporaryDirectory(prefix="merged_data_")
         merged = Path(self._merged.name) / f"{self.path.stem}.ptd"
@@ -128,7 +128,6 @@ class LoadedProgram:
                 try:
                     self._methods[method] = self._program.load_method(method)
                 except RuntimeError as error:
-                    from exporters.program.backends import check_loadable
 
                     check_loadable(self.path, error)
                     raise

@@ -13,8 +13,10 @@ from pathlib import Path
 import torch
 
 from exporters.errors import UserError
+from exporters.program.internals import read_tensor_file
 from exporters.program.swappable import ADAPTER_FOLDER, LORA_INPUTS_CONSTANT, adapter_file
 from exporters.runtime.programs import LoadedProgram
+from models.lora import read_peft_folder
 from models.lora_slots import SET_ADAPTER, SlotError, SlotGeometry, pack
 
 
@@ -34,8 +36,6 @@ class Slots:
 
     def tensors_of(self, adapter: str) -> dict[str, torch.Tensor]:
         """``adapter``: a name the export wrote (``adapters/<name>.ptd``), a ``.ptd`` file, or a PEFT folder."""
-        from exporters.internals import read_tensor_file
-        from models.lora import read_peft_folder
 
         path = Path(adapter).expanduser()
         exported = adapter_file(self.run, adapter)

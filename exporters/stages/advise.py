@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import logging
 import math
-
 from typing import TYPE_CHECKING
 
+from exporters.components.language_model import read_calibration
 from exporters.config import KvDType
-from exporters.footprint import GB, memory_limit
+from exporters.context import ExportContext
+from exporters.context.artifacts import WrittenProgram
+from exporters.plan.footprint import GB, memory_limit
 from exporters.quant.advice import advise, changes
 from exporters.runtime.quality import full_sequence, perplexity, window_logits
-from exporters.context.artifacts import WrittenProgram
-from exporters.context import ExportContext
 from exporters.stages.pipeline import Stage
-from exporters.components.language_model import read_calibration
 from models.decoder import CausalLM
 
 if TYPE_CHECKING:

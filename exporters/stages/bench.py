@@ -10,15 +10,15 @@ import dataclasses
 import time
 from dataclasses import asdict
 
-from exporters.context.artifacts import ExportResult
-from exporters.runtime.memory import memory_after_load_mb, rss_after_load_mb
-from exporters.runtime.speed import measure_speed
 from exporters.config import BenchmarkConfig
-from exporters.runtime.driver import Driver
-from exporters.manifest import BenchResult
 from exporters.context import ExportContext
-from exporters.stages.pipeline import Stage
+from exporters.context.artifacts import ExportResult
+from exporters.manifest import BenchResult
+from exporters.runtime.driver import Driver
+from exporters.runtime.memory import memory_after_load_mb, rss_after_load_mb
 from exporters.runtime.programs import LoadedProgram
+from exporters.runtime.speed import measure_speed
+from exporters.stages.pipeline import Stage
 
 
 def bench_lengths(settings: BenchmarkConfig, max_context_len: int) -> tuple[int, int]:

@@ -9,16 +9,15 @@ the very same base weight tensors and the backend stores those once.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 
 from exporters.components import parts
-from exporters.program.signatures import signature
-from exporters.program.methods import MethodSpec
-from exporters.quant.activations import share_activation_quantization
-from exporters.context.artifacts import CapturedMethods, EagerModel, ProgramMethods
 from exporters.context import ExportContext
+from exporters.context.artifacts import CapturedMethods, EagerModel, ProgramMethods
+from exporters.program.methods import MethodSpec
+from exporters.program.signatures import signature
+from exporters.quant.activations import share_activation_quantization
 from exporters.stages.pipeline import Stage
 from models.lora import active_adapter
 

@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from exporters.config import WeightsPlacement
-from exporters.internals import reserialize, tensor_data_bytes
-from exporters.manifest import DataFile
-from exporters.program.contents import data_file_entries, storage_breakdown
-from exporters.program.files import sha256_of, write_atomically
-from exporters.program.weights import data_path_for, data_tag, external_constant_tag
-from exporters.run_folder import is_no_room, no_room
-from exporters.context.artifacts import LoweredProgram, WrittenProgram
 from exporters.context import ExportContext
+from exporters.context.artifacts import LoweredProgram, WrittenProgram
+from exporters.manifest import DataFile
+from exporters.output.files import sha256_of, write_atomically
+from exporters.output.folder import is_no_room, no_room
+from exporters.program.contents import data_file_entries, storage_breakdown
+from exporters.program.internals import reserialize, tensor_data_bytes
+from exporters.program.weights import data_path_for, data_tag, external_constant_tag
 from exporters.stages.pipeline import Stage
 
 

@@ -14,16 +14,16 @@ from exporters.components import parts
 from exporters.context import ExportContext
 from exporters.context.artifacts import ExportResult, WrittenProgram
 from exporters.errors import ValidationFailed
-from exporters.footprint import MIB
-from exporters.interrupts import held_back
 from exporters.manifest import (MANIFEST_FILE, ComponentEntry, DataFile, Manifest, MethodEntry, ModelEntry, ProgramFile,
                                 Resources)
+from exporters.output.files import private_path
+from exporters.output.folder import files_of_export
+from exporters.output.interrupts import held_back
+from exporters.plan.footprint import MIB
 from exporters.program.cache import kv_cache_entry
 from exporters.program.constants import recorded
-from exporters.program.files import private_path
 from exporters.program.layouts import layout_manifest
 from exporters.program.weights import data_path_for, placed, runtime_needs
-from exporters.run_folder import files_of_export
 from exporters.runtime.driver import MethodRoles
 from exporters.runtime.memory import peak_rss_mb
 from exporters.stages.load import opened

@@ -11,9 +11,9 @@ import logging
 from typing import Any
 
 from exporters.components import parts
-from exporters.footprint import check_fits
 from exporters.context import ExportContext
 from exporters.context.artifacts import EagerModel
+from exporters.plan.footprint import check_fits
 from exporters.stages.pipeline import Stage
 
 log = logging.getLogger("exporters")

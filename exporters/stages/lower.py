@@ -11,15 +11,15 @@ import contextlib
 import logging
 from typing import Any, Iterator
 
-from exporters.config import WeightsPlacement
-from exporters.internals import (lowering_forgets_graphs, named_data_stored_once, torchao_quant_ops_shape_only,
-                                 xnnpack_keys_by_name, xnnpack_passes_only_where_they_apply,
-                                 xnnpack_preprocess_copies_one_at_a_time)
 from exporters.components import parts
-from exporters.program.backends import partitioners
-from exporters.program.weights import structure_namespace, tag_weights_by_data_file
-from exporters.context.artifacts import CapturedMethods, LoweredProgram
+from exporters.config import WeightsPlacement
 from exporters.context import ExportContext
+from exporters.context.artifacts import CapturedMethods, LoweredProgram
+from exporters.program.backends import partitioners
+from exporters.program.internals import (lowering_forgets_graphs, named_data_stored_once, torchao_quant_ops_shape_only,
+                                         xnnpack_keys_by_name, xnnpack_passes_only_where_they_apply,
+                                         xnnpack_preprocess_copies_one_at_a_time)
+from exporters.program.weights import structure_namespace, tag_weights_by_data_file
 from exporters.stages.pipeline import Stage
 
 log = logging.getLogger("exporters")
@@ -64,7 +64,7 @@ def with_progress(found: list[Any], methods: list[str], backend: str) -> list[An
 
 @contextlib.contextmanager
 def lowering_shortcuts(enabled: bool) -> Iterator[None]:
-    """Lowering's shortcuts through private internals (exporters.internals), or ExecuTorch's stock path: the same
+    """Lowering's shortcuts through private internals (exporters.program.internals), or ExecuTorch's stock path: the same
     program bytes either way (tests/test_export.py). With them, lowering's passes propagate shapes through torchao's
     quant ops without running their bodies; XNNPACK's preprocess copies one partition at a time and runs only the
     passes whose ops the partition holds, and a weight packed for several methods is held once; and nothing keeps a

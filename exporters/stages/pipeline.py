@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Protocol, Se
 
 from exporters.context import ExportContext
 from exporters.errors import Interrupted
-from exporters.interrupts import signal_of
+from exporters.output.interrupts import signal_of
 from exporters.runtime.memory import peak_rss_mb, return_freed_memory
 
 if TYPE_CHECKING:

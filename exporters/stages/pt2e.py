@@ -7,12 +7,12 @@ captures the model once, has the backend's quantizer annotate, calibrate and con
 
 from __future__ import annotations
 
+from exporters.components.language_model import read_calibration
+from exporters.context import ExportContext
+from exporters.context.artifacts import EagerModel
 from exporters.program.methods import MethodSpec
 from exporters.quant.pt2e import PT2E_QUANTIZERS, quantize_graph, reference_graph
-from exporters.context.artifacts import EagerModel
-from exporters.context import ExportContext
 from exporters.stages.pipeline import Stage
-from exporters.components.language_model import read_calibration
 
 
 class Pt2eStage(Stage):

@@ -10,6 +10,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from exporters.errors import UserError
+from exporters.output.folder import check_writable
+from exporters.sweeps.summary import SUMMARY_FILES, labels, write_summary
+
 log = logging.getLogger("exporters")
 
 
@@ -21,8 +25,6 @@ class SweepSummary(Callback):
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from exporters.sweeps.summary import SUMMARY_FILES, labels, write_summary
-
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_summary(sweep_dir)
         ok = sum(r.ok for r in rows)
@@ -49,9 +51,6 @@ class FolderCheck(Callback):
 
     @staticmethod
     def _check(folder: str, what: str, option: str) -> None:
-        from exporters.errors import UserError
-        from exporters.run_folder import check_writable
-
         try:
             check_writable(Path(folder), what, f"Choose a folder you can write: {option} on the command line.")
         except UserError as e:

@@ -26,10 +26,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from exporters.interrupts import held_back, sigterm_interrupts, signal_of
-from exporters.runtime.memory import wait_with_peak_rss
+from exporters import console
+from exporters.config import ExportConfig, check_known_keys
+from exporters.console import StoryFilter
+from exporters.errors import REPORTED_ERRORS, Interrupted
 from exporters.manifest import MANIFEST_FILE, Manifest
-from exporters.sweeps.summary import JobRow, write_result
+from exporters.output.interrupts import held_back, signal_of, sigterm_interrupts
+from exporters.runtime.memory import wait_with_peak_rss
+from exporters.sweeps.summary import SUMMARY_FILES, JobRow, write_result, write_summary
 
 log = logging.getLogger("exporters")
 
@@ -70,7 +74,6 @@ def run_sweep_job(cfg: DictConfig, job_dir: Path, job_num: int, overrides: list[
     if interrupted is not None:
         # The jobs that finished keep their rows and the sweep's summary is written with them and this one; the
         # jobs not started yet are not run.
-        from exporters.sweeps.summary import SUMMARY_FILES, write_summary
 
         rows = write_summary(job_dir.parent)
         log.error("sweep interrupted during job %d: %d job(s) finished before it are kept. Summary: %s", job_num,
@@ -108,7 +111,6 @@ def _failure_reason(returncode: int, job_dir: Path) -> str:
 
 def _configure_child_logging(label: str, log_file: str | None) -> None:
     """The story on the console, prefixed with the job; everything in the job's ``llm.log`` (as Hydra does)."""
-    from exporters.console import StoryFilter
 
     root = logging.getLogger()
     root.setLevel(logging.INFO)
@@ -124,11 +126,10 @@ def _configure_child_logging(label: str, log_file: str | None) -> None:
 
 
 def _child_main(request: dict[str, Any]) -> int:
-    from exporters import console
-    from exporters.config import ExportConfig, check_known_keys
-    from exporters.errors import REPORTED_ERRORS, Interrupted
-    from exporters.export import export
+    # The export's stack (torch, torchao, ExecuTorch) loads in the job's child process only: Hydra's launcher
+    # process imports this module and stays light.
     from exporters.components.resolve import plan_export
+    from exporters.export import export
 
     console.VERBOSE = bool(request["verbose"])
     _configure_child_logging(request["label"], request["log_file"])

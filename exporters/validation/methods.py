@@ -16,15 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from exporters.config import DType, KvDType
+from exporters.context.artifacts import BaselineQuality
 from exporters.manifest import Checked, SpeculativeCheck, ValidationReport
 from exporters.plan.validation import Tolerance
 from exporters.program.methods import MethodSpec
 from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
+from exporters.runtime.quality import Agreement, TextWindows, full_sequence, perplexity, window_logits
 from exporters.runtime.sampling import SamplingConfig
 from exporters.runtime.speculative import DraftProposer, LookupProposer, continue_text
-from exporters.runtime.quality import Agreement, TextWindows, full_sequence, perplexity, window_logits
-from exporters.context.artifacts import BaselineQuality
 from models.decoder import CausalLM
 from models.lora import active_adapter
 

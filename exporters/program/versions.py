@@ -1,6 +1,6 @@
 """The versions this project was checked against, read from here by every module that names one.
 
-The private internals lowering patches (``exporters.internals``) were read in these releases; with another
+The private internals lowering patches (``exporters.program.internals``) were read in these releases; with another
 installed, lowering takes ExecuTorch's stock path (slower, the same program) and says so once. The stock runners
 whose method choices ``exporters.program.layouts`` writes down are ExecuTorch's releases listed in
 :data:`STOCK_RUNNER_RELEASES`.
@@ -14,7 +14,7 @@ from importlib import metadata
 
 log = logging.getLogger("exporters")
 
-#: Installed packages whose internals exporters.internals reaches into, at the versions it was checked with.
+#: Installed packages whose internals exporters.program.internals reaches into, at the versions it was checked with.
 CHECKED: dict[str, str] = {"executorch": "1.5.1", "torchao": "0.18.0"}
 #: The ExecuTorch release this project runs (pyproject.toml pins it); messages about the runtime name it.
 EXECUTORCH = CHECKED["executorch"]
@@ -39,7 +39,7 @@ def unchecked() -> dict[str, tuple[str | None, str]]:
 def _warn_unchecked() -> None:
     differ = ", ".join(f"{name} {have} (checked: {want})" for name, (have, want) in unchecked().items())
     log.warning("lowering takes ExecuTorch's stock path: %s installed, and its private internals were checked "
-                "with other versions (exporters/internals.py). The program is the same; lowering is slower.", differ)
+                "with other versions (exporters/program/internals.py). The program is the same; lowering is slower.", differ)
 
 
 def shortcuts_allowed(requested: bool) -> bool:

@@ -20,11 +20,11 @@ from torch import nn
 
 from exporters.config import QuantConfig, TiedEmbeddingStorage
 from exporters.errors import UserError
+from exporters.quant.advice import changes
 from exporters.quant.mixed import Precision
 from exporters.quant.rotation import rotates
-from exporters.quant.tied import TiedEmbedding
-from exporters.quant.tied import plan_tied_embedding as tie_plan
 from exporters.quant.schemes import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, layer_scheme
+from exporters.quant.tied import TiedEmbedding, plan_tied_embedding as tie_plan
 from models.checkpoint import stored_bytes
 from models.decoder import CausalLM
 
@@ -181,7 +181,6 @@ def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validation_
         # Each remedy advise measures is a fresh model quantized (calibrated, for GPTQ) beside the export's eager
         # model. Advise runs only past the quality warning's threshold, so its peak is reported, not refused.
         if advising:
-            from exporters.quant.advice import changes  # advice quantizes models: imported only when advising
 
             rotating = any(c.rotates for c in changes(quant))
             advise = lowered_held + QUANTIZE_BASE + calibrated_quantize + (turning if rotating else 0)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from exporters.errors import UserError
+from exporters.manifest import MANIFEST_FILE, Manifest
 
 #: Held (``flock``) by the export writing into the folder; it holds that process's id. The kernel releases the lock
 #: when the process ends, however it ends, so a killed export never leaves a folder locked.
@@ -88,7 +89,6 @@ def is_no_room(error: BaseException) -> bool:
 def files_of_export(folder: Path) -> set[str]:
     """The files the export whose manifest is in ``folder`` wrote there: what a new export in the folder replaces
     (none when there is no manifest, or one too damaged to read)."""
-    from exporters.manifest import MANIFEST_FILE, Manifest
 
     if not (folder / MANIFEST_FILE).is_file():
         return set()

@@ -1,7 +1,7 @@
 """Every use of a private ExecuTorch or torchao internal, in one place, with the versions it was checked against.
 
-Checked with the versions in ``exporters.versions.CHECKED`` (pyproject.toml pins them); with any other installed,
-lowering takes the stock path (``exporters.versions.shortcuts_allowed``). When a pin moves, these are the lines to
+Checked with the versions in ``exporters.program.versions.CHECKED`` (pyproject.toml pins them); with any other installed,
+lowering takes the stock path (``exporters.program.versions.shortcuts_allowed``). When a pin moves, these are the lines to
 re-read; each has a test that fails if the internal changes behaviour:
 
 - :func:`read_program_header`: ExecuTorch has no public reader of a ``.pte``'s flatbuffer alone (its public
@@ -81,9 +81,14 @@ import contextlib
 import ctypes
 import functools
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from exporters.versions import CHECKED as CHECKED_WITH
+from exporters.output.files import write_atomically
+from exporters.program.versions import CHECKED as CHECKED_WITH
+from models.gguf import llm_exporters_cache
+
+if TYPE_CHECKING:
+    import torch
 
 
 def read_program_header(path: Path) -> Any:
@@ -257,8 +262,6 @@ def _xnnpack_pattern_pass_ops() -> dict[str, list[frozenset[str]]]:
     import json
     from importlib import metadata
 
-    from exporters.program.files import write_atomically
-    from models.gguf import llm_exporters_cache
 
     path = llm_exporters_cache() / f"xnnpack-pattern-ops-{metadata.version('executorch')}.json"
     try:

@@ -20,11 +20,11 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from exporters.compat import RENAMED_KEYS
 from exporters.errors import UserError
-from exporters.sweeps.resolvers import RESOLVERS
+from exporters.config.resolvers import RESOLVERS
 
 # The config groups: inside the installed package (a wheel), else conf/ at the top of the checkout.
-CONF_DIR = next(p for p in (Path(__file__).resolve().parent / "conf", Path(__file__).resolve().parent.parent / "conf")
-                if (p / "config.yaml").is_file())
+_PACKAGE = Path(__file__).resolve().parent.parent  # exporters/
+CONF_DIR = next(p for p in (_PACKAGE / "conf", _PACKAGE.parent / "conf") if (p / "config.yaml").is_file())
 
 
 class Choice(str, Enum):
@@ -330,12 +330,12 @@ class ExportSection:
     # bytes for any weights of these shapes (docs/runners.md).
     weights: WeightsPlacement = WeightsPlacement.program
     # The most memory (GB) this export may need: before reading any weight, its peak RSS is estimated from the
-    # architecture and quant (exporters/footprint.py) and the export refused above this. null = the memory this
+    # architecture and quant (exporters/plan/footprint.py) and the export refused above this. null = the memory this
     # machine has available when the export starts.
     memory_limit_gb: Optional[float] = None
-    # Shortcuts through private ExecuTorch and torchao internals (exporters/internals.py) in quantize, lower and
+    # Shortcuts through private ExecuTorch and torchao internals (exporters/program/internals.py) in quantize, lower and
     # emit: faster and leaner, the same program bytes. false: the libraries' stock path. With versions other than
-    # the checked ones (exporters/versions.py) the stock path is taken anyway, with a warning.
+    # the checked ones (exporters/program/versions.py) the stock path is taken anyway, with a warning.
     shortcuts: bool = True
     # Token count of prefill on static-shape backends.
     prefill_chunk: int = 32

@@ -1,0 +1,22 @@
+"""The image processor's files saved beside a checkpoint (or a run), and the settings they hold."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def processor_settings(folder: Path) -> dict[str, Any]:
+    """The image processor's fields saved beside a checkpoint: ``processor_config.json``'s (its ``image_processor``)
+    over ``preprocessor_config.json``'s (the hub's checkpoints carry either or both, neither always a superset); {}
+    for a folder without them (a random-weight shape)."""
+    settings: dict[str, Any] = {}
+    for name in reversed(PROCESSOR_FILES):
+        path = Path(folder) / name
+        if path.is_file():
+            raw = json.loads(path.read_text())
+            settings.update(raw.get("image_processor", raw))
+    return settings
