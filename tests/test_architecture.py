@@ -50,7 +50,9 @@ def test_stopping_after_a_stage_it_does_not_have_is_refused_before_anything_runs
 
 @pytest.mark.parametrize("old,new", [("exporters.quantization", "exporters.quant.schemes"),
                                      ("exporters.pipeline", "exporters.stages.pipeline"),
-                                     ("exporters.bundle", "exporters.release.bundle")])
+                                     ("exporters.bundle", "exporters.release.bundle"),
+                                     ("exporters.internals", "exporters.program.internals"),
+                                     ("exporters.stages.artifacts", "exporters.context.artifacts")])
 def test_an_old_module_path_names_its_new_place(old: str, new: str) -> None:
     with pytest.raises(ModuleNotFoundError, match=f"{old} moved .* {new}"):
         importlib.import_module(old)
@@ -132,6 +134,49 @@ def test_a_program_is_components_and_todays_is_one_decoder() -> None:
     plan = plan_export(compose_config())
     assert [(c.name, c.kind) for c in plan.components] == [("decoder", ComponentKind.decoder)]
     assert plan.decoder.methods.aliases == {"forward": "prefill"} and plan.decoder.adapters == []
+
+
+def test_each_kind_of_model_is_one_registered_module_and_the_stages_name_none() -> None:
+    """A kind of model (decoder, adapters, slots, draft, vision encoder) is one module of exporters.components
+    implementing the protocol, registered once; the stages loop over the plan's parts and call it, so no stage's code
+    names a kind (their docstrings may explain what the kinds do)."""
+    import io
+    import re
+    import tokenize
+
+    from exporters.components import KINDS, parts
+    from exporters.components.kind import Kind
+    from exporters.plan import ComponentKind
+
+    assert list(KINDS) == ["decoder", "adapters", "slots", "draft", "vision_encoder"]
+    assert {k for k, kind in KINDS.items() if not kind.variant} == {str(k) for k in ComponentKind}
+    for kind in KINDS.values():
+        assert type(kind).__module__ == f"exporters.components.{type(kind).__module__.rsplit('.', 1)[-1]}"
+        assert isinstance(kind, Kind)
+    assert [p.name for p in parts(plan_export(compose_config()))] == ["decoder"]
+    named = []
+    for path in sorted((REPO_ROOT / "exporters" / "stages").glob("*.py")):
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            code = tok.type == tokenize.NAME or (tok.type == tokenize.STRING and not tok.string.startswith('"""'))
+            if code and re.search(r"(^|\W|_)(draft|vision|swappable|slots)(_|\W|$)|ComponentKind", tok.string):
+                named.append(f"{path.name}:{tok.start[0]}: {tok.string}")
+    assert not named, named
+
+
+def test_no_import_climbs_back_up_from_the_plan_types_or_the_program() -> None:
+    """The plan's types, the program, quant and the runtime import nothing from the layers that use them (the kinds,
+    the context, validation, the stages, the commands): the house has no circle."""
+    import ast
+
+    above = ("exporters.components", "exporters.context", "exporters.validation", "exporters.stages",
+             "exporters.export", "exporters.sweeps", "exporters.llm", "exporters.generate")
+    found = []
+    for folder in ("plan", "program", "quant", "runtime", "output", "config"):
+        for path in sorted((REPO_ROOT / "exporters" / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(above):
+                    found.append(f"{folder}/{path.name}:{node.lineno}: {node.module}")
+    assert not found, found
 
 
 def test_registries_keyed_by_a_closed_set_cover_exactly_that_set() -> None:

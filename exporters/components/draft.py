@@ -26,7 +26,7 @@ from exporters.program.methods import MethodTable
 from exporters.quant.schemes import check_quant
 from exporters.runtime.driver import MethodRoles
 from exporters.runtime.quality import perplexity, read_text
-from exporters.validation.methods import Scores, judge, predictions, report
+from exporters.validation.methods import Judged, Scores, judge, predictions, report
 from models.families import family_of_config
 
 if TYPE_CHECKING:
@@ -114,13 +114,12 @@ class Draft(LanguageModel):
         model, record = models[part.name], ctx.record(part.name)
         specs = ctx.plan.methods.of_component(part.name)
         roles = MethodRoles.choose({n: spec.shape for n, spec in specs.items()})
-        found = predictions(model, under.program, roles, specs, under.text, side=part.name)
+        found = predictions(model, under, roles, specs, side=part.name)
         scores = Scores.of(found, under.text, model.head_ids)
         tolerance = ctx.plan.validation.component_tolerance[part.name]
-        failures = judge(scores, found, tolerance)
-        record.validation = report(scores, failures, found, roles, under.checked, under.baseline, tolerance,
-                                   under.runs_in, perplexity(record.nll, record.scored))
-        log.info("  validate: %s %s", part.name, "passed" if not failures else "FAILED")
+        judged = Judged(found, scores, roles, judge(scores, found, tolerance))
+        record.validation = report(judged, under, tolerance, perplexity(record.nll, record.scored))
+        log.info("  validate: %s %s", part.name, "passed" if record.validation.passed else "FAILED")
 
     def failures(self, part: Part, ctx: ExportContext) -> list[str]:
         report = ctx.record(part.name).validation

@@ -187,6 +187,12 @@ def accept(logits: torch.Tensor, proposals: list[int], choose: Callable[[torch.T
     return result
 
 
+def pad_with_last(tokens: list[int], n: int) -> list[int]:
+    """``tokens`` (at least one, at most ``n``) with the last repeated up to ``n``: what a verify of fixed size takes
+    (the repeats are checked and thrown away)."""
+    return (tokens + tokens[-1:] * n)[:n]
+
+
 def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: SamplingConfig, eos_ids: set[int],
                   max_context_len: int, endless: bool, proposer: Proposer | None,
                   emit: Callable[[int], None] = lambda t: None, seen: Callable[[torch.Tensor], None] | None = None,
@@ -226,7 +232,7 @@ def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: Sam
         room = endless or position + max(k, padded) < max_context_len
         proposals = proposer.propose(ids + new_ids, k) if proposer is not None and room else []
         if stats is not None and length is not None and proposals:
-            proposals = (proposals + proposals[-1:] * padded)[:max(len(proposals), padded)]  # repeat the last
+            proposals = pad_with_last(proposals, max(len(proposals), padded))
             checked = accept(driver.verify([token, *proposals], position), proposals,
                              lambda row: distribution(row, cfg), gen, greedy=cfg.temperature <= 0)
             length.update(len(proposals), len(checked.kept))

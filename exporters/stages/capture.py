@@ -9,6 +9,7 @@ the very same base weight tensors and the backend stores those once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -81,6 +82,6 @@ class CaptureStage(Stage):
             signatures[alias] = signatures[source]
             if undelegated is not None:
                 undelegated[alias] = undelegated[source]
-        return CapturedMethods(model=model, methods=ProgramMethods(specs, adapter_of, aliases, table.component_of,
-                                                                   table.slots, signatures),
+        table_fields = {f.name: getattr(table, f.name) for f in dataclasses.fields(table)}
+        return CapturedMethods(model=model, methods=ProgramMethods(**table_fields, signatures=signatures),
                                programs=programs, undelegated=undelegated, components=quantized.components)

@@ -159,7 +159,7 @@ class FinalizeStage(Stage):
         # The config check refused method sets where nothing takes one token, so there always are roles.
         roles = MethodRoles.choose({n: spec.shape for n, spec in base.items()})
         data = placed(written.data, None, pte)
-        adapters = fields.get("adapters", {})
+        own_data = {owner: data_path_for(pte, owner).name for owner in written.adapter_data}
         family = family_of_config(ckpt.hf_config)
         return Manifest(
             status="ok" if ok else "failed validation",
@@ -196,9 +196,9 @@ class FinalizeStage(Stage):
             config=self.plan.resolved_config,
             data=data,
             runtime=runtime_needs(self.plan.backend.name, pte.name, data.file if data else None,
-                                  {n: a.data.file for n, a in adapters.items() if a.data is not None}),
+                                  own_data),
             quality_warning=ctx.quality_warning,
             kv_cache=kv_cache_entry(model, max(spec.max_tokens for spec in base.values())),
             components=entries,
-            **{"adapters": {}, "swappable": None, **fields},
+            **fields,  # each part's own sections (adapters, swappable)
         )

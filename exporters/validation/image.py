@@ -26,6 +26,7 @@ GREEDY_STEPS = 8
 MIN_COSINE = 0.99  # each image position's embedding, program against eager (fp32 gives 1 - 1e-7)
 IMAGE = "seeded uniform pixels in [-1, 1]"
 IMAGE_PROMPT_TEXT = 8  # tokens of the validation text before the image, and as many after it
+EMBED, DECODER = "token_embedding", "text_decoder"  # the methods the MultimodalRunner feeds text and images to
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,12 @@ def test_image(size: int, seed: int = 0) -> torch.Tensor:
     return torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(seed)) * 2 - 1
 
 
-def _program_step(program: RunsMethods, embed: str, decoder: str, tokens: torch.Tensor, start: int) -> torch.Tensor:
-    return program.run(decoder, program.run(embed, tokens)[0], torch.tensor([start]))[0].reshape(1, -1)
+def _program_step(program: RunsMethods, tokens: torch.Tensor, start: int) -> torch.Tensor:
+    return program.run(DECODER, program.run(EMBED, tokens)[0], torch.tensor([start]))[0].reshape(1, -1)
 
 
 def check_image_path(program: RunsMethods, model: CausalLM, encoder: VisionEncoder, window: torch.Tensor,
-                     max_kl: float, baseline: ImageBaseline | None = None, embed: str = "token_embedding",
-                     decoder: str = "text_decoder") -> VisionCheck:
+                     max_kl: float, baseline: ImageBaseline | None = None) -> VisionCheck:
     """The image prompt around the first validation ``window``'s text. The program's caches are overwritten from
     position 0; the eager model's are reset first and after."""
     before, after = image_prompt_text(window)
@@ -92,13 +92,13 @@ def check_image_path(program: RunsMethods, model: CausalLM, encoder: VisionEncod
         error = float((ours_image.float() - eager_image.float()).abs().max())
         cosine = _least_cosine(ours_image, eager_image)
         start = before.shape[1] + ours_image.shape[1]
-        ours = torch.cat(_program_image_prompt(program, embed, decoder, ours_image, before, after)).float()
+        ours = torch.cat(_program_image_prompt(program, ours_image, before, after)).float()
         tokens = [int(row.argmax()) for row in ours[:-1]]
         eager, _ = _eager_image_prompt(model, eager_image, before, after, tokens)
         eager_choices = [int(row.argmax()) for row in eager[:-1]]
         quality = None
         if baseline is not None:  # the program on the unquantized model's tokens, against it
-            theirs = torch.cat(_program_image_prompt(program, embed, decoder, ours_image, before, after,
+            theirs = torch.cat(_program_image_prompt(program, ours_image, before, after,
                                                      baseline.tokens))
             agreement = Agreement.of(baseline.logits, theirs.float())
             quality = ImageQuality(encoder_cosine=_least_cosine(eager_image, baseline.features),
@@ -121,18 +121,18 @@ def _least_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.where((a == b).all(dim=-1), torch.ones_like(cosine), cosine).min())
 
 
-def _program_image_prompt(program: RunsMethods, embed: str, decoder: str, image: torch.Tensor, before: torch.Tensor,
+def _program_image_prompt(program: RunsMethods, image: torch.Tensor, before: torch.Tensor,
                           after: torch.Tensor, tokens: list[int] | None = None) -> list[torch.Tensor]:
     """The program as the MultimodalRunner drives it (text, the image, text, each in one call; each method's output
     given to the next as it is), then GREEDY_STEPS tokens (``tokens``, else its own greedy choices): the logits
     [1, V] after the prompt and after each token, GREEDY_STEPS + 1 of them."""
-    _program_step(program, embed, decoder, before, 0)
-    program.run(decoder, image, torch.tensor([before.shape[1]]))
+    _program_step(program, before, 0)
+    program.run(DECODER, image, torch.tensor([before.shape[1]]))
     position = before.shape[1] + image.shape[1]
-    logits = [_program_step(program, embed, decoder, after, position)]
+    logits = [_program_step(program, after, position)]
     position += after.shape[1]
     for step in range(GREEDY_STEPS):
         token = int(logits[-1].argmax()) if tokens is None else tokens[step]
-        logits.append(_program_step(program, embed, decoder, torch.tensor([[token]]), position))
+        logits.append(_program_step(program, torch.tensor([[token]]), position))
         position += 1
     return logits

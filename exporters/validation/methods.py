@@ -17,14 +17,13 @@ import torch
 
 from exporters.config import DType, KvDType
 from exporters.context.artifacts import BaselineQuality
+from exporters.validation.speculative import speculative_check
 from exporters.manifest import Checked, SpeculativeCheck, ValidationReport
 from exporters.plan.validation import Tolerance
 from exporters.program.methods import MethodSpec
 from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
 from exporters.runtime.quality import Agreement, TextWindows, full_sequence, perplexity, window_logits
-from exporters.runtime.sampling import SamplingConfig
-from exporters.runtime.speculative import DraftProposer, LookupProposer, continue_text
 from models.decoder import CausalLM
 from models.lora import active_adapter
 
@@ -75,6 +74,24 @@ class Scores:
         return float(self.agreement.top1.double().mean())
 
 
+@dataclass(frozen=True)
+class ProgramUnderTest:
+    """The program as validation runs it, and what every check of it shares (the validate stage makes it once)."""
+
+    program: LoadedProgram | CapturedPrograms  # the .pte in the runtime, or the undelegated programs
+    checked: Checked
+    baseline: BaselineQuality  # the validation text in windows
+    tolerance: Tolerance  # the decoder's (a draft's is the plan's component_tolerance)
+    context: int  # the cache's positions: speculation stops before them
+    eager_graphs: CapturedPrograms | None = None  # PT2E: the quantized model exists only as these graphs
+    runs_in: DType | None = None  # the precision the device computes in, when coarser than quant.dtype
+    eager_kv_dtype: str | None = None  # the eager side's cache dtype, when it is not the program's
+
+    @property
+    def text(self) -> TextWindows:
+        return self.baseline.text
+
+
 def program_predictions(driver: Driver, window: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
     """The program's predictions for one window [L - P, V]: the prompt at once, then one token per step."""
     rows = [driver.prefill(window[:, :prompt_tokens])]
@@ -119,12 +136,12 @@ def driven(program: LoadedProgram | CapturedPrograms, roles: MethodRoles, text: 
     return found
 
 
-def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
-                specs: dict[str, MethodSpec], text: TextWindows, adapter: str | None = None,
-                eager_graphs: CapturedPrograms | None = None, side: str = "program") -> Predictions:
+def predictions(model: CausalLM, under: ProgramUnderTest, roles: MethodRoles, specs: dict[str, MethodSpec],
+                adapter: str | None = None, side: str = "program") -> Predictions:
     """The eager model's and the program's predictions; ``adapter``: the eager side applies it (the program's
-    side is in ``roles``: that adapter's methods). ``eager_graphs``: the eager side is these captured programs
-    (PT2E: the quantized model exists only as graphs), driven like the program."""
+    side is in ``roles``: that adapter's methods). With ``under.eager_graphs`` the eager side is those captured
+    programs (PT2E: the quantized model exists only as graphs), driven like the program."""
+    program, text, eager_graphs = under.program, under.text, under.eager_graphs
     with torch.no_grad():
         if eager_graphs is not None:
             eager = driven(eager_graphs, roles, text, "eager")
@@ -137,75 +154,6 @@ def predictions(model: CausalLM, program: LoadedProgram | CapturedPrograms, role
         text_decoder_kl = text_decoder_against_prompt_methods(program, roles, specs, text, ours[0])
     model.reset_cache()
     return Predictions(eager, ours, forward_kl, text_decoder_kl)
-
-
-#: Greedy tokens the speculative check generates each way (plain and lookup-speculative) from the first prompt.
-SPECULATIVE_TOKENS = 24
-
-
-#: A divergence of speculative from plain greedy decoding is a tie when plain decoding's top two logits there were
-#: closer than this many times the largest difference between verify's and the one-token method's logits.
-TIE_FACTOR = 4.0
-
-
-def speculative_check(model: CausalLM, program: LoadedProgram | CapturedPrograms, roles: MethodRoles,
-                      text: TextWindows, adapter: str | None, context: int,
-                      draft_roles: MethodRoles | None = None, draft_vocab: torch.Tensor | None = None,
-                      ) -> SpeculativeCheck:
-    """The verify method on the first window after its prompt, against the eager model's logits at the same positions
-    and against the one-token method's (how far the batched kernels round from the single-token ones); then greedy
-    generation from that prompt with speculation (the draft's methods, ``draft_roles``; else lookup) against
-    without, in the program."""
-    window, prompt = text.windows[0], text.prompt_tokens
-    k = roles.verify_tokens - 1
-    driver = Driver(program, roles)
-    with torch.no_grad(), active_adapter(model, adapter), model.kv_dtype_as(KvDType.fp32):
-        eager = full_sequence(model)(window)  # [L, V]: row i follows token i
-    model.reset_cache()
-    checked = window[0, prompt:prompt + k + 1].tolist()  # the text's own next tokens, as if all were proposed
-    driver.prefill(window[:, :prompt])
-    ours = driver.verify((checked + checked[-1:] * k)[:k + 1], prompt).float()[:len(checked)]  # exactly k + 1
-    agreement = Agreement.of(eager[prompt:prompt + len(checked)], ours)
-    driver.prefill(window[:, :prompt])
-    stepwise = torch.cat([driver.decode_one_token(t, prompt + j) for j, t in enumerate(checked)]).float()
-    noise = float((stepwise - ours).abs().max())
-    ids = window[0, :prompt].tolist()
-    greedy = SamplingConfig(max_new_tokens=SPECULATIVE_TOKENS)
-    margins: list[float] = []
-    plain_rows: list[torch.Tensor] = []
-
-    def margin(logits: torch.Tensor) -> None:
-        row = logits.float().reshape(-1)
-        plain_rows.append(row)
-        top = row.topk(2).values
-        margins.append(float(top[0] - top[1]))
-
-    proposer = (DraftProposer(Driver(program, draft_roles), draft_vocab) if draft_roles is not None
-                else LookupProposer())
-    runs = {}
-    for speculating in (False, True):
-        first = driver.prefill(window[:, :prompt])
-        runs[speculating] = continue_text(driver, ids, first, greedy, set(), context, False,
-                                          proposer if speculating else None, seen=None if speculating else margin)
-    plain, fast, stats = runs[False][0], runs[True][0], runs[True][2]
-    assert stats is not None
-    # The same tokens through verify calls alone (every proposal kept): the cache written by the batched kernels, as
-    # in speculation. Under dynamically quantized activations a last-bit difference in one cached entry can flip an
-    # int8 rounding later, so this trajectory, not one call, measures how far the two paths drift apart.
-    driver.prefill(window[:, :prompt])
-    for start in range(0, len(plain) - 1, k + 1):
-        fed = plain[start:start + k + 1]
-        if prompt + start + k >= context:
-            break
-        rows = driver.verify((fed + fed[-1:] * k)[:k + 1], prompt + start).float()
-        for j in range(min(len(fed), len(plain_rows) - start - 1)):
-            noise = max(noise, float((rows[j] - plain_rows[start + j + 1]).abs().max()))
-    diverged = next((i for i, (a, b) in enumerate(zip(plain, fast)) if a != b), None)
-    return SpeculativeCheck(
-        verify_kl=float(agreement.kl.mean()), verify_top1=float(agreement.top1.double().mean()), tokens=len(plain),
-        identical=plain == fast, proposer=proposer.name, acceptance=round(stats.acceptance, 4),
-        tokens_per_call=round(stats.tokens_per_call, 4), kernel_noise=noise, diverged_at=diverged,
-        margin_there=None if diverged is None else margins[diverged], tie_factor=TIE_FACTOR)
 
 
 def judge(scores: Scores, found: Predictions, t: Tolerance,
@@ -230,12 +178,23 @@ def judge(scores: Scores, found: Predictions, t: Tolerance,
     ]
 
 
-def report(scores: Scores, failures: list[str], found: Predictions, roles: MethodRoles, checked: Checked,
-           baseline: BaselineQuality, t: Tolerance, runs_in: DType | None = None,
-           unquantized: float | None = None, eager_kv_dtype: str | None = None,
-           speculative: SpeculativeCheck | None = None) -> ValidationReport:
+@dataclass(frozen=True)
+class Judged:
+    """One set of methods checked: what both sides predicted, the scores, speculation's check, what failed."""
+
+    found: Predictions
+    scores: Scores
+    roles: MethodRoles
+    failures: list[str]
+    speculative: SpeculativeCheck | None = None
+
+
+def report(judged: Judged, under: ProgramUnderTest, t: Tolerance, unquantized: float | None = None,
+           eager_kv_dtype: str | None = None) -> ValidationReport:
     """``unquantized``: the perplexity of the unquantized model these methods compute (an adapter's, a draft's;
     None: the decoder's own, ``baseline.perplexity``)."""
+    scores, found, roles, failures = judged.scores, judged.found, judged.roles, judged.failures
+    baseline, speculative, checked, runs_in = under.baseline, judged.speculative, under.checked, under.runs_in
     text, total = baseline.text, scores.agreement
     return ValidationReport(
         passed=not failures,
@@ -270,24 +229,6 @@ def report(scores: Scores, failures: list[str], found: Predictions, roles: Metho
     )
 
 
-@dataclass(frozen=True)
-class ProgramUnderTest:
-    """The program as validation runs it, and what every check of it shares (the validate stage makes it once)."""
-
-    program: LoadedProgram | CapturedPrograms  # the .pte in the runtime, or the undelegated programs
-    checked: Checked
-    baseline: BaselineQuality  # the validation text in windows
-    tolerance: Tolerance  # the decoder's (a draft's is the plan's component_tolerance)
-    context: int  # the cache's positions: speculation stops before them
-    eager_graphs: CapturedPrograms | None = None  # PT2E: the quantized model exists only as these graphs
-    runs_in: DType | None = None  # the precision the device computes in, when coarser than quant.dtype
-    eager_kv_dtype: str | None = None  # the eager side's cache dtype, when it is not the program's
-
-    @property
-    def text(self) -> TextWindows:
-        return self.baseline.text
-
-
 def validate_methods(model: CausalLM, under: ProgramUnderTest, specs: dict[str, MethodSpec],
                      adapter: str | None = None, unquantized: float | None = None,
                      proposer: tuple[MethodRoles, torch.Tensor | None] | None = None) -> ValidationReport:
@@ -295,13 +236,8 @@ def validate_methods(model: CausalLM, under: ProgramUnderTest, specs: dict[str, 
     with speculation when they include it (``proposer``: a draft's methods and the token of each of its logits; else
     lookup); ``unquantized``: the unquantized perplexity with that adapter (None: the base's)."""
     roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
-    found = predictions(model, under.program, roles, specs, under.text, adapter, under.eager_graphs)
+    found = predictions(model, under, roles, specs, adapter)
     scores = Scores.of(found, under.text)
-    speculative = None
-    if roles.verify:
-        draft_roles, draft_vocab = proposer if proposer is not None else (None, None)
-        speculative = speculative_check(model, under.program, roles, under.text, adapter, under.context, draft_roles,
-                                        draft_vocab)
-    failures = judge(scores, found, under.tolerance, speculative)
-    return report(scores, failures, found, roles, under.checked, under.baseline, under.tolerance, under.runs_in,
-                  unquantized, under.eager_kv_dtype, speculative)
+    speculative = speculative_check(model, under, roles, adapter, proposer) if roles.verify else None
+    judged = Judged(found, scores, roles, judge(scores, found, under.tolerance, speculative), speculative)
+    return report(judged, under, under.tolerance, unquantized, under.eager_kv_dtype)
