@@ -15,14 +15,13 @@ from typing import Any
 
 #: Modules of llm-exporters 0.1 that moved in 0.2 -> where they are now.
 MOVED_MODULES = {
-    "exporters.artifacts": "exporters.stages.artifacts",
+    "exporters.artifacts": "exporters.context.artifacts",
     "exporters.pipeline": "exporters.stages.pipeline",
     "exporters.stages.reference": "exporters.stages.baseline",
     "exporters.quantization": "exporters.quant.schemes (quantize_model: exporters.quant.apply)",
     "exporters.hqq": "exporters.quant.hqq",
     "exporters.methods": "exporters.program.methods",
     "exporters.layouts": "exporters.program.layouts",
-    "exporters.backends": "exporters.program.backends",
     "exporters.pte_contents": "exporters.program.contents",
     "exporters.files": "exporters.output.files",
     "exporters.driver": "exporters.runtime.driver",
@@ -50,6 +49,7 @@ MOVED_AFTER_0_2 = {
     "exporters.stages.artifacts": "exporters.context.artifacts",
     "exporters.stages.vision_check": "exporters.validation.image",
     "exporters.sweeps.resolvers": "exporters.config.resolvers",
+    "exporters.program.backends": "exporters.backends",
 }
 
 

@@ -14,8 +14,8 @@ import torch
 from exporters.config import DType, quant_option
 from exporters.errors import UserError
 from exporters.export import check_config, checked_config
-from exporters.program import backends
-from exporters.program.backends import BackendExtra, check_loadable, runtime_precision
+from exporters import backends
+from exporters.backends import BackendExtra, check_loadable, runtime_precision
 from exporters.program.contents import delegate_ids
 from exporters.runtime.generator import Generator, SamplingConfig
 from exporters.plan import Tolerance

@@ -16,12 +16,11 @@ from omegaconf import DictConfig, OmegaConf
 from exporters.components import KINDS
 from exporters.components.kind import Basis
 from exporters.config import AdapterMode, Attention, ExportConfig, KvDType, Pt2eQuantizer, exhaustive, to_typed
-from exporters.errors import UserError
 from exporters.plan import ExportPlan
 from exporters.plan.backend import BackendCapabilities
 from exporters.plan.component import ComponentKind, StatePlan
 from exporters.plan.validation import Tolerance, ValidationPlan, coarser, prompt_length
-from exporters.program.backends import check_backend
+from exporters.backends import check_backend
 from exporters.program.cache import check_kv_cache
 from exporters.program.layouts import LAYOUTS
 from exporters.program.lengths import Lengths
@@ -61,9 +60,6 @@ def check_config(cfg: ExportConfig, overrides: Sequence[str] = (), sweeping: boo
     with_methods = list(cfg.model.adapters) if cfg.export.adapters == AdapterMode.methods else []
     check_weights(cfg.export, cfg.backend, with_methods)
     check_validation(cfg.validation, enabled=cfg.validate)
-    for name in ("prompt_tokens", "steps", "repeats"):
-        if getattr(cfg.benchmark, name) < 1:
-            raise UserError(f"benchmark.{name}={getattr(cfg.benchmark, name)}: use 1 or more.")
     check_search(cfg.search)
 
 

@@ -274,7 +274,7 @@ class QuantConfig:
 class BackendConfig:
     # The option's name (conf/backend/<name>.yaml), used in run folder names and sweep summaries.
     name: str = MISSING
-    # Key of exporters.program.backends.PARTITIONERS; `options` are passed to it.
+    # Key of exporters.backends.BACKENDS; `options` are passed to it.
     partitioner: str = MISSING
     # The partitioner's own settings (a free dict: the one place extra keys belong).
     options: Dict[str, Any] = field(default_factory=dict)
@@ -353,6 +353,10 @@ class ExportSection:
     # Where to write; null = the Hydra run folder.
     output_dir: Optional[str] = None
 
+    def __post_init__(self) -> None:
+        if self.max_seq_len < 2:
+            raise UserError(f"export.max_seq_len={self.max_seq_len} is too small: use 2 or more.")
+
 
 @dataclass
 class DraftConfig:
@@ -372,6 +376,10 @@ class DraftConfig:
     # What ranks the tokens for draft.vocab: a UTF-8 text (your app's kind of text) whose token counts rank them, ties
     # and unseen tokens by the tokenizer's order; null = that order alone (BPE merges the most frequent pairs first).
     vocab_text: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1:
+            raise UserError(f"draft.tokens={self.tokens}: a speculative step proposes at least 1 token.")
 
 
 @dataclass
@@ -400,6 +408,16 @@ class ValidationConfig:
     # Added to quant's tolerances when the KV cache is quantized (export.kv_dtype).
     int8_kv: KvCacheTolerance = field(default_factory=KvCacheTolerance)
 
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1:
+            raise UserError(f"validation.prompt_tokens={self.prompt_tokens}: use 1 or more (at most half of "
+                            "the cache, export.max_context_len, is used).")
+        if self.max_tokens < 8:
+            raise UserError(f"validation.max_tokens={self.max_tokens} is too few to measure anything: use 8 or more.")
+        if self.warn_ppl_increase is not None and self.warn_ppl_increase < 0:
+            raise UserError(f"validation.warn_ppl_increase={self.warn_ppl_increase}: give the share of perplexity "
+                            "increase to warn above (0.2 = +20%), or null for no warning.")
+
 
 @dataclass
 class BenchmarkConfig:
@@ -409,6 +427,11 @@ class BenchmarkConfig:
     prompt_tokens: int = 64
     steps: int = 64
     repeats: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "steps", "repeats"):
+            if getattr(self, name) < 1:
+                raise UserError(f"benchmark.{name}={getattr(self, name)}: use 1 or more.")
 
 
 @dataclass

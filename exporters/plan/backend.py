@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from exporters.config import Attention, BackendConfig, DType, Pt2eQuantizer, WeightsPlacement
-from exporters.program.backends import runtime_precision
+from exporters.backends import runtime_precision
 from exporters.quant.pt2e import PT2E_QUANTIZERS
 
 
 @dataclass(frozen=True)
 class BackendCapabilities:
     name: str
-    partitioner: str  # a key of exporters.program.backends.PARTITIONERS
+    partitioner: str  # a key of exporters.backends.BACKENDS
     options: dict[str, Any]  # passed to the partitioner factory
     dynamic_shapes: bool  # prompt methods take any length (else a fixed export.prefill_chunk)
     attention: Attention  # the attention kernels it prefers

@@ -252,8 +252,6 @@ def check_methods(ex: ExportSection, backend: BackendConfig, lengths: Lengths, d
         raise UserError("export.methods is empty: give at least one of " + ", ".join(sorted(METHOD_KINDS)) + ".")
     for method in ex.methods:
         check_choice("export.methods entry", method, sorted(METHOD_KINDS), "Fix export.methods.")
-    if ex.max_seq_len < 2:
-        raise UserError(f"export.max_seq_len={ex.max_seq_len} is too small: use 2 or more.")
     if ex.max_context_len is not None and ex.max_context_len < ex.max_seq_len:
         raise UserError(
             f"export.max_context_len={ex.max_context_len} is below export.max_seq_len={ex.max_seq_len}: the cache "
@@ -287,8 +285,6 @@ def check_methods(ex: ExportSection, backend: BackendConfig, lengths: Lengths, d
 def check_verify(ex: ExportSection, lengths: Lengths, draft: DraftConfig, quant: QuantConfig) -> None:
     """verify takes draft.tokens + 1 tokens in one call: no more than a call may write, which is what lets a ring
     cache roll back a rejected token by position (its slots keep room for one call's tokens beyond its window)."""
-    if draft.tokens < 1:
-        raise UserError(f"draft.tokens={draft.tokens}: a speculative step proposes at least 1 token.")
     verifies = "verify" in with_verify(ex.methods, draft)
     if verifies and draft.tokens > lengths.call_tokens - 1:
         raise UserError(

@@ -14,12 +14,12 @@ capture). Names follow ExecuTorch's export_llm (``quantization.pt2e_quantize``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from exporters.backends import PT2E_RECIPES, Pt2eRecipe
 from exporters.config import Algorithm, Pt2eQuantizer
 from exporters.errors import UserError, listed
 from exporters.manifest import CalibrationRecord, Pt2eRecord
@@ -40,30 +40,6 @@ STATIC_REMEDY = ("an NPU that needs static activations wants 16-bit ones (Qualco
 
 # Single-token calls at the end of each calibration window: the decode method's inputs, after its prompt.
 DECODE_STEPS = 16
-Activations = Literal["static", "dynamic", "none"]
-
-
-@dataclass(frozen=True)
-class Pt2eRecipe:
-    """One backend quantizer: what it makes of the linear layers, and how to build it."""
-
-    backend: str  # the backend.name whose kernels run what it produces
-    activations: Activations  # int8 with calibrated scales, int8 per token at run time, or left in float
-    weight_bits: int  # per output channel, symmetric
-    build: Callable[[], Any]  # -> a torchao.quantization.pt2e Quantizer of the linear layers
-    # Whether the linears' outputs are integer too (XNNPACK's static kernels), or float (delegates that cut
-    # the graph at the KV-cache update, whose boundary an integer tensor must not cross).
-    quantized_outputs: bool = True
-
-    @property
-    def calibrated(self) -> bool:
-        """Static activation scales are learned from text; the other quantizers need the weights only."""
-        return self.activations == "static"
-
-    def describe(self) -> str:
-        acts = {"static": "int8 activations (calibrated scales)", "dynamic": "int8 activations per token at run time",
-                "none": "float activations"}[self.activations]
-        return f"int{self.weight_bits} per-channel weights, {acts}"
 
 
 def is_model_weight(node: torch.fx.Node) -> bool:
@@ -114,52 +90,8 @@ def linears_only(inner: Any, outputs: bool = True) -> Any:
     return LinearsOnly()
 
 
-def _xnnpack(activations: Activations, bits: int) -> Any:
-    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (XNNPACKQuantizer,
-                                                                         get_symmetric_quantization_config)
-
-    limit = 1 << (bits - 1)
-    weight_range = {"weight_qmin": -limit, "weight_qmax": limit - 1} if bits < 8 else {}
-    config = get_symmetric_quantization_config(is_per_channel=True, is_dynamic=activations == "dynamic",
-                                               **weight_range)
-    return XNNPACKQuantizer().set_operator_type(torch.ops.aten.linear.default, config)
-
-
-def _coreml(activations: Activations, bits: int) -> Any:
-    """coremltools' quantizer: affine uint8 activations (or float ones), symmetric per-channel weights."""
-    from coremltools.optimize.torch.quantization.quantization_config import LinearQuantizerConfig, QuantizationScheme
-    from executorch.backends.apple.coreml.quantizer import CoreMLQuantizer
-
-    config = LinearQuantizerConfig.from_dict({"global_config": {
-        "quantization_scheme": QuantizationScheme.symmetric,
-        "activation_dtype": torch.quint8 if activations == "static" else torch.float32,
-        "weight_dtype": "qint4" if bits == 4 else torch.qint8,
-        "weight_per_channel": True,
-    }})
-    return CoreMLQuantizer(config)
-
-
-def _vulkan(activations: Activations, bits: int) -> Any:
-    from executorch.backends.vulkan.quantizer.vulkan_quantizer import VulkanQuantizer, get_symmetric_quantization_config
-
-    return VulkanQuantizer().set_global(get_symmetric_quantization_config(is_dynamic=False, weight_bits=bits))
-
-
-def _recipe(backend: str, activations: Activations, bits: int, make: Callable[[Activations, int], Any],
-            quantized_outputs: bool = True) -> Pt2eRecipe:
-    return Pt2eRecipe(backend, activations, bits, lambda: linears_only(make(activations, bits), quantized_outputs),
-                      quantized_outputs)
-
-
-PT2E_QUANTIZERS: dict[Pt2eQuantizer, Pt2eRecipe] = {
-    Pt2eQuantizer.xnnpack_dynamic: _recipe("xnnpack", "dynamic", 8, _xnnpack),
-    Pt2eQuantizer.xnnpack_dynamic_qc4: _recipe("xnnpack", "dynamic", 4, _xnnpack),
-    Pt2eQuantizer.xnnpack_static: _recipe("xnnpack", "static", 8, _xnnpack),
-    Pt2eQuantizer.coreml_8a_c8w: _recipe("coreml", "static", 8, _coreml, quantized_outputs=False),
-    Pt2eQuantizer.coreml_8a_c4w: _recipe("coreml", "static", 4, _coreml, quantized_outputs=False),
-    Pt2eQuantizer.coreml_c4w: _recipe("coreml", "none", 4, _coreml, quantized_outputs=False),
-    Pt2eQuantizer.vulkan_8w: _recipe("vulkan", "none", 8, _vulkan),
-}
+#: Every backend's own PT2E quantizer, by its quant.pt2e name (each defined in its backend's module).
+PT2E_QUANTIZERS: dict[Pt2eQuantizer, Pt2eRecipe] = PT2E_RECIPES
 
 
 def check_pt2e(quant: QuantConfig, backend: BackendConfig, adapters: list[str]) -> None:
@@ -319,7 +251,8 @@ def quantize_graph(model: CausalLM, prompt: MethodSpec, name: Pt2eQuantizer,
     with torch.no_grad():
         graph = torch.export.export(model, prompt.example_inputs, dynamic_shapes=prompt.dynamic_shapes,
                                     strict=False).module()
-        prepared = prepare_pt2e(graph, recipe.build())  # type: ignore[arg-type]
+        quantizer = linears_only(recipe.backend_quantizer(), recipe.quantized_outputs)
+        prepared = prepare_pt2e(graph, quantizer)  # type: ignore[arg-type]
         if recipe.calibrated:
             assert text is not None, f"quant.pt2e={name} needs a calibration text"
             tokens = calibrate(prepared, text.windows, cache, prompt.max_tokens)

@@ -17,7 +17,7 @@ import torch
 
 from exporters.errors import UserError
 from exporters.output.files import sha256_of
-from exporters.program.backends import check_loadable
+from exporters.backends import check_loadable
 from exporters.program.internals import (backend_options, is_xnnpack_weight_name, merge_data_files,
                                          read_data_file_header, set_backend_options)
 from exporters.program.weights import data_files_beside

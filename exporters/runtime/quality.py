@@ -59,15 +59,8 @@ def read_text(text_file: str | None, key: str = "validation.text_file",
 
 
 def check_validation(cfg: ValidationConfig, enabled: bool) -> None:
-    """The validation settings can score something, and a given text file is readable (before any work)."""
-    if cfg.prompt_tokens < 1:
-        raise UserError(f"validation.prompt_tokens={cfg.prompt_tokens}: use 1 or more (at most half of "
-                        "the cache, export.max_context_len, is used).")
-    if cfg.max_tokens < 8:
-        raise UserError(f"validation.max_tokens={cfg.max_tokens} is too few to measure anything: use 8 or more.")
-    if cfg.warn_ppl_increase is not None and cfg.warn_ppl_increase < 0:
-        raise UserError(f"validation.warn_ppl_increase={cfg.warn_ppl_increase}: give the share of perplexity increase "
-                        "to warn above (0.2 = +20%), or null for no warning.")
+    """A given text file is readable (before any work); the settings' own bounds are the schema's
+    (exporters.config.ValidationConfig)."""
     if enabled and cfg.text_file is not None:
         read_text(cfg.text_file)
 

@@ -15,7 +15,7 @@ from exporters.components import parts
 from exporters.config import WeightsPlacement
 from exporters.context import ExportContext
 from exporters.context.artifacts import CapturedMethods, LoweredProgram
-from exporters.program.backends import partitioners
+from exporters.backends import partitioners
 from exporters.program.internals import (lowering_forgets_graphs, named_data_stored_once, torchao_quant_ops_shape_only,
                                          xnnpack_keys_by_name, xnnpack_passes_only_where_they_apply,
                                          xnnpack_preprocess_copies_one_at_a_time)
