@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from exporters.context import ExportContext
     from exporters.context.artifacts import WrittenProgram
     from exporters.runtime.quality import TextWindows
-    from exporters.validation.methods import ProgramUnderTest
+    from exporters.validation.under_test import ProgramUnderTest
 
 DECODER = "decoder"  # the component's name; its methods and buffers are unprefixed
 

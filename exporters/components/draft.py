@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from exporters.context.artifacts import WrittenProgram
     from exporters.program.lengths import Lengths
     from exporters.runtime.quality import TextWindows
-    from exporters.validation.methods import ProgramUnderTest
+    from exporters.validation.under_test import ProgramUnderTest
 
 log = logging.getLogger("exporters")
 

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from exporters.plan.footprint import Footprint
     from exporters.program.lengths import Lengths
     from exporters.runtime.quality import TextWindows
-    from exporters.validation.methods import ProgramUnderTest
+    from exporters.validation.under_test import ProgramUnderTest
 
 
 @dataclass(frozen=True)

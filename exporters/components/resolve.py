@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from exporters.backends import check_backend
 from exporters.components import KINDS
 from exporters.components.kind import Basis
 from exporters.config import AdapterMode, Attention, ExportConfig, KvDType, Pt2eQuantizer, exhaustive, to_typed
@@ -20,7 +21,6 @@ from exporters.plan import ExportPlan
 from exporters.plan.backend import BackendCapabilities
 from exporters.plan.component import ComponentKind, StatePlan
 from exporters.plan.validation import Tolerance, ValidationPlan, coarser, prompt_length
-from exporters.backends import check_backend
 from exporters.program.cache import check_kv_cache
 from exporters.program.layouts import LAYOUTS
 from exporters.program.lengths import Lengths

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from exporters.context.artifacts import WrittenProgram
     from exporters.plan import ExportPlan
     from exporters.program.lengths import Lengths
-    from exporters.validation.methods import ProgramUnderTest
+    from exporters.validation.under_test import ProgramUnderTest
 
 log = logging.getLogger("exporters")
 

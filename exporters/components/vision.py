@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from exporters.manifest import VisionCheck
     from exporters.program.lengths import Lengths
     from exporters.runtime.quality import TextWindows
-    from exporters.validation.methods import ProgramUnderTest
+    from exporters.validation.under_test import ProgramUnderTest
     from models.checkpoint import Checkpoint
     from models.vision_encoder import VisionEncoder
 

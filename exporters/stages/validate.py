@@ -14,7 +14,7 @@ from exporters.context.artifacts import WrittenProgram
 from exporters.manifest import Checked
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
 from exporters.stages.pipeline import Stage
-from exporters.validation.methods import ProgramUnderTest
+from exporters.validation.under_test import ProgramUnderTest
 
 
 class ValidateStage(Stage):

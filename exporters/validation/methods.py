@@ -15,15 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from exporters.config import DType, KvDType
-from exporters.context.artifacts import BaselineQuality
-from exporters.validation.speculative import speculative_check
-from exporters.manifest import Checked, SpeculativeCheck, ValidationReport
+from exporters.config import KvDType
+from exporters.manifest import SpeculativeCheck, ValidationReport
 from exporters.plan.validation import Tolerance
 from exporters.program.methods import MethodSpec
 from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
 from exporters.runtime.quality import Agreement, TextWindows, full_sequence, perplexity, window_logits
+from exporters.validation.speculative import speculative_check
+from exporters.validation.under_test import ProgramUnderTest
 from models.decoder import CausalLM
 from models.lora import active_adapter
 
@@ -72,24 +72,6 @@ class Scores:
     @property
     def top1(self) -> float:
         return float(self.agreement.top1.double().mean())
-
-
-@dataclass(frozen=True)
-class ProgramUnderTest:
-    """The program as validation runs it, and what every check of it shares (the validate stage makes it once)."""
-
-    program: LoadedProgram | CapturedPrograms  # the .pte in the runtime, or the undelegated programs
-    checked: Checked
-    baseline: BaselineQuality  # the validation text in windows
-    tolerance: Tolerance  # the decoder's (a draft's is the plan's component_tolerance)
-    context: int  # the cache's positions: speculation stops before them
-    eager_graphs: CapturedPrograms | None = None  # PT2E: the quantized model exists only as these graphs
-    runs_in: DType | None = None  # the precision the device computes in, when coarser than quant.dtype
-    eager_kv_dtype: str | None = None  # the eager side's cache dtype, when it is not the program's
-
-    @property
-    def text(self) -> TextWindows:
-        return self.baseline.text
 
 
 def program_predictions(driver: Driver, window: torch.Tensor, prompt_tokens: int) -> torch.Tensor:

@@ -8,8 +8,6 @@ were closer than :data:`TIE_FACTOR` times the largest difference between verify'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from exporters.config import KvDType
@@ -18,11 +16,9 @@ from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.quality import Agreement, full_sequence
 from exporters.runtime.sampling import SamplingConfig
 from exporters.runtime.speculative import DraftProposer, LookupProposer, Proposer, continue_text, pad_with_last
+from exporters.validation.under_test import ProgramUnderTest
 from models.decoder import CausalLM
 from models.lora import active_adapter
-
-if TYPE_CHECKING:
-    from exporters.validation.methods import ProgramUnderTest
 
 #: Greedy tokens the speculative check generates each way (plain and speculative) from the first prompt.
 SPECULATIVE_TOKENS = 24
