@@ -15,19 +15,19 @@ from typing import Callable
 
 import torch
 
-from exporters.runtime.driver import Driver, MethodRoles, program_context_len, program_method_shapes
-from exporters.runtime.images import ImagePrompt, image_prompt, prefill_parts
-from exporters.program.vision import VISION_METHOD
 from exporters.errors import UserError, check_choice
 from exporters.manifest import program_in
-from exporters.program.weights import data_files_beside
-from exporters.runtime.programs import LoadedProgram
-from exporters.runtime.swap import Slots, is_swappable
-from exporters.runtime.sampling import SamplingConfig, distribution, sample  # noqa: F401 (re-exported)
-from exporters.runtime.speculative import (SPECULATIVE, DraftLength, DraftProposer, LookupProposer, Proposer,
-                                           SpeculationStats, StopReason, continue_text)
 from exporters.program.constants import DRAFT_VOCAB
 from exporters.program.draft import DRAFT, DRAFT_METHODS
+from exporters.program.vision import VISION_METHOD
+from exporters.program.weights import data_files_beside
+from exporters.runtime.driver import Driver, MethodRoles, program_context_len, program_method_shapes
+from exporters.runtime.images import ImagePrompt, image_prompt, prefill_parts
+from exporters.runtime.programs import LoadedProgram
+from exporters.runtime.sampling import SamplingConfig, distribution, sample  # noqa: F401 (re-exported)
+from exporters.runtime.speculative import (SPECULATIVE, DraftLength, DraftProposer, LookupProposer, Observers, Proposer,
+                                           Speculation, SpeculationStats, StopReason, Stops, continue_text)
+from exporters.runtime.swap import Slots, is_swappable
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE, TextTokenizer, find_tokenizer, load_tokenizer
 
@@ -211,8 +211,9 @@ class Generator:
             if piece and on_text:
                 on_text(piece)
 
-        new_ids, stop, stats = continue_text(self.driver, ids, logits, cfg, self.eos_ids, self.max_context_len,
-                                             self.endless, proposer, emit, draft_tokens=draft_tokens)
+        new_ids, stop, stats = continue_text(
+            self.driver, ids, logits, cfg, Stops(self.eos_ids, self.max_context_len, self.endless),
+            Speculation(proposer, draft_tokens) if proposer is not None else None, Observers(emit))
         gen_s = time.perf_counter() - start
         return GenerationResult(
             text=stream.emitted, prompt_ids=ids, new_ids=new_ids, stop_reason=stop,

@@ -193,15 +193,42 @@ def pad_with_last(tokens: list[int], n: int) -> list[int]:
     return (tokens + tokens[-1:] * n)[:n]
 
 
-def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: SamplingConfig, eos_ids: set[int],
-                  max_context_len: int, endless: bool, proposer: Proposer | None,
-                  emit: Callable[[int], None] = lambda t: None, seen: Callable[[torch.Tensor], None] | None = None,
-                  draft_tokens: int | None = None) -> tuple[list[int], StopReason, SpeculationStats | None]:
+@dataclass(frozen=True)
+class Stops:
+    """When generation ends besides ``max_new_tokens``: an end-of-sequence token, or a full cache (unless endless)."""
+
+    eos_ids: set[int]
+    max_context_len: int
+    endless: bool = False  # a ring cache with a sink: generation goes on past the cache
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Proposals checked by ``verify``: who proposes, and how many each call (None: as many as pay, DraftLength)."""
+
+    proposer: Proposer
+    draft_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Observers:
+    """Told as generation goes: ``emit`` each token as it is decided; ``seen`` the logits each token was chosen from,
+    without speculation (validation reads how close the top two were)."""
+
+    emit: Callable[[int], None] = lambda token: None
+    seen: Callable[[torch.Tensor], None] | None = None
+
+
+def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: SamplingConfig, stops: Stops,
+                  speculation: Speculation | None = None, observers: Observers = Observers(),
+                  ) -> tuple[list[int], StopReason, SpeculationStats | None]:
     """Generate after the prompt ``ids`` whose last logits are ``logits``: one token per call of the step method, or
-    with a ``proposer`` several per call of ``verify`` (``draft_tokens`` each, or as many as pay: DraftLength). The
-    new tokens (each also given to ``emit`` as it is decided), why generation stopped, and speculation's numbers.
-    ``seen``: told the logits each token was chosen from, without speculation (validation reads how close the top
-    two were)."""
+    with ``speculation`` several per call of ``verify``. The new tokens, why generation stopped, and speculation's
+    numbers."""
+    eos_ids, max_context_len, endless = stops.eos_ids, stops.max_context_len, stops.endless
+    proposer = speculation.proposer if speculation is not None else None
+    draft_tokens = speculation.draft_tokens if speculation is not None else None
+    emit, seen = observers.emit, observers.seen
     gen = torch.Generator().manual_seed(cfg.seed)
     new_ids: list[int] = []
     stop: StopReason = "max_new_tokens"

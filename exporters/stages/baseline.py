@@ -2,7 +2,7 @@
 
 Cuts the validation text into the windows validation will drive the program over, and asks each part to record what
 its unquantized model does on them (``exporters.components``): the decoder's negative log-likelihood is the
-perplexity quality loss is measured against; each adapter's, a draft's, a vision encoder's image prompt likewise.
+perplexity quality loss is measured against; every other part records its own.
 Runs only with validation on.
 """
 

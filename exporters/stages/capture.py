@@ -24,8 +24,8 @@ from models.lora import active_adapter
 
 
 class Prefixed(torch.nn.Module):
-    """A component's model under its name: its buffers are named ``draft.layers.0...``, apart from the decoder's
-    (ExecuTorch shares a mutable buffer between the methods that name it alike)."""
+    """A component's model under its name: its buffers are named ``<component>.layers.0...``, apart from the
+    decoder's (ExecuTorch shares a mutable buffer between the methods that name it alike)."""
 
     def __init__(self, name: str, model: torch.nn.Module) -> None:
         super().__init__()
@@ -33,7 +33,7 @@ class Prefixed(torch.nn.Module):
         self.add_module(name, model)
 
     def forward(self, inputs: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """A decoder's (tokens, position), or a vision encoder's pixels alone."""
+        """A language model's (tokens, position), or an encoder's input alone."""
         model = getattr(self, self.component)
         return model(inputs) if input_pos is None else model(inputs, input_pos)
 

@@ -200,5 +200,5 @@ class FinalizeStage(Stage):
             quality_warning=ctx.quality_warning,
             kv_cache=kv_cache_entry(model, max(spec.max_tokens for spec in base.values())),
             components=entries,
-            **fields,  # each part's own sections (adapters, swappable)
+            **fields,  # each part's own sections of the manifest
         )

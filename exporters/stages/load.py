@@ -1,8 +1,7 @@
 """Load: open every part's checkpoint, estimate the export's memory, then build each model with its weights.
 
-Each part (``exporters.components``) opens its checkpoint and checks its shapes before any weight is read (a draft
-against its target, adapters against the base come later), so a combination that cannot work, or a model that
-cannot fit, fails in seconds. Then each builds its model (variants attach to the decoder's) in registry order.
+Each part (``exporters.components``) opens its checkpoint and checks its shapes before any weight is read, so a
+combination that cannot work, or a model that cannot fit, fails in seconds. Then each builds its model (variants attach to the decoder's) in registry order.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ log = logging.getLogger("exporters")
 
 
 def opened(ctx: ExportContext) -> list[Any]:
-    """Every checkpoint the parts opened, each once (a vision encoder reads the decoder's)."""
+    """Every checkpoint the parts opened, each once (parts may share one)."""
     found = {id(c): c for r in ctx.records.values() for c in [getattr(r, "checkpoint", None)] if c is not None}
     return list(found.values())
 

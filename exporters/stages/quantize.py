@@ -1,8 +1,7 @@
 """Quantize: dtype cast and torchao source transforms on the eager models, before capture.
 
-Each part quantizes its own model in place (``exporters.components``; the decoder by ``quant.*``, a draft by
-``draft.quant``, a vision encoder by ``quant.vision`` after the decoder, whose dtype its output must match): a copy
-would double the peak memory. The artifact this stage returns is a new one that says so; the one it was handed is
+Each part quantizes its own model in place, in registry order (``exporters.components``: the decoder first, whose
+dtype the others' outputs must match): a copy would double the peak memory. The artifact this stage returns is a new one that says so; the one it was handed is
 not used again. A calibrated ``quant.algorithm`` reads its text here, after loading gave the tokenizer.
 """
 

@@ -1,9 +1,9 @@
 """Validate: run the written ``.pte`` over the validation text and compare each part with its eager model.
 
 The program is loaded once (or, where its delegate cannot run here, the undelegated programs stand in for it) and
-each part checks its methods (``exporters.components``): the decoder's and each adapter's on the windows the
-``baseline`` stage made (``exporters.validation.methods``), a draft's against its own model, a vision encoder's image
-path (``exporters.validation.image``). The verdicts are facts for finalize, in the parts' records.
+each part checks its methods against its eager model (``exporters.components``; the routines are
+``exporters.validation``), the language models on the windows the ``baseline`` stage made. The verdicts are facts
+for finalize, in the parts' records.
 """
 
 from __future__ import annotations

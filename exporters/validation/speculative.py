@@ -15,7 +15,8 @@ from exporters.manifest import SpeculativeCheck
 from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.quality import Agreement, full_sequence
 from exporters.runtime.sampling import SamplingConfig
-from exporters.runtime.speculative import DraftProposer, LookupProposer, Proposer, continue_text, pad_with_last
+from exporters.runtime.speculative import (DraftProposer, LookupProposer, Observers, Proposer, Speculation, Stops,
+                                           continue_text, pad_with_last)
 from exporters.validation.under_test import ProgramUnderTest
 from models.decoder import CausalLM
 from models.lora import active_adapter
@@ -89,8 +90,9 @@ def speculative_check(model: CausalLM, under: ProgramUnderTest, roles: MethodRol
     runs = {}
     for speculating in (False, True):
         first = driver.prefill(window[:, :prompt])
-        runs[speculating] = continue_text(driver, ids, first, greedy, set(), under.context, False,
-                                          speculator if speculating else None, seen=None if speculating else seen)
+        runs[speculating] = continue_text(driver, ids, first, greedy, Stops(set(), under.context),
+                                          Speculation(speculator) if speculating else None,
+                                          Observers(seen=None if speculating else seen))
     plain, fast, stats = runs[False][0], runs[True][0], runs[True][2]
     assert stats is not None
     noise = max(noise, verify_drift(driver, window, prompt, plain, seen, under.context))
