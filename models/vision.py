@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from models.errors import ModelError
-from models.lfm2_vl_images import LFM2_VL_DEFAULTS, lfm2_vl_processor, square_side
 from models.processor_files import PROCESSOR_FILES, processor_settings
 
 # Where transformers' vision-language checkpoints keep the text decoder, in every layout it reads: checkpoint
@@ -71,6 +70,8 @@ def _idefics3_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
 def _lfm2_vl_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
     """One square image of ``max_image_tokens`` positions (SigLIP2's patches, pixel-unshuffled by
     ``downsample_factor``): the processor's token budget fixes the side, as its tiles are squares."""
+    # transformers' PIL image processors (SigLIP2's): loaded only when an LFM2-VL checkpoint is read.
+    from models.lfm2_vl_images import LFM2_VL_DEFAULTS, square_side
 
     for key, ours in (("encoder_patch_size", cfg.vision_config.patch_size), ("downsample_factor", cfg.downsample_factor)):
         theirs = processor.get(key, LFM2_VL_DEFAULTS[key])
@@ -84,6 +85,8 @@ def _lfm2_vl_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
 
 
 def _lfm2_vl_processor(folder: Path) -> Any:
+    from models.lfm2_vl_images import lfm2_vl_processor  # transformers' PIL image processors: only for LFM2-VL
+
     return lfm2_vl_processor(folder)
 
 

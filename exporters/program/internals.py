@@ -85,7 +85,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from exporters.output.files import write_atomically
 from exporters.program.versions import CHECKED as CHECKED_WITH
-from models.gguf import llm_exporters_cache
 
 if TYPE_CHECKING:
     import torch
@@ -262,6 +261,8 @@ def _xnnpack_pattern_pass_ops() -> dict[str, list[frozenset[str]]]:
     import json
     from importlib import metadata
 
+    # models.gguf reads the model families and, through them, transformers: loaded when the pattern ops are traced.
+    from models.gguf import llm_exporters_cache
 
     path = llm_exporters_cache() / f"xnnpack-pattern-ops-{metadata.version('executorch')}.json"
     try:
