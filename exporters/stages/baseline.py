@@ -39,7 +39,7 @@ class BaselineStage(Stage):
         ids = text_ids(ctx.checkpoint, model.args.vocab_size, text)
         windows = make_windows(ids, ctx.checkpoint.bos_id, model.args.max_context_len, validation.prompt_tokens,
                                validation.config.max_tokens, source)
-        models = {self.plan.decoder.name: model, **loaded.components}
+        models = self.models_of(loaded)
         for part in parts(self.plan):
             part.kind.baseline(part, ctx, models, windows)
         dtype = model.lm_head.weight.dtype

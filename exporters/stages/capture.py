@@ -71,7 +71,7 @@ class CaptureStage(Stage):
         for program in programs.values():
             share_activation_quantization(program)
         signatures = {name: signature(p, embeddings_in=specs[name].takes == "embeddings") for name, p in programs.items()}
-        models = {self.plan.decoder.name: model, **quantized.components}
+        models = self.models_of(quantized)
         for part in parts(self.plan):  # methods of a part's own beyond the table (set_adapter)
             for name, (program, found) in part.kind.capture(part, models).items():
                 programs[name], signatures[name] = program, found

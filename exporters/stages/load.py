@@ -47,5 +47,5 @@ class LoadStage(Stage):
         return EagerModel(main, components=models)
 
     def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:
-        models = {self.plan.decoder.name: loaded.model, **loaded.components}
+        models = self.models_of(loaded)
         return "".join(part.kind.describe("load", part, ctx, models) for part in parts(self.plan))

@@ -85,10 +85,10 @@ class LowerStage(Stage):
         from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
         model, methods, undelegated, programs = captured.model, captured.methods, captured.undelegated, captured.programs
-        components = captured.components
+        components, models = captured.components, self.models_of(captured)
         del captured  # to_edge_transform_and_lower rewrites the programs: nothing may use them after it
         plan, backend = self.plan, self.plan.backend
-        models, found = {plan.decoder.name: model, **components}, parts(plan)
+        found = parts(plan)
         constants: dict[str, Any] = {}
         for part in found:  # the runners' constants (the decoder's), then what each other part adds
             constants.update(part.kind.constants(part, ctx, models))

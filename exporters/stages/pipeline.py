@@ -52,6 +52,10 @@ class Stage(ABC):
     @abstractmethod
     def run(self, artifact: Any, ctx: ExportContext) -> Any: ...
 
+    def models_of(self, artifact: Any) -> dict[str, Any]:
+        """An artifact's models by component name, as the parts' hooks take them: the decoder's, then the others'."""
+        return {self.plan.decoder.name: artifact.model, **artifact.components}
+
     def describe(self, artifact: Any, ctx: ExportContext) -> str:
         """What the stage's ``done`` line says: by default, the new artifact's own summary."""
         return getattr(artifact, "summary", lambda: "")()

@@ -18,11 +18,11 @@ class QuantizeStage(Stage):
     after = ("load",)
 
     def run(self, loaded: EagerModel, ctx: ExportContext) -> EagerModel:
-        models = {self.plan.decoder.name: loaded.model, **loaded.components}
+        models = self.models_of(loaded)
         for part in parts(self.plan):
             part.kind.quantize(part, ctx, models)
         return EagerModel(loaded.model, quantized=True, components=loaded.components)
 
     def describe(self, quantized: EagerModel, ctx: ExportContext) -> str:
-        models = {self.plan.decoder.name: quantized.model, **quantized.components}
+        models = self.models_of(quantized)
         return "".join(part.kind.describe("quantize", part, ctx, models) for part in parts(self.plan))

@@ -36,11 +36,11 @@ class ValidateStage(Stage):
         under = ProgramUnderTest(program, checked, ctx.baseline, plan.tolerance, self.plan.lengths.context,
                                  eager_graphs=undelegated if plan.eager_from_graphs else None, runs_in=plan.runs_in,
                                  eager_kv_dtype=str(plan.eager_kv_dtype) if plan.eager_kv_dtype else None)
-        models = {self.plan.decoder.name: written.model, **written.components}
+        models = self.models_of(written)
         for part in parts(self.plan):
             part.kind.validate(part, ctx, under, models)
         return written  # unchanged: the verdicts are facts for finalize, in the context
 
     def describe(self, written: WrittenProgram, ctx: ExportContext) -> str:
-        models = {self.plan.decoder.name: written.model, **written.components}
+        models = self.models_of(written)
         return "".join(part.kind.describe("validate", part, ctx, models) for part in parts(self.plan))
