@@ -29,7 +29,8 @@ def test_an_export_that_does_not_fit_is_refused_before_loading(tmp_path: Path) -
 def test_the_estimate_counts_the_quantized_models_bytes(tmp_path: Path, quant: str) -> None:
     """The estimate's quantized eager bytes are what torchao's tensors hold once the model is quantized."""
     from exporters.export import checked_config
-    from exporters.plan.footprint import estimate
+    from exporters.config import TiedEmbeddingStorage
+    from exporters.plan.footprint import MemoryBudget
     from exporters.quant.apply import quantize_model
     from models.checkpoint import build_model, stored_bytes
     from models.sources import SOURCES
@@ -37,7 +38,8 @@ def test_the_estimate_counts_the_quantized_models_bytes(tmp_path: Path, quant: s
     cfg = checked_config(compose_config(f"quant={quant}"))
     checkpoint = SOURCES[cfg.model.source](cfg.model, tmp_path)
     shapes = build_model(checkpoint, 64, device="meta")
-    footprint = estimate(shapes, cfg.quant, stored_bytes(checkpoint, shapes), validation_tokens=256)
+    budget = MemoryBudget(cfg.quant, TiedEmbeddingStorage.shared, validation_tokens=256, limit_gb=None)
+    footprint = budget.estimate(shapes, stored_bytes(checkpoint, shapes))
     model = build_model(checkpoint, 64)
     assert footprint.stored == sum(f.stat().st_size for f in checkpoint.weight_files)
     quantize_model(model, cfg.quant)

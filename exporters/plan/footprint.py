@@ -102,21 +102,31 @@ def _quantized_bytes(rows: int, cols: int, scheme: str | None, group_size: int, 
     return eager, Precision(name, table[name], group).bytes(rows, cols)
 
 
-def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validation_tokens: int | None,
-             tied_storage: TiedEmbeddingStorage = TiedEmbeddingStorage.shared, cast_whole: bool = False,
-             advising: bool = False, random_init: bool = False) -> Footprint:
-    """The footprint of exporting ``model`` (built on the meta device: only shapes are read) quantized by ``quant``,
-    its weights ``stored_bytes`` as loaded. ``validation_tokens``: the tokens validation scores (None: no validation).
-    ``cast_whole``: the model is cast whole to ``quant.dtype`` before quantizing (a calibration text runs it, a
-    rotation turns it: ``exporters.plan.QuantPlan.cast_whole``). ``advising``: the advise stage may quantize fresh
-    copies of the model beside the export's. ``random_init``: the weights are made here, not read.
+def _turning(weights: "Weights") -> int:
+    """A rotation turns each matrix in float64 (exact products), the vocabulary's the largest."""
+    return ROTATION_COPIES * max(weights.vocab, weights.largest_linear) * 8
 
-    Each stage's peak is what it holds (the forms of the weights above) plus what it adds; the added terms were
-    measured stage by stage (``benchmarks.profile_memory``) and the whole is checked against the measured peak of
-    every benchmark preset (``benchmarks.memory_estimate``, docs/DESIGN.md 10)."""
+
+@dataclass(frozen=True)
+class Weights:
+    """One model's weights counted in the forms an export holds them (bytes; shapes only)."""
+
+    eager: int  # the quantized eager model
+    program: int  # the program's weights
+    largest_linear: int  # parameters of the largest linear that is not lm_head
+    vocab: int  # parameters of one vocabulary matrix
+    vocab_eager: int  # the vocabulary matrices (one if tied) as the quantized eager model holds them
+    tying: TiedEmbedding  # what lm_head is, decided as exporters.quant.tied will
+
+    @property
+    def tied(self) -> bool:
+        return self.tying in (TiedEmbedding.SHARED, TiedEmbedding.QUANTIZED_ONCE)
+
+
+def count_weights(model: CausalLM, quant: QuantConfig, tied_storage: TiedEmbeddingStorage) -> Weights:
+    """``model``'s weights (built on the meta device: only shapes are read) in each form, quantized by ``quant``."""
     dtype_bytes = DTYPES[quant.dtype].itemsize
     head, embed = model.lm_head, model.model.embed_tokens
-    # Whether lm_head ends up with a matrix of its own (exporters.quant.tied decides as quantization will).
     tying = tie_plan(model, quant, tied_storage)
     tied = tying in (TiedEmbedding.SHARED, TiedEmbedding.QUANTIZED_ONCE)
     eager = program = largest_linear = 0
@@ -136,55 +146,9 @@ def estimate(model: CausalLM, quant: QuantConfig, stored_bytes: int, validation_
             e = p = sum(t.numel() for t in module.parameters(recurse=False) if id(t) not in counted) * dtype_bytes
         counted.update(id(t) for t in module.parameters(recurse=False))
         eager, program = eager + e, program + p
-    parameters = model.parameter_count()
-    vocab = embed.weight.numel()  # parameters of one vocabulary matrix
-    vocab_matrices = vocab * (1 if tied else 2)
-    stored_per_parameter = stored_bytes / parameters
-    vocab_stored = int(vocab_matrices * stored_per_parameter)
     vocab_eager = _quantized_bytes(*embed.weight.shape, quant.embedding, quant.embedding_group_size,
                                    EMBEDDING_SCHEMES, dtype_bytes)[0] * (1 if tied else 2)
-    # torchao's eager linear dequantizes a quantized lm_head (its own, or the embedding quantized once) to fp32 at
-    # each call, with its temporaries about twice.
-    head_quantized = tying == TiedEmbedding.QUANTIZED_ONCE or (not tied and quant.lm_head is not None)
-    head_dequantized = vocab * 4 * 2 if head_quantized else 0
-    whole = parameters * dtype_bytes  # the model cast whole to quant.dtype
-    layers = len(model.model.layers)
-    # From lowering on the process holds ExecuTorch's modules and, per decoder layer, its graphs, delegates and their
-    # records (with the default methods).
-    lowered_held = BASE_BYTES + LOWERED_BASE + eager + layers * LOWERED_PER_LAYER
-    peaks = {
-        # Random weights are made in place, the largest matrix through a temporary of its size.
-        "load": BASE_BYTES + stored_bytes + (vocab * int(stored_per_parameter) if random_init else 0),
-        # The linears are cast and quantized one at a time beside the stored weights; then the embedding (and an
-        # untied lm_head) beside the quantized linears, each cast to fp32 whole for its quantizer.
-        "quantize": BASE_BYTES + QUANTIZE_BASE + max(stored_bytes + largest_linear * 4 * 2,
-                                                     eager - vocab_eager + vocab_stored + vocab * 4),
-        # XNNPACK's preprocess copies the partition it packs and repacks it: the vocabulary matrices' dominate.
-        "lower": lowered_held - LOWERED_BASE + program + int(PREPROCESS_PER_VOCAB * vocab),
-        "emit": lowered_held + program + int(EMIT_PER_VOCAB * vocab),
-    }
-    # Calibrating runs the model and rotating turns it: whole in quant.dtype beside the stored weights and the
-    # quantized layers as they are made.
-    calibrated_quantize = stored_bytes + eager + whole
-    # A rotation turns each matrix in float64 (exact products), the vocabulary's the largest.
-    turning = ROTATION_COPIES * max(vocab, largest_linear) * 8
-    if cast_whole:
-        peaks["quantize"] = max(peaks["quantize"], BASE_BYTES + QUANTIZE_BASE + calibrated_quantize
-                                + (turning if rotates(quant) else 0))
-    advise = None
-    if validation_tokens is not None:
-        logits = int(LOGITS_COPIES * validation_tokens * embed.num_embeddings * 4)  # [tokens, vocab] fp32 tensors
-        # The unquantized model scores the validation windows.
-        peaks["baseline"] = BASE_BYTES + stored_bytes + logits
-        # The program loaded beside the eager model, whose lm_head is dequantized at each call, and both sides' logits.
-        peaks["validate"] = lowered_held + program + head_dequantized + logits
-        # Each remedy advise measures is a fresh model quantized (calibrated, for GPTQ) beside the export's eager
-        # model. Advise runs only past the quality warning's threshold, so its peak is reported, not refused.
-        if advising:
-
-            rotating = any(c.rotates for c in changes(quant))
-            advise = lowered_held + QUANTIZE_BASE + calibrated_quantize + (turning if rotating else 0)
-    return Footprint(parameters, stored_bytes, eager, program, peaks, advise)
+    return Weights(eager, program, largest_linear, embed.weight.numel(), vocab_eager, tying)
 
 
 @dataclass(frozen=True)
@@ -211,9 +175,68 @@ class MemoryBudget:
                             and validation.advise_threshold is not None, random_init=component.build.model.random_init)
 
     def estimate(self, shapes: CausalLM, stored_bytes: int) -> Footprint:
-        """``shapes``' footprint (a model on the meta device)."""
-        return estimate(shapes, self.quant, stored_bytes, self.validation_tokens, self.tied_storage, self.cast_whole,
-                        self.advising, self.random_init)
+        """The footprint of exporting ``shapes`` (a model on the meta device), its weights ``stored_bytes`` as loaded.
+
+        Each stage's peak is what it holds (the forms of the weights) plus what it adds; the added terms were
+        measured stage by stage (``benchmarks.profile_memory``) and the whole is checked against the measured peak
+        of every benchmark preset (``benchmarks.memory_estimate``, docs/DESIGN.md 10)."""
+        weights = count_weights(shapes, self.quant, self.tied_storage)
+        # From lowering on the process holds ExecuTorch's modules and, per decoder layer, its graphs, delegates and
+        # their records (with the default methods).
+        lowered = BASE_BYTES + LOWERED_BASE + weights.eager + len(shapes.model.layers) * LOWERED_PER_LAYER
+        stored_per_parameter = stored_bytes / shapes.parameter_count()
+        peaks = self._export_peaks(weights, stored_bytes, stored_per_parameter, lowered)
+        calibrated = self._calibrated_quantize(shapes, weights, stored_bytes)
+        if self.cast_whole:
+            peaks["quantize"] = max(peaks["quantize"], BASE_BYTES + QUANTIZE_BASE + calibrated
+                                    + (_turning(weights) if rotates(self.quant) else 0))
+        advise = None
+        if self.validation_tokens is not None:
+            logits = int(LOGITS_COPIES * self.validation_tokens * shapes.model.embed_tokens.num_embeddings * 4)
+            peaks.update(self._validation_peaks(weights, stored_bytes, lowered, logits))
+            if self.advising:
+                # Each remedy advise measures is a fresh model quantized (calibrated, for GPTQ) beside the export's
+                # eager model. Advise runs only past the quality warning's threshold: its peak is reported, not
+                # refused.
+                rotating = any(c.rotates for c in changes(self.quant))
+                advise = lowered + QUANTIZE_BASE + calibrated + (_turning(weights) if rotating else 0)
+        return Footprint(shapes.parameter_count(), stored_bytes, weights.eager, weights.program, peaks, advise)
+
+    def _export_peaks(self, weights: Weights, stored_bytes: int, stored_per_parameter: float,
+                      lowered: int) -> dict[str, int]:
+        """The peaks of the stages every export runs."""
+        vocab = weights.vocab
+        vocab_stored = int(vocab * (1 if weights.tied else 2) * stored_per_parameter)
+        return {
+            # Random weights are made in place, the largest matrix through a temporary of its size.
+            "load": BASE_BYTES + stored_bytes + (vocab * int(stored_per_parameter) if self.random_init else 0),
+            # The linears are cast and quantized one at a time beside the stored weights; then the embedding (and an
+            # untied lm_head) beside the quantized linears, each cast to fp32 whole for its quantizer.
+            "quantize": BASE_BYTES + QUANTIZE_BASE + max(stored_bytes + weights.largest_linear * 4 * 2,
+                                                         weights.eager - weights.vocab_eager + vocab_stored
+                                                         + vocab * 4),
+            # XNNPACK's preprocess copies the partition it packs and repacks it: the vocabulary matrices' dominate.
+            "lower": lowered - LOWERED_BASE + weights.program + int(PREPROCESS_PER_VOCAB * vocab),
+            "emit": lowered + weights.program + int(EMIT_PER_VOCAB * vocab),
+        }
+
+    def _calibrated_quantize(self, shapes: CausalLM, weights: Weights, stored_bytes: int) -> int:
+        """What quantize holds when a calibration text runs the model or a rotation turns it: the model whole in
+        quant.dtype beside the stored weights and the quantized layers as they are made."""
+        return stored_bytes + weights.eager + shapes.parameter_count() * DTYPES[self.quant.dtype].itemsize
+
+    def _validation_peaks(self, weights: Weights, stored_bytes: int, lowered: int, logits: int) -> dict[str, int]:
+        # torchao's eager linear dequantizes a quantized lm_head (its own, or the embedding quantized once) to fp32 at
+        # each call, with its temporaries about twice.
+        head_quantized = (weights.tying == TiedEmbedding.QUANTIZED_ONCE
+                          or (not weights.tied and self.quant.lm_head is not None))
+        return {
+            # The unquantized model scores the validation windows.
+            "baseline": BASE_BYTES + stored_bytes + logits,
+            # The program loaded beside the eager model, whose lm_head is dequantized at each call, and both sides'
+            # logits.
+            "validate": lowered + weights.program + (weights.vocab * 4 * 2 if head_quantized else 0) + logits,
+        }
 
     def check(self, footprint: Footprint) -> Footprint:
         """``footprint``, refused if it does not fit."""

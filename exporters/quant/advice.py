@@ -92,22 +92,34 @@ def stored_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def advise(plan: QuantPlan, threshold: float, ppl_increase: float, quantized: CausalLM,
-           eager_perplexity: float, baseline_perplexity: float, build: Callable[[], CausalLM],
-           score: Callable[[CausalLM], float],
-           calibration: Callable[[CausalLM], Callable[[], CalibrationText]],
+@dataclass(frozen=True)
+class Loss:
+    """The quality the export lost, which the warning is about."""
+
+    threshold: float  # validation.warn_ppl_increase
+    ppl_increase: float  # the program's perplexity over the unquantized model's, minus 1
+    eager_perplexity: float  # the export's eager quantized model
+    baseline_perplexity: float  # the unquantized model
+
+
+@dataclass(frozen=True)
+class Trials:
+    """How advise makes and scores each fresh model."""
+
+    build: Callable[[], CausalLM]  # the model as load built it
+    score: Callable[[CausalLM], float]  # its perplexity on the validation windows
+    calibration: Callable[[CausalLM], Callable[[], CalibrationText]]  # the text GPTQ reads, for that model
+
+
+def advise(plan: QuantPlan, loss: Loss, quantized: CausalLM, trials: Trials,
            whole_does_not_fit: str | None = None) -> QualityWarning:
-    """Each remedy of ``plan``'s quant config measured on a fresh model from ``build``: quantized as the export was
-    (the same tied-embedding storage), ``score``d (its perplexity on the validation windows) and weighed against
-    ``quantized`` (the export's eager model, of perplexity ``eager_perplexity``). ``calibration(model)`` reads the
-    text GPTQ needs. ``whole_does_not_fit``: why the remedies that hold the model whole are not measured (the memory
-    estimate says they would not fit), else None."""
+    """Each remedy of ``plan``'s quant config measured on a fresh model from ``trials``: quantized as the export was
+    (the same tied-embedding storage), scored, and weighed against ``quantized`` (the export's eager model).
+    ``whole_does_not_fit``: why the remedies that hold the model whole are not measured (the memory estimate says
+    they would not fit), else None."""
     started = time.perf_counter()
-    quant = plan.config
-    own_bytes = stored_bytes(quantized)
-    loss = eager_perplexity - baseline_perplexity
     found, unmeasured = [], {}
-    remedies = changes(quant)
+    remedies = changes(plan.config)
     for i, change in enumerate(remedies, start=1):
         if change.casts_whole and whole_does_not_fit is not None:
             log.warning("  advise: remedy %d/%d, %s (%s), not measured: %s", i, len(remedies), change.what,
@@ -116,18 +128,24 @@ def advise(plan: QuantPlan, threshold: float, ppl_increase: float, quantized: Ca
             continue
         log.info("  advise: remedy %d/%d, %s (%s): a fresh copy of the model, quantized and scored", i, len(remedies),
                  change.what, change.overrides)
-        variant = dataclasses.replace(quant, **change.fields)
-        model = build()
-        with progress_as(f"advise, {change.what}"):
-            quantize_model(model, variant, plan.tied_storage, calibration=calibration(model), shortcuts=plan.shortcuts)
-        perplexity = score(model)
-        extra = stored_bytes(model) - own_bytes
-        del model
-        return_freed_memory()  # else each remedy's freed heap stays under the next one's peak
-        found.append(Remedy(change=change.overrides, what=change.what, perplexity=round(perplexity, 4),
-                            recovered=round((eager_perplexity - perplexity) / loss, 4) if loss > 0 else 0.0,
-                            extra_mb=round(extra / MB, 3)))
+        found.append(_measure(plan, change, loss, stored_bytes(quantized), trials))
     # Free ones first (by what they recover), then the most recovered per MB.
     found.sort(key=lambda r: (r.extra_mb > 0.01, -(r.recovered if r.extra_mb <= 0.01 else r.recovered / r.extra_mb)))
-    return QualityWarning(threshold=threshold, ppl_increase=round(ppl_increase, 4), remedies=found,
+    return QualityWarning(threshold=loss.threshold, ppl_increase=round(loss.ppl_increase, 4), remedies=found,
                           seconds=round(time.perf_counter() - started, 1), unmeasured=unmeasured)
+
+
+def _measure(plan: QuantPlan, change: Change, loss: Loss, own_bytes: int, trials: Trials) -> Remedy:
+    """``change`` applied to a fresh model: its perplexity, the share of the loss it wins back, the bytes it adds."""
+    model = trials.build()
+    with progress_as(f"advise, {change.what}"):
+        quantize_model(model, dataclasses.replace(plan.config, **change.fields), plan.tied_storage,
+                       calibration=trials.calibration(model), shortcuts=plan.shortcuts)
+    perplexity = trials.score(model)
+    extra = stored_bytes(model) - own_bytes
+    del model
+    return_freed_memory()  # else each remedy's freed heap stays under the next one's peak
+    lost = loss.eager_perplexity - loss.baseline_perplexity
+    return Remedy(change=change.overrides, what=change.what, perplexity=round(perplexity, 4),
+                  recovered=round((loss.eager_perplexity - perplexity) / lost, 4) if lost > 0 else 0.0,
+                  extra_mb=round(extra / MB, 3))

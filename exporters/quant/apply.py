@@ -86,8 +86,8 @@ class RolePlan:
         return Precision(scheme, self.table[scheme], group)
 
 
-def _plan(role: str, table: dict[str, IntScheme], scheme: str, group_size: int, algorithm: str,
-          modules: dict[str, nn.Module], width: Callable[[nn.Module], int], notes: list[str]) -> RolePlan:
+def _plan(table: dict[str, IntScheme], scheme: str, group_size: int, algorithm: str, modules: dict[str, nn.Module],
+          width: Callable[[nn.Module], int], notes: list[str]) -> RolePlan:
     """Each layer's scheme and group size; a layer the group size does not fit gets the nearest choice that does."""
     chosen = {name: layer_scheme(scheme, width(m), group_size) for name, m in modules.items()}
     fallbacks = {n: describe_choice(*c) for n, c in sorted(chosen.items()) if c != (scheme, group_size)}
@@ -184,33 +184,82 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
     The checkpoint's own dtype (often bf16) is kept through loading; with a data-free algorithm each layer is cast
     just before it is quantized, so at most one layer exists in both dtypes. A calibrated ``cfg.algorithm`` reads
     its text from ``calibration`` (and casts the whole model first: calibration runs it).
+
+    Linears first: each one's fp32 weight is freed as it is quantized, so the embedding (the largest single matrix,
+    whose HQQ pass holds about four fp32 copies of it at once) is quantized beside int8 linears rather than the
+    whole fp32 model (the stage's peak on a 1B model, docs/DESIGN.md 2c). lm_head goes last with a data-free
+    algorithm, beside the int8 embedding; a calibrated one takes it in the same pass as the linears, since it reads
+    their output.
     """
-    dtype = DTYPES[cfg.dtype]
-    plan = tied.plan_tied_embedding(model, cfg, tied_storage)
-    applied = AppliedQuantization(dtype=str(cfg.dtype), untied_embeddings=plan is tied.TiedEmbedding.UNTIED,
-                                  tied_embedding=plan.value)
+    tying = tied.plan_tied_embedding(model, cfg, tied_storage)
+    applied = AppliedQuantization(dtype=str(cfg.dtype), untied_embeddings=tying is tied.TiedEmbedding.UNTIED,
+                                  tied_embedding=tying.value)
     head, embed = model.lm_head, model.model.embed_tokens
-    if plan is tied.TiedEmbedding.UNTIED:  # one matrix cannot be stored two ways at once
+    if tying is tied.TiedEmbedding.UNTIED:  # one matrix cannot be stored two ways at once
         head.weight = nn.Parameter(embed.weight.detach().clone())
-        applied.notes.append(tied.note(plan, cfg))  # type: ignore[arg-type]
+        applied.notes.append(tied.note(tying, cfg))  # type: ignore[arg-type]
     every_linear = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
     # LoRA adapters' A and B (models.lora) stay in the model's dtype unless quant.adapters names a scheme.
     adapters = {n: m for n, m in every_linear.items() if is_adapter_module(n)}
-    linears = {n: m for n, m in every_linear.items() if n not in adapters}
-    in_features: Callable[[nn.Module], int] = lambda m: m.in_features  # noqa: E731
-    # The layers that read activations: their algorithm is quant.algorithm, calibrated or not.
+    computing = _computing(cfg, tying, {n: m for n, m in every_linear.items() if n not in adapters}, head,
+                           applied.notes)
+    recast = _prepare(model, cfg, computing, adapters, applied, calibration, shortcuts)
+    if "linear" in computing:
+        applied.linear = computing["linear"].record
+    if cfg.adapters and adapters:
+        applied.adapters = _quantize_adapters(cfg, adapters, applied.notes, shortcuts)
+    if cfg.embedding:
+        embedding = _plan(EMBEDDING_SCHEMES, cfg.embedding, cfg.embedding_group_size, cfg.embedding_algorithm,
+                          {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)},
+                          lambda m: m.embedding_dim, applied.notes)
+        _apply_data_free("embedding", embedding, cfg.embedding_algorithm, DTYPES[cfg.dtype], shortcuts)
+        applied.embedding = embedding.record
+    if tying is tied.TiedEmbedding.QUANTIZED_ONCE:
+        head.weight = embed.weight  # one quantized tensor serves both
+    elif "lm_head" in computing:
+        if cfg.algorithm in DATA_FREE:
+            _apply_data_free("lm_head", computing["lm_head"], cfg.algorithm, DTYPES[cfg.dtype], shortcuts)
+        applied.lm_head = computing["lm_head"].record
+    model.tied_head = tying is tied.TiedEmbedding.SHARED
+    if recast:
+        model.init_buffers()  # KV caches in the model's dtype (fp32 where the attention kernels need it)
+    if tying is not tied.TiedEmbedding.UNTIED and (n := tied.note(tying, cfg)):
+        applied.notes.append(n)
+    return applied
+
+
+def _quantize_adapters(cfg: QuantConfig, adapters: dict[str, nn.Module], notes: list[str],
+                       shortcuts: bool) -> AppliedScheme:
+    """LoRA adapters' A and B by ``quant.adapters``, one scale per row: an adapter's rank (lora_B's width) is too
+    small for groups. Data-free always: calibration runs the base model."""
+    algorithm = cfg.algorithm if cfg.algorithm in DATA_FREE else "hqq"
+    plan = _plan(LINEAR_SCHEMES, cfg.adapters, 0, algorithm, adapters, _in_features, notes)  # type: ignore[arg-type]
+    _apply_data_free("adapters", plan, algorithm, DTYPES[cfg.dtype], shortcuts)
+    return plan.record
+
+
+def _in_features(module: nn.Module) -> int:
+    return module.in_features  # type: ignore[return-value]
+
+
+def _computing(cfg: QuantConfig, tying: tied.TiedEmbedding, linears: dict[str, nn.Module], head: nn.Module,
+               notes: list[str]) -> dict[str, RolePlan]:
+    """The plans of the layers that read activations (the linears and an lm_head of its own): their algorithm is
+    quant.algorithm, calibrated or not."""
     computing: dict[str, RolePlan] = {}
     if cfg.linear and linears:
-        computing["linear"] = _plan("linear", LINEAR_SCHEMES, cfg.linear, cfg.group_size, cfg.algorithm, linears,
-                                    in_features, applied.notes)
-    if plan is not tied.TiedEmbedding.QUANTIZED_ONCE and cfg.lm_head:
-        computing["lm_head"] = _plan("lm_head", LINEAR_SCHEMES, cfg.lm_head, cfg.lm_head_group_size, cfg.algorithm,
-                                     {"lm_head": head}, in_features, applied.notes)
-    # Linears first: each one's fp32 weight is freed as it is quantized, so the embedding (the largest single
-    # matrix, whose HQQ pass holds about four fp32 copies of it at once) is quantized beside int8 linears
-    # rather than the whole fp32 model (the stage's peak on a 1B model, docs/DESIGN.md 2c). lm_head goes last
-    # with a data-free algorithm, beside the int8 embedding; a calibrated one takes it in the same pass as the
-    # linears, since it reads their output.
+        computing["linear"] = _plan(LINEAR_SCHEMES, cfg.linear, cfg.group_size, cfg.algorithm, linears, _in_features,
+                                    notes)
+    if tying is not tied.TiedEmbedding.QUANTIZED_ONCE and cfg.lm_head:
+        computing["lm_head"] = _plan(LINEAR_SCHEMES, cfg.lm_head, cfg.lm_head_group_size, cfg.algorithm,
+                                     {"lm_head": head}, _in_features, notes)
+    return computing
+
+
+def _prepare(model: CausalLM, cfg: QuantConfig, computing: dict[str, RolePlan], adapters: dict[str, nn.Module],
+             applied: AppliedQuantization, calibration: Callable[[], CalibrationText] | None, shortcuts: bool) -> bool:
+    """Cast, rotate, choose the mixed precisions and quantize the linears (calibrated, or data-free): everything
+    before the adapters, the embedding and lm_head. Whether any parameter was cast."""
     calibrated = cfg.algorithm not in DATA_FREE and bool(computing)
     # What no data-free pass quantizes (norms, unquantized layers) is cast now; a data-free pass casts each layer it
     # quantizes as it reaches it, so the model is never whole in fp32 (an 8B model's fp32 weights are 32 GB).
@@ -223,7 +272,7 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
         later = {m for p in computing.values() for m in p.modules.values()}
         later |= {m for m in model.modules() if isinstance(m, nn.Embedding)} if cfg.embedding else set()
         later |= set(adapters.values()) if cfg.adapters else set()
-    recast = _cast_all_but(model, dtype, later)
+    recast = _cast_all_but(model, DTYPES[cfg.dtype], later)
     if recast and (measured or rotating):
         model.init_buffers()  # calibration runs the model (as finding massive activations does): caches in its dtype
     text = None
@@ -244,29 +293,5 @@ def quantize_model(model: CausalLM, cfg: QuantConfig,
                                                 tokens=text.tokens, windows=len(text.windows),
                                                 seconds=round(time.perf_counter() - started, 1))
     elif "linear" in computing:
-        _apply_data_free("linear", computing["linear"], cfg.algorithm, dtype, shortcuts)
-    applied.linear = computing["linear"].record if "linear" in computing else None
-    if cfg.adapters and adapters:  # one scale per row: an adapter's rank (lora_B's width) is too small for groups
-        adapter_algorithm = cfg.algorithm if cfg.algorithm in DATA_FREE else "hqq"  # calibration runs the base
-        adapter_plan = _plan("adapters", LINEAR_SCHEMES, cfg.adapters, 0, adapter_algorithm, adapters, in_features,
-                             applied.notes)
-        _apply_data_free("adapters", adapter_plan, adapter_algorithm, dtype, shortcuts)
-        applied.adapters = adapter_plan.record
-    if cfg.embedding:
-        embedding = _plan("embedding", EMBEDDING_SCHEMES, cfg.embedding, cfg.embedding_group_size,
-                          cfg.embedding_algorithm, {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)},
-                          lambda m: m.embedding_dim, applied.notes)
-        _apply_data_free("embedding", embedding, cfg.embedding_algorithm, dtype, shortcuts)
-        applied.embedding = embedding.record
-    if plan is tied.TiedEmbedding.QUANTIZED_ONCE:
-        head.weight = embed.weight  # one quantized tensor serves both
-    elif "lm_head" in computing:
-        if cfg.algorithm in DATA_FREE:
-            _apply_data_free("lm_head", computing["lm_head"], cfg.algorithm, dtype, shortcuts)
-        applied.lm_head = computing["lm_head"].record
-    model.tied_head = plan is tied.TiedEmbedding.SHARED
-    if recast:
-        model.init_buffers()  # KV caches in the model's dtype (fp32 where the attention kernels need it)
-    if plan is not tied.TiedEmbedding.UNTIED and (n := tied.note(plan, cfg)):
-        applied.notes.append(n)
-    return applied
+        _apply_data_free("linear", computing["linear"], cfg.algorithm, DTYPES[cfg.dtype], shortcuts)
+    return recast

@@ -16,7 +16,7 @@ from exporters.config import KvDType
 from exporters.context import ExportContext
 from exporters.context.artifacts import WrittenProgram
 from exporters.plan.footprint import GB, memory_limit
-from exporters.quant.advice import advise, changes
+from exporters.quant.advice import Loss, Trials, advise, changes
 from exporters.runtime.quality import full_sequence, perplexity, window_logits
 from exporters.stages.pipeline import Stage
 from models.decoder import CausalLM
@@ -67,11 +67,10 @@ class AdviseStage(Stage):
         too_big = (None if footprint is None or footprint.advise is None or footprint.advise <= limit else
                    f"it would need about {footprint.advise / GB:.1f} GB (estimated), above the {limit / GB:.1f} GB "
                    "this export may use; an export with those overrides measures it")
-        ctx.quality_warning = advise(
-            quant, self.threshold, self.increase, written.model, report.eager_perplexity,
-            report.baseline_perplexity, build, score,
-            lambda model: lambda: read_calibration(quant.config.calibration, component.build.source, model, checkpoint),
-            too_big)
+        loss = Loss(self.threshold, self.increase, report.eager_perplexity, report.baseline_perplexity)
+        trials = Trials(build, score, lambda model: lambda: read_calibration(
+            quant.config.calibration, component.build.source, model, checkpoint))
+        ctx.quality_warning = advise(quant, loss, written.model, trials, too_big)
         return written
 
     def describe(self, written: WrittenProgram, ctx: ExportContext) -> str:
