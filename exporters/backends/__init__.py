@@ -19,7 +19,7 @@ from exporters.program.contents import delegate_ids
 if TYPE_CHECKING:
     from exporters.config import BackendConfig
 
-__all__ = ["Activations", "BACKENDS", "Backend", "BackendExtra", "EXTRAS", "PT2E_RECIPES", "Pt2eRecipe",
+__all__ = ["Activations", "BACKENDS", "Backend", "BackendExtra", "EXTRAS", "PT2E_RECIPES", "Pt2eRecipe", "SWAPS_ADAPTERS",
            "check_backend", "check_loadable", "partitioners", "runtime_precision"]
 
 #: Every backend by the partitioner its option file names.
@@ -29,6 +29,8 @@ EXTRAS: dict[str, BackendExtra] = {name: b.extra for name, b in BACKENDS.items()
 #: Backends whose device picks its own precision, and how to read it on this host.
 RUNTIME_PRECISION: dict[str, Callable[[dict[str, Any]], str]] = {
     name: b.precision for name, b in BACKENDS.items() if b.precision is not None}
+#: The backends whose programs swap LoRA adapters here (export.adapters=swappable), by option name.
+SWAPS_ADAPTERS: tuple[str, ...] = tuple(b.name for b in BACKENDS.values() if b.swaps_adapters)
 #: Every backend's own PT2E quantizers (quant=pt2e_<name>).
 PT2E_RECIPES: dict[Pt2eQuantizer, Pt2eRecipe] = {q: r for b in BACKENDS.values() for q, r in b.pt2e.items()}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ContextManager, Literal
 
 from exporters.config import Pt2eQuantizer
 from exporters.errors import UserError, listed
@@ -79,7 +79,8 @@ class BackendExtra:
 class Backend:
     """What is true of one backend, beside its ``conf/backend/<name>.yaml`` (what its kernels support)."""
 
-    partitioner: str  # what conf/backend/*.yaml names as backend.partitioner
+    name: str  # its option file, conf/backend/<name>.yaml (backend=<name>)
+    partitioner: str  # what that file names as backend.partitioner
     # backend.options -> the partitioners lowering runs (built lazily: importing a backend's module pulls in none of
     # its dependencies)
     partitioners: Callable[[dict[str, Any]], list[Any]]
@@ -88,3 +89,15 @@ class Backend:
     # When its device picks the precision it computes in as a program loads (OpenVINO): how to read it on this host
     # (backend.options -> a DType name); validation then allows that precision's deviation.
     precision: Callable[[dict[str, Any]], str] | None = None
+    # Lowering's shortcuts for its partitions through private internals (exporters.program.internals, each with its
+    # stock path and a test that both give the same bytes), entered around lowering with export.shortcuts=true.
+    lowering_shortcuts: tuple[Callable[[], ContextManager[None]], ...] = ()
+    # export.weights=external: a context in which it names the weights it hands to the named data store by tensor
+    # (``<namespace>/<module path>``) rather than by content, so the program is the same bytes for any weights;
+    # None: it names them so already, or hands none.
+    weights_by_name: Callable[[str], ContextManager[None]] | None = None
+    # What a runtime needs so that a program's methods share one copy of the weights in memory (the manifest's
+    # runtime.packed_once); None: not measured for it.
+    packed_once: str | None = None
+    # Its programs run here with a set_adapter that swaps LoRA slots, so a swapped adapter can be validated.
+    swaps_adapters: bool = False

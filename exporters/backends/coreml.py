@@ -47,7 +47,7 @@ def quantizer(activations: Activations, bits: int) -> Any:
     return CoreMLQuantizer(config)
 
 
-BACKEND = Backend(partitioner="coreml", partitioners=partitioners, pt2e={
+BACKEND = Backend(name="coreml", partitioner="coreml", partitioners=partitioners, pt2e={
     Pt2eQuantizer.coreml_8a_c8w: Pt2eRecipe("coreml", "static", 8, quantizer, quantized_outputs=False),
     Pt2eQuantizer.coreml_8a_c4w: Pt2eRecipe("coreml", "static", 4, quantizer, quantized_outputs=False),
     Pt2eQuantizer.coreml_c4w: Pt2eRecipe("coreml", "none", 4, quantizer, quantized_outputs=False),

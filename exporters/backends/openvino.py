@@ -27,7 +27,14 @@ def precision(options: dict[str, Any]) -> str:
     return {ov.Type.f32: "fp32", ov.Type.f16: "fp16", ov.Type.bf16: "bf16"}[hint]
 
 
-BACKEND = Backend(partitioner="openvino", partitioners=partitioners, precision=precision, extra=BackendExtra(
-    "openvino", {"openvino": "2025.", "nncf": "3."}, "OpenvinoBackend",
-    f"ExecuTorch {EXECUTORCH}'s OpenVINO runtime is built against the 2025 C API (openvino 2026 crashes when a "
-    "method runs), and its partitioner's package imports nncf"))
+PACKED_ONCE = (
+    "Never shared: each method's OpenVINO blob holds its own copy of the weights (in the file and in memory). "
+    "The runtime needs ExecuTorch's OpenVINO backend and openvino 2025.x's libopenvino_c.so (found from the "
+    "openvino Python package, or OPENVINO_LIB_PATH); the device picks the precision it computes in (bf16 on "
+    "CPUs with AMX or AVX512-BF16).")
+
+BACKEND = Backend(name="openvino", partitioner="openvino", partitioners=partitioners, precision=precision,
+                  packed_once=PACKED_ONCE, extra=BackendExtra(
+                      "openvino", {"openvino": "2025.", "nncf": "3."}, "OpenvinoBackend",
+                      f"ExecuTorch {EXECUTORCH}'s OpenVINO runtime is built against the 2025 C API (openvino 2026 "
+                      "crashes when a method runs), and its partitioner's package imports nncf"))

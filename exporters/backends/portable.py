@@ -4,4 +4,6 @@ from __future__ import annotations
 
 from exporters.backends.backend import Backend
 
-BACKEND = Backend(partitioner="none", partitioners=lambda options: [])
+BACKEND = Backend(name="portable", partitioner="none", partitioners=lambda options: [], swaps_adapters=True,
+                  packed_once="Nothing: the portable kernels read the weights where they are stored, once for all "
+                  "methods.")

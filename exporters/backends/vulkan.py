@@ -20,5 +20,5 @@ def quantizer(activations: Activations, bits: int) -> Any:
     return VulkanQuantizer().set_global(get_symmetric_quantization_config(is_dynamic=False, weight_bits=bits))
 
 
-BACKEND = Backend(partitioner="vulkan", partitioners=partitioners,
+BACKEND = Backend(name="vulkan", partitioner="vulkan", partitioners=partitioners,
                   pt2e={Pt2eQuantizer.vulkan_8w: Pt2eRecipe("vulkan", "none", 8, quantizer)})

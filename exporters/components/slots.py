@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from exporters.backends import SWAPS_ADAPTERS
 from exporters.components.adapters import ADAPTERS
 from exporters.components.kind import Finalized, Kind, Part
 from exporters.config import ExportConfig
@@ -51,7 +52,7 @@ class Slots(Kind):
     variant = True
 
     def check(self, cfg: ExportConfig, lengths: Lengths) -> None:
-        check_swappable(cfg)
+        check_swappable(cfg, SWAPS_ADAPTERS)
         slot_plan(cfg)  # every adapter given fits the slots
 
     def applies(self, plan: ExportPlan) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from exporters.config import Attention, BackendConfig, DType, Pt2eQuantizer, WeightsPlacement
-from exporters.backends import runtime_precision
+from exporters.backends import BACKENDS, runtime_precision
 from exporters.quant.pt2e import PT2E_QUANTIZERS
 
 
@@ -26,6 +26,7 @@ class BackendCapabilities:
     weights: tuple[WeightsPlacement, ...]  # where it can write weights (export.weights)
     adapter_data_files: bool  # each adapter's weights can go to a data file of its own
     pt2e_quantizers: tuple[Pt2eQuantizer, ...]  # its own PT2E quantizers (quant=pt2e_*)
+    packed_once: str  # what a runtime needs so that the methods share one copy of the weights in memory
 
     @staticmethod
     def of(cfg: BackendConfig) -> "BackendCapabilities":
@@ -35,7 +36,9 @@ class BackendCapabilities:
             dtypes=tuple(cfg.supported_dtypes), linear=tuple(cfg.supported_linear),
             embedding=tuple(cfg.supported_embedding), weights=tuple(cfg.supported_weights),
             adapter_data_files=cfg.adapter_data_files,
-            pt2e_quantizers=tuple(q for q, recipe in PT2E_QUANTIZERS.items() if recipe.backend == cfg.name))
+            pt2e_quantizers=tuple(q for q, recipe in PT2E_QUANTIZERS.items() if recipe.backend == cfg.name),
+            packed_once=BACKENDS[cfg.partitioner].packed_once
+            or f"The {cfg.name} delegate's own loader decides (not measured here).")
 
     @property
     def stores_weights_externally(self) -> bool:

@@ -27,8 +27,6 @@ ADAPTER_FOLDER = "adapters"  # beside the program: adapters/<name>.ptd
 # Constant methods an app reads to fill set_adapter without the manifest.
 LORA_INPUTS_CONSTANT = "get_lora_inputs"  # set_adapter's inputs, comma-separated: q_proj.A,q_proj.B,...
 LORA_RANK_CONSTANT = "get_lora_max_rank"
-# Backends whose programs run here, so a swapped adapter is validated in the runtime.
-SWAPPABLE_BACKENDS = ("xnnpack", "portable")
 # How an app swaps adapters (the manifest's swappable.how, the bundle's README).
 SWAP_HOWTO = (
     "The program starts with every slot zero: the base model. To apply an adapter, call the method set_adapter once "
@@ -114,14 +112,15 @@ def base_quant(cfg: ExportConfig) -> QuantConfig:
     return replace(cfg.quant, adapters=None)
 
 
-def check_swappable(cfg: ExportConfig) -> None:
-    """What swappable slots cannot be combined with yet, refused by name before any work."""
+def check_swappable(cfg: ExportConfig, swapping: tuple[str, ...]) -> None:
+    """What swappable slots cannot be combined with yet, refused by name before any work. ``swapping``: the backends
+    whose programs swap adapters here (``Backend.swaps_adapters``)."""
     if cfg.export.adapters != AdapterMode.swappable:
         return
     blockers = []
-    if cfg.backend.name not in SWAPPABLE_BACKENDS:
+    if cfg.backend.name not in swapping:
         blockers.append((f"backend={cfg.backend.name}", "a swapped adapter is validated in this machine's runtime",
-                         f"use backend={' or backend='.join(SWAPPABLE_BACKENDS)}"))
+                         f"use backend={' or backend='.join(swapping)}"))
     if cfg.quant.rotation != RotationKind.none or cfg.quant.online_hadamard:
         blockers.append(("quant.rotation / quant.online_hadamard", "a rotated base would need each adapter's A "
                          "rotated as it is set", "use quant=8da4w_calibrated (GPTQ) or quant=8da4w"))

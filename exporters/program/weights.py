@@ -214,25 +214,7 @@ def data_files_beside(pte: Path, adapters: Sequence[str] | None = None) -> list[
     return [base, *(path for name, path in beside.items() if ADAPTER_NAME.match(name) and wanted(name))]
 
 
-#: What a runtime needs so that the methods of a program share one copy of the weights in memory, by backend.
-PACKED_ONCE = {
-    "xnnpack": (
-        "XNNPACK packs weights at load. Turn on its weight cache before loading methods: the runtime option "
-        "weight_cache_enabled=true of backend XnnpackBackend (C++: executorch::runtime::set_option, or per load "
-        "in a LoadBackendOptionsMap), or build the runtime with EXECUTORCH_XNNPACK_ENABLE_WEIGHT_CACHE=ON "
-        "(ExecuTorch's Android and Apple presets do; the pip wheel does not). Without it every loaded method packs "
-        "its own copy: bench.rss_after_load_mb (cache on) against bench.rss_after_load_without_weight_cache_mb "
-        "(off), when the bench ran. Our tools turn it on."),
-    "portable": "Nothing: the portable kernels read the weights where they are stored, once for all methods.",
-    "openvino": (
-        "Never shared: each method's OpenVINO blob holds its own copy of the weights (in the file and in memory). "
-        "The runtime needs ExecuTorch's OpenVINO backend and openvino 2025.x's libopenvino_c.so (found from the "
-        "openvino Python package, or OPENVINO_LIB_PATH); the device picks the precision it computes in (bf16 on "
-        "CPUs with AMX or AVX512-BF16)."),
-}
-
-
-def runtime_needs(backend: str, program: str, data: str | None,
+def runtime_needs(packed_once: str, program: str, data: str | None,
                   adapter_data: dict[str, str] | None = None) -> "RuntimeNeeds":
 
     if data is None:
@@ -251,5 +233,4 @@ def runtime_needs(backend: str, program: str, data: str | None,
                 "Python runtime takes one data file: exporters.runtime.programs.LoadedProgram merges them into one "
                 "temporary file. Swap an adapter by replacing its data file with one exported under the same name, "
                 "ranks and targets (the program is then the same bytes).")
-    packed = PACKED_ONCE.get(backend, f"The {backend} delegate's own loader decides (not measured here).")
-    return RuntimeNeeds(load=load, packed_once=packed)
+    return RuntimeNeeds(load=load, packed_once=packed_once)

@@ -195,7 +195,7 @@ class FinalizeStage(Stage):
             versions=package_versions(),
             config=self.plan.resolved_config,
             data=data,
-            runtime=runtime_needs(self.plan.backend.name, pte.name, data.file if data else None,
+            runtime=runtime_needs(self.plan.backend.packed_once, pte.name, data.file if data else None,
                                   own_data),
             quality_warning=ctx.quality_warning,
             kv_cache=kv_cache_entry(model, max(spec.max_tokens for spec in base.values())),

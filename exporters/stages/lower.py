@@ -15,10 +15,8 @@ from exporters.components import parts
 from exporters.config import WeightsPlacement
 from exporters.context import ExportContext
 from exporters.context.artifacts import CapturedMethods, LoweredProgram
-from exporters.backends import partitioners
-from exporters.program.internals import (lowering_forgets_graphs, named_data_stored_once, torchao_quant_ops_shape_only,
-                                         xnnpack_keys_by_name, xnnpack_passes_only_where_they_apply,
-                                         xnnpack_preprocess_copies_one_at_a_time)
+from exporters.backends import BACKENDS, Backend, partitioners
+from exporters.program.internals import lowering_forgets_graphs, named_data_stored_once, torchao_quant_ops_shape_only
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
 from exporters.stages.pipeline import Stage
 
@@ -63,17 +61,19 @@ def with_progress(found: list[Any], methods: list[str], backend: str) -> list[An
 
 
 @contextlib.contextmanager
-def lowering_shortcuts(enabled: bool) -> Iterator[None]:
+def lowering_shortcuts(enabled: bool, backend: Backend) -> Iterator[None]:
     """Lowering's shortcuts through private internals (exporters.program.internals), or ExecuTorch's stock path: the same
     program bytes either way (tests/test_export.py). With them, lowering's passes propagate shapes through torchao's
-    quant ops without running their bodies; XNNPACK's preprocess copies one partition at a time and runs only the
-    passes whose ops the partition holds, and a weight packed for several methods is held once; and nothing keeps a
-    lowered graph (and through it the whole program) alive afterwards."""
+    quant ops without running their bodies, a weight packed for several methods is held once, nothing keeps a
+    lowered graph (and through it the whole program) alive afterwards, and the backend takes its own (XNNPACK's
+    preprocess copies one partition at a time and runs only the passes whose ops the partition holds)."""
     if not enabled:
         yield
         return
-    with (torchao_quant_ops_shape_only(), xnnpack_preprocess_copies_one_at_a_time(),
-          xnnpack_passes_only_where_they_apply(), named_data_stored_once(), lowering_forgets_graphs()):
+    with contextlib.ExitStack() as stack:
+        for shortcut in (torchao_quant_ops_shape_only, *backend.lowering_shortcuts, named_data_stored_once,
+                         lowering_forgets_graphs):
+            stack.enter_context(shortcut())
         yield
 
 
@@ -94,12 +94,14 @@ class LowerStage(Stage):
             constants.update(part.kind.constants(part, ctx, models))
         external = plan.weights == WeightsPlacement.external
         # External weights: every constant is marked for its data file (the base's, or its adapter's) before
-        # partitioning, and XNNPACK names its weights by tensor rather than by content, so the program is the same
+        # partitioning, and the backend names its weights by tensor rather than by content, so the program is the same
         # bytes whatever the weights. Then each part's own passes.
         passes = ([tag_weights_by_data_file()] if external else []) + [
             p for part in found for p in part.kind.passes(part)]
-        naming = xnnpack_keys_by_name(structure_namespace(programs)) if external else contextlib.nullcontext()
-        with naming, lowering_shortcuts(plan.shortcuts):
+        delegate = BACKENDS[backend.partitioner]
+        naming = (delegate.weights_by_name(structure_namespace(programs)) if external and delegate.weights_by_name
+                  else contextlib.nullcontext())
+        with naming, lowering_shortcuts(plan.shortcuts, delegate):
             edge = to_edge_transform_and_lower(
                 programs,
                 transform_passes=passes or None,
