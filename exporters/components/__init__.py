@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 from exporters.components.adapters import Adapters
 from exporters.components.decoder import Decoder
 from exporters.components.draft import Draft
-from exporters.components.kind import Basis, Finalized, Kind, Part
+from exporters.components.kind import Basis, Bundled, Finalized, Kind, Part
 from exporters.components.slots import Slots
 from exporters.components.vision import Vision
 
 if TYPE_CHECKING:
     from exporters.plan import ExportPlan
 
-__all__ = ["Basis", "Finalized", "KINDS", "Kind", "Part", "parts"]
+__all__ = ["Basis", "Bundled", "Finalized", "KINDS", "Kind", "Part", "parts"]
 
 #: Every kind by name, in the order the stages visit them.
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (Decoder(), Adapters(), Slots(), Draft(), Vision())}

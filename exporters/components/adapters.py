@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exporters.components.kind import Finalized, Kind, Part
+from exporters.components.kind import Bundled, Finalized, Kind, Part
 from exporters.config import ExportConfig, KvDType
-from exporters.manifest import AdapterEntry
+from exporters.manifest import AdapterEntry, Manifest
 from exporters.output.files import sha256_of
 from exporters.program.adapters import ADAPTERS_CONSTANT, adapter_method
 from exporters.program.weights import placed
@@ -116,3 +116,38 @@ class Adapters(Kind):
         if stage == "validate":
             return "".join(f"\n  adapter {name}: {v.describe()}" for name, v in record.validation.items())
         return ""
+
+    def bundle(self, m: Manifest) -> Bundled:
+        """Adapters as methods of their own (swappable ones are the slots' to describe)."""
+        return Bundled(readme=bundle_readme(m)) if m.adapters and m.swappable is None else Bundled()
+
+
+def bundle_readme(m: Manifest) -> str:
+    """The bundle README's section on adapters as methods: each one's methods and data file, and its quality."""
+    rows = "\n".join(f"| `{name}` | " + ", ".join(f"`{n}`" for n in a.methods.values()) + f" | r={'/'.join(map(str, a.rank))}, "
+                     f"alpha {a.lora_alpha}{', rsLoRA' if a.use_rslora else ''}, {a.layers} layers ({', '.join(a.targets)}) | "
+                     + (a.validation.quality() if a.validation else "not validated") + " |"
+                     for name, a in m.adapters.items())
+    first = next(iter(m.adapters))
+    files = [(name, a.data) for name, a in m.adapters.items() if a.data is not None]
+    data = "" if not files else (
+        "Each adapter's A and B matrices are in its own data file (" + ", ".join(
+            f"`{name}`: `{f.file}` {f.size_bytes / 1e6:.2f} MB" for name, f in files) + "), loaded beside the "
+        f"base's `{m.data.file if m.data else ''}` to run its methods. An app ships only the adapters it uses (the "
+        "base's methods need none of these files), and updates an adapter by replacing its file with one exported "
+        "under the same name, ranks and targets: that export's program is the same bytes as this one.\n\n")
+    return f"""## LoRA adapters
+
+The program holds the base model's methods and, for each adapter, the same methods with the adapter applied,
+named `<adapter>_<method>`; the base weights are stored once. The constant method `get_adapters` lists them
+(`"{','.join(m.adapters)}"`). To switch adapters, call the other adapter's methods: they share the KV cache
+with every method, so start the new conversation at position 0 (a conversation continued under another
+adapter would attend to keys its adapter did not compute).
+
+| adapter | methods | what it changes | quality |
+|---|---|---|---|
+{rows}
+
+{data}`python -m exporters.generate <this folder> prompt="..." adapter={first}` runs one from Python.
+
+"""

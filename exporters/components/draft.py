@@ -12,12 +12,12 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from exporters.components.kind import Basis, Finalized, Part
+from exporters.components.kind import Basis, Bundled, Finalized, Part
 from exporters.components.language_model import LanguageModel, unquantized_nll
 from exporters.config import DraftConfig, ExportConfig, ModelConfig, QuantConfig, quant_option
 from exporters.context.artifacts import summary
 from exporters.errors import UserError
-from exporters.manifest import ComponentEntry, HeadVocabularyEntry
+from exporters.manifest import ComponentEntry, HeadVocabularyEntry, Manifest
 from exporters.plan.component import Component, ComponentKind, HeadVocabulary, ModelBuild, QuantPlan
 from exporters.plan.footprint import Footprint
 from exporters.program.constants import DRAFT_VOCAB
@@ -154,3 +154,21 @@ class Draft(LanguageModel):
         if stage == "validate" and record.validation is not None:
             return f"\n  {part.name}: {record.validation.describe()}"
         return ""
+
+    def bundle(self, m: Manifest) -> Bundled:
+        draft = next((e for e in m.components.values() if e.kind == self.name), None)
+        return Bundled(readme=bundle_readme(draft)) if draft is not None else Bundled()
+
+
+def bundle_readme(draft: ComponentEntry) -> str:
+    """The bundle README's section on the draft's methods: how an app proposes the tokens ``verify`` checks."""
+    quant = draft.quantization.describe() if draft.quantization else "unquantized"
+    return (f"## Draft model\n\nThe draft model ({draft.family or 'unknown'} family, "
+            f"{(draft.parameters or 0) / 1e6:.0f}M parameters, {quant}) proposes the tokens `verify` checks: "
+            "`draft_prefill` takes the text its cache has not seen yet (int64[1, T], its first position int64[1]) and "
+            "`draft_decode_one_token` one token at a time, each returning the logits of its last position; its KV "
+            "cache is its own, rolled back by position like the target's. "
+            + (f"Its logits are {draft.vocabulary.tokens} tokens only (FR-Spec: the most frequent by "
+               f"{draft.vocabulary.ranked_by}): `get_draft_vocab` (int64[{draft.vocabulary.tokens}]) gives the token "
+               "of each. " if draft.vocabulary else "")
+            + "`python -m exporters.generate <folder> prompt=... speculative=draft` does all this.\n\n")

@@ -25,6 +25,7 @@ hook                caller
 ``failures``        finalize: what failed its validation (the program is then rejected)
 ``finalize``        finalize: its manifest entries and the files it writes beside the program
 ``describe``        the console line of load, quantize and validate: its part of it
+``bundle``          ``exporters.release.bundle``: its README section, files and manifest fields, from the manifest
 ==================  ===================================================================================
 """
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from exporters.config import Attention, ExportConfig
     from exporters.context import ExportContext
     from exporters.context.artifacts import WrittenProgram
-    from exporters.manifest import ComponentEntry, Signature
+    from exporters.manifest import ComponentEntry, Manifest, Signature
     from exporters.plan import Component, ExportPlan, StatePlan
     from exporters.plan.footprint import Footprint
     from exporters.program.lengths import Lengths
@@ -67,6 +68,17 @@ class Finalized:
     entry: ComponentEntry | None = None
     fields: dict[str, Any] = field(default_factory=dict)
     staged: dict[Path, Path] = field(default_factory=dict)
+
+
+@dataclass
+class Bundled:
+    """What a part adds to a release bundle, read from the export's manifest alone: its section of the bundle's
+    README, the files of the run folder it carries (beside the program, data and tokenizer files), and its fields of
+    the bundle's manifest."""
+
+    readme: str = ""
+    files: list[str] = field(default_factory=list)
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -145,3 +157,8 @@ class Kind:
     def describe(self, stage: str, part: Part, ctx: ExportContext, models: dict[str, Any]) -> str:
         """Its part of ``stage``'s console line."""
         return ""
+
+    # -- after the export ----------------------------------------------------------------------------------------
+    def bundle(self, m: Manifest) -> Bundled:
+        """What a release bundle of the export ``m`` describes carries for this kind (nothing if ``m`` has none)."""
+        return Bundled()

@@ -19,9 +19,9 @@ import torch
 
 from exporters.backends import SWAPS_ADAPTERS
 from exporters.components.adapters import ADAPTERS
-from exporters.components.kind import Finalized, Kind, Part
+from exporters.components.kind import Bundled, Finalized, Kind, Part
 from exporters.config import ExportConfig
-from exporters.manifest import DataFile, Signature, SwappableEntry
+from exporters.manifest import DataFile, Manifest, Signature, SwappableEntry
 from exporters.output.files import private_path, sha256_of
 from exporters.program.internals import write_tensor_file
 from exporters.program.signatures import signature
@@ -113,3 +113,48 @@ class Slots(Kind):
         entry = SwappableEntry(method=SET_ADAPTER, inputs=written.methods.signatures[SET_ADAPTER].inputs,
                                slots=geometry.to_json(), adapters=files, how=SWAP_HOWTO)
         return Finalized(fields={"swappable": entry}, staged=staged)
+
+    def bundle(self, m: Manifest) -> Bundled:
+        """The bundle carries each adapter's file and says how an app sets one."""
+        if m.swappable is None:
+            return Bundled()
+        return Bundled(readme=bundle_readme(m), files=[entry.file for entry in m.swappable.adapters.values()])
+
+
+def bundle_readme(m: Manifest) -> str:
+    """The bundle README's section on the slots: set_adapter's inputs, the files, each adapter's quality."""
+    s = m.swappable
+    slots = s.slots
+    targets = ", ".join(f"`{t['kind']}` ({t['out_features']} x {t['in_features']})" for t in slots["targets"])
+    inputs = "\n".join(f"| {i} | `{spec.name}` | {spec.dtype} {spec.shape} |" for i, spec in enumerate(s.inputs))
+    rows = "\n".join(f"| `{name}` | `{s.adapters[name].file}` ({s.adapters[name].size_bytes / 1e6:.2f} MB) | "
+                     f"r={'/'.join(map(str, a.rank))}, alpha {a.lora_alpha}{', rsLoRA' if a.use_rslora else ''}, "
+                     f"{a.layers} layers ({', '.join(a.targets)}) | "
+                     + (a.validation.quality() if a.validation else "not validated") + " |"
+                     for name, a in m.adapters.items() if name in s.adapters)
+    given = (f"""Adapters exported with it, each validated in the runtime against PEFT:
+
+| adapter | file | what it changes | quality |
+|---|---|---|---|
+{rows}
+
+""" if rows else "")
+    return f"""## LoRA adapters, swapped at run time
+
+The base model's methods read LoRA slots of rank {slots['rank']} on {targets} in each of its {slots['layers']} layers
+({slots['dtype']}). The method `{s.method}` writes them, and every method computes with what it wrote, until the
+next call of `{s.method}`: any PEFT LoRA adapter whose targets are among those and whose rank is at most
+{slots['rank']} is data for this program, including one trained after it. `{s.method}` takes, in this order (the
+constant method `get_lora_inputs` lists the names), `Aᵀ` and `(scale·B)ᵀ` of every layer, zero past an adapter's
+rank and where it changes nothing:
+
+| input | name | dtype, shape |
+|---|---|---|
+{inputs}
+
+{s.how}
+
+{given}`python -m exporters.adapter <this folder> <PEFT folder> out=<file.ptd>` turns another adapter into such a file,
+checked against these shapes; `python -m exporters.generate <this folder> prompt="..." adapter=<name or file>` runs it.
+
+"""

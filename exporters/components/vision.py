@@ -20,16 +20,17 @@ from typing import TYPE_CHECKING, Any, Sequence
 from tokenizers import Tokenizer
 from transformers import AutoConfig
 
-from exporters.components.kind import Basis, Finalized, Kind, Part
+from exporters.components.kind import Basis, Bundled, Finalized, Kind, Part
 from exporters.config import ExportConfig, ModelConfig, Source
 from exporters.context.artifacts import summary
 from exporters.errors import UserError, check_choice
-from exporters.manifest import ComponentEntry, VisionEntry
+from exporters.manifest import ComponentEntry, Manifest, VisionEntry
 from exporters.plan.component import Component, ComponentKind, QuantPlan
 from exporters.plan.footprint import BASE_BYTES, Footprint
 from exporters.program.methods import MULTIMODAL_METHODS, MethodTable
-from exporters.program.vision import (VISION, VISION_METHOD, VisionGeometry, has_processor, noop_expands_dropped,
-                                      preprocessing, prompt_marker, vision_constants, vision_spec)
+from exporters.program.vision import (PATCH_ROW_FAMILIES, PROCESSOR_FILES, VISION, VISION_METHOD, VisionGeometry,
+                                      has_processor, noop_expands_dropped, preprocessing, prompt_marker,
+                                      vision_constants, vision_spec)
 from exporters.quant.vision import AUTO, VISION_SCHEMES, quantize_vision, vision_scheme
 from exporters.validation.image import ImageBaseline, check_image_path, unquantized_image_path
 from models.checkpoint import open_checkpoint
@@ -228,3 +229,39 @@ class Vision(Kind):
         if stage == "quantize":
             return f"; vision encoder: {ctx.record(part.name).quantization}"
         return ""
+
+    def bundle(self, m: Manifest) -> Bundled:
+        """The bundle carries the processor files and says how an app feeds an image."""
+        name, entry = next(((n, e) for n, e in m.components.items() if e.kind == self.name), (None, None))
+        if entry is None or entry.vision is None:
+            return Bundled()
+        return Bundled(readme=bundle_readme(entry.vision), files=list(PROCESSOR_FILES),
+                       fields={"vision": m.to_dict()["components"][name]["vision"]})
+
+
+def bundle_readme(v: VisionEntry) -> str:
+    """The bundle README's section on images: what an app does to a picture, and which runner takes it."""
+    p = v.preprocessing
+    processor = ("the processor files here do exactly this: `AutoProcessor.from_pretrained(<this folder>)`"
+                 if v.family not in PATCH_ROW_FAMILIES else
+                 "the processor files here are LFM2-VL's, whose transformers processor keeps the picture's aspect "
+                 "ratio and writes patch rows: `models.vision.load_processor(<this folder>)` of llm-exporters makes "
+                 "one square, and `exporters.program.vision.program_pixels` folds its rows into these pixels")
+    return f"""## Images
+
+`vision_encoder` takes one image as float32 `[1, 3, {v.image_size}, {v.image_size}]`: resize the picture to
+{v.image_size} x {v.image_size}, multiply its RGB values by {p.get('rescale_factor', 1 / 255):.6g}, subtract
+`{p.get('image_mean')}` and divide by `{p.get('image_std')}` per channel, channels first ({processor}). It returns the image's {v.tokens_per_image}
+embeddings, which `text_decoder` takes at the next {v.tokens_per_image} positions; text goes through
+`token_embedding` then `text_decoder`. In a prompt the image's place is token {v.image_token_id}
+(`{v.image_token}`), {v.tokens_per_image} times.
+
+- Android / iOS (C++): `MultimodalRunner` from `executorch/extension/llm/runner` with a list of inputs: text,
+  `Image` (the float CHW pixels above), text; it calls the three methods in order and then decodes.
+- Python: `executorch.extension.llm.runner.MultimodalRunner("<program>", "tokenizer.json")` and
+  `generate_hf(runner, inputs=processor(images=..., text=...), image_token_id={v.image_token_id})` (its
+  `pixel_values` as above).
+- `python -m exporters.generate <this folder> prompt="... {v.prompt_marker} ..." image=<file>` (the processor turns
+  `{v.prompt_marker}` into the image's tokens).
+
+"""

@@ -13,17 +13,16 @@ import shutil
 import tarfile
 from pathlib import Path
 
+from exporters.components import KINDS, Bundled
 from exporters.program.versions import STOCK_RUNNER_RELEASES
 from exporters.errors import UserError
 from exporters.output.folder import check_writable
 from exporters.output.files import sha256_of
 from exporters.manifest import MANIFEST_FILE, Manifest, ValidationReport
 from exporters.program.weights import data_files_beside
-from exporters.program.vision import PATCH_ROW_FAMILIES, PROCESSOR_FILES
 from models.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 
-BUNDLED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", CHAT_TEMPLATE_FILE, "generation_config.json",
-           *PROCESSOR_FILES)
+BUNDLED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", CHAT_TEMPLATE_FILE, "generation_config.json")
 
 
 def _how_to_run(m: Manifest, tokenizer: str) -> str:
@@ -84,53 +83,6 @@ Speculative decoding: `verify` takes the last accepted token and up to `get_draf
 ({tokens}, their first position int64[1]) and returns the logits of every position; keep proposals left to right
 while each is the model's own choice, then continue from the first position not kept: the next call overwrites the
 rejected tokens' cache slots, so nothing else rolls back.{measured}
-{_draft(m)}"""
-
-
-def _draft(m: Manifest) -> str:
-    """The draft model's methods, when the program holds one."""
-    draft = m.components.get("draft")
-    if draft is None:
-        return ""
-    quant = draft.quantization.describe() if draft.quantization else "unquantized"
-    return (f"The draft model ({draft.family or 'unknown'} family, {(draft.parameters or 0) / 1e6:.0f}M parameters, "
-            f"{quant}) proposes them: `draft_prefill` takes the text its cache has not seen yet (int64[1, T], its "
-            "first position int64[1]) and `draft_decode_one_token` one token at a time, each returning the logits "
-            "of its last position; its KV cache is its own, rolled back by position like the target's. "
-            + (f"Its logits are {draft.vocabulary.tokens} tokens only (FR-Spec: the most frequent by "
-               f"{draft.vocabulary.ranked_by}): `get_draft_vocab` (int64[{draft.vocabulary.tokens}]) gives the token "
-               "of each. " if draft.vocabulary else "")
-            + "`python -m exporters.generate <folder> prompt=... speculative=draft` does all this.\n")
-
-
-def _vision_text(m: Manifest) -> str:
-    """How an app gives a vision-language program an image."""
-    vision = m.components.get("vision")
-    if vision is None or vision.vision is None:
-        return ""
-    v, p = vision.vision, vision.vision.preprocessing
-    processor = ("the processor files here do exactly this: `AutoProcessor.from_pretrained(<this folder>)`"
-                 if v.family not in PATCH_ROW_FAMILIES else
-                 "the processor files here are LFM2-VL's, whose transformers processor keeps the picture's aspect "
-                 "ratio and writes patch rows: `models.vision.load_processor(<this folder>)` of llm-exporters makes "
-                 "one square, and `exporters.program.vision.program_pixels` folds its rows into these pixels")
-    return f"""## Images
-
-`vision_encoder` takes one image as float32 `[1, 3, {v.image_size}, {v.image_size}]`: resize the picture to
-{v.image_size} x {v.image_size}, multiply its RGB values by {p.get('rescale_factor', 1 / 255):.6g}, subtract
-`{p.get('image_mean')}` and divide by `{p.get('image_std')}` per channel, channels first ({processor}). It returns the image's {v.tokens_per_image}
-embeddings, which `text_decoder` takes at the next {v.tokens_per_image} positions; text goes through
-`token_embedding` then `text_decoder`. In a prompt the image's place is token {v.image_token_id}
-(`{v.image_token}`), {v.tokens_per_image} times.
-
-- Android / iOS (C++): `MultimodalRunner` from `executorch/extension/llm/runner` with a list of inputs: text,
-  `Image` (the float CHW pixels above), text; it calls the three methods in order and then decodes.
-- Python: `executorch.extension.llm.runner.MultimodalRunner("<program>", "tokenizer.json")` and
-  `generate_hf(runner, inputs=processor(images=..., text=...), image_token_id={v.image_token_id})` (its
-  `pixel_values` as above).
-- `python -m exporters.generate <this folder> prompt="... {v.prompt_marker} ..." image=<file>` (the processor turns
-  `{v.prompt_marker}` into the image's tokens).
-
 """
 
 
@@ -178,81 +130,6 @@ KV cache: {kv.describe()}. Feed a prompt in calls of at most `get_max_seq_len` =
 """
 
 
-def _swappable_text(m: Manifest) -> str:
-    """How an app sets a LoRA adapter in a swappable program: set_adapter's inputs, the files, each one's quality."""
-    s = m.swappable
-    assert s is not None
-    slots = s.slots
-    targets = ", ".join(f"`{t['kind']}` ({t['out_features']} x {t['in_features']})" for t in slots["targets"])
-    inputs = "\n".join(f"| {i} | `{spec.name}` | {spec.dtype} {spec.shape} |" for i, spec in enumerate(s.inputs))
-    rows = "\n".join(f"| `{name}` | `{s.adapters[name].file}` ({s.adapters[name].size_bytes / 1e6:.2f} MB) | "
-                     f"r={'/'.join(map(str, a.rank))}, alpha {a.lora_alpha}{', rsLoRA' if a.use_rslora else ''}, "
-                     f"{a.layers} layers ({', '.join(a.targets)}) | "
-                     + (a.validation.quality() if a.validation else "not validated") + " |"
-                     for name, a in m.adapters.items() if name in s.adapters)
-    given = (f"""Adapters exported with it, each validated in the runtime against PEFT:
-
-| adapter | file | what it changes | quality |
-|---|---|---|---|
-{rows}
-
-""" if rows else "")
-    return f"""## LoRA adapters, swapped at run time
-
-The base model's methods read LoRA slots of rank {slots['rank']} on {targets} in each of its {slots['layers']} layers
-({slots['dtype']}). The method `{s.method}` writes them, and every method computes with what it wrote, until the
-next call of `{s.method}`: any PEFT LoRA adapter whose targets are among those and whose rank is at most
-{slots['rank']} is data for this program, including one trained after it. `{s.method}` takes, in this order (the
-constant method `get_lora_inputs` lists the names), `Aᵀ` and `(scale·B)ᵀ` of every layer, zero past an adapter's
-rank and where it changes nothing:
-
-| input | name | dtype, shape |
-|---|---|---|
-{inputs}
-
-{s.how}
-
-{given}`python -m exporters.adapter <this folder> <PEFT folder> out=<file.ptd>` turns another adapter into such a file,
-checked against these shapes; `python -m exporters.generate <this folder> prompt="..." adapter=<name or file>` runs it.
-
-"""
-
-
-def _adapters_text(m: Manifest) -> str:
-    """How an app switches LoRA adapters: each one's methods, and its quality."""
-    if m.swappable is not None:
-        return _swappable_text(m)
-    if not m.adapters:
-        return ""
-    rows = "\n".join(f"| `{name}` | " + ", ".join(f"`{n}`" for n in a.methods.values()) + f" | r={'/'.join(map(str, a.rank))}, "
-                     f"alpha {a.lora_alpha}{', rsLoRA' if a.use_rslora else ''}, {a.layers} layers ({', '.join(a.targets)}) | "
-                     + (a.validation.quality() if a.validation else "not validated") + " |"
-                     for name, a in m.adapters.items())
-    first = next(iter(m.adapters))
-    files = [(name, a.data) for name, a in m.adapters.items() if a.data is not None]
-    data = "" if not files else (
-        "Each adapter's A and B matrices are in its own data file (" + ", ".join(
-            f"`{name}`: `{f.file}` {f.size_bytes / 1e6:.2f} MB" for name, f in files) + "), loaded beside the "
-        f"base's `{m.data.file if m.data else ''}` to run its methods. An app ships only the adapters it uses (the "
-        "base's methods need none of these files), and updates an adapter by replacing its file with one exported "
-        "under the same name, ranks and targets: that export's program is the same bytes as this one.\n\n")
-    return f"""## LoRA adapters
-
-The program holds the base model's methods and, for each adapter, the same methods with the adapter applied,
-named `<adapter>_<method>`; the base weights are stored once. The constant method `get_adapters` lists them
-(`"{','.join(m.adapters)}"`). To switch adapters, call the other adapter's methods: they share the KV cache
-with every method, so start the new conversation at position 0 (a conversation continued under another
-adapter would attend to keys its adapter did not compute).
-
-| adapter | methods | what it changes | quality |
-|---|---|---|---|
-{rows}
-
-{data}`python -m exporters.generate <this folder> prompt="..." adapter={first}` runs one from Python.
-
-"""
-
-
 def _validation_text(v: ValidationReport | None) -> str:
     if v is None:
         return "Not validated (exported with validate=false)."
@@ -260,7 +137,7 @@ def _validation_text(v: ValidationReport | None) -> str:
             f"{v.text}: mean KL divergence {v.kl_mean}, greedy agreement {v.top1_agreement}. Quality: {v.quality()}.")
 
 
-def _readme(name: str, m: Manifest) -> str:
+def _readme(name: str, m: Manifest, bundled: list[Bundled]) -> str:
     cfg = m.config
     rows = "\n".join(
         f"| `{method}` | " + ", ".join(f"`{i.name}`: {i.dtype}{i.shape}" for i in sig.inputs)
@@ -292,7 +169,7 @@ context {m.constant_methods.get('get_max_context_len', cfg['export']['max_seq_le
 |---|---|
 {constants}
 
-{_context_text(m)}{_vision_text(m)}{_adapters_text(m)}## Validation
+{_context_text(m)}{"".join(b.readme for b in bundled)}## Validation
 
 {_validation_text(m.validation)}
 
@@ -318,12 +195,12 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     if bundle.exists():
         shutil.rmtree(bundle)
     bundle.mkdir(parents=True)
-    swapped = [entry.file for entry in m.swappable.adapters.values()] if m.swappable else []
-    for file in (pte.name, *(p.name for p in data), *BUNDLED, *swapped):
+    bundled = [kind.bundle(m) for kind in KINDS.values()]  # what each kind of model the program holds adds
+    for file in (pte.name, *(p.name for p in data), *BUNDLED, *(f for b in bundled for f in b.files)):
         if (run_dir / file).is_file():
             (bundle / file).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(run_dir / file, bundle / file)
-    (bundle / "README.md").write_text(_readme(name, m))
+    (bundle / "README.md").write_text(_readme(name, m, bundled))
     files = {str(p.relative_to(bundle)): {"sha256": sha256_of(p), "size_bytes": p.stat().st_size}
              for p in sorted(bundle.rglob("*")) if p.is_file()}
     if files[pte.name]["sha256"] != m.program.sha256:
@@ -338,7 +215,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
         "data": full["data"], "adapters": full["adapters"], "swappable": full.get("swappable"),
         "runtime": full["runtime"], "bench": full["bench"],
         "versions": m.versions, "config": cfg, "files": files,
-        **({"vision": full["components"]["vision"]["vision"]} if "vision" in full["components"] else {}),
+        **{k: v for b in bundled for k, v in b.fields.items()},
     }
     (bundle / MANIFEST_FILE).write_text(json.dumps(bundle_manifest, indent=2) + "\n")
     archive = out / f"{name}.tar.gz"
