@@ -16,15 +16,17 @@ from pathlib import Path
 from typing import Any, Iterator
 
 VERBOSE = False  # set from the command line's verbose=true
+OWN_LOGGERS = ("exporters", "models")
 
 log = logging.getLogger("exporters")
 
 
 class StoryFilter(logging.Filter):
-    """Console filter: this tool's own records, and errors from anyone."""
+    """Console filter: this tool's own records (``exporters`` and ``models``: a GGUF dequantized or a tiny model
+    trained in load says so), and errors from anyone."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return VERBOSE or record.name.split(".")[0] == "exporters" or record.levelno >= logging.ERROR
+        return VERBOSE or record.name.split(".")[0] in OWN_LOGGERS or record.levelno >= logging.ERROR
 
 
 @contextlib.contextmanager
@@ -56,12 +58,26 @@ def log_file() -> Path | None:
                 None)
 
 
+def count(n: int) -> str:
+    """A number of parameters as a reader takes it in: 20K, 1.5M, 1.54B (a 20K-parameter draft is not "0.0M")."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def _agreement(report: Any) -> str:
+    """Greedy agreement as every line shows it: to a tenth of a percent (99.6% is not rounded up to 100%)."""
+    return f"top-1 agreement {report.top1_agreement:.1%}"
+
+
 def _verdict(report: Any) -> str:
     """An adapter's or another component's validation (a ``ValidationReport`` or None) in one phrase."""
     if report is None:
         return "not validated"
-    return (f"{'passed' if report.passed else 'FAILED'} (KL {report.kl_mean:.2g}, top-1 agreement "
-            f"{report.top1_agreement:.0%}), {report.quality()}")
+    return f"{'passed' if report.passed else 'FAILED'} (KL {report.kl_mean:.2g}, {_agreement(report)}), {report.quality()}"
+
+
+def _other_methods(m: Any) -> str:
+    """The methods of the program's other components (a draft's, a vision encoder's), after the decoder's."""
+    return "".join(f"; {', '.join(c.methods)} ({name})" for name, c in m.components.items() if c.kind != "decoder")
 
 
 def log_export_summary(result: Any) -> None:
@@ -69,7 +85,7 @@ def log_export_summary(result: Any) -> None:
     m = result.manifest
     validation = m.validation
     verdict = "skipped (validate=false)" if validation is None else (
-        f"passed (KL {validation.kl_mean:.2g}, top-1 agreement {validation.top1_agreement:.0%})"
+        f"passed (KL {validation.kl_mean:.2g}, {_agreement(validation)})"
         + ("" if validation.checked == "runtime" else f"; checked on the {validation.checked}"))
     quality = "not measured (validate=false)" if validation is None else (
         f"{validation.quality()} on {validation.scored_tokens} tokens of {validation.text}")
@@ -86,10 +102,10 @@ def log_export_summary(result: Any) -> None:
         f"; {swap.method}: LoRA slots of rank {swap.slots['rank']} on "
         f"{', '.join(t['kind'] for t in swap.slots['targets'])}, any PEFT adapter that fits (docs/adapters.md)")
     others = "".join(
-        f"\n  {name}: {', '.join(c.methods)}; {c.family or 'unknown'} family, {(c.parameters or 0) / 1e6:.1f}M "
+        f"\n  {name}: {', '.join(c.methods)}; {c.family or 'unknown'} family, {count(c.parameters or 0)} "
         f"parameters, {c.quantization.describe() if c.quantization else 'not quantized'}; {_verdict(c.validation)}"
         for name, c in m.components.items() if c.kind != "decoder" and c.vision is None) + "".join(
-        f"\n  {name}: {', '.join(c.methods)}; {c.vision.describe()}, {(c.parameters or 0) / 1e6:.2f}M parameters"
+        f"\n  {name}: {', '.join(c.methods)}; {c.vision.describe()}, {count(c.parameters or 0)} parameters"
         for name, c in m.components.items() if c.vision is not None)
     speculative = ("" if validation is None or validation.speculative is None
                    else f"\n  speculative: {validation.speculative.describe()}")
@@ -99,7 +115,7 @@ def log_export_summary(result: Any) -> None:
         "  ExecuTorch stock runners: %s\n  validation: %s\n  quality: %s%s\n  export: %s%s\n"
         "  manifest: %s",
         result.pte_path, m.program.size_bytes / 1e6, data, m.program.sha256[:16],
-        ", ".join(m.layout.methods) + slots,  # the base's; each adapter's are on its own line
+        ", ".join(m.layout.methods) + slots + _other_methods(m),  # each adapter's are on its own line
         m.layout.name, m.kv_cache.describe() if m.kv_cache else "not recorded", ", ".join(m.constant_methods), runners, verdict, quality,
         speculative + others + adapters,
         m.resources.describe(),

@@ -1,15 +1,20 @@
 """``python -m exporters.generate <run folder or .pte> prompt="..." [key=value ...]``
 
 Same ``key=value`` style as the exporter; the keys are checked against :class:`GenerateArgs`, so a
-typo or a wrong type is an error naming the key.
+typo or a wrong type is an error naming the key. The prompt is text, never parsed: everything after
+``prompt=`` as it is (colons, ``#``, ``${...}``, new lines), or a file's (``prompt_file=``), or standard input
+(``prompt=-``). What the program can answer without its weights (its methods, the images' files, the
+prompt's length) is checked before they are loaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import List, Optional
+from pathlib import Path
+from typing import List, Optional, TextIO
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -20,9 +25,12 @@ from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt
 
 USAGE = """usage: python -m exporters.generate <run folder or .pte> prompt="..." [key=value ...]
 
-keys: prompt (required), max_new_tokens=128, temperature=0.0 (greedy), top_p=1.0, seed=0,
+keys: prompt=<text> (taken as written: everything after the first =), or prompt_file=<path> (a UTF-8 file), or
+      prompt=- (standard input): one of them is required;
+      max_new_tokens=128, temperature=0.0 (greedy), top_p=1.0, seed=0,
       chat=false (apply tokenizer_config.json's chat template), tokenizer=<tokenizer.json>,
-      adapter=<name> (a LoRA adapter exported with model.adapters; unset: the base model),
+      adapter=<name | file.ptd | PEFT folder> (a LoRA adapter exported with model.adapters, by name; of a
+      swappable program, also a .ptd file or a PEFT folder that fits its slots; unset: the base model),
       speculative=auto (draft: the program's draft model proposes tokens, its verify method checks them;
       lookup: propose tokens from the text so far instead; none: one token per call;
       auto: draft when the program has a draft model, else none),
@@ -36,7 +44,7 @@ keys: prompt (required), max_new_tokens=128, temperature=0.0 (greedy), top_p=1.0
 
 @dataclass
 class GenerateArgs:
-    prompt: str = "???"
+    prompt: str = ""
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -50,21 +58,57 @@ class GenerateArgs:
     image: List[str] = field(default_factory=list)
 
 
-def parse(argv: list[str]) -> tuple[str, GenerateArgs]:
+#: Keys whose values are taken as written, never read as YAML: text and file paths (a path may hold ``:`` or ``#``).
+VERBATIM = ("prompt", "prompt_file", "image", "tokenizer", "adapter")
+
+
+def parse(argv: list[str], stdin: TextIO | None = None) -> tuple[str, GenerateArgs]:
+    """The program's path and the checked arguments; ``stdin``: where ``prompt=-`` reads (default: sys.stdin)."""
     if not argv or argv[0] in ("-h", "--help") or "=" in argv[0]:
         raise UserError(USAGE)
-    images = [a.removeprefix("image=") for a in argv[1:] if a.startswith("image=")]  # repeated: one per image
-    rest = [a for a in argv[1:] if not a.startswith("image=")]
+    verbatim: dict[str, list[str]] = {key: [] for key in VERBATIM}
+    rest = []
+    for arg in argv[1:]:
+        key, _, value = arg.partition("=")
+        if key in verbatim and "=" in arg:
+            verbatim[key].append(value)  # image= is repeated, one per image
+        else:
+            rest.append(arg)
+    once = {key: values[0] for key, values in verbatim.items() if key != "image" and _once(key, values)}
+    prompt = _prompt(once.pop("prompt", None), once.pop("prompt_file", None), stdin or sys.stdin)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(GenerateArgs), OmegaConf.from_dotlist(rest),
-                                 {"image": images})
-        args = OmegaConf.to_object(merged)
+        args = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GenerateArgs), OmegaConf.from_dotlist(rest)))
     except OmegaConfBaseException as e:
         raise UserError(f"{e}\n{USAGE}") from None
     assert isinstance(args, GenerateArgs)
+    # Set after OmegaConf, which would read ${...} in them as interpolations.
+    args = dataclasses.replace(args, prompt=prompt, image=verbatim["image"], **once)
     if not 0 < args.top_p <= 1 or args.temperature < 0 or args.max_new_tokens < 1:
         raise UserError("need 0 < top_p <= 1, temperature >= 0 and max_new_tokens >= 1.")
     return argv[0], args
+
+
+def _once(key: str, values: list[str]) -> bool:
+    if len(values) > 1:
+        raise UserError(f"{key}= is given {len(values)} times: give it once.\n{USAGE}")
+    return bool(values)
+
+
+def _prompt(text: str | None, file: str | None, stdin: TextIO) -> str:
+    """The prompt, exactly as given: ``prompt=<text>``, ``prompt_file=<path>`` or ``prompt=-`` (standard input)."""
+    if text is not None and file is not None:
+        raise UserError("prompt= and prompt_file= are both given: give one (prompt=- reads standard input).")
+    if file is not None:
+        try:
+            return Path(file).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"prompt_file={file}: cannot be read as UTF-8 text ({e}). Give a readable text file, "
+                            "or the prompt itself with prompt=<text> (or prompt=- for standard input).") from None
+    if text == "-":
+        return stdin.read()
+    if text is None:
+        raise UserError(f"no prompt: give prompt=<text>, prompt_file=<path> or prompt=- (standard input).\n{USAGE}")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,15 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         if not args.verbose:
             warnings.simplefilter("ignore")
         with console.native_stderr_to(None):  # the runtime's log lines; the text goes to stdout
-            generator = Generator(path, args.tokenizer, args.adapter)
+            # Everything the program can answer without its weights is checked before they are loaded.
+            generator = Generator(path, args.tokenizer, args.adapter, load=False)
+            generator.check_speculation(args.speculative, args.draft_tokens)
             # A vision-language program's prompt always goes through its processor: an image mark without an image
-            # (or the reverse) is refused there.
-            images = generator.with_images(args.prompt, args.image, args.chat) if generator.sees_images else None
+            # (or the reverse) is refused there, as image= on a program that takes none.
+            images = (generator.with_images(args.prompt, args.image, args.chat)
+                      if generator.sees_images or args.image else None)
             prompt = chat_prompt(generator.pte, args.prompt) if args.chat and not images else args.prompt
             ids = images.ids if images else generator.encode(prompt)
             generator.check_fits(ids)
-            # a bad value or a program without verify: said before the prompt
-            generator.speculation(args.speculative, args.draft_tokens)
+            generator.load()
             sys.stdout.write(args.prompt if not args.chat else "")
             result = generator.generate(
                 prompt, SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed), prompt_ids=ids,

@@ -22,6 +22,7 @@ from exporters.config import CONF_DIR, compose, register_configs
 from exporters.errors import REPORTED_ERRORS, Interrupted
 from exporters.export import export
 from exporters.help import help_text
+from exporters.output.folder import remove_if_nothing_written
 from exporters.output.interrupts import signal_of, sigterm_interrupts
 from exporters.sweeps.job import run_sweep_job
 from exporters.sweeps.search import objective
@@ -47,6 +48,7 @@ def run(cfg: DictConfig) -> float | None:
             result = export(plan_export(cfg, overrides=list(hydra_cfg.overrides.task)), output_dir)
     except REPORTED_ERRORS as e:
         log.error("export failed: %s", e)
+        remove_if_nothing_written(Path(hydra_cfg.runtime.output_dir))  # a refused export leaves no empty folder
         sys.exit(2)
     except Interrupted as e:
         log.error("export %s", e.describe())

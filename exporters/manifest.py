@@ -366,7 +366,8 @@ class AppliedQuantization:
             applied = getattr(self, role)
             if applied:
                 algorithm = "" if applied.algorithm == "hqq" else f" {applied.algorithm}"
-                parts.append(f"{role} {applied.scheme}{algorithm} ({len(applied.layers)} layers)")
+                n = len(applied.layers)  # matrices, not decoder layers: a layer holds seven linears
+                parts.append(f"{role} {applied.scheme}{algorithm} ({n} {'matrix' if n == 1 else 'matrices'})")
         if self.mixed:
             parts.append(f"mixed precision: {self.mixed.describe()}")
         if self.pt2e:

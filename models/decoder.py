@@ -351,7 +351,7 @@ class CustomOpsAttention(Attention):
         cache = self.kv_cache
         assert isinstance(cache, CustomOpsKVCache)
         start_pos = positions[0].item()
-        torch._check_is_size(start_pos)
+        torch._check(start_pos >= 0)  # a position (torch._check_is_size is deprecated: it says to use this)
         if not cache.geometry.ring:  # a ring takes any position
             torch._check(start_pos < cache.geometry.slots)
         cache.update(k, v, slots, start_pos)

@@ -144,8 +144,10 @@ def _convert(path: Path, out: Path) -> None:
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(loaded.state_dict())
+    with torch.device("meta"):  # shapes only: it takes the loaded tensors themselves, so one fp32 model is held, not two
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict(), assign=True)
+    fresh.tie_weights()
     del loaded
     fresh.generation_config = _generation_config(fresh.generation_config, tokenizer)
     fresh.save_pretrained(str(out), safe_serialization=True)

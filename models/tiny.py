@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -92,7 +96,10 @@ def fit_to_corpus(model: torch.nn.Module, ids: list[int], steps: int, seed: int,
     data = torch.tensor(ids)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
-    for _ in range(steps):
+    marks = {steps * k // 4 for k in range(1, 4)}
+    for step in range(steps):
+        if step in marks:
+            log.info("  load: training the tiny model, step %d/%d", step, steps)
         starts = torch.randint(0, len(data) - window - 1, (8,), generator=gen)
         batch = torch.stack([data[s:s + window] for s in starts.tolist()])
         loss = model(input_ids=batch, labels=batch).loss
@@ -142,6 +149,9 @@ def built_once(key: str, build: Callable[[Path], Path], out: Path) -> Path:
         cache.mkdir(parents=True, exist_ok=True)
         with FileLock(str(cache / f"{key}.lock")):
             if not cached.is_dir():
+                started = time.perf_counter()
+                log.info("  load: training a tiny model for this recipe (once: later exports copy it from %s) ...",
+                         cached)
                 staging = Path(tempfile.mkdtemp(dir=cache, prefix=f".{key}."))
                 try:
                     build(staging)
@@ -149,6 +159,7 @@ def built_once(key: str, build: Callable[[Path], Path], out: Path) -> Path:
                     shutil.rmtree(staging, ignore_errors=True)
                     raise
                 os.replace(staging, cached)
+                log.info("  load: tiny model trained in %.1f s", time.perf_counter() - started)
     except OSError:  # no writable cache (a read-only home): build into the run folder itself
         return build(out)
     shutil.copytree(cached, out, dirs_exist_ok=True)

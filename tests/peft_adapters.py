@@ -116,5 +116,14 @@ def train_test_adapters(base: Path, out: Path, names: tuple[str, ...] = tuple(RE
 
 
 if __name__ == "__main__":
-    for name, folder in train_test_adapters(Path(sys.argv[1]), Path(sys.argv[2])).items():
+    import warnings
+
+    from exporters.console import native_stderr_to
+
+    # The console says what was written; library warnings and the runtime's C++ lines are dropped (an error's
+    # traceback still shows, after the block).
+    with warnings.catch_warnings(), native_stderr_to(None):
+        warnings.simplefilter("ignore")
+        written = train_test_adapters(Path(sys.argv[1]), Path(sys.argv[2]))
+    for name, folder in written.items():
         print(name, folder)

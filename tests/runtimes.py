@@ -67,7 +67,7 @@ def stock_runner(release: str, pte: Path, prompt: str, max_new_tokens: int, data
     ``turns``: generate that many times in one runner, the conversation going on (the text of each in "turns")."""
     proc = subprocess.run([str(runtime_python(release)), str(STOCK_RUNNER_SCRIPT), str(pte),
                            str(pte.parent / "tokenizer.json"), prompt, str(max_new_tokens),
-                           *(["--data", str(data)] if data else []), "--turns", str(turns)],
+                           *(["--data", str(data)] if data else []), "--turns", str(turns), "--verbose"],
                           capture_output=True, text=True, timeout=600, cwd=pte.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -164,11 +164,21 @@ def test_the_draft_writes_its_own_cache_not_the_targets(draft_program) -> None: 
     assert torch.equal(target.decode_one_token(45, prompt.shape[1]), alone)
 
 
-def test_speculative_draft_needs_a_draft(exported) -> None:  # type: ignore[no-untyped-def]
-    generator = Generator(exported("quant=8da4w", "export.methods=[prefill,decode,forward,verify]").pte_path)  # test_speculative's
-    with pytest.raises(UserError, match=r"speculative=draft needs a draft model.*draft.checkpoint"):
-        generator.speculation("draft")
+def test_speculative_draft_needs_a_draft_and_the_refusal_offers_fixes_that_work(exported) -> None:  # type: ignore[no-untyped-def]
+    """Refused before any weight is loaded, with fixes that work: a draft (test_draft_program_...), or, where the
+    program has verify, lookup; never verify alone, which enables lookup only."""
+    generator = Generator(exported("quant=8da4w", "export.methods=[prefill,decode,forward,verify]").pte_path,  # test_speculative's
+                          load=False)
+    with pytest.raises(UserError, match=r"speculative=draft needs a draft model.*draft.checkpoint") as refused:
+        generator.check_speculation("draft")
+    assert "export.methods" not in str(refused.value) and "speculative=lookup" in str(refused.value)
+    assert not {"prefill", "decode_one_token", "forward", "verify"} & generator.program.loaded
     assert generator.speculation("auto") is None  # verify without a draft: auto decodes one token per call
+    assert generator.speculation("lookup") is not None  # the fix it offers
+    plain = Generator(exported().pte_path, load=False)  # no verify: lookup is not offered
+    with pytest.raises(UserError, match=r"speculative=draft needs a draft model") as refused:
+        plain.check_speculation("draft")
+    assert "lookup" not in str(refused.value) and "export.methods" not in str(refused.value)
 
 
 def test_a_draft_with_another_tokenizer_is_refused_before_any_weight_is_read(tiny_checkpoint: Path,

@@ -77,6 +77,11 @@ def test_draft_tokens_must_fit_one_call() -> None:
         checked_config(compose_config("export.methods=[prefill,decode,verify]", "export.layout=split",
                                       "quant=pt2e_xnnpack_dynamic"))
     checked_config(compose_config("export.max_seq_len=4"))  # without verify, draft.tokens does not matter
+    # ... unless it is given: then it would be ignored, so it is refused, naming the two ways to give it a meaning
+    with pytest.raises(UserError, match=r"draft.tokens=3 without draft.checkpoint or verify in export.methods.*"
+                                        r"draft.checkpoint=.*export.methods=\[prefill,decode,forward,verify\]"):
+        checked_config(compose_config("draft.tokens=3"))
+    checked_config(compose_config(VERIFY, "draft.tokens=3"))  # with verify it sets how many proposals verify checks
 
 
 # The linear cache on the 8da4w program other tests read; an int8 ring (an attention sink) on fp32 weights (faster to

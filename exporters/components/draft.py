@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from exporters.components.kind import Basis, Bundled, Finalized, Part
 from exporters.components.language_model import LanguageModel, unquantized_nll
 from exporters.config import DraftConfig, ExportConfig, ModelConfig, QuantConfig, quant_option
+from exporters.console import count
 from exporters.context.artifacts import summary
 from exporters.errors import UserError
 from exporters.manifest import ComponentEntry, HeadVocabularyEntry, Manifest
@@ -54,6 +55,13 @@ class Draft(LanguageModel):
                 if value is not None:
                     raise UserError(f"draft.{key}={value} without draft.checkpoint: there is no draft to apply it to. "
                                     f"Give draft.checkpoint=<folder or .gguf> or leave draft.{key} unset.")
+            if draft.tokens != DraftConfig.tokens and "verify" not in cfg.export.methods:
+                raise UserError(
+                    f"draft.tokens={draft.tokens} without draft.checkpoint or verify in export.methods: it sets how "
+                    "many proposed tokens the verify method checks, and this program has none. Give "
+                    "draft.checkpoint=<folder or .gguf> (a draft model; it adds verify), or add verify to export.methods "
+                    "(export.methods=[prefill,decode,forward,verify]: prompt-lookup speculation), or leave draft.tokens "
+                    "unset.")
             return
         if draft.vocab_text is not None and draft.vocab is None:
             raise UserError(f"draft.vocab_text={draft.vocab_text} without draft.vocab: the text ranks the tokens a "
@@ -164,7 +172,7 @@ def bundle_readme(draft: ComponentEntry) -> str:
     """The bundle README's section on the draft's methods: how an app proposes the tokens ``verify`` checks."""
     quant = draft.quantization.describe() if draft.quantization else "unquantized"
     return (f"## Draft model\n\nThe draft model ({draft.family or 'unknown'} family, "
-            f"{(draft.parameters or 0) / 1e6:.0f}M parameters, {quant}) proposes the tokens `verify` checks: "
+            f"{count(draft.parameters or 0)} parameters, {quant}) proposes the tokens `verify` checks: "
             "`draft_prefill` takes the text its cache has not seen yet (int64[1, T], its first position int64[1]) and "
             "`draft_decode_one_token` one token at a time, each returning the logits of its last position; its KV "
             "cache is its own, rolled back by position like the target's. "

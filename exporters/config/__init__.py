@@ -188,7 +188,7 @@ class ModelConfig:
     # Architecture fields set over config.json's (or, with random_init and no checkpoint, the whole architecture).
     arch: ArchOverrides = field(default_factory=ArchOverrides)
     # LoRA adapters as PEFT saves them (a folder with adapter_config.json + adapter_model.safetensors), by name:
-    # model.adapters={chat: /path/a, summary: /path/b}. Each adds the base's methods with the adapter applied,
+    # "+model.adapters={chat: /path/a, summary: /path/b}" (with +: no model option lists adapters). Each adds the base's methods with the adapter applied,
     # named <name>_<method> (chat_prefill, chat_decode_one_token, ...), over the same stored base weights.
     adapters: Dict[str, str] = field(default_factory=dict)
 
@@ -316,6 +316,7 @@ class ExportSection:
     attention_sink: int = 0
     # Methods to capture, each a key of exporters.program.methods.METHOD_KINDS: prefill (a prompt), decode (one
     # token), forward (what the stock runners call), verify (speculative decoding's check of draft.tokens proposals).
+    # These are kinds; export.layout names them in the program (stock: decode is decode_one_token; split: decode).
     methods: List[str] = field(default_factory=lambda: ["prefill", "decode", "forward"])
     # How the methods are named (a key of exporters.program.layouts.LAYOUTS): "stock" runs correctly in every
     # ExecuTorch stock runner we test; "split" uses the prefill/decode names, which ExecuTorch 1.5.1's

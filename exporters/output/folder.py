@@ -96,3 +96,19 @@ def files_of_export(folder: Path) -> set[str]:
         return Manifest.read(folder).files
     except (UserError, ValueError):  # damaged, or of a shape no version of this tool wrote
         return set()
+
+
+#: What Hydra puts in a run folder before the export starts: the log and the composed config.
+HYDRA_FILES = frozenset({"llm.log", ".hydra"})
+
+
+def remove_if_nothing_written(folder: Path) -> bool:
+    """Remove a run folder that holds only what Hydra put there (an export refused before it wrote anything: the
+    error was on the console), and its parent if that is left empty. Whether it was removed."""
+    folder = Path(folder)
+    if not folder.is_dir() or not {p.name for p in folder.iterdir()} <= HYDRA_FILES:
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        folder.parent.rmdir()  # only if empty: outputs/<model>-<quant>-<backend>/ of a first, refused export
+    return True

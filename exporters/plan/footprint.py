@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from exporters.config import QuantConfig, TiedEmbeddingStorage
+from exporters.console import count
 from exporters.errors import UserError
 from exporters.quant.advice import changes
 from exporters.quant.mixed import Precision
@@ -76,15 +77,11 @@ class Footprint:
                          None if self.advise is None else self.advise + other.eager)
 
     def describe(self) -> str:
-        return (f"{_count(self.parameters)} parameters: {_size(self.stored)} as stored, {_size(self.eager)} "
+        return (f"{count(self.parameters)} parameters: {_size(self.stored)} as stored, {_size(self.eager)} "
                 f"quantized in memory, {_size(self.program)} in the program; estimated peak RSS "
                 f"{self.peak / GB:.1f} GB (in {self.peak_stage})"
                 + (f", {self.advise / GB:.1f} GB if the quality warning's remedies are measured (advise)"
                    if self.advise is not None and self.advise > self.peak else ""))
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
 def _size(n: int) -> str:

@@ -67,7 +67,7 @@ def _progress(role: str, total: int) -> Callable[[], None]:
         nonlocal done
         done += 1
         if done in marks:
-            log.info("  %s: %s %d/%d layers", label, role, done, total)
+            log.info("  %s: %s %d/%d matrices", label, role, done, total)
 
     return step
 

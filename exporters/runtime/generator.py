@@ -111,9 +111,12 @@ def chat_prompt(pte: Path, prompt: str) -> str:
 class Generator:
     """A loaded program plus its metadata; ``generate`` may be called repeatedly (the cache is rewritten)."""
 
-    def __init__(self, pte: str | Path, tokenizer: str | None = None, adapter: str | None = None) -> None:
+    def __init__(self, pte: str | Path, tokenizer: str | None = None, adapter: str | None = None,
+                 load: bool = True) -> None:
         """``adapter``: generate with that LoRA adapter (``model.adapters`` at export: its methods; of a swappable
-        program, also any ``.ptd`` or PEFT folder that fits, set with ``set_adapter``); None: the base."""
+        program, also any ``.ptd`` or PEFT folder that fits, set with ``set_adapter``); None: the base. ``load``:
+        load the methods now; False leaves it to :meth:`load`, so that a request can be checked first against what
+        the program says without its weights (its methods and constants)."""
         start = time.perf_counter()
         self.pte = resolve_program(pte)
         # The base's data file and this adapter's only (export.weights=external), as an app loads them.
@@ -129,11 +132,19 @@ class Generator:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.driver = Driver.of(self.program, adapter if self.slots is None else None)
         self._draft: Driver | None = None  # the draft model's methods, loaded when speculation first uses them
-        # Loaded now (XNNPACK packs each method's weights at load), so the rates measure running alone.
-        self.driver.load()
-        if self.slots is not None and adapter is not None:
-            self.slots.set(adapter)
+        self.adapter = adapter
         self.load_seconds = time.perf_counter() - start
+        if load:
+            self.load()
+
+    def load(self) -> None:
+        """Load the methods (XNNPACK packs each one's weights: minutes on a large model), so the rates measure
+        running alone, and set the adapter of a swappable program."""
+        start = time.perf_counter()
+        self.driver.load()
+        if self.slots is not None and self.adapter is not None:
+            self.slots.set(self.adapter)
+        self.load_seconds += time.perf_counter() - start
 
     def encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer.encode(prompt)
@@ -149,22 +160,30 @@ class Generator:
                 f"export.max_context_len, or with export.attention_sink=4 to go on past the end of the cache."
             )
 
-    def speculation(self, speculative: str, draft_tokens: int | None = None) -> Proposer | None:
-        """What proposes tokens for the verify method: ``draft``, the program's draft model; ``lookup``, the text's
-        own n-grams; ``auto``, the draft when the program holds one, else nothing; ``none``, nothing (one token per
-        call). Refused when the program lacks what it needs, or ``draft_tokens`` more than its verify checks."""
+    def check_speculation(self, speculative: str, draft_tokens: int | None = None) -> None:
+        """Refuse a ``speculative`` mode the program cannot run, or ``draft_tokens`` more than its verify checks:
+        from its methods and constants, before its weights are loaded."""
         check_choice("speculative", speculative, SPECULATIVE, "Use speculative=auto, draft, lookup or none.")
         if self.driver.roles.verify is not None:
             DraftLength.check(self.driver.roles.verify_tokens - 1, draft_tokens)
-        drafts = DRAFT_METHODS <= set(self.program.method_names)
-        if speculative in ("lookup", "draft") and self.driver.roles.verify is None:
-            raise UserError(f"speculative={speculative} needs the program's verify method, and {self.pte.name} has "
-                            "none: export with a draft (draft.checkpoint=...) or verify in export.methods "
-                            "(export.methods=[prefill,decode,forward,verify]), or use speculative=none.")
-        if speculative == "draft" and not drafts:
+        has_draft = DRAFT_METHODS <= set(self.program.method_names)
+        if speculative == "draft" and not has_draft:
+            lookup = (" or speculative=lookup (its verify method checks the text's own n-grams)"
+                      if self.driver.roles.verify is not None else "")
             raise UserError(f"speculative=draft needs a draft model in the program, and {self.pte.name} has none: "
-                            "export with draft.checkpoint=<a smaller model with the same tokenizer>, or use "
-                            "speculative=lookup (no draft) or none.")
+                            "export with draft.checkpoint=<a smaller model with the same tokenizer> (it adds verify "
+                            f"too), or use speculative=none{lookup}.")
+        if speculative == "lookup" and self.driver.roles.verify is None:
+            raise UserError(f"speculative=lookup needs the program's verify method, and {self.pte.name} has none: "
+                            "export with verify in export.methods (export.methods=[prefill,decode,forward,verify]) "
+                            "or with a draft (draft.checkpoint=...), or use speculative=none.")
+
+    def speculation(self, speculative: str, draft_tokens: int | None = None) -> Proposer | None:
+        """What proposes tokens for the verify method: ``draft``, the program's draft model; ``lookup``, the text's
+        own n-grams; ``auto``, the draft when the program holds one, else nothing; ``none``, nothing (one token per
+        call). Refused as :meth:`check_speculation` says."""
+        self.check_speculation(speculative, draft_tokens)
+        drafts = DRAFT_METHODS <= set(self.program.method_names)
         if speculative == "lookup":
             return LookupProposer()
         if speculative == "draft" or (speculative == "auto" and drafts and self.driver.roles.verify is not None):

@@ -120,6 +120,11 @@ class LoadedProgram:
     def method_names(self) -> set[str]:
         return set(self._program.method_names)
 
+    @property
+    def loaded(self) -> set[str]:
+        """The methods loaded so far (a constant method is loaded to read its value; an LLM method packs weights)."""
+        return set(self._methods)
+
     def load(self, *methods: str) -> None:
         """Load methods now rather than on their first call."""
         for method in methods:

@@ -218,7 +218,7 @@ def validate_methods(model: CausalLM, under: ProgramUnderTest, specs: dict[str, 
     with speculation when they include it (``proposer``: a draft's methods and the token of each of its logits; else
     lookup); ``unquantized``: the unquantized perplexity with that adapter (None: the base's)."""
     roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
-    found = predictions(model, under, roles, specs, adapter)
+    found = predictions(model, under, roles, specs, adapter, side=f"adapter {adapter}" if adapter else "program")
     scores = Scores.of(found, under.text)
     speculative = speculative_check(model, under, roles, adapter, proposer) if roles.verify else None
     judged = Judged(found, scores, roles, judge(scores, found, under.tolerance, speculative), speculative)
