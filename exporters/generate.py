@@ -74,13 +74,13 @@ def parse(argv: list[str], stdin: TextIO | None = None) -> tuple[str, GenerateAr
             verbatim[key].append(value)  # image= is repeated, one per image
         else:
             rest.append(arg)
-    once = {key: values[0] for key, values in verbatim.items() if key != "image" and _once(key, values)}
-    prompt = _prompt(once.pop("prompt", None), once.pop("prompt_file", None), stdin or sys.stdin)
-    try:
+    try:  # first: a mistyped key (promt=) is named as such, not taken for a missing prompt
         args = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GenerateArgs), OmegaConf.from_dotlist(rest)))
     except OmegaConfBaseException as e:
         raise UserError(f"{e}\n{USAGE}") from None
     assert isinstance(args, GenerateArgs)
+    once = {key: values[0] for key, values in verbatim.items() if key != "image" and _once(key, values)}
+    prompt = _prompt(once.pop("prompt", None), once.pop("prompt_file", None), stdin or sys.stdin)
     # Set after OmegaConf, which would read ${...} in them as interpolations.
     args = dataclasses.replace(args, prompt=prompt, image=verbatim["image"], **once)
     if not 0 < args.top_p <= 1 or args.temperature < 0 or args.max_new_tokens < 1:

@@ -43,6 +43,7 @@ def test_a_prompt_is_taken_as_written(name: str, tmp_path: Path) -> None:
     (["run", "prompt_file=/no/such/prompt.txt"], "prompt_file=/no/such/prompt.txt: cannot be read"),
     (["run", "prompt=a", "max_new_tokens=many"], "max_new_tokens"),
     (["run", "prompt=a", "promt=b"], "promt"),
+    (["run", "promt=b"], "promt"),  # a mistyped key is named, not taken for a missing prompt
 ])
 def test_argument_mistakes_are_one_message(argv: list[str], says: str) -> None:
     with pytest.raises(UserError, match=re.escape(says)):
