@@ -11,6 +11,7 @@ quantizes it apart (``exporters.quant.vision``); validation runs an image and an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -232,11 +233,12 @@ class Vision(Kind):
 
     def bundle(self, m: Manifest) -> Bundled:
         """The bundle carries the processor files and says how an app feeds an image."""
-        name, entry = next(((n, e) for n, e in m.components.items() if e.kind == self.name), (None, None))
+        entry = next((e for e in m.components.values() if e.kind == self.name), None)
         if entry is None or entry.vision is None:
             return Bundled()
+        # The manifest's own form of it (Manifest.to_dict is asdict for components), without serializing it all again.
         return Bundled(readme=bundle_readme(entry.vision), files=list(PROCESSOR_FILES),
-                       fields={"vision": m.to_dict()["components"][name]["vision"]})
+                       fields={"vision": dataclasses.asdict(entry.vision)})
 
 
 def bundle_readme(v: VisionEntry) -> str:

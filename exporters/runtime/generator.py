@@ -160,14 +160,18 @@ class Generator:
                 f"export.max_context_len, or with export.attention_sink=4 to go on past the end of the cache."
             )
 
+    @property
+    def has_draft(self) -> bool:
+        """The program holds a draft model's methods."""
+        return DRAFT_METHODS <= set(self.program.method_names)
+
     def check_speculation(self, speculative: str, draft_tokens: int | None = None) -> None:
         """Refuse a ``speculative`` mode the program cannot run, or ``draft_tokens`` more than its verify checks:
         from its methods and constants, before its weights are loaded."""
         check_choice("speculative", speculative, SPECULATIVE, "Use speculative=auto, draft, lookup or none.")
         if self.driver.roles.verify is not None:
             DraftLength.check(self.driver.roles.verify_tokens - 1, draft_tokens)
-        has_draft = DRAFT_METHODS <= set(self.program.method_names)
-        if speculative == "draft" and not has_draft:
+        if speculative == "draft" and not self.has_draft:
             lookup = (" or speculative=lookup (its verify method checks the text's own n-grams)"
                       if self.driver.roles.verify is not None else "")
             raise UserError(f"speculative=draft needs a draft model in the program, and {self.pte.name} has none: "
@@ -183,10 +187,9 @@ class Generator:
         own n-grams; ``auto``, the draft when the program holds one, else nothing; ``none``, nothing (one token per
         call). Refused as :meth:`check_speculation` says."""
         self.check_speculation(speculative, draft_tokens)
-        drafts = DRAFT_METHODS <= set(self.program.method_names)
         if speculative == "lookup":
             return LookupProposer()
-        if speculative == "draft" or (speculative == "auto" and drafts and self.driver.roles.verify is not None):
+        if speculative == "draft" or (speculative == "auto" and self.has_draft and self.driver.roles.verify is not None):
             if self._draft is None:
                 self._draft = Driver.of(self.program, DRAFT)
                 self._draft.load()
