@@ -3,6 +3,7 @@ the command line of an export in a child process."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -41,16 +42,17 @@ def exporter_command(overrides: Sequence[str], run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "exporters.llm", *overrides, f"hydra.run.dir={run_dir}"]
 
 
-def run_measured(cmd: list[str], log: Path) -> tuple[float, float]:
-    """Run ``cmd`` (an export) in a child process from the repository, its output into ``log``: its wall time (s)
-    and peak RSS (MB, os.wait4). A failure stops the benchmark with the log's end."""
-    wall, peak_mb, failure = run_measured_or_failed(cmd, log)
+def run_measured(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Run ``cmd`` (an export) in a child process from the repository, its output into ``log``, ``env`` added to its
+    environment: its wall time (s) and peak RSS (MB, os.wait4). A failure stops the benchmark with the log's end."""
+    wall, peak_mb, failure = run_measured_or_failed(cmd, log, env)
     if failure is not None:
         raise SystemExit(f"command failed ({log}): {failure}\n  {' '.join(cmd)}\n" + log.read_text()[-3000:])
     return wall, peak_mb
 
 
-def run_measured_or_failed(cmd: list[str], log: Path) -> tuple[float, float, str | None]:
+def run_measured_or_failed(cmd: list[str], log: Path, env: dict[str, str] | None = None,
+                           ) -> tuple[float, float, str | None]:
     """:func:`run_measured`, but a failed export is a result too: its wall time, peak RSS and how it failed (a signal,
     such as the kernel's out-of-memory kill, or the exit code and the log's last error line); None if it did not."""
     from exporters.runtime.memory import wait_with_peak_rss
@@ -58,7 +60,8 @@ def run_measured_or_failed(cmd: list[str], log: Path) -> tuple[float, float, str
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=None if env is None else {**os.environ, **env})
         peak_mb = wait_with_peak_rss(proc)
     wall = time.perf_counter() - start
     return wall, peak_mb, None if proc.returncode == 0 else failure_of(proc.returncode, log)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.exporting import exporter_command, run_measured
-from benchmarks.presets import PRESETS, preset_overrides
+from benchmarks.presets import PRESETS, REAL_WEIGHTS, preset_overrides
 
 MIB = 2**20
 TOLERANCE = 0.15  # the estimate must hold the measured peak within this (issue 47)
@@ -31,19 +31,36 @@ TOLERANCE = 0.15  # the estimate must hold the measured peak within this (issue 
 
 @dataclass(frozen=True)
 class Run:
-    """One export: a preset under a quant option, plus overrides."""
+    """One export: a preset under a quant option, plus overrides. ``first_load``: from the preset's GGUF file itself
+    with an empty cache (its conversion is part of the export); ``draft``: a real checkpoint's GGUF as the draft."""
 
     preset: str
     quant: str
     overrides: tuple[str, ...] = ()
+    first_load: bool = False
+    draft: str | None = None  # a key of REAL_WEIGHTS
 
     @property
     def name(self) -> str:
-        return " ".join([self.preset, self.quant, *self.overrides])
+        return " ".join([self.preset, self.quant, *self.overrides, *(["first-load"] if self.first_load else []),
+                         *([f"draft={self.draft}"] if self.draft else [])])
+
+    @property
+    def weights(self) -> list[str]:
+        """The real checkpoints it reads."""
+        return [w for w in (PRESETS[self.preset].weights, self.draft) if w is not None]
 
     def exporter_overrides(self, root: Path) -> list[str]:
-        """The CLI overrides of this run, its checkpoint folder written under ``root``."""
-        return [*preset_overrides(PRESETS[self.preset], root / self.preset), f"quant={self.quant}", *self.overrides]
+        """The CLI overrides of this run, its checkpoint folder written under ``root`` (or its GGUF file's path)."""
+        preset = PRESETS[self.preset]
+        model = ([f"model={preset.family}", f"model.checkpoint={self.gguf_files()[0]}"] if self.first_load
+                 else preset_overrides(preset, root / self.preset))
+        draft = [f"draft.checkpoint={REAL_WEIGHTS[self.draft].gguf()}"] if self.draft else []
+        return [*model, *draft, f"quant={self.quant}", *self.overrides]
+
+    def gguf_files(self) -> list[Path]:
+        """The GGUF files its export converts on first use (with ``first_load``)."""
+        return [REAL_WEIGHTS[w].gguf() for w in self.weights] if self.first_load else []
 
 
 # Every benchmark preset with the quant its benchmarks use (docs/performance.md), then SmolLM2 (real weights) under
@@ -63,19 +80,27 @@ RUNS = (
     Run("smollm2", "8da4w_calibrated"),
     Run("smollm2", "8da4w_rotated"),
     Run("smollm2", "fp32"),
+    # A GGUF file's first use (transformers dequantizes it), alone and as a target with its draft (issue 65).
+    Run("smollm2", "8da4w", first_load=True),
+    Run("qwen2.5-coder-1.5b", "8da4w", ("export.max_seq_len=256", "export.max_context_len=1024"), first_load=True,
+        draft="qwen2.5-coder-0.5b"),
 )
 
 
-def estimated_stages(overrides: list[str]) -> dict[str, float]:
-    """Each stage's estimated peak (MiB) for the export ``overrides`` describe, as the load stage computes it (advise's
-    too, when validation may set it off)."""
-    from exporters.config import compose
-    from exporters.plan.footprint import planned_footprint
+def estimated_stages(run: Run, root: Path) -> dict[str, float]:
+    """Each stage's estimated peak (MiB) for ``run``'s export, as the load stage computes it (advise's too, when
+    validation may set it off; load's with the GGUF conversions of a first load, whether or not this machine's cache
+    holds them now)."""
     from exporters.components.resolve import plan_export
+    from exporters.config import compose
+    from exporters.stages.load import planned_footprint
+    from models.gguf import gguf_tensors
 
     with tempfile.TemporaryDirectory() as tmp:
-        footprint = planned_footprint(plan_export(compose(*overrides)), Path(tmp))
-    stages = {stage: round(b / MIB) for stage, b in footprint.peaks.items()}
+        footprint = planned_footprint(plan_export(compose(*run.exporter_overrides(root))), Path(tmp))
+    for file in run.gguf_files():
+        footprint = footprint.first_converting(gguf_tensors(file))
+    stages = {stage: round(b / MIB) for stage, b in footprint.stages.items()}
     if footprint.advise is not None:
         stages["advise"] = round(footprint.advise / MIB)
     return stages
@@ -84,7 +109,7 @@ def estimated_stages(overrides: list[str]) -> dict[str, float]:
 def with_estimate(row: dict, run: Run, root: Path) -> dict:
     """``row`` (a measured run) with this code's estimate of its peak: the largest stage's, advise's counted only when
     advise ran (as the manifest's ``estimated_peak_rss_mb``)."""
-    stages = estimated_stages(run.exporter_overrides(root))
+    stages = estimated_stages(run, root)
     counted = {stage: mb for stage, mb in stages.items() if stage != "advise" or row["advised"]}
     stage = max(counted, key=counted.__getitem__)
     estimated = counted[stage]
@@ -98,7 +123,8 @@ def measure(run: Run, work: Path) -> dict:
 
     overrides = run.exporter_overrides(work)
     out = work / run.name.replace(" ", "_").replace("=", "-")
-    wall, peak_mb = run_measured(exporter_command(overrides, out), out / "export.log")
+    cache = {"LLM_EXPORTERS_CACHE": str(out / "cache")} if run.first_load else None  # nothing converted yet
+    wall, peak_mb = run_measured(exporter_command(overrides, out), out / "export.log", cache)
     manifest = Manifest.read(out / MANIFEST_FILE)
     row = {"run": run.name, "preset": run.preset, "quant": run.quant, "overrides": list(run.overrides),
            "wall_s": round(wall, 1), "peak_mb": round(peak_mb), "peak_stage": manifest.resources.peak_stage,

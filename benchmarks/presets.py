@@ -32,10 +32,12 @@ Family = Literal["llama", "qwen3", "qwen2", "lfm2", "qwen3_5"]
 
 @dataclass(frozen=True)
 class RealWeights:
-    """A real checkpoint a preset can carry: what it is, and the GGUF file it comes from (fetched on first use)."""
+    """A real checkpoint a preset can carry: what it is, the GGUF file it comes from (fetched on first use), and
+    whether this machine has that file without fetching it."""
 
     description: str
     gguf: Callable[[], Path]
+    here: Callable[[], bool]
 
 
 def _smollm2_gguf() -> Path:
@@ -44,16 +46,35 @@ def _smollm2_gguf() -> Path:
     return smollm2.gguf_file()
 
 
-def _qwen_coder_gguf() -> Path:
-    from models import qwen_coder
+def _smollm2_here() -> bool:
+    from models import smollm2
+    from models.errors import ModelError
 
-    return qwen_coder.gguf_file("1.5b")
+    try:
+        return smollm2.gguf_file().is_file()
+    except ModelError:
+        return False
+
+
+def _qwen_coder(size: str) -> RealWeights:
+    def gguf() -> Path:
+        from models import qwen_coder
+
+        return qwen_coder.gguf_file(size)
+
+    def here() -> bool:
+        from models import qwen_coder
+
+        return qwen_coder.is_fetched(size)
+
+    return RealWeights(f"Qwen2.5-Coder-{size.upper()}-Instruct's real weights (its GGUF)", gguf, here)
 
 
 # The real checkpoints, by the name a preset's ``weights`` gives (None there: seeded random weights).
 REAL_WEIGHTS: dict[str, RealWeights] = {
-    "smollm2": RealWeights("SmolLM2-135M-Instruct's real weights", _smollm2_gguf),
-    "qwen2.5-coder-1.5b": RealWeights("Qwen2.5-Coder-1.5B-Instruct's real weights (its GGUF)", _qwen_coder_gguf),
+    "smollm2": RealWeights("SmolLM2-135M-Instruct's real weights", _smollm2_gguf, _smollm2_here),
+    "qwen2.5-coder-1.5b": _qwen_coder("1.5b"),
+    "qwen2.5-coder-0.5b": _qwen_coder("0.5b"),  # the 1.5B's draft (one tokenizer)
 }
 
 

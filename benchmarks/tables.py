@@ -87,11 +87,13 @@ def render_speculative(data: dict[str, Any]) -> str:
 def render_memory(data: dict[str, Any]) -> str:
     """A ``benchmarks.memory_estimate`` report: each export's measured peak RSS beside the load stage's estimate."""
     lines = [f"Each export as the CLI runs it (validation on; advise where the quality warning set it off). The "
-             f"estimate must hold the measured peak within {data['tolerance']:.0%} (`tests/test_footprint.py`).", "",
+             f"estimate must hold the measured peak within {data['tolerance']:.0%} (`tests/test_footprint.py`). "
+             "`first-load`: from the GGUF file itself with an empty cache (its conversion is part of the export); "
+             "`draft=`: that model's GGUF as the draft, converted too.", "",
              "| preset | quant | measured peak MB | in stage | estimated MB | in stage | error |",
              "|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
-        quant = " ".join([r["quant"], *r["overrides"]])
+        quant = r["run"].removeprefix(f"{r['preset']} ")
         lines.append(f"| {r['preset']} | {quant} | {r['peak_mb']} | {r['peak_stage']} | {r['estimated_mb']:.0f} | "
                      f"{r['estimated_stage']} | {r['error']:+.1%} |")
     return "\n".join(lines) + "\n"

@@ -8,11 +8,13 @@ options converts once. ``gguf_source.json`` in the folder records where the weig
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,23 @@ def supported_gguf_architectures() -> list[str]:
 
 def read_header(path: Path) -> dict[str, Any]:
     """Architecture, quant type and tensor count of a GGUF file; a ModelError if it is not a whole GGUF file."""
+    return _read(path.resolve(), *_stamp(path))[0]
+
+
+def gguf_tensors(path: Path) -> "GgufTensors":
+    """What the file's conversion dequantizes, from its header."""
+    return _read(path.resolve(), *_stamp(path))[1]
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=4)
+def _read(path: Path, size: int, mtime_ns: int) -> tuple[dict[str, Any], "GgufTensors"]:
+    """The header's facts, read once per file and process: gguf's reader parses every field (the vocabulary's
+    strings one by one: 10 s for SmolLM2's)."""
     import gguf
 
     with open(path, "rb") as fh:
@@ -77,15 +96,35 @@ def read_header(path: Path) -> dict[str, Any]:
         fields = reader.fields
         architecture = str(fields["general.architecture"].contents())
         file_type = fields["general.file_type"].contents() if "general.file_type" in fields else None
-        n_tensors = len(reader.tensors)
+        sizes = [int(t.n_elements) for t in reader.tensors]
     except (ValueError, KeyError, IndexError, OSError) as e:
         raise ModelError(
             f"{path}: damaged or truncated GGUF file ({type(e).__name__}: {e}). Download or copy it again "
-            f"(its size is {path.stat().st_size} bytes)."
+            f"(its size is {size} bytes)."
         ) from e
     quant = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else "unknown"
-    return {"file": str(path.resolve()), "architecture": architecture, "quant_type": quant, "tensors": n_tensors,
-            "size_bytes": path.stat().st_size, "dequantized_to": "float32"}
+    header = {"file": str(path), "architecture": architecture, "quant_type": quant, "tensors": len(sizes),
+              "size_bytes": size, "dequantized_to": "float32"}
+    return header, GgufTensors(path, sum(sizes), max(sizes, default=0), size)
+
+
+@dataclass(frozen=True)
+class GgufTensors:
+    """What a GGUF file's conversion holds, read from its header: every tensor dequantized to fp32."""
+
+    file: Path
+    parameters: int  # elements of every tensor the file stores (an lm_head stored beside a tied embedding included)
+    largest: int  # elements of its largest tensor
+    file_bytes: int
+
+
+def pending_conversion(path: str | Path) -> GgufTensors | None:
+    """The tensors of the GGUF file ``path`` when opening it will convert it (its converted folder is not cached
+    yet); None for anything else. Read from the header alone (memory-mapped): no tensor data is touched."""
+    path = Path(path).expanduser()
+    if not is_gguf(path) or (_cache_dir(path) / SOURCE_RECORD).exists():
+        return None
+    return gguf_tensors(path)
 
 
 def _cache_dir(path: Path) -> Path:
@@ -103,6 +142,10 @@ def gguf_checkpoint(path: str | Path, out_dir: Path | None = None) -> Path:
     path = Path(path).expanduser()
     if not path.is_file():
         raise ModelError(f"GGUF file {path} does not exist. Give the path of a .gguf file with model.checkpoint=...")
+    target = out_dir or _cache_dir(path)  # keyed by the file's path, size and mtime: checked when it was converted
+    if (target / SOURCE_RECORD).exists():
+        log.info("GGUF %s: using the converted checkpoint in %s", path.name, target)
+        return target
     header = read_header(path)
     supported = supported_gguf_architectures()
     if header["architecture"] not in supported:
@@ -111,10 +154,6 @@ def gguf_checkpoint(path: str | Path, out_dir: Path | None = None) -> Path:
             f"{', '.join(supported)}. Export from the model's Hugging Face checkpoint instead if its family is "
             "supported there (python -m exporters.llm --help lists the model options)."
         )
-    target = out_dir or _cache_dir(path)
-    if (target / SOURCE_RECORD).exists():
-        log.info("GGUF %s: using the converted checkpoint in %s", path.name, target)
-        return target
     log.info("GGUF %s (%s, %s): dequantizing with transformers into %s", path.name, header["architecture"],
              header["quant_type"], target)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")

@@ -63,6 +63,12 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def is_fetched(size: str) -> bool:
+    """Whether :func:`gguf_file` has the file already (nothing downloaded)."""
+    target = cache_dir() / MODELS[size].name
+    return target.is_file() and target.stat().st_size == MODELS[size].size
+
+
 def gguf_file(size: str) -> Path:
     """The joined, checked GGUF of Qwen2.5-Coder-``size``-Instruct (``0.5b`` or ``1.5b``), fetched once."""
     if size not in MODELS:

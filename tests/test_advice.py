@@ -87,7 +87,8 @@ def test_remedies_that_would_not_fit_are_named_not_measured(exported, tmp_path: 
     """Under a memory limit the export fits but a remedy holding the model whole (GPTQ) would not, that remedy is
     skipped and named with why in the warning, rather than risk the out-of-memory killer ending the export after its
     program was written; the others are measured as usual."""
-    from exporters.plan.footprint import GB, planned_footprint
+    from exporters.plan.footprint import GB
+    from exporters.stages.load import planned_footprint
     from exporters.components.resolve import plan_export
 
     footprint = planned_footprint(plan_export(compose_config(*COSTLY)), tmp_path)

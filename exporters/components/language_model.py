@@ -7,25 +7,29 @@ on the same windows. :class:`LanguageModel` implements those hooks once; ``decod
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from exporters.components.hybrid import check_hybrid
 from exporters.components.kind import Kind, Part
-from exporters.config import CalibrationConfig, KvDType, Source
-from exporters.plan.footprint import Footprint, MemoryBudget
+from exporters.config import CalibrationConfig, KvDType, ModelConfig, Source
+from exporters.plan.footprint import GB, Footprint, MemoryBudget, check_conversion, conversion_peak
 from exporters.quant.apply import quantize_model
 from exporters.quant.calibration import CalibrationText, calibration_text
 from exporters.quant.rotation import check_rotation
 from exporters.runtime.quality import TextWindows, full_sequence, window_logits
 from models.checkpoint import stored_bytes
 from models.decoder import CausalLM
+from models.gguf import GgufTensors, pending_conversion
 from models.tiny import CORPUS
 
 if TYPE_CHECKING:
     from exporters.context import ExportContext
     from exporters.manifest import AppliedQuantization, ValidationReport
     from models.checkpoint import Checkpoint
+
+log = logging.getLogger("exporters")
 
 #: A tiny model knows only the text it was trained on: repeated to the least calibration needs.
 TINY_REPEATS = 4
@@ -41,6 +45,13 @@ class ModelRecord:
     validation: ValidationReport | None = None  # validate
     nll: float | None = None  # baseline: unquantized, on the validation windows
     scored: int | None = None  # baseline: the targets ``nll`` is over (fewer when its head scores a few tokens)
+
+
+def first_conversion(model: ModelConfig) -> GgufTensors | None:
+    """The GGUF file ``model.checkpoint`` names when opening it converts it (not cached yet); else None."""
+    if model.source != Source.hf or model.checkpoint is None:
+        return None
+    return pending_conversion(model.checkpoint)
 
 
 def read_calibration(cfg: CalibrationConfig, source: Source, model: CausalLM, checkpoint: Checkpoint
@@ -65,12 +76,18 @@ class LanguageModel(Kind):
 
     def open(self, part: Part, ctx: ExportContext) -> Footprint:
         build, component = part.component.build, part.component
+        converting = first_conversion(build.model)
+        if converting is not None:  # refused before it starts if the conversion alone cannot fit
+            check_conversion(converting, ctx.plan.memory_limit_gb)
+            log.info("  load: %s is converted on its first use (about %.1f GB at the peak, estimated)",
+                     converting.file.name, conversion_peak(converting) / GB)
         checkpoint = build.checkpoint(ctx.output_dir)
         shapes = build.build(checkpoint, device="meta")
         check_rotation(shapes, component.quant.config)
         check_hybrid(shapes, ctx.plan, component)
         ctx.records[part.name] = ModelRecord(checkpoint, shapes.parameter_count())
-        return MemoryBudget.of(ctx.plan, component).estimate(shapes, stored_bytes(checkpoint, shapes))
+        footprint = MemoryBudget.of(ctx.plan, component).estimate(shapes, stored_bytes(checkpoint, shapes))
+        return footprint if converting is None else footprint.first_converting(converting)
 
     def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         models[part.name] = part.component.build.build(ctx.record(part.name).checkpoint)

@@ -12,7 +12,7 @@ benchmark preset (``tests/test_footprint.py``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,11 +26,11 @@ from exporters.quant.mixed import Precision
 from exporters.quant.rotation import rotates
 from exporters.quant.schemes import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, layer_scheme
 from exporters.quant.tied import TiedEmbedding, plan_tied_embedding as tie_plan
-from models.checkpoint import stored_bytes
 from models.decoder import CausalLM
 
 if TYPE_CHECKING:
     from exporters.plan import Component, ExportPlan
+    from models.gguf import GgufTensors
 
 GB = 1e9
 MIB = 2**20
@@ -55,33 +55,68 @@ class Footprint:
     stored: int  # as loaded (the checkpoint's dtype)
     eager: int  # the quantized eager model
     program: int  # the program's weights
-    peaks: dict[str, int]  # each stage's estimated peak RSS
+    peaks: dict[str, int]  # each stage's estimated peak RSS, from its weights on
     advise: int | None = None  # the advise stage's, if the quality warning sets it off (not refused: it may not run)
+    converting: int = 0  # the peak of a GGUF file's first conversion, in load before any weight is read (0: none)
+
+    @property
+    def stages(self) -> dict[str, int]:
+        """Each stage's peak, load's with the first conversion of a GGUF file."""
+        return {s: max(peak, self.converting) if s == "load" else peak for s, peak in self.peaks.items()}
 
     @property
     def peak_stage(self) -> str:
-        return max(self.peaks, key=self.peaks.__getitem__)
+        stages = self.stages
+        return max(stages, key=stages.__getitem__)
 
     @property
     def peak(self) -> int:
-        return self.peaks[self.peak_stage]
+        return self.stages[self.peak_stage]
 
     def beside(self, other: "Footprint") -> "Footprint":
         """This model's footprint with ``other`` held in the same export (the target and its draft: both alive from
         load to finalize, each stage working on one then the other): weights add up, and so, conservatively, do the
-        stages' peaks."""
+        stages' peaks. GGUF conversions run one after the other, before either model is loaded."""
         held = BASE_BYTES + other.eager
         return Footprint(self.parameters + other.parameters, self.stored + other.stored, self.eager + other.eager,
                          self.program + other.program,
                          {s: peak + other.peaks.get(s, held) - BASE_BYTES for s, peak in self.peaks.items()},
-                         None if self.advise is None else self.advise + other.eager)
+                         None if self.advise is None else self.advise + other.eager,
+                         max(self.converting, other.converting))
+
+    def first_converting(self, tensors: "GgufTensors") -> "Footprint":
+        """This footprint with ``tensors``' GGUF file converted first (its first use)."""
+        return replace(self, converting=max(self.converting, conversion_peak(tensors)))
 
     def describe(self) -> str:
+        converting = (f", {self.converting / GB:.1f} GB converting the GGUF file first" if self.converting
+                      and self.peak_stage == "load" and self.converting >= self.peaks["load"] else "")
         return (f"{count(self.parameters)} parameters: {_size(self.stored)} as stored, {_size(self.eager)} "
                 f"quantized in memory, {_size(self.program)} in the program; estimated peak RSS "
-                f"{self.peak / GB:.1f} GB (in {self.peak_stage})"
+                f"{self.peak / GB:.1f} GB (in {self.peak_stage}{converting})"
                 + (f", {self.advise / GB:.1f} GB if the quality warning's remedies are measured (advise)"
                    if self.advise is not None and self.advise > self.peak else ""))
+
+
+def conversion_peak(tensors: "GgufTensors") -> int:
+    """The peak RSS of converting a GGUF file (``models.gguf``): transformers dequantizes every tensor it stores into
+    an fp32 model, the largest's fp32 temporary beside it and the file's pages mapped (measured on SmolLM2-135M and
+    Qwen2.5-Coder 0.5B and 1.5B: within 5%, docs/performance.md)."""
+    return BASE_BYTES + 4 * tensors.parameters + 4 * tensors.largest + tensors.file_bytes
+
+
+def check_conversion(tensors: "GgufTensors", limit_gb: float | None) -> None:
+    """Refuse to convert a GGUF file whose conversion alone would not fit, before it starts."""
+    peak, limit = conversion_peak(tensors), memory_limit(limit_gb)
+    if peak <= limit:
+        return
+    where = f"export.memory_limit_gb={limit_gb}" if limit_gb is not None else "the memory this machine has available"
+    raise UserError(
+        f"{tensors.file.name} would not convert here: its first use dequantizes {count(tensors.parameters)} "
+        f"parameters to fp32, about {peak / GB:.1f} GB at the peak (estimated), above {where} ({limit / GB:.1f} GB). "
+        "What to change: export from the model's Hugging Face checkpoint (its safetensors load without a "
+        "conversion), or a machine with more memory. If the estimate is wrong for this machine (swap, or memory "
+        "freed since), set export.memory_limit_gb.")
 
 
 def _size(n: int) -> str:
@@ -239,16 +274,6 @@ class MemoryBudget:
         """``footprint``, refused if it does not fit."""
         check_fits(footprint, self.limit_gb)
         return footprint
-
-
-def planned_footprint(plan: "ExportPlan", work_dir: Path) -> Footprint:
-    """The decoder's footprint as the load stage estimates it, from ``plan`` alone: its checkpoint's config read
-    (a tiny or GGUF source written under ``work_dir``), its shapes built on the meta device; not checked against the
-    memory available."""
-    build = plan.decoder.build
-    checkpoint = build.checkpoint(work_dir)
-    shapes = build.build(checkpoint, device="meta")
-    return MemoryBudget.of(plan).estimate(shapes, stored_bytes(checkpoint, shapes))
 
 
 def available_memory() -> int:
