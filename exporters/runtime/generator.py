@@ -17,6 +17,7 @@ import torch
 
 from exporters.errors import UserError, check_choice
 from exporters.manifest import program_in
+from exporters.program.adapters import ADAPTERS_CONSTANT
 from exporters.program.constants import DRAFT_VOCAB
 from exporters.program.draft import DRAFT, DRAFT_METHODS
 from exporters.program.vision import VISION_METHOD
@@ -112,15 +113,17 @@ class Generator:
     """A loaded program plus its metadata; ``generate`` may be called repeatedly (the cache is rewritten)."""
 
     def __init__(self, pte: str | Path, tokenizer: str | None = None, adapter: str | None = None,
-                 load: bool = True) -> None:
+                 load: bool = True, every_adapter: bool = False) -> None:
         """``adapter``: generate with that LoRA adapter (``model.adapters`` at export: its methods; of a swappable
         program, also any ``.ptd`` or PEFT folder that fits, set with ``set_adapter``); None: the base. ``load``:
         load the methods now; False leaves it to :meth:`load`, so that a request can be checked first against what
-        the program says without its weights (its methods and constants)."""
+        the program says without its weights (its methods and constants). ``every_adapter``: load every adapter's
+        data file too, so that :meth:`use_adapter` can switch to any of them (a server)."""
         start = time.perf_counter()
         self.pte = resolve_program(pte)
         # The base's data file and this adapter's only (export.weights=external), as an app loads them.
-        self.program = LoadedProgram(self.pte, data_files_beside(self.pte, [adapter] if adapter else []))
+        self.program = LoadedProgram(self.pte, data_files_beside(
+            self.pte, None if every_adapter else [adapter] if adapter else []))
         self.slots = Slots(self.program, self.pte.parent) if is_swappable(self.program) else None
         self.tokenizer = tokenizer_for(self.pte, tokenizer)
         names = self.program.method_names
@@ -131,6 +134,7 @@ class Generator:
         eos = self.program.constant("get_eos_ids") if "get_eos_ids" in names else []
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.driver = Driver.of(self.program, adapter if self.slots is None else None)
+        self._drivers = {adapter: self.driver}  # by adapter (None: the base), each made once
         self._draft: Driver | None = None  # the draft model's methods, loaded when speculation first uses them
         self.adapter = adapter
         self.load_seconds = time.perf_counter() - start
@@ -145,6 +149,28 @@ class Generator:
         if self.slots is not None and self.adapter is not None:
             self.slots.set(self.adapter)
         self.load_seconds += time.perf_counter() - start
+
+    def use_adapter(self, adapter: str | None) -> None:
+        """Generate with ``adapter`` from now on (None: the base): its methods, or set in a swappable program's
+        slots. The cache then holds what another model wrote: the next prompt is run whole."""
+        if adapter == self.adapter:
+            return
+        if self.slots is not None:
+            self.slots.set(adapter)
+        else:
+            if adapter not in self._drivers:
+                self._drivers[adapter] = Driver.of(self.program, adapter)
+                self._drivers[adapter].load()
+            self.driver = self._drivers[adapter]
+        self.adapter = adapter
+
+    @property
+    def adapters(self) -> list[str]:
+        """The adapters the program was exported with, by name (its methods', or its swappable files')."""
+        if self.slots is not None:
+            return self.slots.exported()
+        known = self.program.constant(ADAPTERS_CONSTANT) if ADAPTERS_CONSTANT in self.program.method_names else ""
+        return [name for name in str(known).split(",") if name]
 
     def encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer.encode(prompt)
@@ -210,11 +236,15 @@ class Generator:
 
     def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
                  prompt_ids: list[int] | None = None, speculative: str = "auto",
-                 draft_tokens: int | None = None, images: ImagePrompt | None = None) -> GenerationResult:
+                 draft_tokens: int | None = None, images: ImagePrompt | None = None, cached: int = 0,
+                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
         """``speculative``: ``lookup`` proposes tokens from the text so far and checks them with the verify method
         (exactly the target's output: exporters.runtime.speculative), ``none`` decodes one token per call.
         ``draft_tokens``: proposals per verify call (1 to the program's get_draft_tokens); None adapts them.
-        ``images``: the prompt with its images (:meth:`with_images`), fed as ExecuTorch's MultimodalRunner feeds it."""
+        ``images``: the prompt with its images (:meth:`with_images`), fed as ExecuTorch's MultimodalRunner feeds it.
+        ``cached``: the first tokens of the prompt are in the cache already, from the last generation (a chat's
+        next turn: exporters.server.engine); only the rest is run. ``on_token``: called with each new token before
+        its text (which may wait for the next bytes of a character)."""
         proposer = self.speculation(speculative, draft_tokens)
         ids = images.ids if images is not None else prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(ids)
@@ -224,11 +254,14 @@ class Generator:
             roles = MethodRoles.through_embeddings(program_method_shapes(self.program))
             logits = prefill_parts(self.program, roles, images.parts)
         else:
-            logits = self.driver.prefill(torch.tensor([ids], dtype=torch.int64))
+            assert 0 <= cached < len(ids), "at least the prompt's last token is run, for its logits"
+            logits = self.driver.prefill(torch.tensor([ids[cached:]], dtype=torch.int64), start=cached)
         prompt_s = time.perf_counter() - start
         start = time.perf_counter()
 
         def emit(token: int) -> None:
+            if on_token:
+                on_token(token)
             piece = stream.push(token)
             if piece and on_text:
                 on_text(piece)

@@ -56,8 +56,12 @@ class Slots:
         raise UserError(f"adapter={adapter} is neither an adapter of this program nor a .ptd file nor a PEFT folder. "
                         + self._choices())
 
+    def exported(self) -> list[str]:
+        """The adapters the export wrote beside the program (``adapters/<name>.ptd``), by name."""
+        return sorted(p.stem for p in (self.run / ADAPTER_FOLDER).glob("*.ptd"))
+
     def _choices(self) -> str:
-        given = sorted(p.stem for p in (self.run / ADAPTER_FOLDER).glob("*.ptd"))
+        given = self.exported()
         return (f"The program's own adapters: {', '.join(given)}; " if given else "The export gave no adapters; ") + (
             "or give a .ptd file or a PEFT folder (adapter_config.json + adapter_model.safetensors).")
 

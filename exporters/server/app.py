@@ -1,0 +1,215 @@
+"""The HTTP side: OpenAI's routes over an :class:`~exporters.server.engine.Engine` (FastAPI, served by uvicorn).
+
+Generation runs in the engine's one thread; a request waits for it without holding the event loop, a stream gets
+its text as the thread releases it (server-sent events), and a client that disconnects stops its generation at the
+next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from exporters.runtime.generator import SamplingConfig
+from exporters.server.engine import Answer, Cancelled, Engine, Job, random_seed
+from exporters.server.errors import ApiError
+from exporters.server.protocol import ChatRequest, CompletionRequest, Sampling, new_id, now, usage
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask: ``max_tokens`` to generate, ``max_body`` bytes of JSON."""
+
+    max_tokens: int
+    max_body: int
+    api_key: str | None = None
+
+
+def create_app(engine: Engine, limits: Limits, name: str) -> FastAPI:
+    """The app serving ``engine``'s program as model ``name`` (and each adapter by its own name)."""
+    app = FastAPI(title="llm-exporters", docs_url=None, redoc_url=None)
+    _errors(app)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Callable) -> Any:
+        try:
+            _authorize(request, limits.api_key)
+            size = request.headers.get("content-length")
+            if size is not None and size.isdigit() and int(size) > limits.max_body:
+                raise ApiError(413, f"the request is {size} bytes, above this server's {limits.max_body} "
+                               "(max_request_bytes=).", code="request_too_large")
+        except ApiError as e:
+            return _error(e)
+        return await call_next(request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        ids = [name, *engine.models]
+        return {"object": "list", "data": [{"id": i, "object": "model", "created": 0, "owned_by": "llm-exporters"}
+                                           for i in ids]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+        return await _complete(engine, limits, body, engine.template.render(messages), request, name, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await _complete(engine, limits, body, body.text, request, name, chat=False)
+
+    return app
+
+
+def _authorize(request: Request, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), api_key.encode()):
+        raise ApiError(401, "a missing or wrong API key: send Authorization: Bearer <the key given to "
+                       "exporters.serve with api_key=>.", code="invalid_api_key")
+
+
+async def _complete(engine: Engine, limits: Limits, body: Sampling, prompt: str, request: Request, name: str,
+                    chat: bool) -> Any:
+    body.check()
+    adapter = _adapter(engine, body.model, name)
+    wanted = body.most_tokens  # type: ignore[attr-defined]
+    if wanted is not None and wanted > limits.max_tokens:
+        raise ApiError(400, f"max_tokens={wanted} is above this server's limit of {limits.max_tokens} "
+                       "(max_tokens= when it was started).", param="max_tokens")
+    ids = engine.prompt_ids(prompt)
+    sampling = SamplingConfig(wanted or limits.max_tokens, body.temperature, body.top_p,
+                              random_seed() if body.seed is None else body.seed)
+    engine.admit()
+    job = Job(adapter, ids, sampling, body.stops)
+    reply = _Reply(body.model, chat)
+    if body.stream:
+        return StreamingResponse(_stream(engine, job, reply, body.usage_in_stream), media_type="text/event-stream")
+    try:
+        answer = await _wait(engine, job, request)
+    finally:
+        engine.leave()
+    return reply.whole(answer)
+
+
+def _adapter(engine: Engine, model: str, name: str) -> str | None:
+    if model == name:
+        return None
+    if model in engine.models:
+        return model
+    raise ApiError(404, f"model {model!r} is not served here: {', '.join([name, *engine.models])} "
+                   "(GET /v1/models lists them).", param="model", code="model_not_found")
+
+
+async def _wait(engine: Engine, job: Job, request: Request) -> Answer:
+    """The answer, while watching the client: one that disconnects cancels its job."""
+    future = asyncio.get_running_loop().run_in_executor(engine.worker, engine.run, job)
+    while True:
+        done, _ = await asyncio.wait({future}, timeout=0.25)
+        if done:
+            return future.result()
+        if await request.is_disconnected():
+            job.cancelled.set()
+
+
+async def _stream(engine: Engine, job: Job, reply: "_Reply", with_usage: bool) -> AsyncIterator[str]:
+    loop, pieces = asyncio.get_running_loop(), asyncio.Queue()
+    job.on_text = lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece)
+    future = loop.run_in_executor(engine.worker, engine.run, job)
+    future.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
+    try:
+        yield _event(reply.chunk(role=True))
+        while (piece := await pieces.get()) is not None:
+            yield _event(reply.chunk(piece))
+        answer = future.result()
+        yield _event(reply.chunk(finish=answer.finish_reason))
+        if with_usage:
+            yield _event(reply.usage_chunk(answer))
+        yield "data: [DONE]\n\n"
+    except Cancelled:
+        pass
+    except ApiError as e:  # after the response started: the error goes in the stream
+        yield _event(e.body())
+    finally:
+        job.cancelled.set()  # a client gone mid-stream: generation stops at its next token
+        engine.leave()
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class _Reply:
+    """OpenAI's response objects for one request."""
+
+    def __init__(self, model: str, chat: bool) -> None:
+        self.model, self.chat = model, chat
+        self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
+
+    def _head(self, suffix: str = "") -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind + suffix, "created": self.created, "model": self.model}
+
+    def whole(self, answer: Answer) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": answer.finish_reason, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": answer.text}
+        else:
+            choice["text"] = answer.text
+        return {**self._head(), "choices": [choice], "usage": _usage(answer)}
+
+    def chunk(self, text: str = "", role: bool = False, finish: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {**self._head(".chunk"), "choices": [choice]}
+        return {**self._head(), "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+
+    def usage_chunk(self, answer: Answer) -> dict[str, Any]:
+        return {**self._head(".chunk" if self.chat else ""), "choices": [], "usage": _usage(answer)}
+
+
+def _usage(answer: Answer) -> dict[str, Any]:
+    return usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+
+def _errors(app: FastAPI) -> None:
+    """Every refusal as OpenAI's JSON error: ours, a body that does not parse or validate, an unknown route."""
+
+    @app.exception_handler(ApiError)
+    async def refused(_: Request, e: ApiError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if first.get("type") == "json_invalid":
+            return _error(ApiError(400, f"the body is not valid JSON ({first.get('msg')}).", code="invalid_json"))
+        if first.get("type") == "extra_forbidden":
+            return _error(ApiError(400, f"{where}: not a field of this request (a typo?).", param=where,
+                                   code="unknown_parameter"))
+        return _error(ApiError(400, f"{where or 'body'}: {first.get('msg')}.", param=where or None))
+
+    @app.exception_handler(Exception)
+    async def failed(_: Request, e: Exception) -> JSONResponse:  # a bug of ours: said, and the server goes on
+        return _error(ApiError(500, f"the server failed on this request ({type(e).__name__}: {e}); it goes on "
+                               "serving. Please report it with the request.", code="server_error"))
+
+    @app.exception_handler(HTTPException)
+    async def http(_: Request, e: HTTPException) -> JSONResponse:
+        return _error(ApiError(e.status_code, f"{e.detail}: this server answers GET /v1/models, POST "
+                               "/v1/chat/completions and POST /v1/completions.", code="not_found"
+                               if e.status_code == 404 else None))

@@ -1,0 +1,186 @@
+"""One program, one request at a time: the queue in front of it, the chat template, and the cache kept across turns.
+
+The program holds one KV cache. Its entries are written by position and no query attends past its own, so a prompt
+that starts with the tokens already run (a chat's next turn) runs only the rest, as ``llama-server`` does. That holds
+for attention over the whole cache; a ring (attention windows, an attention sink) overwrites old positions and
+recurrent state (LFM2, Qwen3.5) cannot step back, so those programs run every prompt whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+from exporters.errors import UserError
+from exporters.manifest import Manifest
+from exporters.runtime.generator import Generator, SamplingConfig, chat_template
+from exporters.server.errors import ApiError
+from exporters.server.stops import StopText
+
+
+log = logging.getLogger("exporters.server")
+
+
+class Cancelled(Exception):
+    """The client went away: generation stops at the next token."""
+
+
+class Stopped(Exception):
+    """A stop string appeared: generation ends there."""
+
+
+@dataclass
+class Job:
+    """One request, as the engine runs it."""
+
+    model: str | None  # an adapter, or None: the base
+    ids: list[int]
+    sampling: SamplingConfig
+    stops: list[str]
+    on_text: Callable[[str], None] | None = None  # streaming: each piece of text as it is released
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Answer:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # of the prompt, already in the cache
+    finish_reason: Literal["stop", "length"]
+
+
+def cache_reusable(pte: Path) -> str | None:
+    """None when a prompt may reuse what the cache holds; else why not (read from the manifest beside ``pte``)."""
+    try:
+        cache = Manifest.read(pte.parent).kv_cache
+    except UserError:
+        return "no manifest beside the program says what its cache is"
+    if cache is None:
+        return "the manifest does not record the cache"
+    if cache.state_bytes:
+        return "its recurrent state cannot step back"
+    if cache.attention_sink or any(w is not None for w in cache.windows):
+        return "its ring cache overwrites old positions"
+    return None
+
+
+class ChatTemplate:
+    """The chat template the export bundled, applied by transformers as the model's own tokenizer applies it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.tokenizer = None
+        if chat_template(folder):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        if self.tokenizer is None:
+            raise ApiError(400, "this program was exported without a chat template (chat_template.jinja or "
+                           "tokenizer_config.json's chat_template beside it): use /v1/completions with the prompt "
+                           "as the model expects it.", code="no_chat_template")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja's own errors: a template that refuses this conversation (roles, order)
+            raise ApiError(400, f"the model's chat template refused these messages: {e}", param="messages") from e
+
+
+class Engine:
+    """The loaded program and the one thread that runs it; at most ``max_queue`` requests wait beside the one
+    running (more get HTTP 429)."""
+
+    def __init__(self, generator: Generator, max_queue: int, speculative: str = "auto") -> None:
+        self.generator = generator
+        self.template = ChatTemplate(generator.pte.parent)
+        self.speculative = speculative
+        self.max_queue = max_queue
+        self.no_reuse = cache_reusable(generator.pte)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="program")
+        self._admitted = 0
+        self._lock = threading.Lock()
+        self._cached: list[int] = []  # the tokens whose keys and values the cache holds, from position 0
+        self._cached_model: str | None = None
+
+    @property
+    def models(self) -> list[str]:
+        return self.generator.adapters
+
+    def admit(self) -> None:
+        """Take a place in the queue, or refuse with 429."""
+        with self._lock:
+            if self._admitted > self.max_queue:
+                raise ApiError(429, f"the server is busy: one request runs and {self.max_queue} wait. Retry after a "
+                               "second.", code="queue_full", retry_after=1)
+            self._admitted += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._admitted -= 1
+
+    def prompt_ids(self, text: str) -> list[int]:
+        ids = self.generator.encode(text)
+        try:
+            self.generator.check_fits(ids)
+        except UserError as e:
+            raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
+        return ids
+
+    def run(self, job: Job) -> Answer:
+        """Generate for ``job`` (in the worker thread: the only one that touches the program)."""
+        if job.cancelled.is_set():
+            raise Cancelled()
+        if job.model != self._cached_model:
+            try:
+                self.generator.use_adapter(job.model)
+            except UserError as e:
+                raise ApiError(400, str(e), param="model") from None
+            self._cached, self._cached_model = [], job.model
+        cached = self._reusable(job.ids)
+        text, tokens = StopText(job.stops), []
+
+        def on_text(piece: str) -> None:
+            if job.cancelled.is_set():
+                raise Cancelled()
+            released = text.push(piece)
+            if released and job.on_text:
+                job.on_text(released)
+            if text.stopped:
+                raise Stopped()
+
+        self._cached = []  # until generation ends as expected, nothing past the prompt is known to be in the cache
+        try:
+            result = self.generator.generate("", job.sampling, on_text, prompt_ids=job.ids, cached=cached,
+                                             speculative=self.speculative, on_token=tokens.append)
+            finish = "stop" if result.stop_reason == "eos" else "length"
+            tail = text.flush()
+            if tail and job.on_text:
+                job.on_text(tail)
+            self._cached = job.ids + result.new_ids[:-1]  # the last token chosen may not have been run
+        except Stopped:
+            finish, self._cached = "stop", job.ids
+        except Cancelled:
+            self._cached = job.ids
+            log.info("a client left: its generation stopped after %d token%s", len(tokens), "" if len(tokens) == 1 else "s")
+            raise
+        return Answer(text.released, len(job.ids), len(tokens), cached, finish)
+
+    def _reusable(self, ids: list[int]) -> int:
+        """How many of ``ids``' first tokens the cache holds already (not the last: its logits are needed)."""
+        if self.no_reuse is not None:
+            return 0
+        n = 0
+        for a, b in zip(self._cached, ids[:-1]):
+            if a != b:
+                break
+            n += 1
+        return n
+
+
+def random_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")

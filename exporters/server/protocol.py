@@ -1,0 +1,150 @@
+"""What clients send (OpenAI's chat and text completions) and what they get back.
+
+Fields OpenAI defines that this server does not compute yet are refused by name (a 400 that says so), never
+ignored: a client that asks for log-probabilities or a JSON schema must not get an answer without them. A field
+OpenAI does not define is refused too (a typo is named).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from exporters.server.errors import ApiError
+
+#: OpenAI's fields the server refuses for now, with what to do instead; a value that asks nothing (null, false, 0,
+#: n=1, response_format text) is accepted.
+NOT_YET = {
+    "logprobs": "log-probabilities are not computed by this server yet",
+    "top_logprobs": "log-probabilities are not computed by this server yet",
+    "response_format": "constrained decoding (a JSON schema) is not available in this server yet; only "
+                       "{\"type\": \"text\"}",
+    "tools": "tool calls are not available in this server yet",
+    "tool_choice": "tool calls are not available in this server yet",
+    "logit_bias": "logit_bias is not applied by this server",
+    "presence_penalty": "penalties are not applied by this server; leave presence_penalty at 0",
+    "frequency_penalty": "penalties are not applied by this server; leave frequency_penalty at 0",
+    "best_of": "best_of is not supported; send one request per answer",
+    "echo": "echo is not supported",
+    "suffix": "suffix (fill-in-the-middle) is not supported",
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """The fields chat and text completions share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: int = 1
+    user: Optional[str] = None
+    logprobs: Union[bool, int, None] = None
+    top_logprobs: Optional[int] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+
+    def check(self) -> None:
+        """Refuse what is asked and not computed (NOT_YET), n > 1, more than 4 stop strings."""
+        for name, why in NOT_YET.items():
+            value = getattr(self, name, None)
+            if value not in (None, False, 0, [], {}) and not (name == "response_format" and value == {"type": "text"}):
+                raise ApiError(400, f"{name}: {why}.", param=name, code="unsupported_parameter")
+        if self.n != 1:
+            raise ApiError(400, f"n={self.n}: this server gives one answer per request (n=1); send n requests.",
+                           param="n", code="unsupported_parameter")
+        if len(self.stops) > 4:
+            raise ApiError(400, f"stop holds {len(self.stops)} strings; at most 4.", param="stop")
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+
+    def text(self, index: int) -> str:
+        """The message's text; a part that is not text (an image, audio) is refused with what takes it."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text":
+                raise ApiError(400, f"messages[{index}]: a content part of type {part.type!r}: this program takes "
+                               "text only (images go to a vision-language program, through exporters.generate for "
+                               "now).", param=f"messages[{index}].content", code="unsupported_content")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+
+    @property
+    def most_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(Sampling):
+    prompt: Union[str, list[str]]
+    max_tokens: Optional[int] = Field(default=16, ge=1)  # OpenAI's default for text completions
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) != 1:
+            raise ApiError(400, f"prompt holds {len(self.prompt)} prompts: this server answers one per request.",
+                           param="prompt", code="unsupported_parameter")
+        return self.prompt[0]
+
+    @property
+    def most_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+FinishReason = Literal["stop", "length"]
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -1,0 +1,235 @@
+"""``python -m exporters.serve`` as its users reach it: the official ``openai`` client, ``curl``-style raw HTTP and
+many clients at once, against a real server process over real programs (the tiny default, the real SmolLM2 for its
+chat template, a swappable-adapter program). Greedy answers are the ones ``exporters.generate`` gives."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt
+from tests.helpers import REPO_ROOT
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A running ``exporters.serve`` process: its base URL, its output, a raw HTTP helper."""
+
+    def __init__(self, proc: subprocess.Popen, port: int) -> None:
+        self.proc, self.port = proc, port
+        self.url = f"http://127.0.0.1:{port}/v1"
+
+    def client(self, **kwargs: Any) -> Any:
+        return openai.OpenAI(base_url=self.url, api_key=kwargs.pop("api_key", KEY), max_retries=0, **kwargs)
+
+    def raw(self, path: str, body: bytes | None = None, key: str | None = KEY) -> tuple[int, dict, dict]:
+        """POST ``body`` (GET without one) as curl sends it: the status, the headers and the JSON answer."""
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        request = urllib.request.Request(self.url + path, data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, {k.lower(): v for k, v in e.headers.items()}, json.loads(e.read())
+
+    def rss_mb(self) -> float:
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(next(l for l in status.splitlines() if l.startswith("VmRSS")).split()[1]) / 1024
+
+
+@contextmanager
+def serving(run: Path, log: Path, *args: str) -> Iterator[Server]:
+    """The server over ``run``, its console into ``log``."""
+    port = _free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "exporters.serve", str(run), f"port={port}", f"api_key={KEY}",
+                                 *args], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    server = Server(proc, port)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"the server ended: {log.read_text()}")
+            try:
+                if server.raw("/models")[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        else:
+            raise AssertionError("the server did not answer within 300 s")
+        yield server
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(exported, tmp_path_factory) -> Iterator[tuple[Server, Path]]:  # type: ignore[no-untyped-def]
+    run = exported().pte_path.parent
+    with serving(run, tmp_path_factory.mktemp("serve") / "serve.log", "max_queue=4") as server:
+        yield server, run
+
+
+def greedy(run: Path, prompt: str, tokens: int, adapter: str | None = None) -> str:
+    """What exporters.generate writes for ``prompt``, greedily."""
+    return Generator(run, adapter=adapter).generate(prompt, SamplingConfig(tokens, 0.0, 1.0, 0)).text
+
+
+def test_completions_are_what_generate_writes_streamed_or_not(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    server, run = tiny_server
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [run.name]
+    expected = greedy(run, "Once upon a time", 24)
+    whole = client.completions.create(model=run.name, prompt="Once upon a time", max_tokens=24, temperature=0)
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 24 and whole.usage.total_tokens == whole.usage.prompt_tokens + 24
+    pieces = list(client.completions.create(model=run.name, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == expected
+    assert pieces[-1].usage.completion_tokens == 24 and len([c for c in pieces if c.choices]) > 3
+    # The same prompt again: all but its last token are in the cache, and the answer does not change.
+    assert pieces[-1].usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
+
+
+def test_the_next_turn_runs_only_its_new_tokens(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    server, run = tiny_server
+    client = server.client()
+    first = client.completions.create(model=run.name, prompt="Hello world!", max_tokens=12, temperature=0)
+    follow = "Hello world!" + first.choices[0].text + " And then"
+    second = client.completions.create(model=run.name, prompt=follow, max_tokens=12, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + 8
+    assert second.choices[0].text == greedy(run, follow, 12)  # exactly what a fresh cache gives
+    other = client.completions.create(model=run.name, prompt="Good morning", max_tokens=12, temperature=0)
+    assert other.choices[0].text == greedy(run, "Good morning", 12)
+
+
+def test_sampling_is_seeded_and_stop_strings_cut_the_text(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    server, run = tiny_server
+    client = server.client()
+    ask = dict(model=run.name, prompt="Once upon a time", max_tokens=20, temperature=1.0, top_p=0.9)
+    a, b = (client.completions.create(seed=7, **ask).choices[0].text for _ in range(2))
+    assert a == b
+    full = greedy(run, "Once upon a time", 24)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = client.completions.create(model=run.name, prompt="Once upon a time", max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=run.name, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                         stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == full[:full.index(stop)]
+
+
+@pytest.mark.parametrize("body, status, says", [
+    (b'{"model": "x", "prompt": ', 400, "not valid JSON"),
+    (b'{"model": "nope", "prompt": "a"}', 404, "model 'nope' is not served here"),
+    (b'{"model": "M", "prompt": "a", "logprobs": 2}', 400, "logprobs: log-probabilities are not computed"),
+    (b'{"model": "M", "prompt": "a", "temprature": 0}', 400, "temprature: not a field of this request"),
+    (b'{"model": "M", "prompt": "a", "n": 2}', 400, "n=2: this server gives one answer per request"),
+    (b'{"model": "M", "prompt": "a", "max_tokens": 100000}', 400, "max_tokens=100000 is above this server's limit"),
+    (b'{"model": "M", "prompt": "' + b"word " * 600 + b'"}', 400, "the prompt is"),
+    (b'{"model": "M", "prompt": "a", "response_format": {"type": "json_schema"}}', 400, "constrained decoding"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}]}', 400, "without a chat template"),
+])
+def test_a_bad_request_is_one_json_error_and_the_server_goes_on(tiny_server, body: bytes, status: int,  # type: ignore[no-untyped-def]
+                                                                says: str) -> None:
+    server, run = tiny_server
+    path = "/chat/completions" if b"messages" in body else "/completions"
+    code, _, answer = server.raw(path, body.replace(b'"M"', json.dumps(run.name).encode()))
+    assert code == status and says in answer["error"]["message"], answer
+    assert server.raw("/completions", json.dumps({"model": run.name, "prompt": "a", "max_tokens": 2}).encode())[0] == 200
+
+
+def test_the_api_key_is_required_when_set(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    server, run = tiny_server
+    code, _, answer = server.raw("/models", key="wrong")
+    assert code == 401 and "API key" in answer["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+
+
+def test_many_clients_are_answered_or_told_to_retry_and_none_is_lost(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    """32 clients at once against a queue of 4: each gets its answer or a 429 with Retry-After; the program's
+    memory is what it was once they are gone."""
+    server, run = tiny_server
+    body = json.dumps({"model": run.name, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}).encode()
+    server.raw("/completions", body)
+    before = server.rss_mb()
+    results: list[tuple[int, dict, dict]] = []
+    threads = [threading.Thread(target=lambda: results.append(server.raw("/completions", body))) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) == 32
+    codes = sorted(code for code, _, _ in results)
+    assert set(codes) <= {200, 429} and codes.count(200) >= 5, codes
+    texts = {answer["choices"][0]["text"] for code, _, answer in results if code == 200}
+    assert texts == {greedy(run, "Once upon a time", 8)}
+    assert all(h.get("retry-after") == "1" for code, h, _ in results if code == 429)
+    assert server.raw("/completions", body)[0] == 200
+    assert server.rss_mb() < before + 30
+
+
+@pytest.mark.slow  # the real SmolLM2 (its chat template), cut to two layers: an export other tests share
+def test_chat_completions_apply_the_bundled_template(real_exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    run = real_exported("quant=fp32").pte_path.parent
+    prompt = "What is the capital of France?"
+    expected = Generator(run).generate(chat_prompt(run / "model.pte", prompt), SamplingConfig(12, 0.0, 1.0, 0)).text
+    with serving(run, tmp_path / "serve.log") as server:
+        client = server.client()
+        answer = client.chat.completions.create(model=run.name, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=12, temperature=0)
+        assert answer.choices[0].message.content == expected and answer.choices[0].message.role == "assistant"
+        chunks = list(client.chat.completions.create(model=run.name, messages=[{"role": "user", "content": prompt}],
+                                                     max_tokens=12, temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+        assert chunks[-1].choices[0].finish_reason == "length"
+        turn = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": prompt},
+                {"role": "assistant", "content": expected}, {"role": "user", "content": "And of Italy?"}]
+        first = client.chat.completions.create(model=run.name, messages=turn[:2], max_tokens=4, temperature=0)
+        second = client.chat.completions.create(model=run.name, messages=turn, max_tokens=4, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+        picture = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}]
+        with pytest.raises(openai.BadRequestError, match="takes text only"):
+            client.chat.completions.create(model=run.name, messages=picture)
+        # A client that leaves mid-stream: its generation stops at the next token, and the next client is served.
+        stream = client.chat.completions.create(model=run.name, messages=turn[:2], temperature=0, stream=True)
+        next(iter(stream))
+        stream.close()
+        again = client.chat.completions.create(model=run.name, messages=turn[:2], max_tokens=4, temperature=0)
+        assert again.choices[0].message.content == first.choices[0].message.content
+    left = [line for line in (tmp_path / "serve.log").read_text().splitlines() if "a client left" in line]
+    assert len(left) == 1, (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.slow  # a swappable-adapter program other tests share
+def test_an_adapter_is_a_model_and_the_base_comes_back(exported, tiny_checkpoint, tiny_adapters,  # type: ignore[no-untyped-def]
+                                                       tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from tests.test_swappable_adapters import swappable
+
+    run = swappable(exported, tiny_checkpoint, tiny_adapters).pte_path.parent
+    with serving(run, tmp_path / "serve.log") as server:
+        client = server.client()
+        assert [m.id for m in client.models.list().data] == [run.name, "minutes", "pirate"]
+        for model, adapter in ((run.name, None), ("pirate", "pirate"), (run.name, None), ("minutes", "minutes")):
+            got = client.completions.create(model=model, prompt="Once upon a time", max_tokens=10, temperature=0)
+            assert got.choices[0].text == greedy(run, "Once upon a time", 10, adapter), model
