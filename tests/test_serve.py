@@ -5,82 +5,17 @@ chat template, a swappable-adapter program). Greedy answers are the ones ``expor
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
+from benchmarks.server_process import Server, serving
 from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt
-from tests.helpers import REPO_ROOT
 
 openai = pytest.importorskip("openai")
-
-KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A running ``exporters.serve`` process: its base URL, its output, a raw HTTP helper."""
-
-    def __init__(self, proc: subprocess.Popen, port: int) -> None:
-        self.proc, self.port = proc, port
-        self.url = f"http://127.0.0.1:{port}/v1"
-
-    def client(self, **kwargs: Any) -> Any:
-        return openai.OpenAI(base_url=self.url, api_key=kwargs.pop("api_key", KEY), max_retries=0, **kwargs)
-
-    def raw(self, path: str, body: bytes | None = None, key: str | None = KEY) -> tuple[int, dict, dict]:
-        """POST ``body`` (GET without one) as curl sends it: the status, the headers and the JSON answer."""
-        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-        request = urllib.request.Request(self.url + path, data=body, headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=120) as r:
-                return r.status, {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, {k.lower(): v for k, v in e.headers.items()}, json.loads(e.read())
-
-    def rss_mb(self) -> float:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(next(l for l in status.splitlines() if l.startswith("VmRSS")).split()[1]) / 1024
-
-
-@contextmanager
-def serving(run: Path, log: Path, *args: str) -> Iterator[Server]:
-    """The server over ``run``, its console into ``log``."""
-    port = _free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "exporters.serve", str(run), f"port={port}", f"api_key={KEY}",
-                                 *args], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
-    server = Server(proc, port)
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise AssertionError(f"the server ended: {log.read_text()}")
-            try:
-                if server.raw("/models")[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.5)
-        else:
-            raise AssertionError("the server did not answer within 300 s")
-        yield server
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +122,26 @@ def test_many_clients_are_answered_or_told_to_retry_and_none_is_lost(tiny_server
     assert all(h.get("retry-after") == "1" for code, h, _ in results if code == 429)
     assert server.raw("/completions", body)[0] == 200
     assert server.rss_mb() < before + 30
+
+
+def test_a_bundle_keeps_what_says_its_cache_can_be_reused(tiny_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A release bundle records the cache as the run does, so a server over the bundle keeps it across turns; an LFM2's
+    recurrent state, a ring and a bare program do not."""
+    import json
+
+    from exporters.release.bundle import make_bundle
+    from exporters.server.engine import cache_reusable
+
+    _, run = tiny_server
+    bundle, _ = make_bundle(run, tmp_path / "release")
+    assert cache_reusable(run / "model.pte") is None and cache_reusable(bundle / "model.pte") is None
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for change, why in (({"state_bytes": 96}, "recurrent state"), ({"attention_sink": 4}, "ring cache"),
+                        ({"windows": [None, 16]}, "ring cache")):
+        (tmp_path / "other").mkdir(exist_ok=True)
+        (tmp_path / "other" / "manifest.json").write_text(json.dumps({"kv_cache": {**manifest["kv_cache"], **change}}))
+        assert why in (cache_reusable(tmp_path / "other" / "model.pte") or "")
+    assert "no manifest" in (cache_reusable(tmp_path / "model.pte") or "")
 
 
 @pytest.mark.slow  # the real SmolLM2 (its chat template), cut to two layers: an export other tests share

@@ -213,7 +213,7 @@ def make_bundle(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
         "methods": full["methods"], "layout": full["layout"], "constant_methods": m.constant_methods,
         "validation": {k: v for k, v in (full["validation"] or {}).items() if k != "per_window"},
         "data": full["data"], "adapters": full["adapters"], "swappable": full.get("swappable"),
-        "runtime": full["runtime"], "bench": full["bench"],
+        "runtime": full["runtime"], "kv_cache": full.get("kv_cache"), "bench": full["bench"],
         "versions": m.versions, "config": cfg, "files": files,
         **{k: v for b in bundled for k, v in b.fields.items()},
     }

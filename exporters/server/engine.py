@@ -8,6 +8,7 @@ recurrent state (LFM2, Qwen3.5) cannot step back, so those programs run every pr
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from exporters.errors import UserError
-from exporters.manifest import Manifest
+from exporters.manifest import MANIFEST_FILE
 from exporters.runtime.generator import Generator, SamplingConfig, chat_template
 from exporters.server.errors import ApiError
 from exporters.server.stops import StopText
@@ -56,16 +57,17 @@ class Answer:
 
 
 def cache_reusable(pte: Path) -> str | None:
-    """None when a prompt may reuse what the cache holds; else why not (read from the manifest beside ``pte``)."""
+    """None when a prompt may reuse what the cache holds; else why not. Read from the manifest beside ``pte`` (a
+    run's, or a bundle's: both record ``kv_cache``)."""
     try:
-        cache = Manifest.read(pte.parent).kv_cache
-    except UserError:
+        cache = json.loads((pte.parent / MANIFEST_FILE).read_text()).get("kv_cache")
+    except (OSError, ValueError):
         return "no manifest beside the program says what its cache is"
     if cache is None:
         return "the manifest does not record the cache"
-    if cache.state_bytes:
+    if cache.get("state_bytes"):
         return "its recurrent state cannot step back"
-    if cache.attention_sink or any(w is not None for w in cache.windows):
+    if cache.get("attention_sink") or any(w is not None for w in cache.get("windows", [])):
         return "its ring cache overwrites old positions"
     return None
 
