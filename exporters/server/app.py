@@ -88,16 +88,32 @@ async def _complete(engine: Engine, limits: Limits, body: Sampling, prompt: str,
     ids = engine.prompt_ids(prompt)
     sampling = SamplingConfig(wanted or limits.max_tokens, body.temperature, body.top_p,
                               random_seed() if body.seed is None else body.seed)
-    engine.admit()
+    engine.admit()  # released when the job ends, whether or not its client is still there
     job = Job(adapter, ids, sampling, body.stops)
     reply = _Reply(body.model, chat)
     if body.stream:
-        return StreamingResponse(_stream(engine, job, reply, body.usage_in_stream), media_type="text/event-stream")
-    try:
-        answer = await _wait(engine, job, request)
-    finally:
+        pieces: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        job.on_text = lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece)
+        future = _submit(engine, job, lambda: pieces.put_nowait(None))
+        return StreamingResponse(_stream(future, pieces, job, reply, body.usage_in_stream),
+                                 media_type="text/event-stream")
+    return reply.whole(await _wait(_submit(engine, job), job, request))
+
+
+def _submit(engine: Engine, job: Job, then: Callable[[], None] = lambda: None) -> asyncio.Future:
+    """``job`` queued for the engine's thread; when it ends, its place in the queue is given back and ``then`` runs
+    (in the event loop), even if its client left before its response started."""
+    future = asyncio.get_running_loop().run_in_executor(engine.worker, engine.run, job)
+
+    def ended(f: asyncio.Future) -> None:
         engine.leave()
-    return reply.whole(answer)
+        if not f.cancelled():
+            f.exception()  # read here, so that a job nobody awaits any more is not reported as unread
+        then()
+
+    future.add_done_callback(ended)
+    return future
 
 
 def _adapter(engine: Engine, model: str, name: str) -> str | None:
@@ -109,9 +125,8 @@ def _adapter(engine: Engine, model: str, name: str) -> str | None:
                    "(GET /v1/models lists them).", param="model", code="model_not_found")
 
 
-async def _wait(engine: Engine, job: Job, request: Request) -> Answer:
+async def _wait(future: asyncio.Future, job: Job, request: Request) -> Answer:
     """The answer, while watching the client: one that disconnects cancels its job."""
-    future = asyncio.get_running_loop().run_in_executor(engine.worker, engine.run, job)
     while True:
         done, _ = await asyncio.wait({future}, timeout=0.25)
         if done:
@@ -120,11 +135,8 @@ async def _wait(engine: Engine, job: Job, request: Request) -> Answer:
             job.cancelled.set()
 
 
-async def _stream(engine: Engine, job: Job, reply: "_Reply", with_usage: bool) -> AsyncIterator[str]:
-    loop, pieces = asyncio.get_running_loop(), asyncio.Queue()
-    job.on_text = lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece)
-    future = loop.run_in_executor(engine.worker, engine.run, job)
-    future.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
+async def _stream(future: asyncio.Future, pieces: asyncio.Queue, job: Job, reply: "_Reply",
+                  with_usage: bool) -> AsyncIterator[str]:
     try:
         yield _event(reply.chunk(role=True))
         while (piece := await pieces.get()) is not None:
@@ -140,7 +152,6 @@ async def _stream(engine: Engine, job: Job, reply: "_Reply", with_usage: bool) -
         yield _event(e.body())
     finally:
         job.cancelled.set()  # a client gone mid-stream: generation stops at its next token
-        engine.leave()
 
 
 def _event(data: dict[str, Any]) -> str:
