@@ -13,7 +13,7 @@ Each renderer takes one tool's JSON: ``suite`` the test suite's durations (``pyt
 ``export`` a ``benchmarks.export`` report (``report.json``), ``speculative`` a ``benchmarks.speculative`` or
 ``benchmarks.llama_cpp`` report, ``memory`` a ``benchmarks.memory_estimate`` report, ``hybrid`` the rows
 ``benchmarks.hybrid --results`` keeps, ``adapters`` a ``benchmarks.adapters`` report, ``vision_quant`` the rows
-``benchmarks.vision_quant --results`` writes. Keep the JSON files in
+``benchmarks.vision_quant --results`` writes, ``serve`` a ``benchmarks.serve`` report. Keep the JSON files in
 ``docs/results/``: they are the measurement, the table is a view of it. A new table is a renderer in
 :data:`RENDERERS` and a region in a doc.
 """
@@ -133,7 +133,23 @@ def render_vision_quant(data: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS: dict[str, Callable[[Any], str]] = {"suite": render_suite, "export": render_export,
+def render_serve(data: dict[str, Any]) -> str:
+    """A ``benchmarks.serve`` report: what the server adds to a request, and what the cache across turns saves."""
+    return "\n".join([
+        "| measure | value |", "|---|---|",
+        f"| a short completion's time to first token: server / the program's own prefill | "
+        f"{data['short_prompt_ttft_s'] * 1000:.1f} ms / {data['short_prompt_prefill_s'] * 1000:.1f} ms "
+        f"(overhead {data['overhead_ms']:+.1f} ms) |",
+        f"| a chat's first turn ({data['prompt_tokens']} prompt tokens): time to first token | "
+        f"{data['first_turn_ttft_s']:.3f} s (the program's prefill: {data['prefill_s']:.3f} s) |",
+        f"| its second turn: time to first token | {data['second_turn_ttft_s']:.3f} s "
+        f"({data['second_over_first']:.3f}x the first's) |",
+        f"| greedy answers token for token those of `exporters.generate` | "
+        f"{'yes' if data['greedy_as_generate'] else 'NO'} |",
+        f"", f"Medians of {data['repeats']} runs."]) + "\n"
+
+
+RENDERERS: dict[str, Callable[[Any], str]] = {"serve": render_serve, "suite": render_suite, "export": render_export,
                                               "speculative": render_speculative, "memory": render_memory,
                                               "hybrid": render_hybrid, "adapters": render_adapters,
                                               "vision_quant": render_vision_quant}
