@@ -92,12 +92,13 @@ def _app(path: str, args: ServeArgs):  # type: ignore[no-untyped-def]
     """The app over the loaded program, and the line that says what it serves."""
     from pathlib import Path
 
-    from exporters.runtime.generator import Generator
+    from exporters.runtime.generator import Generator, resolve_program
     from exporters.server.app import Limits, create_app
-    from exporters.server.engine import Engine
+    from exporters.server.engine import Engine, cache_reusable
 
+    no_reuse = cache_reusable(resolve_program(path))
     with console.native_stderr_to(None):
-        generator = Generator(path, args.tokenizer, every_adapter=True, load=False)
+        generator = Generator(path, args.tokenizer, every_adapter=True, load=False, keep_cache=no_reuse is None)
         generator.check_speculation(args.speculative)
         generator.load()
     engine = Engine(generator, args.max_queue, args.speculative)
@@ -105,7 +106,7 @@ def _app(path: str, args: ServeArgs):  # type: ignore[no-untyped-def]
     most = args.max_tokens or generator.max_context_len
     app = create_app(engine, Limits(most, args.max_request_bytes, args.api_key), name)
     models = ", ".join([name, *engine.models])
-    reuse = "kept across turns" if engine.no_reuse is None else f"not reused ({engine.no_reuse})"
+    reuse = "kept across turns" if no_reuse is None else f"not reused ({no_reuse})"
     logging.getLogger("uvicorn.error").setLevel(logging.INFO if args.verbose else logging.WARNING)
     return app, (f"serving {generator.pte} as {models} on http://{args.host}:{args.port}/v1 "
                  f"(loaded in {generator.load_seconds:.1f} s; cache {reuse}; "

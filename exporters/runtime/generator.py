@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +42,14 @@ class GenerationResult:
     prompt_tokens_per_s: float
     generation_tokens_per_s: float
     speculation: SpeculationStats | None = None  # speculative decoding's numbers, when it ran
+
+
+@dataclass
+class Progress:
+    """How far the latest generation went: read it when ``on_text`` stopped one by raising."""
+
+    cached: int  # the prompt's first tokens the cache held already (not run again)
+    new_ids: list[int] = field(default_factory=list)  # the tokens generated so far
 
 
 def resolve_program(path: str | Path) -> Path:
@@ -113,12 +121,14 @@ class Generator:
     """A loaded program plus its metadata; ``generate`` may be called repeatedly (the cache is rewritten)."""
 
     def __init__(self, pte: str | Path, tokenizer: str | None = None, adapter: str | None = None,
-                 load: bool = True, every_adapter: bool = False) -> None:
+                 load: bool = True, every_adapter: bool = False, keep_cache: bool = False) -> None:
         """``adapter``: generate with that LoRA adapter (``model.adapters`` at export: its methods; of a swappable
         program, also any ``.ptd`` or PEFT folder that fits, set with ``set_adapter``); None: the base. ``load``:
         load the methods now; False leaves it to :meth:`load`, so that a request can be checked first against what
         the program says without its weights (its methods and constants). ``every_adapter``: load every adapter's
-        data file too, so that :meth:`use_adapter` can switch to any of them (a server)."""
+        data file too, so that :meth:`use_adapter` can switch to any of them (a server). ``keep_cache``: remember
+        what the cache holds, so that a prompt starting with those tokens (a chat's next turn) runs only the rest;
+        only for a cache every position of which stays (no ring, no recurrent state: exporters.server.engine)."""
         start = time.perf_counter()
         self.pte = resolve_program(pte)
         # The base's data file and this adapter's only (export.weights=external), as an app loads them.
@@ -135,6 +145,9 @@ class Generator:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.driver = Driver.of(self.program, adapter if self.slots is None else None)
         self._drivers = {adapter: self.driver}  # by adapter (None: the base), each made once
+        self.keep_cache = keep_cache
+        self._in_cache: list[int] = []  # with keep_cache: the tokens the cache holds, from position 0
+        self.progress = Progress(0)
         self._draft: Driver | None = None  # the draft model's methods, loaded when speculation first uses them
         self.adapter = adapter
         self.load_seconds = time.perf_counter() - start
@@ -150,6 +163,15 @@ class Generator:
             self.slots.set(self.adapter)
         self.load_seconds += time.perf_counter() - start
 
+    def _reusable(self, ids: list[int]) -> int:
+        """How many of ``ids``' first tokens the cache holds already (not the last: its logits are needed)."""
+        n = 0
+        for a, b in zip(self._in_cache, ids[:-1]):
+            if a != b:
+                break
+            n += 1
+        return n
+
     def use_adapter(self, adapter: str | None) -> None:
         """Generate with ``adapter`` from now on (None: the base): its methods, or set in a swappable program's
         slots. The cache then holds what another model wrote: the next prompt is run whole."""
@@ -163,6 +185,7 @@ class Generator:
                 self._drivers[adapter].load()
             self.driver = self._drivers[adapter]
         self.adapter = adapter
+        self._in_cache = []
 
     @property
     def adapters(self) -> list[str]:
@@ -236,32 +259,32 @@ class Generator:
 
     def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
                  prompt_ids: list[int] | None = None, speculative: str = "auto",
-                 draft_tokens: int | None = None, images: ImagePrompt | None = None, cached: int = 0,
-                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+                 draft_tokens: int | None = None, images: ImagePrompt | None = None) -> GenerationResult:
         """``speculative``: ``lookup`` proposes tokens from the text so far and checks them with the verify method
         (exactly the target's output: exporters.runtime.speculative), ``none`` decodes one token per call.
         ``draft_tokens``: proposals per verify call (1 to the program's get_draft_tokens); None adapts them.
         ``images``: the prompt with its images (:meth:`with_images`), fed as ExecuTorch's MultimodalRunner feeds it.
-        ``cached``: the first tokens of the prompt are in the cache already, from the last generation (a chat's
-        next turn: exporters.server.engine); only the rest is run. ``on_token``: called with each new token before
-        its text (which may wait for the next bytes of a character)."""
+        With ``keep_cache``, the prompt's first tokens that the cache holds already are not run again.
+        ``progress`` says what was done so far, also when ``on_text`` raised to stop it."""
         proposer = self.speculation(speculative, draft_tokens)
         ids = images.ids if images is not None else prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(ids)
         stream = TextStream(self.tokenizer)
+        self.progress = progress = Progress(self._reusable(ids) if images is None else 0)
+        self._in_cache = []  # until the prompt is run, nothing is known to be there
         start = time.perf_counter()
         if images is not None:
             roles = MethodRoles.through_embeddings(program_method_shapes(self.program))
             logits = prefill_parts(self.program, roles, images.parts)
         else:
-            assert 0 <= cached < len(ids), "at least the prompt's last token is run, for its logits"
-            logits = self.driver.prefill(torch.tensor([ids[cached:]], dtype=torch.int64), start=cached)
+            logits = self.driver.prefill(torch.tensor([ids[progress.cached:]], dtype=torch.int64),
+                                         start=progress.cached)
+        self._in_cache = ids if self.keep_cache and images is None else []
         prompt_s = time.perf_counter() - start
         start = time.perf_counter()
 
         def emit(token: int) -> None:
-            if on_token:
-                on_token(token)
+            progress.new_ids.append(token)
             piece = stream.push(token)
             if piece and on_text:
                 on_text(piece)
@@ -269,6 +292,8 @@ class Generator:
         new_ids, stop, stats = continue_text(
             self.driver, ids, logits, cfg, Stops(self.eos_ids, self.max_context_len, self.endless),
             Speculation(proposer, draft_tokens) if proposer is not None else None, Observers(emit))
+        if self._in_cache:
+            self._in_cache = ids + new_ids[:-1]  # the last token chosen may not have been run
         gen_s = time.perf_counter() - start
         return GenerationResult(
             text=stream.emitted, prompt_ids=ids, new_ids=new_ids, stop_reason=stop,

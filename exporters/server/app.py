@@ -95,18 +95,21 @@ async def _complete(engine: Engine, limits: Limits, body: Sampling, prompt: str,
         pieces: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         job.on_text = lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece)
-        future = _submit(engine, job, lambda: pieces.put_nowait(None))
+        future = _submit(engine, job, request, lambda: pieces.put_nowait(None))
         return StreamingResponse(_stream(future, pieces, job, reply, body.usage_in_stream),
                                  media_type="text/event-stream")
-    return reply.whole(await _wait(_submit(engine, job), job, request))
+    return reply.whole(await _submit(engine, job, request))
 
 
-def _submit(engine: Engine, job: Job, then: Callable[[], None] = lambda: None) -> asyncio.Future:
-    """``job`` queued for the engine's thread; when it ends, its place in the queue is given back and ``then`` runs
-    (in the event loop), even if its client left before its response started."""
+def _submit(engine: Engine, job: Job, request: Request, then: Callable[[], None] = lambda: None) -> asyncio.Future:
+    """``job`` queued for the engine's thread, its client watched (one that disconnects cancels it: generation stops
+    at the next token); when it ends, its place in the queue is given back and ``then`` runs (in the event loop),
+    even if its client left before its response started."""
     future = asyncio.get_running_loop().run_in_executor(engine.worker, engine.run, job)
+    watcher = asyncio.create_task(_watch(request, job))
 
     def ended(f: asyncio.Future) -> None:
+        watcher.cancel()
         engine.leave()
         if not f.cancelled():
             f.exception()  # read here, so that a job nobody awaits any more is not reported as unread
@@ -125,14 +128,11 @@ def _adapter(engine: Engine, model: str, name: str) -> str | None:
                    "(GET /v1/models lists them).", param="model", code="model_not_found")
 
 
-async def _wait(future: asyncio.Future, job: Job, request: Request) -> Answer:
-    """The answer, while watching the client: one that disconnects cancels its job."""
-    while True:
-        done, _ = await asyncio.wait({future}, timeout=0.25)
-        if done:
-            return future.result()
-        if await request.is_disconnected():
-            job.cancelled.set()
+async def _watch(request: Request, job: Job) -> None:
+    """Cancel ``job`` when its client disconnects (polled: a stream only learns it at its next write)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.1)
+    job.cancelled.set()
 
 
 async def _stream(future: asyncio.Future, pieces: asyncio.Queue, job: Job, reply: "_Reply",

@@ -95,19 +95,16 @@ class ChatTemplate:
 
 class Engine:
     """The loaded program and the one thread that runs it; at most ``max_queue`` requests wait beside the one
-    running (more get HTTP 429)."""
+    running (more get HTTP 429). ``generator`` keeps its cache across requests where :func:`cache_reusable` allows."""
 
     def __init__(self, generator: Generator, max_queue: int, speculative: str = "auto") -> None:
         self.generator = generator
         self.template = ChatTemplate(generator.pte.parent)
         self.speculative = speculative
         self.max_queue = max_queue
-        self.no_reuse = cache_reusable(generator.pte)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="program")
         self._admitted = 0
         self._lock = threading.Lock()
-        self._cached: list[int] = []  # the tokens whose keys and values the cache holds, from position 0
-        self._cached_model: str | None = None
 
     @property
     def models(self) -> list[str]:
@@ -137,14 +134,11 @@ class Engine:
         """Generate for ``job`` (in the worker thread: the only one that touches the program)."""
         if job.cancelled.is_set():
             raise Cancelled()
-        if job.model != self._cached_model:
-            try:
-                self.generator.use_adapter(job.model)
-            except UserError as e:
-                raise ApiError(400, str(e), param="model") from None
-            self._cached, self._cached_model = [], job.model
-        cached = self._reusable(job.ids)
-        text, tokens = StopText(job.stops), []
+        try:
+            self.generator.use_adapter(job.model)
+        except UserError as e:
+            raise ApiError(400, str(e), param="model") from None
+        text = StopText(job.stops)
 
         def on_text(piece: str) -> None:
             if job.cancelled.is_set():
@@ -155,33 +149,20 @@ class Engine:
             if text.stopped:
                 raise Stopped()
 
-        self._cached = []  # until generation ends as expected, nothing past the prompt is known to be in the cache
         try:
-            result = self.generator.generate("", job.sampling, on_text, prompt_ids=job.ids, cached=cached,
-                                             speculative=self.speculative, on_token=tokens.append)
+            result = self.generator.generate("", job.sampling, on_text, prompt_ids=job.ids, speculative=self.speculative)
             finish = "stop" if result.stop_reason == "eos" else "length"
             tail = text.flush()
             if tail and job.on_text:
                 job.on_text(tail)
-            self._cached = job.ids + result.new_ids[:-1]  # the last token chosen may not have been run
         except Stopped:
-            finish, self._cached = "stop", job.ids
+            finish = "stop"
         except Cancelled:
-            self._cached = job.ids
-            log.info("a client left: its generation stopped after %d token%s", len(tokens), "" if len(tokens) == 1 else "s")
+            log.info("a client left: its generation stopped after %d token%s", len(self.generator.progress.new_ids),
+                     "" if len(self.generator.progress.new_ids) == 1 else "s")
             raise
-        return Answer(text.released, len(job.ids), len(tokens), cached, finish)
-
-    def _reusable(self, ids: list[int]) -> int:
-        """How many of ``ids``' first tokens the cache holds already (not the last: its logits are needed)."""
-        if self.no_reuse is not None:
-            return 0
-        n = 0
-        for a, b in zip(self._cached, ids[:-1]):
-            if a != b:
-                break
-            n += 1
-        return n
+        done = self.generator.progress
+        return Answer(text.released, len(job.ids), len(done.new_ids), done.cached, finish)
 
 
 def random_seed() -> int:
