@@ -134,6 +134,7 @@ def test_each_adapters_methods_generate_the_eager_adapters_tokens(exported, tiny
     assert len(set(texts.values())) == 2, texts
 
 
+@pytest.mark.slow  # a real export of its own (34 s of the fast tier's 177 s on 2026-11-28)
 def test_adapter_methods_that_ignore_the_adapter_fail_validation(tiny_checkpoint, tiny_adapters, tmp_path: Path,
                                                                  monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Negative control: capture the adapter's methods from the base (as a broken exporter would). The tiny model:
