@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,6 +20,14 @@ VERBOSE = False  # set from the command line's verbose=true
 OWN_LOGGERS = ("exporters", "models")
 
 log = logging.getLogger("exporters")
+
+
+def set_verbose(verbose: bool) -> None:
+    """The runtime commands' ``verbose=``: true shows every library's output, false hides their warnings too."""
+    global VERBOSE
+    VERBOSE = verbose
+    if not verbose:
+        warnings.simplefilter("ignore")
 
 
 class StoryFilter(logging.Filter):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, TextIO
@@ -114,9 +113,7 @@ def _prompt(text: str | None, file: str | None, stdin: TextIO) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         path, args = parse(sys.argv[1:] if argv is None else argv)
-        console.VERBOSE = args.verbose
-        if not args.verbose:
-            warnings.simplefilter("ignore")
+        console.set_verbose(args.verbose)
         with console.native_stderr_to(None):  # the runtime's log lines; the text goes to stdout
             # Everything the program can answer without its weights is checked before they are loaded.
             generator = Generator(path, args.tokenizer, args.adapter, load=False)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -68,9 +67,7 @@ def parse(argv: list[str]) -> tuple[str, ServeArgs]:
 def main(argv: list[str] | None = None) -> int:
     try:
         path, args = parse(sys.argv[1:] if argv is None else argv)
-        console.VERBOSE = args.verbose
-        if not args.verbose:
-            warnings.simplefilter("ignore")
+        console.set_verbose(args.verbose)
         app, described = _app(path, args)
     except REPORTED_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
