@@ -105,10 +105,7 @@ class Engine:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="program")
         self._admitted = 0
         self._lock = threading.Lock()
-
-    @property
-    def models(self) -> list[str]:
-        return self.generator.adapters
+        self.models = generator.adapters  # read once: a swappable program's are files, listed at every request else
 
     def admit(self) -> None:
         """Take a place in the queue, or refuse with 429."""
