@@ -414,6 +414,34 @@ class QualityWarning:
 
 
 @dataclass
+class MethodLowering:
+    """One captured method's share of the lower stage, in seconds (its aliases are emitted from it, not lowered)."""
+
+    to_edge_s: float  # decompositions and the edge dialect's passes
+    decompositions: int  # how many times the method was retraced by run_decompositions
+    partition_s: float  # the backend's partitioner choosing what it takes
+    preprocess_s: float  # the backend compiling those partitions (its passes and serialization)
+    partitions: int
+
+
+@dataclass
+class LoweringTimes:
+    """Where the lower stage's seconds (``timings_s.lower``) went, so that a slower lowering shows in a manifest."""
+
+    methods: dict[str, MethodLowering]
+    passes_s: dict[str, float]  # each pass (edge dialect and backend) by class, summed over methods and partitions
+    pass_runs: dict[str, int]
+    other_s: float  # the rest: the edge program manager, the user passes, partitions cut out of the graphs, checks
+
+    def describe(self) -> str:
+        slowest = sorted(self.passes_s.items(), key=lambda kv: -kv[1])[:3]
+        per_method = ", ".join(f"{name} {m.to_edge_s + m.partition_s + m.preprocess_s:.0f} s"
+                               for name, m in self.methods.items())
+        return (f"seconds per method: {per_method}, the rest {self.other_s:.0f} s; slowest passes: "
+                + ", ".join(f"{name} {s:.0f} s ({self.pass_runs[name]} runs)" for name, s in slowest))
+
+
+@dataclass
 class Resources:
     """The export itself (every stage before finalize): what a sweep compares configs by."""
 
@@ -610,6 +638,7 @@ class Manifest:
     # The models the program holds, by name (version 3; older manifests read as one "decoder").
     components: dict[str, ComponentEntry] = field(default_factory=dict)
     swappable: SwappableEntry | None = None  # export.adapters=swappable: the LoRA slots and the adapters' files
+    lowering: LoweringTimes | None = None  # the lower stage's seconds per method and per pass
     version: int = MANIFEST_VERSION
 
     @property

@@ -230,9 +230,9 @@ def test_the_xnnpack_passes_lowering_may_skip_are_the_ones_that_were_read() -> N
 @pytest.mark.slow
 def test_the_stock_path_writes_the_same_program_as_the_shortcuts(tmp_path: Path) -> None:
     """export.shortcuts=false takes the libraries' stock path everywhere exporters.program.internals patches them: torchao's
-    own HQQ, its quant ops run op by op, ExecuTorch's multi-method to_backend copying every partition at once with all
-    of XNNPACK's passes, each packed weight held per method, forward lowered on its own instead of written as prefill's
-    plan renamed. The program is the same bytes; afterwards the patched internals are ExecuTorch's and torchao's own."""
+    own HQQ, its quant ops run op by op, each method decomposed three times, ExecuTorch's multi-method to_backend
+    copying every partition at once with all of XNNPACK's passes, each packed weight held per method, forward lowered
+    on its own instead of written as prefill's plan renamed. The program is the same bytes; afterwards the patched internals are ExecuTorch's and torchao's own."""
     from exporters.export import run_stages
     from exporters.stages.emit import to_executorch
     from tests.helpers import compose_config
@@ -252,6 +252,9 @@ def test_the_stock_path_writes_the_same_program_as_the_shortcuts(tmp_path: Path)
     from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 
     assert XNNPACKPassManager.transform.__name__ == "transform"
+    from executorch.exir.program import _program
+
+    assert _program._gen_edge_manager_for_partitioners.__module__ == _program.__name__
     assert not hasattr(XnnpackBackend, "copy_exported_program_for_preprocess") or \
         XnnpackBackend.copy_exported_program_for_preprocess.__qualname__.startswith("BackendDetails")
     op = torch.ops.torchao.dequantize_affine.default  # torchao's own body is the kernel again

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from exporters.config import ExportConfig
     from exporters.context.artifacts import BaselineQuality
-    from exporters.manifest import AppliedQuantization, Pt2eRecord, QualityWarning, ValidationReport
+    from exporters.manifest import AppliedQuantization, LoweringTimes, Pt2eRecord, QualityWarning, ValidationReport
     from exporters.plan import ExportPlan
     from exporters.plan.footprint import Footprint
     from models.checkpoint import Checkpoint
@@ -38,6 +38,7 @@ class ExportContext:
     baseline: BaselineQuality | None = None  # baseline: the validation text in windows, the decoder's score on it
     pt2e: Pt2eRecord | None = None  # pt2e: what the backend's quantizer did (finalize records it with quantize's)
     quality_warning: QualityWarning | None = None  # advise: the perplexity increase passed its threshold
+    lowering: LoweringTimes | None = None  # lower: its seconds per method and per pass
 
     @property
     def config(self) -> ExportConfig:

@@ -48,6 +48,12 @@ re-read; each has a test that fails if the internal changes behaviour:
   (``backends/xnnpack/_passes/__init__.py``) runs its 17 passes on every partition, and each retraces the whole
   partition even when it changes nothing. Within this block a pass is skipped where the partition holds none of the
   ops it acts on (a table read from each pass's ``call``, or its pattern graphs' ops). Test: the same.
+- :func:`edge_programs_decomposed_once`: ExecuTorch's ``to_edge_transform_and_lower`` (``exir/program/_program.py``,
+  ``_gen_edge_manager_for_partitioners``) retraces every method three times with ``run_decompositions`` for a
+  partitioner that checks the ops it keeps (XNNPACK's): to functionalize, with the kept ops, and with the whole table
+  after renaming the accepted ones. Within this block its own steps run (the same private helpers of that module)
+  without the first retrace (the second functionalizes too) and without the third where no op it would decompose is
+  left: a third of SmolLM2's lowering. Test: ``tests/test_export.py::test_the_stock_path_writes_the_same_program_as_the_shortcuts``.
 - :func:`named_data_stored_once`: XNNPACK's preprocess (``backends/xnnpack/operators/node_visitor.py``) hands each
   packed weight to a per-partition ``NamedDataStore`` as a fresh ``bytes``, so the same weight lowered for ``prefill``
   and for ``decode_one_token`` is held twice (under one key) until emit merges the stores: a second copy of the
@@ -328,6 +334,65 @@ def xnnpack_passes_only_where_they_apply() -> Iterator[None]:
         yield
     finally:
         XNNPACKPassManager.transform = transform  # type: ignore[method-assign]
+
+
+def _has_decomposable_op(program: Any, table: dict[Any, Any]) -> bool:
+    """Whether a node of ``program`` calls an op ``table`` decomposes, other than ``aten.sym_size.int``: a
+    CompositeImplicitAutograd op whose kernel reads a tensor's size, which tracing records as ``sym_size.int`` again."""
+    import torch
+
+    fixed_points = {torch.ops.aten.sym_size.int}
+    return any(n.op == "call_function" and n.target in table and n.target not in fixed_points
+               for n in program.graph.nodes)
+
+
+@contextlib.contextmanager
+def edge_programs_decomposed_once() -> Iterator[None]:
+    """Within this block, ExecuTorch's ``to_edge_transform_and_lower`` decomposes each method once where its
+    ``_gen_edge_manager_for_partitioners`` retraces it three times for a partitioner that checks each op it keeps
+    (XNNPACK's): ``run_decompositions({})`` to functionalize, then with the backend's ops kept, then, after the
+    kept ops the backend accepts are renamed out of reach, with the whole default table so that the refused ones
+    decompose. The first is not needed (the second functionalizes as well), and the third changes nothing when no
+    op the table decomposes is left; each retrace of SmolLM2's graph took 7-13 s. Any other case (a method with no
+    partitioner, one that keeps ops without checking them, an ETRecord asked for) takes the stock function."""
+    from collections import defaultdict
+
+    from executorch.exir.program import _program as stock
+
+    original = stock._gen_edge_manager_for_partitioners
+
+    def decomposed_once(partitioner: dict[str, list[Any]], aten_programs: dict[str, Any], config: Any,
+                        constant_methods: dict[str, Any] | None, generate_etrecord: bool | None = False) -> Any:
+        if generate_etrecord or any(not partitioner.get(name) or any(
+                stock._can_skip_using_EDGE_DO_NOT_DECOMP(p, program) for p in partitioner[name])
+                for name, program in aten_programs.items()):
+            return original(partitioner, aten_programs, config, constant_methods, generate_etrecord)
+        kept_by_program: dict[str, set[Any]] = defaultdict(set)
+        edge_programs = {}
+        for name, program in aten_programs.items():
+            program = stock._apply_pre_decomposition_transforms(program, partitioner[name])
+            for p in partitioner[name]:  # the stock EDGE_DO_NOT_DECOMP path, without its repeats
+                table = stock._default_decomposition_table()
+                for op in stock._remove_invalid_ops_for_not_decompose(p.ops_to_not_decompose(program)[0]):
+                    table.pop(op, None)
+                program = program.run_decompositions(table)
+                kept_by_program[name].update(stock._replace_aten_ops_with_transformed_ops(name, program, {name: [p]})
+                                             or [])
+                table = stock._default_decomposition_table()
+                if _has_decomposable_op(program, table):
+                    program = program.run_decompositions(table)
+                stock._restore_transformed_ops_to_aten_ops(program)
+            edge_programs[name] = stock._generate_edge_program(config, program,
+                                                               preserve_ops=list(kept_by_program[name]))
+        kept = list(set().union(*kept_by_program.values()))
+        config._core_aten_ops_exception_list = list(set(config._core_aten_ops_exception_list) | set(kept))
+        return stock.EdgeProgramManager(edge_programs, constant_methods, config, kept)
+
+    stock._gen_edge_manager_for_partitioners = decomposed_once
+    try:
+        yield
+    finally:
+        stock._gen_edge_manager_for_partitioners = original
 
 
 @contextlib.contextmanager

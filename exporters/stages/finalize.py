@@ -198,6 +198,7 @@ class FinalizeStage(Stage):
             runtime=runtime_needs(self.plan.backend.packed_once, pte.name, data.file if data else None,
                                   own_data),
             quality_warning=ctx.quality_warning,
+            lowering=ctx.lowering,
             kv_cache=kv_cache_entry(model, max(spec.max_tokens for spec in base.values())),
             components=entries,
             **fields,  # each part's own sections of the manifest

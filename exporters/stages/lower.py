@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Iterator
 
 from exporters.components import parts
@@ -16,7 +17,9 @@ from exporters.config import WeightsPlacement
 from exporters.context import ExportContext
 from exporters.context.artifacts import CapturedMethods, LoweredProgram
 from exporters.backends import BACKENDS, Backend, partitioners
-from exporters.program.internals import lowering_forgets_graphs, named_data_stored_once, torchao_quant_ops_shape_only
+from exporters.program.clock import LoweringClock
+from exporters.program.internals import (edge_programs_decomposed_once, lowering_forgets_graphs, named_data_stored_once,
+                                         torchao_quant_ops_shape_only)
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
 from exporters.stages.pipeline import Stage
 
@@ -32,47 +35,58 @@ def count_delegates(edge: Any, aliases: dict[str, str]) -> dict[str, int]:
     return {**counts, **{alias: counts[source] for alias, source in aliases.items()}}
 
 
-def with_progress(found: list[Any], methods: list[str], backend: str) -> list[Any]:
-    """The partitioners, each reporting on the console as it partitions a method (lowering takes minutes)."""
+def with_progress(found: list[Any], methods: list[str], backend: str, clock: LoweringClock) -> list[Any]:
+    """The partitioners, each reporting on the console as it partitions a method (lowering takes minutes), and telling
+    ``clock`` which method ExecuTorch converts and how long each partitioning takes."""
     from executorch.exir.backend.partitioner import Partitioner, PartitionResult
 
     class Reporting(Partitioner):
-        """Forwards to ``inner``; ExecuTorch calls ``partition`` once per method, in ``methods`` order."""
+        """Forwards to ``inner``; ExecuTorch asks each partitioner about each method in ``methods`` order, first
+        before decomposing it (``transform_for_pre_decomposition``), then to ``partition`` it."""
 
-        def __init__(self, inner: Partitioner) -> None:
+        def __init__(self, inner: Partitioner, first: bool) -> None:
             super().__init__(getattr(inner, "spec", {}))
-            self.inner = inner
-            self.calls = 0
+            self.inner, self.first = inner, first
+            self.calls = self.converted = 0
 
         def ops_to_not_decompose(self, program: Any) -> Any:
             return self.inner.ops_to_not_decompose(program)
 
+        def transform_for_pre_decomposition(self, program: Any) -> Any:
+            if self.first and self.converted < len(methods):
+                clock.converting(methods[self.converted])
+            self.converted += 1
+            return self.inner.transform_for_pre_decomposition(program)
+
         def partition(self, program: Any) -> PartitionResult:
             name = methods[self.calls] if self.calls < len(methods) else f"method {self.calls + 1}"
             self.calls += 1
+            started = time.perf_counter()
             result = self.inner.partition(program)
+            clock.partitioned(name, time.perf_counter() - started, len(result.partition_tags))
             log.info("  lower: %s partitioned (%d/%d): %d partition(s) for %s", name, self.calls, len(methods),
                      len(result.partition_tags), backend)
             if self.calls == len(methods):
                 log.info("  lower: the backend compiles the partitions of every method together ...")
             return result
 
-    return [Reporting(p) for p in found]
+    return [Reporting(p, first=i == 0) for i, p in enumerate(found)]
 
 
 @contextlib.contextmanager
 def lowering_shortcuts(enabled: bool, backend: Backend) -> Iterator[None]:
     """Lowering's shortcuts through private internals (exporters.program.internals), or ExecuTorch's stock path: the same
     program bytes either way (tests/test_export.py). With them, lowering's passes propagate shapes through torchao's
-    quant ops without running their bodies, a weight packed for several methods is held once, nothing keeps a
-    lowered graph (and through it the whole program) alive afterwards, and the backend takes its own (XNNPACK's
-    preprocess copies one partition at a time and runs only the passes whose ops the partition holds)."""
+    quant ops without running their bodies, each method is decomposed once rather than three times, a weight packed
+    for several methods is held once, nothing keeps a lowered graph (and through it the whole program) alive
+    afterwards, and the backend takes its own (XNNPACK's preprocess copies one partition at a time and runs only the
+    passes whose ops the partition holds)."""
     if not enabled:
         yield
         return
     with contextlib.ExitStack() as stack:
-        for shortcut in (torchao_quant_ops_shape_only, *backend.lowering_shortcuts, named_data_stored_once,
-                         lowering_forgets_graphs):
+        for shortcut in (torchao_quant_ops_shape_only, edge_programs_decomposed_once, *backend.lowering_shortcuts,
+                         named_data_stored_once, lowering_forgets_graphs):
             stack.enter_context(shortcut())
         yield
 
@@ -101,17 +115,20 @@ class LowerStage(Stage):
         delegate = BACKENDS[backend.partitioner]
         naming = (delegate.weights_by_name(structure_namespace(programs)) if external and delegate.weights_by_name
                   else contextlib.nullcontext())
-        with naming, lowering_shortcuts(plan.shortcuts, delegate):
+        clock, started = LoweringClock(), time.perf_counter()
+        with naming, lowering_shortcuts(plan.shortcuts, delegate), clock.running():
             edge = to_edge_transform_and_lower(
                 programs,
                 transform_passes=passes or None,
                 partitioner=with_progress(partitioners(backend.partitioner, backend.options), list(programs),
-                                          backend.name),
+                                          backend.name, clock),
                 constant_methods=constants,
                 # torchao's quantized ops are not core ATen; the backend consumes them.
                 compile_config=EdgeCompileConfig(_check_ir_validity=False),
             )
         del programs
+        ctx.lowering = clock.times(time.perf_counter() - started)
+        log.info("  lower: %s", ctx.lowering.describe())
         # Aliases (forward = prefill) are not lowered: emit writes their source's execution plan under their name.
         return LoweredProgram(model=model, methods=methods, edge=edge, constant_methods=constants,
                               delegated_partitions=count_delegates(edge, methods.aliases), undelegated=undelegated,
