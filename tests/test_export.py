@@ -227,11 +227,25 @@ def test_the_xnnpack_passes_lowering_may_skip_are_the_ones_that_were_read() -> N
     assert read == _XNNPACK_SKIPPED_PASS_SOURCES
 
 
+def test_the_edge_passes_lowering_may_skip_are_the_ones_that_were_read() -> None:
+    """Lowering skips an edge dialect pass where a method's graph lacks what was read from that pass's source; a pass
+    of another ExecuTorch that is renamed or changed in any way fails here until it is read again."""
+    import hashlib
+    import inspect
+
+    from exporters.program.internals import _EDGE_SKIPPED_PASS_SOURCES, _edge_pass_applies, _edge_pass_classes
+
+    classes = _edge_pass_classes()
+    assert set(_edge_pass_applies()) == set(classes) == set(_EDGE_SKIPPED_PASS_SOURCES)
+    read = {name: hashlib.sha256(inspect.getsource(cls).encode()).hexdigest()[:12] for name, cls in classes.items()}
+    assert read == _EDGE_SKIPPED_PASS_SOURCES
+
+
 @pytest.mark.slow
 def test_the_stock_path_writes_the_same_program_as_the_shortcuts(tmp_path: Path) -> None:
     """export.shortcuts=false takes the libraries' stock path everywhere exporters.program.internals patches them: torchao's
-    own HQQ, its quant ops run op by op, each method decomposed three times, ExecuTorch's multi-method to_backend
-    copying every partition at once with all of XNNPACK's passes, each packed weight held per method, forward lowered
+    own HQQ, its quant ops run op by op, each method decomposed three times and put through every edge dialect pass,
+    ExecuTorch's multi-method to_backend copying every partition at once with all of XNNPACK's passes, each packed weight held per method, forward lowered
     on its own instead of written as prefill's plan renamed. The program is the same bytes; afterwards the patched internals are ExecuTorch's and torchao's own."""
     from exporters.export import run_stages
     from exporters.stages.emit import to_executorch
@@ -255,6 +269,9 @@ def test_the_stock_path_writes_the_same_program_as_the_shortcuts(tmp_path: Path)
     from executorch.exir.program import _program
 
     assert _program._gen_edge_manager_for_partitioners.__module__ == _program.__name__
+    from executorch.exir.passes import NormalizeTransposePass
+
+    assert "__call__" not in NormalizeTransposePass.__dict__
     assert not hasattr(XnnpackBackend, "copy_exported_program_for_preprocess") or \
         XnnpackBackend.copy_exported_program_for_preprocess.__qualname__.startswith("BackendDetails")
     op = torch.ops.torchao.dequantize_affine.default  # torchao's own body is the kernel again

@@ -54,6 +54,10 @@ re-read; each has a test that fails if the internal changes behaviour:
   after renaming the accepted ones. Within this block its own steps run (the same private helpers of that module)
   without the first retrace (the second functionalizes too) and without the third where no op it would decompose is
   left: a third of SmolLM2's lowering. Test: ``tests/test_export.py::test_the_stock_path_writes_the_same_program_as_the_shortcuts``.
+- :func:`edge_passes_only_where_they_apply`: ``to_edge``'s passes (``exir/program/_program.py``,
+  ``_generate_edge_program``) each retrace the whole method even when they change nothing. Within this block five of
+  them are skipped where the graph lacks what they act on (``_edge_pass_applies``, read from each pass's source,
+  whose hash ``_EDGE_SKIPPED_PASS_SOURCES`` keeps). Test: ``tests/test_export.py`` (the same two tests as XNNPACK's).
 - :func:`named_data_stored_once`: XNNPACK's preprocess (``backends/xnnpack/operators/node_visitor.py``) hands each
   packed weight to a per-partition ``NamedDataStore`` as a fresh ``bytes``, so the same weight lowered for ``prefill``
   and for ``decode_one_token`` is held twice (under one key) until emit merges the stores: a second copy of the
@@ -393,6 +397,132 @@ def edge_programs_decomposed_once() -> Iterator[None]:
         yield
     finally:
         stock._gen_edge_manager_for_partitioners = original
+
+
+def _calls(graph: Any) -> list[Any]:
+    return [n for n in graph.nodes if n.op == "call_function"]
+
+
+def _tensor_args(node: Any) -> list[tuple[Any, Any]]:
+    """(schema argument, value) of each argument of ``node`` that its op's schema types as one Tensor, as
+    ExecuTorch's ``map_args`` pairs them."""
+    import torch
+
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    found = []
+    for i, arg in enumerate(schema.arguments):
+        if not isinstance(arg.type, torch.TensorType):
+            continue
+        if arg.name in node.kwargs:
+            found.append((arg, node.kwargs[arg.name]))
+        elif not arg.kwarg_only and i < len(node.args):
+            found.append((arg, node.args[i]))
+    return found
+
+
+def _traced_value(node: Any, graph_module: Any) -> Any:
+    """What an argument node holds while a pass retraces: its fake value, or the constant it reads."""
+    if node.op == "get_attr":
+        return getattr(graph_module, node.target, None)
+    return node.meta.get("val")
+
+
+def _sym_to_tensor_applies(graph_module: Any) -> bool:
+    """SymToTensorPass rewrites a SymInt, SymFloat or SymBool given where the schema takes a Tensor."""
+    import torch
+
+    syms = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    return any(isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), syms)
+               for node in _calls(graph_module.graph) for _, value in _tensor_args(node))
+
+
+def _mixed_types_apply(graph_module: Any) -> bool:
+    """RemoveMixedTypeOperators casts an argument of add, mul, sub, div or minimum whose dtype is not the one the
+    operands promote to. Where every operand of those ops is a tensor of one dtype (floating, for div) the
+    promotion is that dtype and nothing is cast; anything else counts as applying."""
+    import torch
+
+    ops = {torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.div.Tensor,
+           torch.ops.aten.div.Tensor_mode, torch.ops.aten.minimum.default}
+    for node in _calls(graph_module.graph):
+        if node.target not in ops or len(node.args) <= 1:
+            continue
+        values = [_traced_value(a, graph_module) if isinstance(a, torch.fx.Node) else a for a in node.args]
+        if not all(isinstance(v, torch.Tensor) for v in values) or len({v.dtype for v in values}) != 1:
+            return True
+        if node.target in (torch.ops.aten.div.Tensor, torch.ops.aten.div.Tensor_mode) and \
+                not values[0].dtype.is_floating_point:
+            return True
+    return False
+
+
+def _edge_pass_applies() -> dict[str, Callable[[Any], bool]]:
+    """The edge dialect passes of ``to_edge`` that may be skipped, each with what it acts on (read from its
+    ``call_operator`` in executorch 1.5.1, ``exir/passes``): a pass applies to a graph where this is true."""
+    import torch
+    from executorch.exir.passes.dim_order_ops_registry import DimOrderOpsMap
+
+    def calling(match: Callable[[Any], bool]) -> Callable[[Any], bool]:
+        return lambda gm: any(match(n.target) for n in _calls(gm.graph))
+
+    return {
+        "NormalizeTransposePass": calling(lambda t: t == torch.ops.aten.t.default),
+        "ReplaceBrokenOpsWithFunctionalOpsPass": calling(lambda t: bool(getattr(t, "is_view", False))),
+        "SymToTensorPass": _sym_to_tensor_applies,
+        "RemoveMixedTypeOperators": _mixed_types_apply,
+        "MemoryFormatOpsPass": calling(lambda t: t in DimOrderOpsMap),
+    }
+
+
+# The sha256 (first 12 hex digits) of each skippable edge pass's class source as read for the table above.
+_EDGE_SKIPPED_PASS_SOURCES: dict[str, str] = {
+    "NormalizeTransposePass": "9eda784569a1", "ReplaceBrokenOpsWithFunctionalOpsPass": "cd77e91fb55d",
+    "SymToTensorPass": "4b4f5a945e26", "RemoveMixedTypeOperators": "e6f150761859", "MemoryFormatOpsPass": "38438c41e128",
+}
+
+
+def _edge_pass_classes() -> dict[str, type]:
+    from executorch.exir.passes import (MemoryFormatOpsPass, NormalizeTransposePass,
+                                        ReplaceBrokenOpsWithFunctionalOpsPass, SymToTensorPass)
+    from executorch.exir.passes.remove_mixed_type_operators import RemoveMixedTypeOperators
+
+    return {cls.__name__: cls for cls in (NormalizeTransposePass, ReplaceBrokenOpsWithFunctionalOpsPass,
+                                          SymToTensorPass, RemoveMixedTypeOperators, MemoryFormatOpsPass)}
+
+
+@contextlib.contextmanager
+def edge_passes_only_where_they_apply() -> Iterator[None]:
+    """Within this block, five of the edge dialect's passes are skipped on a graph that holds nothing they act on.
+
+    ``to_edge`` runs its passes on every method (``exir/program/_program.py``, ``_generate_edge_program``), and each
+    retraces the whole method through fake tensors even when it changes nothing: on SmolLM2's decoder, transposes
+    written ``t``, view ops left after the view-copy pass, SymInts where a Tensor is taken, operands of mixed dtypes
+    and ops taking a memory format are absent, yet each pass took as long as one that rewrites the graph. A pass is
+    skipped only where the graph as it stands before that pass lacks what the pass acts on (``_edge_pass_applies``)."""
+    from torch.fx.passes.infra.pass_base import PassResult
+
+    applies, classes = _edge_pass_applies(), _edge_pass_classes()
+    originals = {name: cls.__dict__.get("__call__") for name, cls in classes.items()}
+
+    def only_where_it_applies(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def skipping(self: Any, graph_module: Any) -> Any:
+            if not applies[name](graph_module):
+                return PassResult(graph_module, False)
+            return call(self, graph_module)
+        return skipping
+
+    for name, cls in classes.items():
+        cls.__call__ = only_where_it_applies(name, cls.__call__)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for name, cls in classes.items():
+            if originals[name] is None:
+                del cls.__call__
+            else:
+                cls.__call__ = originals[name]  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
