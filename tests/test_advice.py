@@ -83,10 +83,12 @@ def test_no_warning_under_the_threshold(exported) -> None:
     assert m.quality_warning is None and m.validation.perplexity / m.validation.baseline_perplexity - 1 < 0.2
 
 
-def test_remedies_that_would_not_fit_are_named_not_measured(exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_remedies_that_would_not_fit_are_named_not_measured(exported, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Under a memory limit the export fits but a remedy holding the model whole (GPTQ) would not, that remedy is
     skipped and named with why in the warning, rather than risk the out-of-memory killer ending the export after its
-    program was written; the others are measured as usual."""
+    program was written; the others are measured as usual. (An earlier measurement would be read back, as it costs
+    no memory: a fresh cache folder here.)"""
+    monkeypatch.setenv("LLM_EXPORTERS_CACHE", str(tmp_path / "cache"))
     from exporters.plan.footprint import GB
     from exporters.stages.load import planned_footprint
     from exporters.components.resolve import plan_export
@@ -101,3 +103,52 @@ def test_remedies_that_would_not_fit_are_named_not_measured(exported, tmp_path: 
     assert set(warning.unmeasured) == whole and "would need about" in warning.unmeasured["quant.algorithm=gptq"]
     assert {r.change for r in warning.remedies} == {c.overrides for c in changes(quant_option("8da4w"))} - whole
     assert "not measured: quant.algorithm=gptq" in warning.describe()
+
+
+def test_a_remedy_measured_once_is_read_back_for_the_same_model_text_and_config(tmp_path: Path, caplog) -> None:
+    """advise keeps each measurement (exporters.quant.remedy_cache): the next export of the same model, validation
+    text and quant config reads it back instead of building, quantizing and scoring a fresh model, and gives the same
+    warning; other validation windows are another measurement. Before measuring, the console says how many remedies
+    and about how long, and how to turn them off."""
+    from exporters.components.language_model import read_calibration
+    from exporters.config import KvDType
+    from exporters.program.versions import package_versions
+    from exporters.quant.advice import Loss, StageSeconds, Trials, advise
+    from exporters.quant.remedy_cache import RemedyCache, identity
+    from exporters.runtime.quality import full_sequence, perplexity, window_logits
+
+    quantized, ctx = run_stages(compose_config(*COSTLY), tmp_path / "run", stop_after="quantize")
+    decoder, text = ctx.plan.decoder, ctx.baseline.text
+    builds = []
+
+    def build():  # type: ignore[no-untyped-def]
+        builds.append(1)
+        return decoder.build.build(ctx.checkpoint)
+
+    def score(model) -> float:  # type: ignore[no-untyped-def]
+        with model.kv_dtype_as(KvDType.fp32):
+            return perplexity(text.nll(window_logits(full_sequence(model), text)), text.scored_tokens)
+
+    def warning(prompt_tokens: int):  # type: ignore[no-untyped-def]
+        cache = RemedyCache(tmp_path / "advice", identity(ctx.plan.resolved_config["model"], ctx.checkpoint.weight_stats,
+                                                          text.windows, prompt_tokens, package_versions()))
+        trials = Trials(build, score, lambda m: lambda: read_calibration(decoder.quant.config.calibration,
+                                                                         decoder.build.source, m, ctx.checkpoint),
+                        StageSeconds(1.0, 2.0, 3.0), cache)
+        loss = Loss(0.0, 0.5, score(quantized.model), ctx.baseline.perplexity)
+        return advise(decoder.quant, loss, quantized.model, trials)
+
+    remedies = len(changes(decoder.quant.config))
+    with caplog.at_level("INFO", logger="exporters"):
+        first = warning(text.prompt_tokens)
+    assert len(builds) == remedies
+    assert any(f"{remedies} remedies to measure, about " in r.getMessage() and "validation.warn_ppl_increase=null"
+               in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="exporters"):
+        again = warning(text.prompt_tokens)
+    assert len(builds) == remedies and again.remedies == first.remedies  # nothing built: read back
+    assert any(f"0 remedies to measure, about 0 s (estimated), {remedies} read from an earlier measurement" in
+               r.getMessage() for r in caplog.records)
+    warning(text.prompt_tokens + 1)  # other windows: measured again
+    assert len(builds) == 2 * remedies

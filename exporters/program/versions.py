@@ -22,6 +22,14 @@ EXECUTORCH = CHECKED["executorch"]
 STOCK_RUNNER_RELEASES: tuple[str, ...] = ("1.4.1", EXECUTORCH)
 
 
+#: The packages every manifest records the versions of.
+PACKAGES = ("torch", "executorch", "torchao", "transformers", "hydra-core", "tokenizers", "safetensors")
+
+
+def package_versions() -> dict[str, str]:
+    return {name: installed(name) or "not installed" for name in PACKAGES}
+
+
 def installed(package: str) -> str | None:
     try:
         return metadata.version(package)

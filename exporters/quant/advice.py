@@ -22,6 +22,7 @@ from exporters.config import Algorithm, QuantConfig, RotationKind
 from exporters.manifest import QualityWarning, Remedy
 from exporters.quant.apply import progress_as, quantize_model
 from exporters.quant.calibration import CalibrationText
+from exporters.quant.remedy_cache import Measurement, RemedyCache
 from exporters.quant.schemes import DATA_FREE, EIGHT_BIT_FORM, GROUP_SIZE_QUANTUM
 from exporters.runtime.memory import return_freed_memory
 from models.decoder import CausalLM
@@ -102,13 +103,34 @@ class Loss:
     baseline_perplexity: float  # the unquantized model
 
 
+#: GPTQ's quantization against the data-free one's (HQQ) on the same model, measured on SmolLM2-135M: a remedy that
+#: calibrates is estimated at this many times the export's own quantize stage.
+CALIBRATED_SLOWER = 6.0
+
+
+@dataclass(frozen=True)
+class StageSeconds:
+    """What this export's own stages took, from which a remedy's time is estimated before it starts: a fresh model
+    is built as load built one, quantized as quantize did, and scored as baseline scored the unquantized model."""
+
+    load: float
+    quantize: float
+    baseline: float
+
+    def remedy(self, change: Change) -> float:
+        return self.load + self.quantize * (CALIBRATED_SLOWER if change.casts_whole else 1.0) + self.baseline
+
+
 @dataclass(frozen=True)
 class Trials:
-    """How advise makes and scores each fresh model."""
+    """How advise makes and scores each fresh model, what that is estimated to take, and where earlier measurements
+    of the same model, text and config are kept."""
 
     build: Callable[[], CausalLM]  # the model as load built it
     score: Callable[[CausalLM], float]  # its perplexity on the validation windows
     calibration: Callable[[CausalLM], Callable[[], CalibrationText]]  # the text GPTQ reads, for that model
+    seconds: StageSeconds
+    cache: RemedyCache | None = None
 
 
 def advise(plan: QuantPlan, loss: Loss, quantized: CausalLM, trials: Trials,
@@ -120,32 +142,61 @@ def advise(plan: QuantPlan, loss: Loss, quantized: CausalLM, trials: Trials,
     started = time.perf_counter()
     found, unmeasured = [], {}
     remedies = changes(plan.config)
+    known = {c.overrides: trials.cache.get(_config(plan, c)) if trials.cache else None for c in remedies}
+    to_measure = [c for c in remedies if known[c.overrides] is None
+                  and not (c.casts_whole and whole_does_not_fit is not None)]
+    if remedies:
+        earlier = sum(m is not None for m in known.values())
+        log.info("  advise: perplexity %+.1f%% over unquantized; %d remedies to measure, about %.0f s (estimated)%s; "
+                 "validation.warn_ppl_increase=null turns the warning and its measurements off",
+                 100 * loss.ppl_increase, len(to_measure), sum(trials.seconds.remedy(c) for c in to_measure),
+                 f", {earlier} read from an earlier measurement of this model" if earlier else "")
+    own_bytes = stored_bytes(quantized)
     for i, change in enumerate(remedies, start=1):
-        if change.casts_whole and whole_does_not_fit is not None:
+        measured = known[change.overrides]
+        if measured is not None:
+            log.info("  advise: remedy %d/%d, %s (%s): measured before (%.0f s then)", i, len(remedies), change.what,
+                     change.overrides, measured.seconds)
+        elif change.casts_whole and whole_does_not_fit is not None:
             log.warning("  advise: remedy %d/%d, %s (%s), not measured: %s", i, len(remedies), change.what,
                         change.overrides, whole_does_not_fit)
             unmeasured[change.overrides] = whole_does_not_fit
             continue
-        log.info("  advise: remedy %d/%d, %s (%s): a fresh copy of the model, quantized and scored", i, len(remedies),
-                 change.what, change.overrides)
-        found.append(_measure(plan, change, loss, stored_bytes(quantized), trials))
+        else:
+            log.info("  advise: remedy %d/%d, %s (%s): a fresh copy of the model, quantized and scored (about %.0f s)",
+                     i, len(remedies), change.what, change.overrides, trials.seconds.remedy(change))
+            measured = _measure(plan, change, trials)
+        found.append(_remedy(change, measured, loss, own_bytes))
     # Free ones first (by what they recover), then the most recovered per MB.
     found.sort(key=lambda r: (r.extra_mb > 0.01, -(r.recovered if r.extra_mb <= 0.01 else r.recovered / r.extra_mb)))
     return QualityWarning(threshold=loss.threshold, ppl_increase=round(loss.ppl_increase, 4), remedies=found,
                           seconds=round(time.perf_counter() - started, 1), unmeasured=unmeasured)
 
 
-def _measure(plan: QuantPlan, change: Change, loss: Loss, own_bytes: int, trials: Trials) -> Remedy:
-    """``change`` applied to a fresh model: its perplexity, the share of the loss it wins back, the bytes it adds."""
+def _config(plan: QuantPlan, change: Change) -> QuantConfig:
+    return dataclasses.replace(plan.config, **change.fields)
+
+
+def _measure(plan: QuantPlan, change: Change, trials: Trials) -> Measurement:
+    """``change`` applied to a fresh model: its perplexity and its weights' bytes (kept for the next export of the
+    same model, text and config)."""
+    started = time.perf_counter()
     model = trials.build()
     with progress_as(f"advise, {change.what}"):
-        quantize_model(model, dataclasses.replace(plan.config, **change.fields), plan.tied_storage,
-                       calibration=trials.calibration(model), shortcuts=plan.shortcuts)
-    perplexity = trials.score(model)
-    extra = stored_bytes(model) - own_bytes
+        quantize_model(model, _config(plan, change), plan.tied_storage, calibration=trials.calibration(model),
+                       shortcuts=plan.shortcuts)
+    measured = Measurement(perplexity=round(trials.score(model), 4), stored_bytes=stored_bytes(model),
+                           seconds=round(time.perf_counter() - started, 1))
     del model
     return_freed_memory()  # else each remedy's freed heap stays under the next one's peak
+    if trials.cache is not None:
+        trials.cache.put(_config(plan, change), measured)
+    return measured
+
+
+def _remedy(change: Change, measured: Measurement, loss: Loss, own_bytes: int) -> Remedy:
+    """The share of the loss ``measured`` wins back and the bytes it adds over the export's own model."""
     lost = loss.eager_perplexity - loss.baseline_perplexity
-    return Remedy(change=change.overrides, what=change.what, perplexity=round(perplexity, 4),
-                  recovered=round((loss.eager_perplexity - perplexity) / lost, 4) if lost > 0 else 0.0,
-                  extra_mb=round(extra / MB, 3))
+    return Remedy(change=change.overrides, what=change.what, perplexity=measured.perplexity,
+                  recovered=round((loss.eager_perplexity - measured.perplexity) / lost, 4) if lost > 0 else 0.0,
+                  extra_mb=round((measured.stored_bytes - own_bytes) / MB, 3))

@@ -16,10 +16,13 @@ from exporters.config import KvDType
 from exporters.context import ExportContext
 from exporters.context.artifacts import WrittenProgram
 from exporters.plan.footprint import GB, memory_limit
-from exporters.quant.advice import Loss, Trials, advise, changes
+from exporters.quant.advice import Loss, StageSeconds, Trials, advise
+from exporters.program.versions import package_versions
+from exporters.quant.remedy_cache import RemedyCache, identity
 from exporters.runtime.quality import full_sequence, perplexity, window_logits
 from exporters.stages.pipeline import Stage
 from models.decoder import CausalLM
+from models.gguf import llm_exporters_cache
 
 if TYPE_CHECKING:
     from exporters.plan import ExportPlan
@@ -57,10 +60,6 @@ class AdviseStage(Stage):
             with model.kv_dtype_as(KvDType.fp32):
                 return perplexity(text.nll(window_logits(full_sequence(model), text)), text.scored_tokens)
 
-        remedies = len(changes(quant.config))
-        if remedies:
-            log.info("  advise: perplexity %+.1f%% over unquantized; measuring %d remedies ...", 100 * self.increase,
-                     remedies)
         # A remedy that holds the model whole is skipped rather than risk the kernel's out-of-memory killer ending the
         # export, whose program is written but not yet accepted.
         footprint, limit = ctx.footprint, memory_limit(self.plan.memory_limit_gb)
@@ -68,8 +67,12 @@ class AdviseStage(Stage):
                    f"it would need about {footprint.advise / GB:.1f} GB (estimated), above the {limit / GB:.1f} GB "
                    "this export may use; an export with those overrides measures it")
         loss = Loss(self.threshold, self.increase, report.eager_perplexity, report.baseline_perplexity)
+        seconds = StageSeconds(*(ctx.timings.get(stage, 0.0) for stage in ("load", "quantize", "baseline")))
+        cache = RemedyCache(llm_exporters_cache() / "advice", identity(
+            self.plan.resolved_config.get("model", {}), checkpoint.weight_stats, text.windows, text.prompt_tokens,
+            package_versions()))
         trials = Trials(build, score, lambda model: lambda: read_calibration(
-            quant.config.calibration, component.build.source, model, checkpoint))
+            quant.config.calibration, component.build.source, model, checkpoint), seconds, cache)
         ctx.quality_warning = advise(quant, loss, written.model, trials, too_big)
         return written
 

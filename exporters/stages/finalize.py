@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ from exporters.plan.footprint import MIB
 from exporters.program.cache import kv_cache_entry
 from exporters.program.constants import recorded
 from exporters.program.layouts import layout_manifest
+from exporters.program.versions import package_versions
 from exporters.program.weights import data_path_for, placed, runtime_needs
 from exporters.runtime.driver import MethodRoles
 from exporters.runtime.memory import peak_rss_mb
@@ -32,19 +32,6 @@ from models.families import family_of_config
 
 if TYPE_CHECKING:
     from exporters.plan import ExportPlan
-
-PACKAGES = ("torch", "executorch", "torchao", "transformers", "hydra-core", "tokenizers", "safetensors")
-
-
-def package_versions() -> dict[str, str]:
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
-
 
 def move_data_file(written: WrittenProgram, data: DataFile | None, adapter: str | None, pte: Path) -> None:
     """The data file of the base (or of ``adapter``) renamed from emit's provisional name to ``data``'s; without one,
