@@ -428,6 +428,7 @@ class MethodLowering:
 class LoweringTimes:
     """Where the lower stage's seconds (``timings_s.lower``) went, so that a slower lowering shows in a manifest."""
 
+    # by captured method; empty for a backend with no partitioner (the one that tells which method ExecuTorch converts)
     methods: dict[str, MethodLowering]
     passes_s: dict[str, float]  # each pass (edge dialect and backend) by class, summed over methods and partitions
     pass_runs: dict[str, int]

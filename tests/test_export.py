@@ -120,6 +120,16 @@ def test_manifest_records_the_export(exported, backend: str, quant: str) -> None
         assert v["top1_agreement"] == 1.0 and v["perplexity"] == pytest.approx(v["baseline_perplexity"], rel=1e-5)
     assert v["quality"].startswith(f"perplexity {v['perplexity']:.2f} (eager ")
     assert set(m["timings_s"]) == {"load", "baseline", "quantize", "capture", "lower", "emit", "validate", "advise"}
+    # lowering's seconds per captured method (forward is prefill's; a backend with no partitioner has no split) and
+    # per pass, adding up to the stage's
+    lowering = m["lowering"]
+    assert lowering["passes_s"] and set(lowering["methods"]) == ({"prefill", "decode_one_token"}
+                                                                  if backend != "portable" else set())
+    for name, t in lowering["methods"].items():
+        assert t["to_edge_s"] > 0 and t["decompositions"] == 1 and t["preprocess_s"] > 0
+        assert t["partitions"] == m["methods"][name]["delegated_partitions"]
+    shares = sum(t["to_edge_s"] + t["partition_s"] + t["preprocess_s"] for t in lowering["methods"].values())
+    assert shares + lowering["other_s"] == pytest.approx(m["timings_s"]["lower"], rel=0.05, abs=0.5)
     assert m["config"]["backend"]["name"] == backend and m["config"]["quant"]["name"] == quant
     assert m["versions"]["executorch"] == metadata.version("executorch")
     if quant == "8da4w":
@@ -218,10 +228,11 @@ def test_the_xnnpack_passes_lowering_may_skip_are_the_ones_that_were_read() -> N
 
     from executorch.backends.xnnpack._passes import XNNPACKPassManager
 
-    from exporters.program.internals import _XNNPACK_PASS_OPS, _XNNPACK_SKIPPED_PASS_SOURCES, _xnnpack_pattern_pass_ops
+    from exporters.program.internals import (_XNNPACK_PASS_CONDITIONS, _XNNPACK_PASS_OPS, _XNNPACK_SKIPPED_PASS_SOURCES,
+                                             _xnnpack_pattern_pass_ops)
 
     passes = {p.__name__: p for p in XNNPACKPassManager(None).passes}  # type: ignore[arg-type]
-    skippable = set(_XNNPACK_PASS_OPS) | set(_xnnpack_pattern_pass_ops())
+    skippable = set(_XNNPACK_PASS_OPS) | set(_xnnpack_pattern_pass_ops()) | set(_XNNPACK_PASS_CONDITIONS)
     assert skippable == set(_XNNPACK_SKIPPED_PASS_SOURCES) and skippable <= set(passes)
     read = {name: hashlib.sha256(inspect.getsource(passes[name]).encode()).hexdigest()[:12] for name in skippable}
     assert read == _XNNPACK_SKIPPED_PASS_SOURCES
@@ -259,6 +270,9 @@ def test_the_stock_path_writes_the_same_program_as_the_shortcuts(tmp_path: Path)
                                                  f"export.shortcuts={str(shortcuts).lower()}"),
                                   tmp_path / str(shortcuts), stop_after="lower")
         assert ctx.plan.shortcuts == shortcuts and bool(lowered.methods.aliases) == shortcuts
+        # ExecuTorch retraces each method three times for XNNPACK, the shortcuts once; they skip the transpose pass
+        assert {t.decompositions for t in ctx.lowering.methods.values()} == {1 if shortcuts else 3}
+        assert ("NormalizeTransposePass" in ctx.lowering.passes_s) != shortcuts
         return to_executorch(lowered.edge, lowered.methods.aliases).buffer
 
     assert program(shortcuts=True) == program(shortcuts=False)

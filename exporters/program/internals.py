@@ -254,6 +254,32 @@ _XNNPACK_SKIPPED_PASS_SOURCES: dict[str, str] = {
     "DecomposeConcatenate": "03f83199646f", "FuseActivationPass": "751d5edc43de", "FuseBatchNormPass": "d20f5c6a6f37",
     "InsertPadQDQPass": "3b29387c0a22", "PReLUReshapePass": "063a4ac4abd8", "RemoveGetItemPass": "c58434b5a108",
     "DimOrderOpsRevertPass": "04efcf31f4ef", "RemoveRedundantCopyPass": "61192c6844c1",
+    "PropagateCustomMetaPass": "2605f4cbed81", "ConstPropPass": "e157eae24538",
+}
+
+
+def _custom_meta_to_propagate(graph: Any) -> bool:
+    """PropagateCustomMetaPass copies ``meta["custom"]`` from a node to the quantize or dequantize node it feeds
+    (XNNPACK's own ``is_quant``/``is_dequant``), then retraces."""
+    import torch
+    from executorch.backends.xnnpack.utils.quant_utils import is_dequant, is_quant
+
+    return any((is_quant(n) or is_dequant(n)) and n.args and isinstance(n.args[0], torch.fx.Node)
+               and "custom" in n.args[0].meta for n in graph.nodes)
+
+
+def _constants_to_fold(graph: Any) -> bool:
+    """ConstPropPass folds an op whose arguments are all constants: literals and tensors read with ``get_attr``,
+    never a placeholder's traced value. Counted here wherever a call takes no input but ``get_attr`` nodes (a
+    superset: the pass leaves per-tensor and per-channel quantize and dequantize alone)."""
+    return any(n.op == "call_function" and all(i.op == "get_attr" for i in n.all_input_nodes) for n in graph.nodes)
+
+
+# XNNPACK preprocess passes that act only where these hold of the partition's graph (read from each pass's ``call``
+# and ``call_operator`` in executorch 1.5.1).
+_XNNPACK_PASS_CONDITIONS: dict[str, Callable[[Any], bool]] = {
+    "PropagateCustomMetaPass": _custom_meta_to_propagate,
+    "ConstPropPass": _constants_to_fold,
 }
 
 
@@ -312,6 +338,8 @@ def xnnpack_passes_only_where_they_apply() -> Iterator[None]:
 
     def applies(pass_: type, graph: Any) -> bool:
         name = pass_.__name__
+        if name in _XNNPACK_PASS_CONDITIONS:
+            return _XNNPACK_PASS_CONDITIONS[name](graph)
         if name in _XNNPACK_PASS_OPS:
             return bool(_XNNPACK_PASS_OPS[name] & _target_names(graph))
         patterns = _xnnpack_pattern_pass_ops()  # traced once, on the first XNNPACK partition
