@@ -433,6 +433,8 @@ class LoweringTimes:
     passes_s: dict[str, float]  # each pass (edge dialect and backend) by class, summed over methods and partitions
     pass_runs: dict[str, int]
     other_s: float  # the rest: the edge program manager, the user passes, partitions cut out of the graphs, checks
+    # ExecuTorch's to_edge_transform_and_lower, which the above add up to (timings_s.lower adds the stage's own steps)
+    total_s: float = 0.0
 
     def describe(self) -> str:
         slowest = sorted(self.passes_s.items(), key=lambda kv: -kv[1])[:3]

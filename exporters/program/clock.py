@@ -59,7 +59,8 @@ class LoweringClock:
         accounted = sum(m.to_edge_s + m.partition_s + m.preprocess_s for m in methods.values())
         return LoweringTimes(methods=methods,
                              passes_s={k: round(v, 2) for k, v in sorted(self.passes.items(), key=lambda kv: -kv[1])},
-                             pass_runs=dict(self.pass_runs), other_s=round(max(0.0, total_s - accounted), 2))
+                             pass_runs=dict(self.pass_runs), other_s=round(max(0.0, total_s - accounted), 2),
+                             total_s=round(total_s, 2))
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:

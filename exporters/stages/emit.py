@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -17,7 +18,7 @@ from exporters.manifest import DataFile
 from exporters.output.files import sha256_of, write_atomically
 from exporters.output.folder import is_no_room, no_room
 from exporters.program.contents import data_file_entries, storage_breakdown
-from exporters.program.internals import reserialize, tensor_data_bytes
+from exporters.program.internals import delegate_calls_traced_from_their_outputs, reserialize, tensor_data_bytes
 from exporters.program.weights import data_path_for, data_tag, external_constant_tag
 from exporters.stages.pipeline import Stage
 
@@ -118,7 +119,8 @@ class EmitStage(Stage):
                                                   "undelegated", "components")}
         del lowered  # the only other reference to the edge programs: dropped with them after to_executorch
         external = self.plan.weights == WeightsPlacement.external
-        program = to_executorch(edge, aliases, external=external)
+        with delegate_calls_traced_from_their_outputs() if self.plan.shortcuts else contextlib.nullcontext():
+            program = to_executorch(edge, aliases, external=external)
         # to_executorch consumed the edge programs: freeing them here keeps them out of serialization's peak.
         del edge
         final_path = ctx.output_dir / self.plan.output_name

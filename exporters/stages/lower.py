@@ -127,8 +127,8 @@ class LowerStage(Stage):
                 # torchao's quantized ops are not core ATen; the backend consumes them.
                 compile_config=EdgeCompileConfig(_check_ir_validity=False),
             )
-        del programs
         ctx.lowering = clock.times(time.perf_counter() - started)
+        del programs
         log.info("  lower: %s", ctx.lowering.describe())
         # Aliases (forward = prefill) are not lowered: emit writes their source's execution plan under their name.
         return LoweredProgram(model=model, methods=methods, edge=edge, constant_methods=constants,
