@@ -89,9 +89,29 @@ def _other_methods(m: Any) -> str:
     return "".join(f"; {', '.join(c.methods)} ({name})" for name, c in m.components.items() if c.kind != "decoder")
 
 
+def log_speech_summary(result: Any, name: str, c: Any) -> None:
+    """The closing lines of a speech program's export."""
+    m, s = result.manifest, c.speech
+    check = s.check
+    log.info(
+        "exported %s\n  size: %.2f MB  sha256: %s; %s beside it (raw samples to features)\n"
+        "  methods: %s (ExecuTorch's AsrRunner layout)\n"
+        "  %s: whisper, %s parameters, %d mel bins, %d decoder positions per %d s window; encoder %s, decoder %s\n"
+        "  validation: %s%s\n  export: %s%s\n  manifest: %s",
+        result.pte_path, m.program.size_bytes / 1e6, m.program.sha256[:16], s.preprocessor, ", ".join(c.methods),
+        name, count(c.parameters or 0), s.mel_bins, s.max_tokens, s.chunk_seconds, s.quantization["encoder"],
+        s.quantization["decoder"], "skipped (validate=false)" if check is None else check.describe(),
+        "" if check is None else f"\n  transcript of {check.recording}: {check.transcript.strip()!r}",
+        m.resources.describe(), "" if m.bench is None else "\n  runtime: " + m.bench.describe(), result.manifest_path)
+
+
 def log_export_summary(result: Any) -> None:
     """The closing lines of an export (an ``ExportResult``): what was written, how it runs, how good it is."""
     m = result.manifest
+    speech = next(((n, c) for n, c in m.components.items() if c.speech is not None), None)
+    if speech is not None:
+        log_speech_summary(result, *speech)
+        return
     validation = m.validation
     verdict = "skipped (validate=false)" if validation is None else (
         f"passed (KL {validation.kl_mean:.2g}, {_agreement(validation)})"

@@ -598,6 +598,49 @@ class VisionEntry:
 
 
 @dataclass
+class SpeechCheck:
+    """A speech program against its eager model on a validation recording (exporters.validation.speech): the
+    encoder's states, the decoder's logits along the eager transcript, and the two greedy transcripts; and what
+    quantization cost the transcript against the unquantized model (reported, not judged)."""
+
+    passed: bool
+    failures: list[str]
+    recording: str  # what was transcribed, and its length
+    encoder_cosine: float  # the least cosine similarity of one position's state, program against eager
+    kl_mean: float  # decoder logits along the eager transcript, program against eager
+    kl_max: float
+    top1: float  # share of positions whose top token agrees
+    transcript: str  # the program's greedy transcript
+    eager_transcript: str  # the eager (quantized) model's
+    unquantized_transcript: str  # the model's as loaded, before quantization
+    identical: bool  # the program's tokens are the eager model's, token for token
+    wer_vs_eager: float  # word error rate of the program's transcript against the eager model's
+    wer_vs_unquantized: float  # and against the unquantized model's: what quantization cost
+    tolerance: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return (f"{'passed' if self.passed else 'FAILED'}: transcript {'identical to' if self.identical else 'differs from'} "
+                f"eager (WER {100 * self.wer_vs_eager:.1f}%), {100 * self.wer_vs_unquantized:.1f}% against unquantized; "
+                f"encoder cosine {self.encoder_cosine:.4f}, decoder KL max {self.kl_max:.2g}, top-1 {100 * self.top1:.1f}%")
+
+
+@dataclass
+class SpeechEntry:
+    """What an app needs to transcribe with the program (ExecuTorch's AsrRunner, or its own loop)."""
+
+    family: str  # whisper
+    sample_rate: int
+    mel_bins: int
+    chunk_seconds: int
+    frames: int  # encoder input frames per window
+    max_tokens: int  # positions of text_decoder's cache: prompt and transcript of one window
+    tokens: dict[str, Any]  # start, end, transcribe, translate, no_timestamps, languages (code -> id)
+    preprocessor: str | None  # the preprocessor program beside this one (raw samples -> features)
+    quantization: dict[str, str]  # encoder and decoder, as applied
+    check: SpeechCheck | None = None
+
+
+@dataclass
 class ComponentEntry:
     """One model the program holds (``exporters.plan.Component``): what it is, its methods, its variants, its state."""
 
@@ -614,6 +657,7 @@ class ComponentEntry:
     family: str | None = None
     vocabulary: HeadVocabularyEntry | None = None
     vision: VisionEntry | None = None  # the vision encoder's
+    speech: SpeechEntry | None = None  # a speech-recognition model's (Whisper)
 
 
 @dataclass
@@ -660,10 +704,12 @@ class Manifest:
 
     @property
     def files(self) -> set[str]:
-        """The files of this export in its run folder: the program, its data files, the tokenizer's, the manifest."""
+        """The files of this export in its run folder: the program, its data files, a speech program's preprocessor, the
+        tokenizer's, the manifest."""
         data = [d.file for d in (self.data, *(a.data for a in self.adapters.values())) if d is not None]
         swapped = [d.file for d in self.swappable.adapters.values()] if self.swappable else []
-        return {self.program.file, *data, *swapped, *self.tokenizer_files, MANIFEST_FILE}
+        beside = [c.speech.preprocessor for c in self.components.values() if c.speech and c.speech.preprocessor]
+        return {self.program.file, *data, *swapped, *beside, *self.tokenizer_files, MANIFEST_FILE}
 
     @property
     def passed(self) -> bool:

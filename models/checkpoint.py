@@ -118,11 +118,14 @@ def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoin
     """Check a checkpoint directory and read its configs (not its weights)."""
     from transformers import AutoConfig
 
+    from models.ctranslate2 import ct2_record, is_ctranslate2, whisper_checkpoint
     from models.gguf import gguf_checkpoint, gguf_record, is_gguf
 
     path = Path(path).expanduser()
     if is_gguf(path):
         path = gguf_checkpoint(path)
+    elif is_ctranslate2(path):
+        path = whisper_checkpoint(path)
     if not path.is_dir():
         raise ModelError(
             f"checkpoint {path} does not exist or is neither a directory nor a GGUF file. Give a Hugging Face "
@@ -148,7 +151,7 @@ def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoin
         generation_config_file=gen_file if gen_file.exists() else None,
         bos_id=None if bos is None else int(bos),
         eos_ids=eos,
-        converted_from=gguf_record(path),
+        converted_from=gguf_record(path) or ct2_record(path),
     )
 
 

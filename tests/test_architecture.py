@@ -103,7 +103,7 @@ def test_the_plan_derives_each_length_once_and_every_stage_reads_it() -> None:
     from exporters.components.resolve import plan_export
 
     plan = plan_export(compose_config("export.max_seq_len=16", "export.max_context_len=64", "export.kv_dtype=int8"))
-    lengths, decoder = plan.lengths, plan.decoder
+    lengths, decoder = plan.lengths, plan.main
     assert (lengths.context, lengths.max_seq_len, lengths.call_tokens, lengths.prefill_chunk) == (64, 16, 16, None)
     assert decoder.build.state.positions == 64 and decoder.build.state.call_tokens == lengths.call_tokens
     assert decoder.methods.specs["prefill"].max_tokens == lengths.call_tokens
@@ -133,7 +133,7 @@ def test_a_program_is_components_and_todays_is_one_decoder() -> None:
 
     plan = plan_export(compose_config())
     assert [(c.name, c.kind) for c in plan.components] == [("decoder", ComponentKind.decoder)]
-    assert plan.decoder.methods.aliases == {"forward": "prefill"} and plan.decoder.adapters == []
+    assert plan.main.methods.aliases == {"forward": "prefill"} and plan.main.adapters == []
 
 
 def test_each_kind_of_model_is_one_registered_module_and_the_stages_name_none() -> None:
@@ -204,7 +204,7 @@ def test_another_executorch_takes_the_stock_path_and_says_so_once(monkeypatch, c
     with caplog.at_level(logging.WARNING, logger="exporters"):
         plan = plan_export(compose_config())
         assert not versions.shortcuts_allowed(True)
-    assert not plan.shortcuts and not plan.decoder.quant.shortcuts and plan.decoder.methods.aliases == {}
+    assert not plan.shortcuts and not plan.main.quant.shortcuts and plan.main.methods.aliases == {}
     warned = [r for r in caplog.records if "stock path" in r.getMessage()]
     assert len(warned) == 1 and f"executorch 9.9.9 (checked: {versions.EXECUTORCH})" in warned[0].getMessage()
     versions._warn_unchecked.cache_clear()

@@ -326,9 +326,9 @@ def test_the_cache_record_names_the_dtype_it_stores(tmp_path: Path, backend: str
 
     plan = plan_export(compose_config("quant=fp16", f"backend={backend}", "export.layout=split",
                                       "export.methods=[prefill,decode]"))
-    build = plan.decoder.build
+    build = plan.main.build
     model = build.build(build.checkpoint(tmp_path))
-    quantize_model(model, plan.decoder.quant.config)
+    quantize_model(model, plan.main.quant.config)
     entry = kv_cache_entry(model, plan.lengths.call_tokens)
     a = model.args
     elements = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim  # keys and values, per token

@@ -14,6 +14,7 @@ from exporters.components.decoder import Decoder
 from exporters.components.draft import Draft
 from exporters.components.kind import Basis, Bundled, Finalized, Kind, Part
 from exporters.components.slots import Slots
+from exporters.components.speech import Speech
 from exporters.components.vision import Vision
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["Basis", "Bundled", "Finalized", "KINDS", "Kind", "Part", "parts"]
 
 #: Every kind by name, in the order the stages visit them.
-KINDS: dict[str, Kind] = {kind.name: kind for kind in (Decoder(), Adapters(), Slots(), Draft(), Vision())}
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (Decoder(), Adapters(), Slots(), Draft(), Vision(), Speech())}
 
 
 def parts(plan: ExportPlan) -> list[Part]:
@@ -31,7 +32,7 @@ def parts(plan: ExportPlan) -> list[Part]:
     found = []
     for kind in KINDS.values():
         if kind.variant:
-            found += [Part(kind, plan.decoder)] if kind.applies(plan) else []
+            found += [Part(kind, plan.main)] if kind.applies(plan) else []
         else:
             found += [Part(kind, c) for c in plan.components if c.kind == kind.name]
     return found

@@ -55,7 +55,7 @@ class Adapters(Kind):
         check_adapter_folders(cfg.model.adapters)
 
     def applies(self, plan: ExportPlan) -> bool:
-        return bool(plan.decoder.adapters)
+        return bool(plan.main.adapters)
 
     def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         model = models[part.component.name]

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 from exporters.components.kind import Basis, Finalized, Part
 from exporters.components.language_model import LanguageModel, unquantized_nll
 from exporters.context.artifacts import summary
-from exporters.manifest import ComponentEntry
+from exporters.manifest import ComponentEntry, MethodEntry, ModelEntry
 from exporters.plan.component import Component, ComponentKind, ModelBuild, QuantPlan
-from exporters.program.constants import constant_methods
-from exporters.program.layouts import LAYOUTS
+from exporters.program.cache import kv_cache_entry
+from exporters.program.constants import constant_methods, recorded
+from exporters.program.layouts import LAYOUTS, layout_manifest
 from exporters.program.methods import MethodTable
 from exporters.program.swappable import base_quant, slot_plan
 from exporters.runtime.driver import MethodRoles
@@ -48,6 +49,7 @@ def proposer_of(ctx: ExportContext, models: dict[str, Any]) -> tuple[MethodRoles
 
 class Decoder(LanguageModel):
     name = str(ComponentKind.decoder)
+    main = True
 
     def plan(self, cfg: ExportConfig, basis: Basis) -> Component:
         ex = cfg.export
@@ -84,7 +86,7 @@ class Decoder(LanguageModel):
         return Finalized(ComponentEntry(
             kind=str(part.component.kind), methods=methods, adapters=part.component.adapters,
             checkpoint=str(ctx.record(part.name).checkpoint.path), parameters=written.model.parameter_count(),
-            state=["kv_cache"]))
+            state=["kv_cache"]), fields=program_fields(ctx, written))
 
     def describe(self, stage: str, part: Part, ctx: ExportContext, models: dict[str, Any]) -> str:
         record = ctx.record(part.name)
@@ -98,3 +100,37 @@ class Decoder(LanguageModel):
         if stage == "validate":
             return record.validation.describe()
         return ""
+
+
+def program_fields(ctx: ExportContext, written: WrittenProgram) -> dict[str, Any]:
+    """The manifest's sections on the program as an LLM runner drives it: every method (the other components'
+    included), the layout, the constants, the model and its KV cache."""
+    ckpt, model = ctx.record(DECODER).checkpoint, written.model
+    specs, base = written.methods.specs, written.methods.of_adapter(None)
+    # The config check refused method sets where nothing takes one token, so there always are roles.
+    roles = MethodRoles.choose({n: spec.shape for n, spec in base.items()})
+    family = family_of_config(ckpt.hf_config)
+    return dict(
+        methods={
+            name: MethodEntry(inputs=written.methods.signatures[name].inputs,
+                              outputs=written.methods.signatures[name].outputs,
+                              dynamic_tokens=spec.dynamic,
+                              tokens=[spec.min_tokens, spec.max_tokens],
+                              delegated_partitions=written.delegated_partitions.get(name, 0),
+                              lowered_once_with=written.methods.aliases.get(name))
+            for name, spec in specs.items()
+        },
+        layout=layout_manifest(ctx.plan.layout, {name: spec.kind for name, spec in base.items()},
+                               roles.prompt, roles.step,
+                               all(spec.dynamic for spec in base.values() if spec.kind in ("prefill", "forward")),
+                               slides=written.constant_methods["get_max_seq_len"] <
+                               written.constant_methods["get_max_context_len"],
+                               sink=model.args.attention_sink > 0),
+        constant_methods=recorded(written.constant_methods),
+        model=ModelEntry(checkpoint=str(ckpt.path), architecture=list(ckpt.hf_config.architectures or []),
+                         family=family.name if family else None,
+                         attention=str(model.args.attention),
+                         parameters=model.parameter_count(),
+                         converted_from=ckpt.converted_from),
+        kv_cache=kv_cache_entry(model, max(spec.max_tokens for spec in base.values())),
+    )

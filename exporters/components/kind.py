@@ -100,6 +100,10 @@ class Kind:
     name: ClassVar[str]
     # A variant of the decoder (adapters, slots) plans no component of its own; it applies to the decoder's.
     variant: ClassVar[bool] = False
+    # A program's main model (the decoder, a speech model): the first component, whose methods are unprefixed and whose
+    # record is the manifest's top level. A main kind other than the decoder plans a component only for the checkpoints
+    # it claims (exporters.components.resolve).
+    main: ClassVar[bool] = False
 
     # -- the plan ------------------------------------------------------------------------------------------------
     def check(self, cfg: ExportConfig, lengths: Lengths) -> None:
@@ -125,8 +129,9 @@ class Kind:
     def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         """Its model with the checkpoint's weights, into ``models[part.name]``."""
 
-    def baseline(self, part: Part, ctx: ExportContext, models: dict[str, Any], windows: TextWindows) -> None:
-        """The unquantized model on what validation compares: the validation text's ``windows``, ..."""
+    def baseline(self, part: Part, ctx: ExportContext, models: dict[str, Any], windows: TextWindows | None) -> None:
+        """The unquantized model on what validation compares: the validation text's ``windows`` (None when the main
+        model is not a language model: a speech model's recording is its own), ..."""
 
     def quantize(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         """Quantize its model in place."""

@@ -102,11 +102,14 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
     basis = Basis(lengths, StatePlan(lengths.context, lengths.call_tokens, ex.kv_dtype, ex.attention_sink),
                   backend.attention, shortcuts)
     decoder_kind = KINDS[str(ComponentKind.decoder)]
+    # A main model other than the decoder claims its checkpoint first (a speech model); the program is then its own.
+    claimed = [c for kind in KINDS.values() if kind.main and kind is not decoder_kind
+               for c in [kind.plan(cfg, basis)] if c is not None]
     # The other components first: the decoder gets the methods they need of it.
-    others = [c for kind in KINDS.values() if not kind.variant and kind is not decoder_kind
-              for c in [kind.plan(cfg, basis)] if c is not None]
+    others = [] if claimed else [c for kind in KINDS.values() if not kind.variant and not kind.main
+                                 for c in [kind.plan(cfg, basis)] if c is not None]
     needed = tuple(dict.fromkeys(k for c in others for k in KINDS[c.kind].decoder_methods(c)))
-    decoder = decoder_kind.plan(cfg, dataclasses.replace(basis, decoder_methods=needed))
+    decoder = claimed[0] if claimed else decoder_kind.plan(cfg, dataclasses.replace(basis, decoder_methods=needed))
     assert decoder is not None
     pt2e = cfg.quant.pt2e is not None
     return ExportPlan(

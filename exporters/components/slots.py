@@ -56,7 +56,7 @@ class Slots(Kind):
         slot_plan(cfg)  # every adapter given fits the slots
 
     def applies(self, plan: ExportPlan) -> bool:
-        return plan.decoder.methods.slots is not None
+        return plan.main.methods.slots is not None
 
     def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         """After PEFT's adapters (they stay the eager reference): the slots, and each adapter laid out for them."""

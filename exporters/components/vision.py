@@ -174,14 +174,14 @@ class Vision(Kind):
 
     def baseline(self, part: Part, ctx: ExportContext, models: dict[str, Any], windows: TextWindows) -> None:
         """The image prompt validation will give the program, through the unquantized encoder and decoder."""
-        ctx.record(part.name).baseline = unquantized_image_path(models[ctx.plan.decoder.name], models[part.name],
+        ctx.record(part.name).baseline = unquantized_image_path(models[ctx.plan.main.name], models[part.name],
                                                                 windows.windows[0])
 
     def quantize(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         """After the decoder: the encoder's output must be in the dtype the decoder now computes in."""
         quant = part.component.quant.config
         ctx.record(part.name).quantization = quantize_vision(
-            models[part.name], vision_scheme(quant), quant.group_size, models[ctx.plan.decoder.name].activation_dtype())
+            models[part.name], vision_scheme(quant), quant.group_size, models[ctx.plan.main.name].activation_dtype())
 
     def passes(self, part: Part) -> list[Any]:
         return [noop_expands_dropped()]
@@ -192,7 +192,7 @@ class Vision(Kind):
 
     def validate(self, part: Part, ctx: ExportContext, under: ProgramUnderTest, models: dict[str, Any]) -> None:
         record = ctx.record(part.name)
-        record.check = check_image_path(under.program, models[ctx.plan.decoder.name], models[part.name],
+        record.check = check_image_path(under.program, models[ctx.plan.main.name], models[part.name],
                                         under.text.windows[0], under.tolerance.max_kl, record.baseline)
         log.info("  validate: image path %s", "passed" if record.check.passed else "FAILED")
 

@@ -257,6 +257,9 @@ class QuantConfig:
     # decoder's; validated against its own eager model (exporters.program.vision). "auto": 8da8w beside a quantized
     # decoder (half the encoder's bytes and image encode time, docs/vision.md), fp32 beside a float one.
     vision: str = "auto"  # "auto" or one of exporters.program.vision.VISION_SCHEMES
+    # A speech checkpoint's audio encoder (Whisper's encoder): its own scheme, whatever the text decoder's
+    # (exporters.components.speech). "auto": 8da8w beside a quantized decoder, fp32 beside a float one.
+    audio: str = "auto"  # "auto" or one of exporters.quant.vision.VISION_SCHEMES (the same encoder schemes)
     # Static int8 activations (pt2e_xnnpack_static, pt2e_coreml_8a_*) are refused unless this is true: one scale per
     # tensor is set by the first token's massive activation, and SmolLM2-135M loses +831% perplexity (+165%
     # rotated; docs/quality.md#pt2e-the-backends-own-quantizers). true: export it anyway, to study it or as QAT's start.
@@ -397,6 +400,8 @@ class KvCacheTolerance:
 class ValidationConfig:
     # A UTF-8 text to score (a few paragraphs); null = the English text shipped in exporters/data/.
     text_file: Optional[str] = None
+    # A speech program's recording to transcribe (WAV, FLAC, ...); null = the sentence shipped in exporters/data/.
+    audio_file: Optional[str] = None
     # Tokens of each window fed through the prompt method (prefill) at once, at most half the context;
     # the rest go through decode.
     prompt_tokens: int = 32

@@ -50,8 +50,8 @@ class ExportContext:
 
     @property
     def main(self) -> Any:
-        """The decoder's record: the program's main model."""
-        return self.records.get(self.plan.decoder.name)
+        """The record of the program's main model (the decoder, or a speech model)."""
+        return self.records.get(self.plan.main.name)
 
     @property
     def checkpoint(self) -> Checkpoint | None:

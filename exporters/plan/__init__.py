@@ -47,8 +47,9 @@ class ExportPlan:
     output_name: str
 
     @property
-    def decoder(self) -> Component:
-        return next(c for c in self.components if c.kind == ComponentKind.decoder)
+    def main(self) -> Component:
+        """The program's main model, always its first component: the decoder (an LLM), or a speech model."""
+        return self.components[0]
 
     def component(self, name: str) -> Component:
         """The component named ``name`` (``decoder``, ``draft``, ``vision``)."""
@@ -56,20 +57,19 @@ class ExportPlan:
 
     @property
     def methods(self) -> "MethodTable":
-        """Every method of the program: the decoder's (its adapters' included), then each other component's."""
-        table = self.decoder.methods
-        for component in self.components:
-            if not component.is_decoder:
-                table = table.with_component(component.methods)
+        """Every method of the program: the main model's (its adapters' included), then each other component's."""
+        table = self.main.methods
+        for component in self.components[1:]:
+            table = table.with_component(component.methods)
         return table
 
     @property
     def stage_names(self) -> list[str]:
         """The stages this export runs, in order; stages that would do nothing are left out."""
-        v, q = self.validation, self.decoder.quant.config
+        v, q, llm = self.validation, self.main.quant.config, self.main.is_language_model
         return ["load", *(["baseline"] if v else []), "quantize", *(["pt2e"] if q.pt2e is not None else []),
                 "capture", "lower", "emit", *(["validate"] if v else []),
-                *(["advise"] if v and v.advise_threshold is not None else []), "finalize",
+                *(["advise"] if v and llm and v.advise_threshold is not None else []), "finalize",
                 *(["bench"] if self.bench else [])]
 
     def digest(self) -> str:

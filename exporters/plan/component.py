@@ -30,6 +30,9 @@ class ComponentKind(Choice):
     decoder = "decoder"  # token ids in, logits out, a KV cache: the program's LLM methods
     draft = "draft"  # a smaller decoder with the target's tokenizer proposing tokens for verify (draft.checkpoint)
     vision_encoder = "vision_encoder"  # an image in, embeddings for the decoder out; no state
+    # A speech recognizer (Whisper): log-mel features through its encoder, tokens through its text decoder attending to
+    # them; a program's main model in place of the decoder (exporters.components.speech)
+    asr = "asr"
 
 
 class Build(Protocol):
@@ -114,7 +117,7 @@ class Component:
     @property
     def is_language_model(self) -> bool:
         """Tokens in, logits out, a KV cache (the decoder, a draft): baseline and validation score it on text."""
-        return self.kind != ComponentKind.vision_encoder
+        return self.kind in (ComponentKind.decoder, ComponentKind.draft)
 
     @property
     def adapters(self) -> list[str]:

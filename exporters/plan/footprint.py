@@ -199,7 +199,7 @@ class MemoryBudget:
     def of(plan: "ExportPlan", component: "Component | None" = None) -> "MemoryBudget":
         """What the plan's export holds for ``component`` (None: the decoder): its quantization, validation and
         (the decoder's only) advise."""
-        component = plan.decoder if component is None else component
+        component = plan.main if component is None else component
         quant, validation = component.quant, plan.validation
         tokens = None if validation is None else validation.config.max_tokens
         return MemoryBudget(quant.config, quant.tied_storage, tokens, plan.memory_limit_gb, cast_whole=quant.cast_whole,

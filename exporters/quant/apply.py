@@ -121,6 +121,16 @@ def _apply_data_free(role: str, plan: RolePlan, algorithm: str, dtype: torch.dty
             step()
 
 
+def quantize_linear_role(role: str, linears: dict[str, nn.Linear], scheme: str, group_size: int, algorithm: str,
+                         dtype: torch.dtype, notes: list[str], shortcuts: bool = True) -> AppliedScheme:
+    """``scheme`` on ``linears`` (name -> module) with scales chosen from the weights alone (``algorithm``: hqq or
+    affine), each layer's group size the nearest its kernels take; the manifest's record of it. What a model other
+    than our decoder uses for its linear layers (a speech model's)."""
+    plan = _plan(LINEAR_SCHEMES, scheme, group_size, algorithm, linears, _in_features, notes)  # type: ignore[arg-type]
+    _apply_data_free(role, plan, algorithm, dtype, shortcuts)
+    return plan.record
+
+
 def _apply_calibrated(model: CausalLM, plans: dict[str, RolePlan], text: CalibrationText) -> None:
     """GPTQ on the calibration text for the plans' modules (the linears and lm_head), one pass over the model."""
     targets = {name: Target(module, plan.precision(name).integer, plan.precision(name).group_size)  # type: ignore[arg-type]

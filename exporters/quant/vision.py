@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from exporters.quant.schemes import LINEAR_SCHEMES, layer_scheme
+from exporters.quant.linears import quantize_linears
 
 if TYPE_CHECKING:
     from models.vision_encoder import VisionEncoder
@@ -31,7 +31,6 @@ def quantize_vision(encoder: "VisionEncoder", scheme: str, group_size: int, out_
     """``quant.vision`` applied to the encoder in place (its linear layers; the patch convolution and the norms stay
     in float); returns what was done, for the console and the manifest."""
     from torch import nn
-    from torchao.quantization import quantize_  # torchao's quantizers: imported when an encoder is quantized
 
     encoder.out_dtype = out_dtype
     if scheme == "fp32":
@@ -41,11 +40,5 @@ def quantize_vision(encoder: "VisionEncoder", scheme: str, group_size: int, out_
         encoder.compute_dtype = torch.float16
         return "fp16 (its output cast to the text decoder's dtype)"
     linears = [m for m in encoder.modules() if isinstance(m, nn.Linear)]
-    requested = group_size if LINEAR_SCHEMES[scheme].bits == 4 else 0  # XNNPACK's 8-bit kernels: per channel
-    by_choice: dict[tuple[str, int], set[int]] = {}  # one quantize_ walk per (scheme, group size) the layers get
-    for layer in linears:
-        by_choice.setdefault(layer_scheme(scheme, layer.in_features, requested), set()).add(id(layer))
-    for (chosen, group), layers in by_choice.items():
-        quantize_(encoder, LINEAR_SCHEMES[chosen].torchao_config(group, "hqq"),
-                  filter_fn=lambda m, fqn, layers=layers: id(m) in layers)
+    quantize_linears(encoder, linears, scheme, group_size)
     return f"{scheme} on its {len(linears)} linear layers"

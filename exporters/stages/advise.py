@@ -50,7 +50,7 @@ class AdviseStage(Stage):
         self.increase = report.perplexity / report.baseline_perplexity - 1
         if self.increase <= self.threshold:
             return written
-        component, text = self.plan.decoder, baseline.text
+        component, text = self.plan.main, baseline.text
         quant = component.quant
 
         def build() -> CausalLM:  # the model load built, fresh: the same recipe

@@ -33,13 +33,17 @@ class BaselineStage(Stage):
 
     def run(self, loaded: EagerModel, ctx: ExportContext) -> EagerModel:
         assert ctx.checkpoint is not None and self.plan.validation is not None
+        models = self.models_of(loaded)
+        if not self.plan.main.is_language_model:  # a speech model: each part scores what it validates on its own
+            for part in parts(self.plan):
+                part.kind.baseline(part, ctx, models, None)
+            return loaded
         validation = self.plan.validation
-        text, source = validation_text(validation.config, self.plan.decoder.build.source)
+        text, source = validation_text(validation.config, self.plan.main.build.source)
         model = loaded.model
         ids = text_ids(ctx.checkpoint, model.args.vocab_size, text)
         windows = make_windows(ids, ctx.checkpoint.bos_id, model.args.max_context_len, validation.prompt_tokens,
                                validation.config.max_tokens, source)
-        models = self.models_of(loaded)
         for part in parts(self.plan):
             part.kind.baseline(part, ctx, models, windows)
         dtype = model.lm_head.weight.dtype
@@ -48,5 +52,7 @@ class BaselineStage(Stage):
         return loaded
 
     def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:
-        assert ctx.baseline is not None
+        if ctx.baseline is None:
+            models = self.models_of(loaded)
+            return "".join(part.kind.describe("baseline", part, ctx, models) for part in parts(self.plan))
         return ctx.baseline.summary()

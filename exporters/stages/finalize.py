@@ -13,22 +13,16 @@ from exporters.components import parts
 from exporters.context import ExportContext
 from exporters.context.artifacts import ExportResult, WrittenProgram
 from exporters.errors import ValidationFailed
-from exporters.manifest import (MANIFEST_FILE, ComponentEntry, DataFile, Manifest, MethodEntry, ModelEntry, ProgramFile,
-                                Resources)
+from exporters.manifest import MANIFEST_FILE, ComponentEntry, DataFile, Manifest, ProgramFile, Resources
 from exporters.output.files import private_path
 from exporters.output.folder import files_of_export
 from exporters.output.interrupts import held_back
 from exporters.plan.footprint import MIB
-from exporters.program.cache import kv_cache_entry
-from exporters.program.constants import recorded
-from exporters.program.layouts import layout_manifest
 from exporters.program.versions import package_versions
 from exporters.program.weights import data_path_for, placed, runtime_needs
-from exporters.runtime.driver import MethodRoles
 from exporters.runtime.memory import peak_rss_mb
 from exporters.stages.load import opened
 from exporters.stages.pipeline import Stage
-from models.families import family_of_config
 
 if TYPE_CHECKING:
     from exporters.plan import ExportPlan
@@ -138,41 +132,16 @@ class FinalizeStage(Stage):
 
     def manifest(self, written: WrittenProgram, ctx: ExportContext, pte: Path, ok: bool,
                  entries: dict[str, ComponentEntry], fields: dict[str, Any]) -> Manifest:
-        """``manifest.json`` of the program being put at ``pte``: the parts' ``entries`` and ``fields`` with the
-        program's own."""
-        ckpt, model = ctx.checkpoint, written.model
-        assert ckpt is not None
-        specs, base = written.methods.specs, written.methods.of_adapter(None)
-        # The config check refused method sets where nothing takes one token, so there always are roles.
-        roles = MethodRoles.choose({n: spec.shape for n, spec in base.items()})
+        """``manifest.json`` of the program being put at ``pte``: the parts' ``entries`` and ``fields`` (the main
+        model's methods, layout, constants, model and state among them) with the program's own."""
+        ckpt = ctx.checkpoint
+        assert ckpt is not None and ctx.quantization is not None
         data = placed(written.data, None, pte)
         own_data = {owner: data_path_for(pte, owner).name for owner in written.adapter_data}
-        family = family_of_config(ckpt.hf_config)
         return Manifest(
             status="ok" if ok else "failed validation",
             program=ProgramFile(file=pte.name, size_bytes=written.size_bytes, sha256=written.sha256,
                                 storage=written.storage),
-            methods={
-                name: MethodEntry(inputs=written.methods.signatures[name].inputs,
-                                  outputs=written.methods.signatures[name].outputs,
-                                  dynamic_tokens=spec.dynamic,
-                                  tokens=[spec.min_tokens, spec.max_tokens],
-                                  delegated_partitions=written.delegated_partitions.get(name, 0),
-                                  lowered_once_with=written.methods.aliases.get(name))
-                for name, spec in specs.items()
-            },
-            layout=layout_manifest(self.plan.layout, {name: spec.kind for name, spec in base.items()},
-                                   roles.prompt, roles.step,
-                                   all(spec.dynamic for spec in base.values() if spec.kind in ("prefill", "forward")),
-                                   slides=written.constant_methods["get_max_seq_len"] <
-                                   written.constant_methods["get_max_context_len"],
-                                   sink=model.args.attention_sink > 0),
-            constant_methods=recorded(written.constant_methods),
-            model=ModelEntry(checkpoint=str(ckpt.path), architecture=list(ckpt.hf_config.architectures or []),
-                             family=family.name if family else None,
-                             attention=str(model.args.attention),
-                             parameters=model.parameter_count(),
-                             converted_from=ckpt.converted_from),
             quantization=dataclasses.replace(ctx.quantization, pt2e=ctx.pt2e) if ctx.pt2e else ctx.quantization,
             validation=ctx.validation,
             tokenizer_files=[src.name for src in [*ckpt.tokenizer_files, ckpt.generation_config_file]
@@ -186,7 +155,6 @@ class FinalizeStage(Stage):
                                   own_data),
             quality_warning=ctx.quality_warning,
             lowering=ctx.lowering,
-            kv_cache=kv_cache_entry(model, max(spec.max_tokens for spec in base.values())),
             components=entries,
             **fields,  # each part's own sections of the manifest
         )

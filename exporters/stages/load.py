@@ -56,7 +56,7 @@ class LoadStage(Stage):
             part.kind.load(part, ctx, models)
         for checkpoint in opened(ctx):  # read lazily: none changed meanwhile
             checkpoint.check_unchanged()
-        main = models.pop(self.plan.decoder.name)
+        main = models.pop(self.plan.main.name)
         return EagerModel(main, components=models)
 
     def describe(self, loaded: EagerModel, ctx: ExportContext) -> str:

@@ -54,7 +54,7 @@ class Stage(ABC):
 
     def models_of(self, artifact: Any) -> dict[str, Any]:
         """An artifact's models by component name, as the parts' hooks take them: the decoder's, then the others'."""
-        return {self.plan.decoder.name: artifact.model, **artifact.components}
+        return {self.plan.main.name: artifact.model, **artifact.components}
 
     def describe(self, artifact: Any, ctx: ExportContext) -> str:
         """What the stage's ``done`` line says: by default, the new artifact's own summary."""

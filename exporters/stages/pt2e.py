@@ -20,7 +20,7 @@ class Pt2eStage(Stage):
     after = ("quantize",)
 
     def run(self, quantized: EagerModel, ctx: ExportContext) -> EagerModel:
-        model, component = quantized.model, self.plan.decoder
+        model, component = quantized.model, self.plan.main
         quant = component.quant.config
         assert quant.pt2e is not None
         # The graph calibrated is the prompt method with any number of tokens: it takes the single tokens of

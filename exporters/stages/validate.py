@@ -23,7 +23,7 @@ class ValidateStage(Stage):
 
     def run(self, written: WrittenProgram, ctx: ExportContext) -> WrittenProgram:
         plan = self.plan.validation
-        assert ctx.baseline is not None and plan is not None
+        assert plan is not None and (ctx.baseline is not None or not self.plan.main.is_language_model)
         undelegated = None
         if written.undelegated is not None:
             undelegated = CapturedPrograms(written.undelegated, written.model.state_buffers())

@@ -19,7 +19,7 @@ class ProgramUnderTest:
 
     program: LoadedProgram | CapturedPrograms  # the .pte in the runtime, or the undelegated programs
     checked: Checked
-    baseline: BaselineQuality  # the validation text in windows
+    baseline: BaselineQuality | None  # the validation text in windows (None: a speech program's own recording)
     tolerance: Tolerance  # the decoder's (a draft's is the plan's component_tolerance)
     context: int  # the cache's positions: speculation stops before them
     eager_graphs: CapturedPrograms | None = None  # PT2E: the quantized model exists only as these graphs
@@ -28,4 +28,5 @@ class ProgramUnderTest:
 
     @property
     def text(self) -> TextWindows:
+        assert self.baseline is not None, "a language model's check: the baseline stage made the windows"
         return self.baseline.text
