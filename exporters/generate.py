@@ -20,7 +20,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from exporters import console
 from exporters.errors import REPORTED_ERRORS, UserError
-from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt
+from exporters.manifest import MANIFEST_FILE, Manifest
+from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt, resolve_program
+from exporters.runtime.transcriber import speech_entry
 
 USAGE = """usage: python -m exporters.generate <run folder or .pte> prompt="..." [key=value ...]
 
@@ -37,6 +39,10 @@ keys: prompt=<text> (taken as written: everything after the first =), or prompt_
       generation goes, more while proposals are kept, fewer when they are not),
       image=<file.png|jpg> (a vision-language program: the picture, resized and normalized by the processor saved
       with the program; repeat image= for several; the prompt marks where each goes, e.g. <image>, or chat=true),
+      audio=<file.wav|flac|ogg|mp3> (a speech program: the recording to transcribe, no prompt; any sample rate
+      or channel count, converted to 16 kHz mono; longer than 30 s in consecutive windows),
+      language=auto (a speech program: the spoken language's code, e.g. en, or auto: detected),
+      task=transcribe (a speech program: transcribe, or translate into English),
       verbose=false (true: the runtime's own log lines too)
 """
 
@@ -55,10 +61,13 @@ class GenerateArgs:
     draft_tokens: Optional[int] = None
     verbose: bool = False
     image: List[str] = field(default_factory=list)
+    audio: Optional[str] = None
+    language: str = "auto"
+    task: str = "transcribe"
 
 
 #: Keys whose values are taken as written, never read as YAML: text and file paths (a path may hold ``:`` or ``#``).
-VERBATIM = ("prompt", "prompt_file", "image", "tokenizer", "adapter")
+VERBATIM = ("prompt", "prompt_file", "image", "tokenizer", "adapter", "audio")
 
 
 def parse(argv: list[str], stdin: TextIO | None = None) -> tuple[str, GenerateArgs]:
@@ -79,7 +88,13 @@ def parse(argv: list[str], stdin: TextIO | None = None) -> tuple[str, GenerateAr
         raise UserError(f"{e}\n{USAGE}") from None
     assert isinstance(args, GenerateArgs)
     once = {key: values[0] for key, values in verbatim.items() if key != "image" and _once(key, values)}
-    prompt = _prompt(once.pop("prompt", None), once.pop("prompt_file", None), stdin or sys.stdin)
+    given = (once.pop("prompt", None), once.pop("prompt_file", None))
+    if "audio" in once:  # a recording is transcribed: a speech program takes no prompt
+        if given != (None, None):
+            raise UserError("audio= with a prompt: a speech program transcribes the recording and takes no prompt. "
+                            "Leave prompt= (and prompt_file=) out.")
+        return argv[0], dataclasses.replace(args, image=verbatim["image"], **once)
+    prompt = _prompt(*given, stdin or sys.stdin)
     # Set after OmegaConf, which would read ${...} in them as interpolations.
     args = dataclasses.replace(args, prompt=prompt, image=verbatim["image"], **once)
     if not 0 < args.top_p <= 1 or args.temperature < 0 or args.max_new_tokens < 1:
@@ -110,10 +125,48 @@ def _prompt(text: str | None, file: str | None, stdin: TextIO) -> str:
     return text
 
 
+def transcribe(path: str, args: GenerateArgs) -> int:
+    """``audio=``: the recording's transcript on stdout, the numbers on stderr."""
+    from exporters.runtime.audio import read_audio
+    from exporters.runtime.transcriber import Transcriber
+
+    folder, manifest = run_of(path)
+    entry = speech_entry(manifest) if manifest else None
+    if entry is None:
+        raise UserError(f"audio={args.audio}: {path} is not a speech program (its manifest names no speech model). "
+                        "Export a Whisper checkpoint (model=hf model.checkpoint=<folder>) or leave audio out.")
+    if args.image:
+        raise UserError(f"image= on a speech program: {path} transcribes audio and takes no image. Leave image out.")
+    recording = read_audio(args.audio)  # checked before the program is loaded
+    for conversion in recording.conversions:
+        print(f"[audio: {conversion}]", file=sys.stderr)
+    with console.native_stderr_to(None):
+        transcriber = Transcriber(folder, entry, resolve_program(path))
+        transcriber.check(args.language, args.task)
+        result = transcriber.transcribe(recording, args.language, args.task, args.max_new_tokens)
+    print(result.text.strip())
+    print(f"\n[loaded {resolve_program(path).name} + {entry.preprocessor} in {transcriber.load_seconds:.2f} s; "
+          f"{result.seconds:.1f} s of audio in {result.windows} window(s), language {result.language or 'en'}; "
+          f"features {result.preprocess_s:.2f} s, encoder {result.encode_s:.2f} s, {len(result.tokens)} tokens at "
+          f"{result.tokens_per_s:.1f} tok/s; real-time factor {result.real_time_factor:.3f}]", file=sys.stderr)
+    return 0
+
+
+def run_of(path: str) -> tuple[Path, Manifest | None]:
+    """The run folder of a program (a folder or its .pte) and its manifest, if it has one."""
+    folder = resolve_program(path).parent
+    return folder, Manifest.read(folder) if (folder / MANIFEST_FILE).is_file() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         path, args = parse(sys.argv[1:] if argv is None else argv)
         console.set_verbose(args.verbose)
+        if args.audio is not None:
+            return transcribe(path, args)
+        folder, manifest = run_of(path)
+        if manifest is not None and speech_entry(manifest) is not None:
+            raise UserError(f"{path} is a speech program: it transcribes audio=<file> and takes no prompt.")
         with console.native_stderr_to(None):  # the runtime's log lines; the text goes to stdout
             # Everything the program can answer without its weights is checked before they are loaded.
             generator = Generator(path, args.tokenizer, args.adapter, load=False)

@@ -37,6 +37,7 @@ MODEL_FILE = "model.bin"
 SOURCE_RECORD = "ct2_source.json"
 BINARY_VERSION = 6  # the layout read here; CTranslate2 4.x writes it
 WHISPER_SPEC = "WhisperSpec"
+GELU = 3  # CTranslate2's ActivationType (RELU, GELUTanh, SWISH, GELU, ...): Whisper's exact GELU
 # CTranslate2's DataType enum (include/ctranslate2/types.h): the float ones are read, the integer ones refused.
 FLOAT_DTYPES = {0: np.float32, 4: np.float16}
 DTYPE_NAMES = {0: "float32", 1: "int8", 2: "int16", 3: "int32", 4: "float16", 5: "bfloat16",
@@ -138,8 +139,16 @@ def pending_conversion(path: str | Path) -> Path | None:
 
 def whisper_checkpoint(path: str | Path) -> Path:
     """The Hugging Face Whisper folder for a CTranslate2 Whisper folder, converted on first use (cached)."""
+    from filelock import FileLock
+
     path = Path(path).expanduser()
     target = _cache_dir(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f"{target.name}.lock")):  # two exports (test workers) convert it once
+        return _converted(path, target)
+
+
+def _converted(path: Path, target: Path) -> Path:
     if (target / SOURCE_RECORD).exists():
         log.info("CTranslate2 %s: using the converted checkpoint in %s", path, target)
         return target
@@ -183,8 +192,10 @@ def check_whisper(ct2: Ct2Model, path: Path) -> None:
     flags = {name: ct2.scalar(f"decoder/{name}") for name in ("pre_norm", "scale_embeddings", "alibi",
                                                              "start_from_zero_embedding")
              if f"decoder/{name}" in ct2.arrays}
-    if flags.get("pre_norm", 1) != 1 or any(flags.get(n, 0) for n in ("scale_embeddings", "alibi",
-                                                                       "start_from_zero_embedding")):
+    if "decoder/activation" in ct2.arrays:
+        flags["activation"] = ct2.scalar("decoder/activation")
+    if flags.get("pre_norm", 1) != 1 or flags.get("activation", GELU) != GELU or any(
+            flags.get(n, 0) for n in ("scale_embeddings", "alibi", "start_from_zero_embedding")):
         raise ModelError(f"{path}: a WhisperSpec with decoder options {flags}, which OpenAI's Whisper does not use; "
                          "give the model's Hugging Face folder.")
     for needed in ("config.json", "tokenizer.json"):
@@ -199,7 +210,7 @@ def _layers(ct2: Ct2Model, stack: str) -> int:
 
 
 def _split(array: np.ndarray, parts: int) -> list[np.ndarray]:
-    return list(np.split(np.asarray(array, dtype=np.float32), parts, axis=0))
+    return list(np.split(np.array(array, dtype=np.float32), parts, axis=0))
 
 
 def state_dict(ct2: Ct2Model) -> dict[str, np.ndarray]:
@@ -207,7 +218,7 @@ def state_dict(ct2: Ct2Model) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
 
     def put(hf: str, ct: str) -> None:
-        out[hf] = np.asarray(ct2.get(ct), dtype=np.float32)
+        out[hf] = np.array(ct2.get(ct), dtype=np.float32)
 
     def norm(hf: str, ct: str) -> None:
         put(f"{hf}.weight", f"{ct}/gamma")
@@ -309,3 +320,75 @@ def _generation_config(ct2_config: dict[str, Any], ids: dict[str, int | None], t
         task_to_id={"transcribe": ids["transcribe"], "translate": ids["translate"]},
         no_timestamps_token_id=ids["no_timestamps"], prev_sot_token_id=ids["start_of_prev"],
         forced_decoder_ids=None)
+
+
+# -- writing: the inverse of the reader, for checkpoints made in tests (models.tiny_whisper) -------------------------
+NUMPY_DTYPE_IDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.int16): 2, np.dtype(np.int32): 3,
+                   np.dtype(np.float16): 4}
+
+
+def write_model_bin(file: Path, arrays: dict[str, np.ndarray], aliases: dict[str, str], spec: str = WHISPER_SPEC,
+                    revision: int = 3) -> None:
+    """``arrays`` (name -> array) written as CTranslate2's ``ModelSpec._serialize`` does (binary version 6)."""
+
+    def string(text: str) -> bytes:
+        raw = text.encode("utf-8") + b"\0"
+        return struct.pack("H", len(raw)) + raw
+
+    with open(file, "wb") as out:
+        out.write(struct.pack("I", BINARY_VERSION) + string(spec) + struct.pack("I", revision))
+        out.write(struct.pack("I", len(arrays)))
+        for name, array in sorted(arrays.items()):
+            array = np.ascontiguousarray(array)
+            out.write(string(name) + struct.pack("B", array.ndim) + b"".join(struct.pack("I", d) for d in array.shape))
+            out.write(struct.pack("B", NUMPY_DTYPE_IDS[array.dtype]) + struct.pack("I", array.nbytes) + array.tobytes())
+        out.write(struct.pack("I", len(aliases)))
+        for alias, target in aliases.items():
+            out.write(string(alias) + string(target))
+
+
+def whisper_arrays(hf_state: dict[str, np.ndarray], heads: int, dtype: Any = np.float16) -> dict[str, np.ndarray]:
+    """transformers' Whisper state dict in CTranslate2's names and fusions (the converter's layout)."""
+    out: dict[str, np.ndarray] = {}
+
+    def cast(a: np.ndarray) -> np.ndarray:
+        return np.asarray(a, dtype=dtype)
+
+    def norm(ct: str, hf: str) -> None:
+        out[f"{ct}/gamma"], out[f"{ct}/beta"] = cast(hf_state[f"{hf}.weight"]), cast(hf_state[f"{hf}.bias"])
+
+    def linear(ct: str, hf: str) -> None:
+        out[f"{ct}/weight"], out[f"{ct}/bias"] = cast(hf_state[f"{hf}.weight"]), cast(hf_state[f"{hf}.bias"])
+
+    def fused(ct: str, hf: str, names: tuple[str, ...]) -> None:
+        out[f"{ct}/weight"] = cast(np.concatenate([hf_state[f"{hf}.{n}_proj.weight"] for n in names]))
+        out[f"{ct}/bias"] = cast(np.concatenate([
+            hf_state[f"{hf}.{n}_proj.bias"] if n != "k" else np.zeros_like(hf_state[f"{hf}.v_proj.bias"])
+            for n in names]))
+
+    for stack in ("encoder", "decoder"):
+        prefix = f"model.{stack}"
+        out[f"{stack}/position_encodings/encodings"] = cast(hf_state[f"{prefix}.embed_positions.weight"])
+        norm(f"{stack}/layer_norm", f"{prefix}.layer_norm")
+        out[f"{stack}/num_heads"] = np.array(heads, dtype=np.int16)
+        layers = {k.split(".")[3] for k in hf_state if k.startswith(f"{prefix}.layers.")}
+        for i in sorted(layers, key=int):
+            ct, hf = f"{stack}/layer_{i}", f"{prefix}.layers.{i}"
+            norm(f"{ct}/self_attention/layer_norm", f"{hf}.self_attn_layer_norm")
+            fused(f"{ct}/self_attention/linear_0", f"{hf}.self_attn", ("q", "k", "v"))
+            linear(f"{ct}/self_attention/linear_1", f"{hf}.self_attn.out_proj")
+            if stack == "decoder":
+                norm(f"{ct}/attention/layer_norm", f"{hf}.encoder_attn_layer_norm")
+                linear(f"{ct}/attention/linear_0", f"{hf}.encoder_attn.q_proj")
+                fused(f"{ct}/attention/linear_1", f"{hf}.encoder_attn", ("k", "v"))
+                linear(f"{ct}/attention/linear_2", f"{hf}.encoder_attn.out_proj")
+            norm(f"{ct}/ffn/layer_norm", f"{hf}.final_layer_norm")
+            linear(f"{ct}/ffn/linear_0", f"{hf}.fc1")
+            linear(f"{ct}/ffn/linear_1", f"{hf}.fc2")
+    for conv in ("conv1", "conv2"):
+        linear(f"encoder/{conv}", f"model.encoder.{conv}")
+    out["decoder/embeddings/weight"] = cast(hf_state["model.decoder.embed_tokens.weight"])
+    for flag, value in (("pre_norm", 1), ("scale_embeddings", 0), ("alibi", 0), ("start_from_zero_embedding", 0),
+                        ("activation", GELU)):
+        out[f"decoder/{flag}"] = np.array(value, dtype=np.int8)
+    return out

@@ -113,7 +113,7 @@ def test_the_plan_derives_each_length_once_and_every_stage_reads_it() -> None:
     assert (whole.lengths.context, whole.lengths.call_tokens) == (32, 31)
     static = plan_export(compose_config("backend=coreml", "export.layout=split", "export.methods=[prefill,decode]",
                                         "export.prefill_chunk=8"))
-    assert static.lengths.prefill_chunk == 8 and static.decoder.methods.specs["prefill"].max_tokens == 8
+    assert static.lengths.prefill_chunk == 8 and static.main.methods.specs["prefill"].max_tokens == 8
     assert static.keep_undelegated and static.validation is not None and not static.validation.in_runtime
 
 
@@ -137,7 +137,7 @@ def test_a_program_is_components_and_todays_is_one_decoder() -> None:
 
 
 def test_each_kind_of_model_is_one_registered_module_and_the_stages_name_none() -> None:
-    """A kind of model (decoder, adapters, slots, draft, vision encoder) is one module of exporters.components
+    """A kind of model (decoder, adapters, slots, draft, vision encoder, speech) is one module of exporters.components
     implementing the protocol, registered once; the stages loop over the plan's parts and call it, so no stage's code
     names a kind (their docstrings may explain what the kinds do)."""
     import io
@@ -148,7 +148,7 @@ def test_each_kind_of_model_is_one_registered_module_and_the_stages_name_none() 
     from exporters.components.kind import Kind
     from exporters.plan import ComponentKind
 
-    assert list(KINDS) == ["decoder", "adapters", "slots", "draft", "vision_encoder"]
+    assert list(KINDS) == ["decoder", "adapters", "slots", "draft", "vision_encoder", "asr"]
     assert {k for k, kind in KINDS.items() if not kind.variant} == {str(k) for k in ComponentKind}
     for kind in KINDS.values():
         assert type(kind).__module__ == f"exporters.components.{type(kind).__module__.rsplit('.', 1)[-1]}"
@@ -158,7 +158,7 @@ def test_each_kind_of_model_is_one_registered_module_and_the_stages_name_none() 
     for path in sorted((REPO_ROOT / "exporters" / "stages").glob("*.py")):
         for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
             code = tok.type == tokenize.NAME or (tok.type == tokenize.STRING and not tok.string.startswith('"""'))
-            if code and re.search(r"(^|\W|_)(draft|vision|swappable|slots)(_|\W|$)|ComponentKind", tok.string):
+            if code and re.search(r"(^|\W|_)(draft|vision|swappable|slots|speech|whisper|asr)(_|\W|$)|ComponentKind", tok.string):
                 named.append(f"{path.name}:{tok.start[0]}: {tok.string}")
     assert not named, named
 

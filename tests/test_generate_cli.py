@@ -56,11 +56,11 @@ def test_every_key_the_usage_text_names_is_accepted(tmp_path: Path) -> None:
     samples = {"prompt": "Once: upon # a ${time}", "prompt_file": str(tmp_path / "p.txt"), "max_new_tokens": "5",
                "temperature": "0.7", "top_p": "0.9", "seed": "3", "chat": "true", "tokenizer": "/a b/tok.json",
                "adapter": "adapters/legal.ptd", "speculative": "lookup", "draft_tokens": "2", "image": "a #1.png",
-               "verbose": "true"}
+               "verbose": "true", "audio": "a #1: talk.wav", "language": "fr", "task": "translate"}
     named = set(re.findall(r"\b([a-z_]+)=", USAGE.split("keys:", 1)[1]))  # the keys, not the synopsis
     assert named <= samples.keys(), named - samples.keys()
     for key in named:
-        base = [] if key in ("prompt", "prompt_file") else ["prompt=x"]
+        base = [] if key in ("prompt", "prompt_file", "audio") else ["prompt=x"]
         _, args = parse(["run", *base, f"{key}={samples[key]}"])
         value = getattr(args, "prompt" if key == "prompt_file" else key)
         expected = (tmp_path / "p.txt").read_text() if key == "prompt_file" else samples[key]

@@ -229,7 +229,7 @@ def test_a_sink_program_generates_four_caches_long_as_the_eager_model(exported) 
     from exporters.components.resolve import plan_export
     from models.kv_cache import CacheGeometry
 
-    state = plan_export(compose_config(*SINK)).decoder.build.state  # 32 positions, calls of 8, a sink of 4
+    state = plan_export(compose_config(*SINK)).main.build.state  # 32 positions, calls of 8, a sink of 4
     # The sink, the last 28 positions, and room for one call's other tokens (written before they attend).
     slots = CacheGeometry.of(state.positions, None, state.attention_sink, state.call_tokens).slots
     assert slots == state.attention_sink + (state.positions - state.attention_sink) + state.call_tokens - 1
