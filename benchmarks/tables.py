@@ -13,7 +13,8 @@ Each renderer takes one tool's JSON: ``suite`` the test suite's durations (``pyt
 ``export`` a ``benchmarks.export`` report (``report.json``), ``speculative`` a ``benchmarks.speculative`` or
 ``benchmarks.llama_cpp`` report, ``memory`` a ``benchmarks.memory_estimate`` report, ``hybrid`` the rows
 ``benchmarks.hybrid --results`` keeps, ``adapters`` a ``benchmarks.adapters`` report, ``vision_quant`` the rows
-``benchmarks.vision_quant --results`` writes, ``serve`` a ``benchmarks.serve`` report. Keep the JSON files in
+``benchmarks.vision_quant --results`` writes, ``serve`` a ``benchmarks.serve`` report, ``speech`` a
+``benchmarks.speech`` report. Keep the JSON files in
 ``docs/results/``: they are the measurement, the table is a view of it. A new table is a renderer in
 :data:`RENDERERS` and a region in a doc.
 """
@@ -149,10 +150,27 @@ def render_serve(data: dict[str, Any]) -> str:
         f"", f"Medians of {data['repeats']} runs."]) + "\n"
 
 
+def render_speech(data: dict[str, Any]) -> str:
+    """A ``benchmarks.speech`` report: each precision's export, size, transcripts and speed on real Whisper."""
+    lines = [f"{data['checkpoint']}; {data['sentences']} sentences espeak-ng speaks, and "
+             f"{data['long_recording_s']:.1f} s of them joined (one window) for the speed columns.", "",
+             "| program | export s | peak RSS MB | program MB | RSS after load MB | tokens as transformers' greedy | "
+             "WER vs text | WER vs fp32 | encoder s | decode tok/s | real-time factor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, p in data["programs"].items():
+        q, long = p["quantization"], p["long"]
+        lines.append(f"| {name} (encoder {q['encoder'].split(' ')[0]}, decoder {q['decoder']}) | {p['export_s']:.0f} | "
+                     f"{p['peak_rss_mb']} | {p['program_mb']:.1f} | {p['rss_after_load_mb']} | "
+                     f"{p['identical_to_transformers']}/{data['sentences']} | {100 * p['wer_vs_text']:.1f}% | "
+                     f"{100 * p.get('wer_vs_fp32', 0):.1f}% | {long['encode_s']:.2f} | {long['tokens_per_s']:.1f} | "
+                     f"{long['real_time_factor']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[Any], str]] = {"serve": render_serve, "suite": render_suite, "export": render_export,
                                               "speculative": render_speculative, "memory": render_memory,
                                               "hybrid": render_hybrid, "adapters": render_adapters,
-                                              "vision_quant": render_vision_quant}
+                                              "vision_quant": render_vision_quant, "speech": render_speech}
 
 
 def regenerate(text: str, root: Path = ROOT) -> tuple[str, list[str]]:

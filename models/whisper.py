@@ -8,11 +8,14 @@ step, so :meth:`WhisperProgram.encode` computes it once and keeps it in buffers 
 (``cross_k.<layer>``, ``cross_v.<layer>``): the program shares them, as it shares the self-attention cache between
 calls. ``text_decoder`` takes the encoder states as the runner passes them and does not read them.
 
-The layers are transformers' own modules (``WhisperForConditionalGeneration``'s weights, unchanged); the decoder's
-step is written here over them, in the same order of operations (the query scaled before its product, GELU, pre-norm
-residuals), with a :class:`models.kv_cache.KVCache` per layer. ``text_decoder`` takes any number of tokens up to the
-cache (the prompt's four in one call, or one), at positions ``cache_position``; positions past the last written are
-masked, so a new audio needs no reset: its first call writes from position 0.
+The layers are transformers' own modules (``WhisperForConditionalGeneration``'s weights, unchanged; the encoder with
+transformers' eager attention); the decoder's step is written here over them, in the same order of operations (the
+query scaled before its product, GELU, pre-norm residuals). Every key is stored transposed (``[1, heads, head_dim,
+positions]``), so a step multiplies by it as it is: ``scaled_dot_product_attention`` on stored keys lowered to a
+transpose, a multiplication by the scale and a copy of the keys at every step, and checks for fully masked rows on
+the portable kernels (21 ms of a Whisper base step: docs/DESIGN.md). ``text_decoder`` takes any number of tokens up
+to the cache (the prompt's four in one call, or one), at positions ``cache_position``; positions past the last
+written are masked, so a new audio needs no reset: its first call writes from position 0.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.kv_cache import CacheGeometry, KVCache
+from models.kv_cache import CacheGeometry
 
 ENCODER = "encoder"
 TEXT_DECODER = "text_decoder"
@@ -55,6 +58,11 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.view(x.shape[0], x.shape[1], heads, -1).transpose(1, 2)
 
 
+def _merged(x: torch.Tensor) -> torch.Tensor:
+    """[1, heads, T, head_dim] -> [1, T, heads * head_dim]."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+
+
 class WhisperProgram(nn.Module):
     """transformers' Whisper with the state an exported program keeps: each decoder layer's self-attention cache
     and its cross-attention keys and values of the current audio."""
@@ -68,9 +76,8 @@ class WhisperProgram(nn.Module):
         self.text = hf.model.decoder
         self.proj_out = hf.proj_out
         s = self.shape
-        self.caches = nn.ModuleList(KVCache(s.heads, CacheGeometry(self.max_tokens), s.head_dim)
-                                    for _ in range(s.layers))
-        self.cross = nn.ModuleList(_CrossState(s.heads, s.audio_positions, s.head_dim) for _ in range(s.layers))
+        self.caches = nn.ModuleList(_State(s.heads, self.max_tokens, s.head_dim) for _ in range(s.layers))
+        self.cross = nn.ModuleList(_State(s.heads, s.audio_positions, s.head_dim) for _ in range(s.layers))
         self.register_buffer("slots", torch.arange(self.max_tokens), persistent=False)
         # Logits from the token embedding's own parameter (the output projection is tied to it): ``h @ W^T`` through
         # proj_out would let a delegate keep a second copy of the largest matrix (as CausalLM.head explains).
@@ -102,18 +109,16 @@ class WhisperProgram(nn.Module):
         h = text.layer_norm(x)
         return (text.embed_tokens.weight @ h.mT).mT if self.tied_head else self.proj_out(h)
 
-    def _self_attention(self, attn: nn.Module, h: torch.Tensor, cache: KVCache, positions: torch.Tensor,
+    def _self_attention(self, attn: nn.Module, h: torch.Tensor, cache: "_State", positions: torch.Tensor,
                         mask: torch.Tensor) -> torch.Tensor:
         heads = self.shape.heads
         q = _heads(attn.q_proj(h) * attn.scaling, heads)
-        cache.update(_heads(attn.k_proj(h), heads), _heads(attn.v_proj(h), heads), positions)
-        out = F.scaled_dot_product_attention(q, cache.k_cache, cache.v_cache, attn_mask=mask, scale=1.0)
-        return attn.out_proj(out.transpose(1, 2).reshape(h.shape))
+        cache.write(_heads(attn.k_proj(h), heads), _heads(attn.v_proj(h), heads), positions)
+        return attn.out_proj(_merged(cache.attend(q, mask)))
 
-    def _cross_attention(self, attn: nn.Module, h: torch.Tensor, cross: "_CrossState") -> torch.Tensor:
+    def _cross_attention(self, attn: nn.Module, h: torch.Tensor, cross: "_State") -> torch.Tensor:
         q = _heads(attn.q_proj(h) * attn.scaling, self.shape.heads)
-        out = F.scaled_dot_product_attention(q, cross.k, cross.v, scale=1.0)
-        return attn.out_proj(out.transpose(1, 2).reshape(h.shape))
+        return attn.out_proj(_merged(cross.attend(q)))
 
     @torch.no_grad()
     def reset(self) -> None:
@@ -122,27 +127,43 @@ class WhisperProgram(nn.Module):
                 buffer.zero_()
 
 
-class _CrossState(nn.Module):
-    """One decoder layer's cross-attention keys and values of the current audio, written by ``encode``.
+class _State(nn.Module):
+    """One decoder layer's keys (transposed: ``k_t`` [1, heads, head_dim, positions]) and values ([1, heads,
+    positions, head_dim]): the self-attention cache, written at the call's positions, or the cross-attention's of the
+    current audio, written whole by ``encode``. (Three-dimensional buffers and ``bmm`` were slower: 14.0 against
+    11.7 ms a step on Whisper base 8da4w.)
 
-    ``text_decoder`` only reads them; a buffer a method does not write is a constant of that method in ExecuTorch,
-    so :meth:`touch` writes nothing into each (an empty ``index_copy_``) to make it the program's shared state in
-    both methods."""
+    ``text_decoder`` only reads the cross-attention's; a buffer a method does not write is a constant of that method
+    in ExecuTorch, so :meth:`touch` writes nothing into them (an empty ``index_copy_``) to make them the program's
+    shared state in both methods."""
 
     def __init__(self, heads: int, positions: int, head_dim: int) -> None:
         super().__init__()
-        self.register_buffer("k", torch.zeros(1, heads, positions, head_dim), persistent=False)
+        self.register_buffer("k_t", torch.zeros(1, heads, head_dim, positions), persistent=False)
         self.register_buffer("v", torch.zeros(1, heads, positions, head_dim), persistent=False)
         self.register_buffer("nothing", torch.zeros(0, dtype=torch.long), persistent=False)
 
+    def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """``k`` / ``v`` [1, heads, T, head_dim] at ``positions`` [T] (an in-place ``index_put_`` after emit)."""
+        self.k_t.index_copy_(3, positions, k.transpose(2, 3))
+        self.v.index_copy_(2, positions, v)
+
     def keep(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k.copy_(k)
+        """Every position at once (the encoder's states)."""
+        self.k_t.copy_(k.transpose(2, 3))
         self.v.copy_(v)
 
     def touch(self) -> None:
-        empty = self.k[:, :, :0]
-        self.k.index_copy_(2, self.nothing, empty)
-        self.v.index_copy_(2, self.nothing, empty)
+        self.k_t.index_copy_(3, self.nothing, self.k_t[..., :0])
+        self.v.index_copy_(2, self.nothing, self.v[:, :, :0])
+
+    def attend(self, q: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(q k^T + mask) v for ``q`` [1, heads, T, head_dim], already scaled (as transformers' eager
+        attention computes it)."""
+        scores = q @ self.k_t
+        if mask is not None:
+            scores = scores + mask
+        return scores.softmax(dim=-1) @ self.v
 
 
 class EncoderMethod(nn.Module):
@@ -164,8 +185,8 @@ class TextDecoderMethod(nn.Module):
         super().__init__()
         self.whisper = program
 
-    def forward(self, tokens: torch.Tensor, encoder_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.whisper.decode(tokens, encoder_states, positions)
+    def forward(self, tokens: torch.Tensor, encoder_states: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        return self.whisper.decode(tokens, encoder_states, cache_position)
 
 
 def example_inputs(shape: WhisperShape, method: str, tokens: int = 1) -> tuple[torch.Tensor, ...]:

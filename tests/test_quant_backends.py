@@ -32,13 +32,15 @@ RUNNABLE = [
     ("openvino", "fp32", "export.prefill_chunk=12", "quant.max_ppl_drift=0.1"),
     ("openvino", "fp16", "export.prefill_chunk=12", "quant.max_ppl_drift=0.1"),
 ]
-# xnnpack bf16 the fp32 kernels on bf16 weights (fp16 has kernels of its own and stays); xnnpack 8da8w the 8-bit
-# kernels the lm_head of the group-size entry runs; portable fp16 and bf16 the ATen kernels portable fp32 runs, in
-# another dtype; portable's 4-bit and 8-bit embeddings the embedding op 8da4w_emb4w runs (outside the delegate, on
-# the same kernels); OpenVINO fp16 what its fp32 runs (its device computes in bf16 either way); GPTQ with a size budget
-# the 4-bit kernels of 8da4w and the 8-bit ones of the group-size entry's lm_head (its codes are checked to be
-# XNNPACK's format eagerly: tests/test_calibrated.py).
+# xnnpack bf16 the fp32 kernels on bf16 weights (fp16 has kernels of its own and stays); xnnpack 8da8w, and the
+# group-size entry (4-bit blocks of 64, an 8-bit lm_head), the 4-bit blockwise kernels 8da4w runs and the 8-bit
+# per-channel ones a quantized speech program's encoder runs (tests/test_speech.py); portable fp16 and bf16 the ATen
+# kernels portable fp32 runs, in another dtype; portable's 4-bit and 8-bit embeddings the embedding op 8da4w_emb4w
+# runs (outside the delegate, on the same kernels); OpenVINO fp16 what its fp32 runs (its device computes in bf16
+# either way); GPTQ with a size budget the 4-bit kernels of 8da4w and the same 8-bit ones (its codes are checked to
+# be XNNPACK's format eagerly: tests/test_calibrated.py).
 SLOW_VARIANTS = {CALIBRATED_MIXED, ("xnnpack", "bf16"), ("xnnpack", "8da8w"), ("portable", "fp16"), ("portable", "bf16"),
+                 ("xnnpack", "8da4w", "quant.group_size=64", "quant.lm_head=8da8w", "quant.lm_head_group_size=0"),
                  ("portable", "fp32", "quant.embedding=4w"),
                  ("portable", "fp32", "quant.embedding=8w", "quant.embedding_group_size=0"),
                  ("openvino", "fp16", "export.prefill_chunk=12", "quant.max_ppl_drift=0.1")}

@@ -79,6 +79,9 @@ class Bundled:
     readme: str = ""
     files: list[str] = field(default_factory=list)
     fields: dict[str, Any] = field(default_factory=dict)
+    # A main model other than the decoder: the README's "Run it" and "Validation" sections in place of an LLM's.
+    run: str = ""
+    validation: str = ""
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ from exporters.manifest import ComponentEntry, Manifest, VisionEntry
 from exporters.plan.component import Component, ComponentKind, QuantPlan
 from exporters.plan.footprint import BASE_BYTES, Footprint
 from exporters.program.methods import MULTIMODAL_METHODS, MethodTable
+from exporters.program.passes import noop_expands_dropped
 from exporters.program.vision import (PATCH_ROW_FAMILIES, PROCESSOR_FILES, VISION, VISION_METHOD, VisionGeometry,
-                                      has_processor, noop_expands_dropped, preprocessing, prompt_marker,
+                                      has_processor, preprocessing, prompt_marker,
                                       vision_constants, vision_spec)
 from exporters.quant.vision import AUTO, VISION_SCHEMES, quantize_vision, vision_scheme
 from exporters.validation.image import ImageBaseline, check_image_path, unquantized_image_path

@@ -150,12 +150,12 @@ def _readme(name: str, m: Manifest, bundled: list[Bundled]) -> str:
 
 ExecuTorch program exported by llm-exporters: model `{cfg['model']['name']}`
 ({m.model.family} family), quantization `{cfg['quant']['name']}`, backend `{cfg['backend']['name']}`,
-context {m.constant_methods.get('get_max_context_len', cfg['export']['max_seq_len'])} tokens, at most
+context {m.constant_methods.get('get_max_context_len', m.constant_methods.get('get_max_seq_len'))} tokens, at most
 {max(e.tokens[1] for e in m.methods.values())} per call.
 
 ## Run it
 
-{_how_to_run(m, tokenizer)}
+{next((b.run for b in bundled if b.run), None) or _how_to_run(m, tokenizer)}
 
 ## Methods
 
@@ -171,7 +171,7 @@ context {m.constant_methods.get('get_max_context_len', cfg['export']['max_seq_le
 
 {_context_text(m)}{"".join(b.readme for b in bundled)}## Validation
 
-{_validation_text(m.validation)}
+{next((b.validation for b in bundled if b.validation), None) or _validation_text(m.validation)}
 
 Every file's sha256 is in `manifest.json`; check them with `python -m exporters.package --verify <this folder>`.
 """
