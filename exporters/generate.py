@@ -22,7 +22,8 @@ from exporters import console
 from exporters.errors import REPORTED_ERRORS, UserError
 from exporters.manifest import MANIFEST_FILE, Manifest
 from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt, resolve_program
-from exporters.runtime.transcriber import speech_entry
+from exporters.runtime.audio import read_audio
+from exporters.runtime.transcriber import Transcriber, speech_entry
 
 USAGE = """usage: python -m exporters.generate <run folder or .pte> prompt="..." [key=value ...]
 
@@ -127,9 +128,6 @@ def _prompt(text: str | None, file: str | None, stdin: TextIO) -> str:
 
 def transcribe(path: str, args: GenerateArgs) -> int:
     """``audio=``: the recording's transcript on stdout, the numbers on stderr."""
-    from exporters.runtime.audio import read_audio
-    from exporters.runtime.transcriber import Transcriber
-
     folder, manifest = run_of(path)
     entry = speech_entry(manifest) if manifest else None
     if entry is None:

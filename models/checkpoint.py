@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from models.ctranslate2 import ct2_record, is_ctranslate2, whisper_checkpoint
 from models.decoder import CausalLM
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE
@@ -118,7 +119,6 @@ def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoin
     """Check a checkpoint directory and read its configs (not its weights)."""
     from transformers import AutoConfig
 
-    from models.ctranslate2 import ct2_record, is_ctranslate2, whisper_checkpoint
     from models.gguf import gguf_checkpoint, gguf_record, is_gguf
 
     path = Path(path).expanduser()
