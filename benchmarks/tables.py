@@ -164,6 +164,16 @@ def render_speech(data: dict[str, Any]) -> str:
                      f"{p['identical_to_transformers']}/{data['sentences']} | {100 * p['wer_vs_text']:.1f}% | "
                      f"{100 * p.get('wer_vs_fp32', 0):.1f}% | {long['encode_s']:.2f} | {long['tokens_per_s']:.1f} | "
                      f"{long['real_time_factor']:.3f} |")
+    for name, p in data.get("peers", {}).items():  # another exporter's program of the same checkpoint, our loop
+        if "failed" in p:
+            lines.append(f"| {name} | failed after {p['export_s']:.0f} s: {p['failed']} | {p['peak_rss_mb']} |"
+                         + " |" * 8)
+            continue
+        long = p["long"]
+        lines.append(f"| {name} | {p['export_s']:.0f} | {p['peak_rss_mb']} | {p['program_mb']:.1f} | "
+                     f"{p['rss_after_load_mb']} | {p['identical_to_transformers']}/{data['sentences']} | "
+                     f"{100 * p['wer_vs_text']:.1f}% | {100 * p.get('wer_vs_fp32', 0):.1f}% | {long['encode_s']:.2f} | "
+                     f"{long['tokens_per_s']:.1f} | {long['real_time_factor']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

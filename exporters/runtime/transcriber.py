@@ -71,6 +71,9 @@ class Transcriber:
         self.program.load(ENCODER, TEXT_DECODER)
         self.preprocessor = LoadedProgram(preprocessor)
         self.load_seconds = time.perf_counter() - started
+        # Tokens one text_decoder call takes at most: ours a prompt's; a program with fixed one-token calls
+        # (optimum-executorch's) is fed the prompt one token at a time.
+        self.tokens_per_call = self.program.inputs_of(TEXT_DECODER)[0][0][1]
 
     def check(self, language: str | None, task: str) -> None:
         if task not in TASKS:
@@ -111,4 +114,12 @@ class Transcriber:
                                 len(windows), recording.seconds, preprocess_s, encode_s, decode_s)
 
     def _decoder(self):  # type: ignore[no-untyped-def]
-        return lambda ids, states, positions: self.program.run(TEXT_DECODER, ids, states, positions)[0]
+        def run(ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            """The logits of the call's last token (all greedy decoding reads)."""
+            step = self.tokens_per_call
+            for start in range(0, ids.shape[1], step):
+                logits = self.program.run(TEXT_DECODER, ids[:, start:start + step], states,
+                                          positions[start:start + step])[0]
+            return logits
+
+        return run
