@@ -127,7 +127,6 @@ class SpeechRecord:
     validation: None = None  # the top-level report is a language model's; the speech check is the component's
     baseline: SpeechBaseline | None = None
     check: SpeechCheck | None = None
-    preprocessor: Path | None = None  # finalize: written under a private name, renamed with the program
 
 
 def _linears(module: nn.Module, prefix: str) -> dict[str, nn.Linear]:
