@@ -18,18 +18,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from models.errors import ModelError
-from models.gguf import llm_exporters_cache
+from models.gguf import llm_exporters_cache, write_converted
 
 log = logging.getLogger(__name__)
 
@@ -156,19 +155,10 @@ def _converted(path: Path, target: Path) -> Path:
     check_whisper(ct2, path)
     log.info("CTranslate2 %s (%s, %s): converting into %s", path, ct2.spec,
              ct2.dtypes["decoder/embeddings/weight"], target)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        _write_folder(ct2, path, tmp)
-        record = {"folder": str(path.resolve()), "spec": ct2.spec, "revision": ct2.revision,
-                  "stored_dtype": ct2.dtypes["decoder/embeddings/weight"], "converted_to": "float32",
-                  "size_bytes": (path / MODEL_FILE).stat().st_size}
-        (tmp / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    record = {"folder": str(path.resolve()), "spec": ct2.spec, "revision": ct2.revision,
+              "stored_dtype": ct2.dtypes["decoder/embeddings/weight"], "converted_to": "float32",
+              "size_bytes": (path / MODEL_FILE).stat().st_size}
+    write_converted(target, lambda folder: _write_folder(ct2, path, folder), SOURCE_RECORD, record)
     return target
 
 
@@ -213,54 +203,55 @@ def _split(array: np.ndarray, parts: int) -> list[np.ndarray]:
     return list(np.split(np.array(array, dtype=np.float32), parts, axis=0))
 
 
+def _layout(layers: dict[str, int]) -> Iterator[tuple[str, str, str]]:
+    """Every piece of Whisper as ``(role, transformers' name, CTranslate2's name)``, in both formats' terms: the
+    one map the reader and the writer walk. Roles: ``table`` (one array), ``norm`` (weight/bias as gamma/beta),
+    ``linear`` (weight, bias), ``qkv`` / ``kv`` (projections fused in one linear: q, k, v or k, v)."""
+    for stack in ("encoder", "decoder"):
+        prefix = f"model.{stack}"
+        yield "table", f"{prefix}.embed_positions.weight", f"{stack}/position_encodings/encodings"
+        yield "norm", f"{prefix}.layer_norm", f"{stack}/layer_norm"
+        for i in range(layers[stack]):
+            hf, ct = f"{prefix}.layers.{i}", f"{stack}/layer_{i}"
+            yield "norm", f"{hf}.self_attn_layer_norm", f"{ct}/self_attention/layer_norm"
+            yield "qkv", f"{hf}.self_attn", f"{ct}/self_attention/linear_0"
+            yield "linear", f"{hf}.self_attn.out_proj", f"{ct}/self_attention/linear_1"
+            if stack == "decoder":
+                yield "norm", f"{hf}.encoder_attn_layer_norm", f"{ct}/attention/layer_norm"
+                yield "linear", f"{hf}.encoder_attn.q_proj", f"{ct}/attention/linear_0"
+                yield "kv", f"{hf}.encoder_attn", f"{ct}/attention/linear_1"
+                yield "linear", f"{hf}.encoder_attn.out_proj", f"{ct}/attention/linear_2"
+            yield "norm", f"{hf}.final_layer_norm", f"{ct}/ffn/layer_norm"
+            yield "linear", f"{hf}.fc1", f"{ct}/ffn/linear_0"
+            yield "linear", f"{hf}.fc2", f"{ct}/ffn/linear_1"
+    for conv in ("conv1", "conv2"):
+        yield "linear", f"model.encoder.{conv}", f"encoder/{conv}"
+    yield "table", "model.decoder.embed_tokens.weight", "decoder/embeddings/weight"
+
+
+FUSED = {"qkv": ("q", "k", "v"), "kv": ("k", "v")}
+PAIRS = {"norm": (("weight", "gamma"), ("bias", "beta")), "linear": (("weight", "weight"), ("bias", "bias"))}
+
+
 def state_dict(ct2: Ct2Model) -> dict[str, np.ndarray]:
     """transformers' ``WhisperForConditionalGeneration`` names for every array (float32); ``proj_out`` is tied."""
     out: dict[str, np.ndarray] = {}
-
-    def put(hf: str, ct: str) -> None:
-        out[hf] = np.array(ct2.get(ct), dtype=np.float32)
-
-    def norm(hf: str, ct: str) -> None:
-        put(f"{hf}.weight", f"{ct}/gamma")
-        put(f"{hf}.bias", f"{ct}/beta")
-
-    def linear(hf: str, ct: str) -> None:
-        put(f"{hf}.weight", f"{ct}/weight")
-        put(f"{hf}.bias", f"{ct}/bias")
-
-    def attention(hf: str, ct: str, fused: int, first: str) -> None:
-        """q, k, v (self-attention: one fused linear) or k, v (cross-attention) from the fused arrays."""
-        names = ["q", "k", "v"][-fused:]
-        weights, biases = _split(ct2.get(f"{ct}/{first}/weight"), fused), _split(ct2.get(f"{ct}/{first}/bias"), fused)
-        for n, w, b in zip(names, weights, biases):
-            out[f"{hf}.{n}_proj.weight"] = w
-            if n == "k":
-                if np.any(b != 0):
+    for role, hf, ct in _layout({stack: _layers(ct2, stack) for stack in ("encoder", "decoder")}):
+        if role == "table":
+            out[hf] = np.array(ct2.get(ct), dtype=np.float32)
+        elif role in PAIRS:
+            for hf_part, ct_part in PAIRS[role]:
+                out[f"{hf}.{hf_part}"] = np.array(ct2.get(f"{ct}/{ct_part}"), dtype=np.float32)
+        else:
+            names = FUSED[role]
+            weights, biases = _split(ct2.get(f"{ct}/weight"), len(names)), _split(ct2.get(f"{ct}/bias"), len(names))
+            for n, w, b in zip(names, weights, biases):
+                out[f"{hf}.{n}_proj.weight"] = w
+                if n != "k":
+                    out[f"{hf}.{n}_proj.bias"] = b
+                elif np.any(b != 0):
                     raise ModelError("a WhisperSpec whose key projection has a bias: not OpenAI's Whisper. Give the "
                                      "model's Hugging Face folder.")
-            else:
-                out[f"{hf}.{n}_proj.bias"] = b
-
-    for stack in ("encoder", "decoder"):
-        hf_stack = f"model.{stack}"
-        put(f"{hf_stack}.embed_positions.weight", f"{stack}/position_encodings/encodings")
-        norm(f"{hf_stack}.layer_norm", f"{stack}/layer_norm")
-        for i in range(_layers(ct2, stack)):
-            hf, ct = f"{hf_stack}.layers.{i}", f"{stack}/layer_{i}"
-            norm(f"{hf}.self_attn_layer_norm", f"{ct}/self_attention/layer_norm")
-            attention(f"{hf}.self_attn", f"{ct}/self_attention", 3, "linear_0")
-            linear(f"{hf}.self_attn.out_proj", f"{ct}/self_attention/linear_1")
-            if stack == "decoder":
-                norm(f"{hf}.encoder_attn_layer_norm", f"{ct}/attention/layer_norm")
-                linear(f"{hf}.encoder_attn.q_proj", f"{ct}/attention/linear_0")
-                attention(f"{hf}.encoder_attn", f"{ct}/attention", 2, "linear_1")
-                linear(f"{hf}.encoder_attn.out_proj", f"{ct}/attention/linear_2")
-            norm(f"{hf}.final_layer_norm", f"{ct}/ffn/layer_norm")
-            linear(f"{hf}.fc1", f"{ct}/ffn/linear_0")
-            linear(f"{hf}.fc2", f"{ct}/ffn/linear_1")
-    for conv in ("conv1", "conv2"):
-        linear(f"model.encoder.{conv}", f"encoder/{conv}")
-    put("model.decoder.embed_tokens.weight", "decoder/embeddings/weight")
     return out
 
 
@@ -350,44 +341,22 @@ def write_model_bin(file: Path, arrays: dict[str, np.ndarray], aliases: dict[str
 def whisper_arrays(hf_state: dict[str, np.ndarray], heads: int, dtype: Any = np.float16) -> dict[str, np.ndarray]:
     """transformers' Whisper state dict in CTranslate2's names and fusions (the converter's layout)."""
     out: dict[str, np.ndarray] = {}
-
-    def cast(a: np.ndarray) -> np.ndarray:
-        return np.asarray(a, dtype=dtype)
-
-    def norm(ct: str, hf: str) -> None:
-        out[f"{ct}/gamma"], out[f"{ct}/beta"] = cast(hf_state[f"{hf}.weight"]), cast(hf_state[f"{hf}.bias"])
-
-    def linear(ct: str, hf: str) -> None:
-        out[f"{ct}/weight"], out[f"{ct}/bias"] = cast(hf_state[f"{hf}.weight"]), cast(hf_state[f"{hf}.bias"])
-
-    def fused(ct: str, hf: str, names: tuple[str, ...]) -> None:
-        out[f"{ct}/weight"] = cast(np.concatenate([hf_state[f"{hf}.{n}_proj.weight"] for n in names]))
-        out[f"{ct}/bias"] = cast(np.concatenate([
-            hf_state[f"{hf}.{n}_proj.bias"] if n != "k" else np.zeros_like(hf_state[f"{hf}.v_proj.bias"])
-            for n in names]))
-
+    layers = {stack: len({k.split(".")[3] for k in hf_state if k.startswith(f"model.{stack}.layers.")})
+              for stack in ("encoder", "decoder")}
+    for role, hf, ct in _layout(layers):
+        if role == "table":
+            out[ct] = np.asarray(hf_state[hf], dtype=dtype)
+        elif role in PAIRS:
+            for hf_part, ct_part in PAIRS[role]:
+                out[f"{ct}/{ct_part}"] = np.asarray(hf_state[f"{hf}.{hf_part}"], dtype=dtype)
+        else:  # the key projection has no bias: CTranslate2 stores zeros in its place
+            names = FUSED[role]
+            out[f"{ct}/weight"] = np.asarray(np.concatenate([hf_state[f"{hf}.{n}_proj.weight"] for n in names]), dtype)
+            out[f"{ct}/bias"] = np.asarray(np.concatenate([
+                hf_state[f"{hf}.{n}_proj.bias"] if n != "k" else np.zeros_like(hf_state[f"{hf}.v_proj.bias"])
+                for n in names]), dtype)
     for stack in ("encoder", "decoder"):
-        prefix = f"model.{stack}"
-        out[f"{stack}/position_encodings/encodings"] = cast(hf_state[f"{prefix}.embed_positions.weight"])
-        norm(f"{stack}/layer_norm", f"{prefix}.layer_norm")
         out[f"{stack}/num_heads"] = np.array(heads, dtype=np.int16)
-        layers = {k.split(".")[3] for k in hf_state if k.startswith(f"{prefix}.layers.")}
-        for i in sorted(layers, key=int):
-            ct, hf = f"{stack}/layer_{i}", f"{prefix}.layers.{i}"
-            norm(f"{ct}/self_attention/layer_norm", f"{hf}.self_attn_layer_norm")
-            fused(f"{ct}/self_attention/linear_0", f"{hf}.self_attn", ("q", "k", "v"))
-            linear(f"{ct}/self_attention/linear_1", f"{hf}.self_attn.out_proj")
-            if stack == "decoder":
-                norm(f"{ct}/attention/layer_norm", f"{hf}.encoder_attn_layer_norm")
-                linear(f"{ct}/attention/linear_0", f"{hf}.encoder_attn.q_proj")
-                fused(f"{ct}/attention/linear_1", f"{hf}.encoder_attn", ("k", "v"))
-                linear(f"{ct}/attention/linear_2", f"{hf}.encoder_attn.out_proj")
-            norm(f"{ct}/ffn/layer_norm", f"{hf}.final_layer_norm")
-            linear(f"{ct}/ffn/linear_0", f"{hf}.fc1")
-            linear(f"{ct}/ffn/linear_1", f"{hf}.fc2")
-    for conv in ("conv1", "conv2"):
-        linear(f"encoder/{conv}", f"model.encoder.{conv}")
-    out["decoder/embeddings/weight"] = cast(hf_state["model.decoder.embed_tokens.weight"])
     for flag, value in (("pre_norm", 1), ("scale_embeddings", 0), ("alibi", 0), ("start_from_zero_embedding", 0),
                         ("activation", GELU)):
         out[f"decoder/{flag}"] = np.array(value, dtype=np.int8)

@@ -16,7 +16,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from models.errors import ModelError
 from models.families import FAMILIES
@@ -156,17 +156,24 @@ def gguf_checkpoint(path: str | Path, out_dir: Path | None = None) -> Path:
         )
     log.info("GGUF %s (%s, %s): dequantizing with transformers into %s", path.name, header["architecture"],
              header["quant_type"], target)
+    write_converted(target, lambda folder: _convert(path, folder), SOURCE_RECORD, header)
+    return target
+
+
+def write_converted(target: Path, write: Callable[[Path], None], record_name: str, record: dict[str, Any]) -> None:
+    """A converted checkpoint folder: ``write(folder)`` into a temporary folder beside ``target``, ``record`` (where
+    the weights came from) as ``record_name`` in it, then renamed into place whole, so an interrupted conversion never
+    looks finished (GGUF files here, CTranslate2 folders in ``models.ctranslate2``)."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _convert(path, tmp)
-        (tmp / SOURCE_RECORD).write_text(json.dumps(header, indent=2) + "\n")
+        write(tmp)
+        (tmp / record_name).write_text(json.dumps(record, indent=2) + "\n")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _convert(path: Path, out: Path) -> None:
