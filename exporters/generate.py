@@ -128,7 +128,7 @@ def _prompt(text: str | None, file: str | None, stdin: TextIO) -> str:
 
 def transcribe(path: str, args: GenerateArgs) -> int:
     """``audio=``: the recording's transcript on stdout, the numbers on stderr."""
-    folder, manifest = run_of(path)
+    pte, manifest = run_of(path)
     entry = speech_entry(manifest) if manifest else None
     if entry is None:
         raise UserError(f"audio={args.audio}: {path} is not a speech program (its manifest names no speech model). "
@@ -139,11 +139,11 @@ def transcribe(path: str, args: GenerateArgs) -> int:
     for conversion in recording.conversions:
         print(f"[audio: {conversion}]", file=sys.stderr)
     with console.native_stderr_to(None):
-        transcriber = Transcriber(folder, entry, resolve_program(path))
+        transcriber = Transcriber(pte.parent, entry, pte)
         transcriber.check(args.language, args.task)
         result = transcriber.transcribe(recording, args.language, args.task, args.max_new_tokens)
     print(result.text.strip())
-    print(f"\n[loaded {resolve_program(path).name} + {entry.preprocessor} in {transcriber.load_seconds:.2f} s; "
+    print(f"\n[loaded {pte.name} + {entry.preprocessor} in {transcriber.load_seconds:.2f} s; "
           f"{result.seconds:.1f} s of audio in {result.windows} window(s), language {result.language or 'en'}; "
           f"features {result.preprocess_s:.2f} s, encoder {result.encode_s:.2f} s, {len(result.tokens)} tokens at "
           f"{result.tokens_per_s:.1f} tok/s; real-time factor {result.real_time_factor:.3f}]", file=sys.stderr)
@@ -151,9 +151,9 @@ def transcribe(path: str, args: GenerateArgs) -> int:
 
 
 def run_of(path: str) -> tuple[Path, Manifest | None]:
-    """The run folder of a program (a folder or its .pte) and its manifest, if it has one."""
-    folder = resolve_program(path).parent
-    return folder, Manifest.read(folder) if (folder / MANIFEST_FILE).is_file() else None
+    """The program (``path``: a run folder or its .pte) and its run folder's manifest, if it has one."""
+    pte = resolve_program(path)
+    return pte, Manifest.read(pte.parent) if (pte.parent / MANIFEST_FILE).is_file() else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         console.set_verbose(args.verbose)
         if args.audio is not None:
             return transcribe(path, args)
-        folder, manifest = run_of(path)
+        _, manifest = run_of(path)
         if manifest is not None and speech_entry(manifest) is not None:
             raise UserError(f"{path} is a speech program: it transcribes audio=<file> and takes no prompt.")
         with console.native_stderr_to(None):  # the runtime's log lines; the text goes to stdout
