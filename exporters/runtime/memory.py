@@ -6,6 +6,7 @@ Linux's ``/proc`` gives a resettable peak (``clear_refs`` + ``VmHWM``), so an ex
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 # Run in a fresh interpreter: RSS and PSS a process gains by loading the program and some of its methods
 # (imports not counted). A fresh process, because one that has already run the program reuses freed memory.
@@ -121,3 +122,29 @@ def return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+_FROZEN = [0]  # depth of nested collecting_new_objects_only blocks
+
+
+@contextlib.contextmanager
+def collecting_new_objects_only() -> Iterator[None]:
+    """Within the block, garbage collections walk only the objects made inside it.
+
+    A full collection walks every object the process tracks: after torch, ExecuTorch and transformers are
+    imported that is over half a million, 0.4 s a walk, and :func:`return_freed_memory` walks after each stage
+    (3.6 s of a 15 s tiny export; more in a test worker that has made other exports). What existed before the
+    block is collected once and set aside (``gc.freeze``) until the block ends, so the walks see only the
+    export's own objects: the same garbage is freed, in a fraction of the time. Blocks nest (the outermost
+    freezes and unfreezes).
+    """
+    if _FROZEN[0] == 0:
+        gc.collect()
+        gc.freeze()
+    _FROZEN[0] += 1
+    try:
+        yield
+    finally:
+        _FROZEN[0] -= 1
+        if _FROZEN[0] == 0:
+            gc.unfreeze()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Protocol, Se
 from exporters.context import ExportContext
 from exporters.errors import Interrupted
 from exporters.output.interrupts import signal_of
-from exporters.runtime.memory import peak_rss_mb, return_freed_memory
+from exporters.runtime.memory import collecting_new_objects_only, peak_rss_mb, return_freed_memory
 
 if TYPE_CHECKING:
     from exporters.plan import ExportPlan
@@ -127,12 +127,13 @@ def run_pipeline(stages: Sequence[Stage], ctx: ExportContext, artifact: Any = No
     if stop_after is not None and stop_after not in names:
         raise ValueError(f"stop_after={stop_after!r} is not a stage of this export: {', '.join(names)}")
     todo = list(stages[:names.index(stop_after) + 1] if stop_after else stages)
-    for index, stage in enumerate(todo, start=1):
-        handed, artifact = [artifact], None
-        try:
-            artifact = _run_stage(stage, handed, ctx, f"[{index}/{len(todo)}]", observer)
-        except Interrupted:
-            raise
-        except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: say which stage it stopped, not a page of traceback
-            raise Interrupted(stage.name, signal_of(stop)) from None
+    with collecting_new_objects_only():
+        for index, stage in enumerate(todo, start=1):
+            handed, artifact = [artifact], None
+            try:
+                artifact = _run_stage(stage, handed, ctx, f"[{index}/{len(todo)}]", observer)
+            except Interrupted:
+                raise
+            except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: which stage it stopped, not a page of traceback
+                raise Interrupted(stage.name, signal_of(stop)) from None
     return artifact
