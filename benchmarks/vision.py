@@ -19,7 +19,7 @@ import torch
 from exporters.program.vision import VISION_METHOD
 from exporters.runtime.driver import Driver, MethodRoles, program_method_shapes
 from exporters.runtime.generator import resolve_program
-from exporters.runtime.images import prefill_parts
+from exporters.runtime.media import MediaPrompt, prefill_parts
 from exporters.runtime.memory import current_rss_mb
 from exporters.runtime.programs import LoadedProgram
 from exporters.validation.image import test_image
@@ -53,7 +53,7 @@ def measure(program: str, text_tokens: int, steps: int, repeats: int) -> dict[st
     prompt_len = 2 * text_tokens + per_image
     steps = min(steps, int(loaded.constant("get_max_context_len")) - prompt_len)  # what the cache holds after it
     encode_s = _median_seconds(lambda: loaded.run(VISION_METHOD, pixels), repeats)
-    prompt_s = _median_seconds(lambda: prefill_parts(loaded, mm, parts), repeats)
+    prompt_s = _median_seconds(lambda: prefill_parts(loaded, mm, MediaPrompt([], parts, VISION_METHOD)), repeats)
 
     def decode() -> None:
         for i in range(steps):

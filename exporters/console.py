@@ -133,9 +133,9 @@ def log_export_summary(result: Any) -> None:
     others = "".join(
         f"\n  {name}: {', '.join(c.methods)}; {c.family or 'unknown'} family, {count(c.parameters or 0)} "
         f"parameters, {c.quantization.describe() if c.quantization else 'not quantized'}; {_verdict(c.validation)}"
-        for name, c in m.components.items() if c.kind != "decoder" and c.vision is None) + "".join(
-        f"\n  {name}: {', '.join(c.methods)}; {c.vision.describe()}, {count(c.parameters or 0)} parameters"
-        for name, c in m.components.items() if c.vision is not None)
+        for name, c in m.components.items() if c.kind != "decoder" and c.vision is None and c.audio is None) + "".join(
+        f"\n  {name}: {', '.join(c.methods)}; {encoder.describe()}, {count(c.parameters or 0)} parameters"
+        for name, c in m.components.items() for encoder in (c.vision, c.audio) if encoder is not None)
     speculative = ("" if validation is None or validation.speculative is None
                    else f"\n  speculative: {validation.speculative.describe()}")
     data = "" if m.data is None else f" + {m.data.file} {m.data.size_bytes / 1e6:.2f} MB (the weights)"

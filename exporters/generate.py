@@ -20,9 +20,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from exporters import console
 from exporters.errors import REPORTED_ERRORS, UserError
-from exporters.manifest import MANIFEST_FILE, Manifest
+from exporters.manifest import MANIFEST_FILE, Manifest, SpeechEntry
 from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt, resolve_program
 from exporters.runtime.audio import read_audio
+from exporters.runtime.heard import audio_entry
 from exporters.runtime.transcriber import Transcriber, speech_entry
 
 USAGE = """usage: python -m exporters.generate <run folder or .pte> prompt="..." [key=value ...]
@@ -40,8 +41,10 @@ keys: prompt=<text> (taken as written: everything after the first =), or prompt_
       generation goes, more while proposals are kept, fewer when they are not),
       image=<file.png|jpg> (a vision-language program: the picture, resized and normalized by the processor saved
       with the program; repeat image= for several; the prompt marks where each goes, e.g. <image>, or chat=true),
-      audio=<file.wav|flac|ogg|mp3> (a speech program: the recording to transcribe, no prompt; any sample rate
-      or channel count, converted to 16 kHz mono; longer than 30 s in consecutive windows),
+      audio=<file.wav|flac|ogg|mp3> (a speech program: the recording to transcribe, no prompt; longer than 30 s
+      in consecutive windows; an audio-language program: the recording the prompt is about, where the prompt
+      writes the audio token, e.g. [AUDIO], else before the text, or chat=true; any sample rate or channel
+      count, converted to 16 kHz mono),
       language=auto (a speech program: the spoken language's code, e.g. en, or auto: detected),
       task=transcribe (a speech program: transcribe, or translate into English),
       verbose=false (true: the runtime's own log lines too)
@@ -90,10 +93,7 @@ def parse(argv: list[str], stdin: TextIO | None = None) -> tuple[str, GenerateAr
     assert isinstance(args, GenerateArgs)
     once = {key: values[0] for key, values in verbatim.items() if key != "image" and _once(key, values)}
     given = (once.pop("prompt", None), once.pop("prompt_file", None))
-    if "audio" in once:  # a recording is transcribed: a speech program takes no prompt
-        if given != (None, None):
-            raise UserError("audio= with a prompt: a speech program transcribes the recording and takes no prompt. "
-                            "Leave prompt= (and prompt_file=) out.")
+    if "audio" in once and given == (None, None):  # a recording alone: transcribed by a speech program
         return argv[0], dataclasses.replace(args, image=verbatim["image"], **once)
     prompt = _prompt(*given, stdin or sys.stdin)
     # Set after OmegaConf, which would read ${...} in them as interpolations.
@@ -126,15 +126,14 @@ def _prompt(text: str | None, file: str | None, stdin: TextIO) -> str:
     return text
 
 
-def transcribe(path: str, args: GenerateArgs) -> int:
-    """``audio=``: the recording's transcript on stdout, the numbers on stderr."""
-    pte, manifest = run_of(path)
-    entry = speech_entry(manifest) if manifest else None
-    if entry is None:
-        raise UserError(f"audio={args.audio}: {path} is not a speech program (its manifest names no speech model). "
-                        "Export a Whisper checkpoint (model=hf model.checkpoint=<folder>) or leave audio out.")
+def transcribe(pte: Path, entry: SpeechEntry, args: GenerateArgs) -> int:
+    """``audio=`` to a speech program: the recording's transcript on stdout, the numbers on stderr."""
+    assert args.audio is not None
+    if args.prompt:
+        raise UserError("audio= with a prompt: a speech program transcribes the recording and takes no prompt. "
+                        "Leave prompt= (and prompt_file=) out.")
     if args.image:
-        raise UserError(f"image= on a speech program: {path} transcribes audio and takes no image. Leave image out.")
+        raise UserError(f"image= on a speech program: {pte.parent} transcribes audio and takes no image. Leave image out.")
     recording = read_audio(args.audio)  # checked before the program is loaded
     for conversion in recording.conversions:
         print(f"[audio: {conversion}]", file=sys.stderr)
@@ -160,18 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path, args = parse(sys.argv[1:] if argv is None else argv)
         console.set_verbose(args.verbose)
-        if args.audio is not None:
-            return transcribe(path, args)
-        _, manifest = run_of(path)
-        if manifest is not None and speech_entry(manifest) is not None:
+        pte, manifest = run_of(path)
+        speech = speech_entry(manifest) if manifest is not None else None
+        if speech is not None and args.audio is not None:
+            return transcribe(pte, speech, args)
+        if speech is not None:
             raise UserError(f"{path} is a speech program: it transcribes audio=<file> and takes no prompt.")
+        if args.audio is not None and args.image:
+            raise UserError("audio= and image= together: a prompt here takes one kind of media. Give one of them.")
         with console.native_stderr_to(None):  # the runtime's log lines; the text goes to stdout
             # Everything the program can answer without its weights is checked before they are loaded.
             generator = Generator(path, args.tokenizer, args.adapter, load=False)
             generator.check_speculation(args.speculative, args.draft_tokens)
             # A vision-language program's prompt always goes through its processor: an image mark without an image
             # (or the reverse) is refused there, as image= on a program that takes none.
-            images = (generator.with_images(args.prompt, args.image, args.chat)
+            images = (generator.with_audio(args.prompt, args.audio, args.chat, audio_entry(manifest))
+                      if args.audio is not None else generator.with_images(args.prompt, args.image, args.chat)
                       if generator.sees_images or args.image else None)
             prompt = chat_prompt(generator.pte, args.prompt) if args.chat and not images else args.prompt
             ids = images.ids if images else generator.encode(prompt)

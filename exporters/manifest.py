@@ -541,9 +541,9 @@ class HeadVocabularyEntry:
 
 
 @dataclass
-class ImageQuality:
-    """What quantization cost the image path: the program against the unquantized encoder and decoder on the same
-    image prompt and tokens (exporters.validation.image)."""
+class PromptQuality:
+    """What quantization cost an encoder's prompt path: the program against the unquantized encoder and decoder on the
+    same prompt and tokens (exporters.validation.encoder_prompt)."""
 
     encoder_cosine: float  # least cosine of one position's embedding, quantized encoder against unquantized
     kl_mean: float  # KL(unquantized || program) over the prompt's last position and each step, mean
@@ -551,26 +551,40 @@ class ImageQuality:
     top1: float  # share of those positions where both pick the same token
 
     def describe(self) -> str:
-        return (f"against the unquantized model: encoder cosine {self.encoder_cosine:.4f}, image prompt KL mean "
+        return (f"against the unquantized model: encoder cosine {self.encoder_cosine:.4f}, prompt KL mean "
                 f"{self.kl_mean:.3g} (max {self.kl_max:.3g}), top-1 {self.top1:.0%}")
 
 
-@dataclass
-class VisionCheck:
-    """The vision encoder against its own eager model on one image, and an image prompt through the program's
-    text_decoder against the eager decoder on the same embeddings (exporters.validation.image)."""
+@dataclass(kw_only=True)
+class EncoderCheck:
+    """An encoder's method (vision_encoder, audio_encoder) against its own eager model on one input, and a prompt
+    around its embeddings through the program's text_decoder against the eager decoder on the same embeddings
+    (exporters.validation.encoder_prompt)."""
 
     passed: bool
     failures: list[str]
-    image: str  # what was encoded: a seeded image of the processor's normalized pixels
-    max_abs_error: float  # of the image embeddings, program against eager
+    max_abs_error: float  # of the embeddings, program against eager
     cosine: float  # the least cosine similarity of one position's embedding, program against eager
-    prompt_tokens: int  # text, image positions and text of the image prompt
+    prompt_tokens: int  # text, the encoder's positions and text of the prompt
     kl_max: float  # the most KL over the prompt's last position and each greedy step after it
-    greedy_tokens: list[int]  # the program's greedy continuation of the image prompt
+    greedy_tokens: list[int]  # the program's greedy continuation of the prompt
     eager_choices: list[int]  # the eager decoder's greedy choice at each step, on the program's tokens
     tolerance: dict[str, float] = field(default_factory=dict)
-    unquantized: ImageQuality | None = None  # what quantization cost the image path (reported, not judged)
+    unquantized: PromptQuality | None = None  # what quantization cost the path (reported, not judged)
+
+    def describe(self) -> str:
+        return (f"{'passed' if self.passed else 'FAILED'} (embeddings cosine {self.cosine:.4f}, prompt KL "
+                f"{self.kl_max:.2g})" + (f"; {self.unquantized.describe()}" if self.unquantized else ""))
+
+
+@dataclass(kw_only=True)
+class VisionCheck(EncoderCheck):
+    image: str  # what was encoded: a seeded image of the processor's normalized pixels
+
+
+@dataclass(kw_only=True)
+class AudioCheck(EncoderCheck):
+    recording: str  # what was encoded: the validation recording, and its length
 
 
 @dataclass
@@ -589,12 +603,33 @@ class VisionEntry:
     check: VisionCheck | None = None
 
     def describe(self) -> str:
-        check = ("not validated" if self.check is None else
-                 f"{'passed' if self.check.passed else 'FAILED'} (embeddings cosine {self.check.cosine:.4f}, image "
-                 f"prompt KL {self.check.kl_max:.2g})"
-                 + (f"; {self.check.unquantized.describe()}" if self.check.unquantized else ""))
+        check = "not validated" if self.check is None else self.check.describe()
         return (f"{self.family}, {self.image_size}x{self.image_size} images to {self.tokens_per_image} positions of "
                 f"token {self.image_token or self.image_token_id}, {self.quantization}; {check}")
+
+
+@dataclass
+class AudioEntry:
+    """What an app needs to give the program audio (the preprocessor beside it makes audio_encoder's input)."""
+
+    family: str  # models.audio_language: voxtral, qwen2_audio
+    sample_rate: int
+    mel_bins: int
+    frames: int  # log-mel frames per 30 s window
+    tokens_per_window: int  # embedding positions a window takes in text_decoder
+    max_windows: int  # windows one call of audio_encoder takes
+    audio_token_id: int  # the token each audio position takes in a prompt (the runner splits the prompt there)
+    audio_token: str | None  # its text
+    input: str  # audio_encoder's input: shape, dtype and layout
+    preprocessor: str | None  # the preprocessor program beside this one (raw samples -> features)
+    quantization: str  # quant.audio, as applied
+    check: AudioCheck | None = None
+
+    def describe(self) -> str:
+        check = "not validated" if self.check is None else self.check.describe()
+        return (f"{self.family}, {self.mel_bins} mel bins x {self.frames} frames a window to {self.tokens_per_window} "
+                f"positions of token {self.audio_token or self.audio_token_id}, up to {self.max_windows} window(s) a "
+                f"call, {self.quantization}; {check}")
 
 
 @dataclass
@@ -657,6 +692,7 @@ class ComponentEntry:
     family: str | None = None
     vocabulary: HeadVocabularyEntry | None = None
     vision: VisionEntry | None = None  # the vision encoder's
+    audio: AudioEntry | None = None  # an audio-language model's audio encoder
     speech: SpeechEntry | None = None  # a speech-recognition model's (Whisper)
 
 
@@ -708,7 +744,8 @@ class Manifest:
         tokenizer's, the manifest."""
         data = [d.file for d in (self.data, *(a.data for a in self.adapters.values())) if d is not None]
         swapped = [d.file for d in self.swappable.adapters.values()] if self.swappable else []
-        beside = [c.speech.preprocessor for c in self.components.values() if c.speech and c.speech.preprocessor]
+        beside = [entry.preprocessor for c in self.components.values() for entry in (c.speech, c.audio)
+                  if entry is not None and entry.preprocessor]
         return {self.program.file, *data, *swapped, *beside, *self.tokenizer_files, MANIFEST_FILE}
 
     @property

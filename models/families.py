@@ -16,7 +16,7 @@ import torch
 
 from models.decoder import DecoderArgs, GatedDeltaShape, Mixer, Norms, RopeTable
 from models.errors import ModelError
-from models.vision import language_config, text_tensor_name
+from models.multimodal import language_config, text_tensor_name
 
 
 def rope_table(hf_config: Any, layer_type: str | None = None) -> RopeTable:

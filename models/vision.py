@@ -1,11 +1,8 @@
 """Vision-language checkpoints: which ones we read, where their text decoder's tensors are, and its config.
 
 A vision-language checkpoint (LLaVA, Gemma 3, Idefics3 / SmolVLM) holds a text decoder of a family we already
-implement (``models.families``) beside a vision tower and a projector. Its ``config.json`` nests the decoder's
-config as ``text_config``, and its safetensors name the decoder's tensors under one of the prefixes transformers
-has written over the years (``language_model.model.*`` in the hub's older layout, ``model.language_model.*`` or
-``model.text_model.*`` in the newer). Everything that reads the text decoder goes through :func:`language_config`
-and :func:`text_tensor_name`, so the decoder is built and loaded as from a text checkpoint.
+implement (``models.families``) beside a vision tower and a projector; ``models.multimodal`` reads its text decoder
+as from a text checkpoint, this module says which architectures these are and what their images take.
 """
 
 from __future__ import annotations
@@ -17,16 +14,6 @@ from typing import Any, Callable
 
 from models.errors import ModelError
 from models.processor_files import PROCESSOR_FILES, processor_settings
-
-# Where transformers' vision-language checkpoints keep the text decoder, in every layout it reads: checkpoint
-# prefix -> the prefix our decoder (and a text checkpoint) uses. The longest matching prefix wins.
-TEXT_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("language_model.model.", "model."),  # the hub's older layout (llava-hf, google/gemma-3-*)
-    ("language_model.lm_head.", "lm_head."),
-    ("model.language_model.", "model."),  # transformers 5's own layout
-    ("model.text_model.", "model."),  # Idefics3, SmolVLM
-)
-
 
 @dataclass(frozen=True)
 class VisionLanguage:
@@ -141,34 +128,3 @@ def text_only(hf_config: Any) -> str | None:
     if family is None or family.geometry is not None:
         return None
     return f"text decoder only ({hf_config.architectures[0]}'s vision encoder is not exported yet)"
-
-
-def language_config(hf_config: Any) -> Any:
-    """The text decoder's config: ``text_config`` of a vision-language checkpoint (whose top-level
-    ``tie_word_embeddings`` is what transformers ties by), else the config itself."""
-    family = vision_language_of(hf_config)
-    if family is None:
-        return hf_config
-    text = getattr(hf_config, "text_config", None)
-    if text is None:
-        raise ModelError(f"config.json names {hf_config.architectures[0]} (a vision-language model) but has no "
-                         "text_config: the checkpoint is incomplete or its config was edited. Use the config.json the "
-                         "checkpoint was saved with.")
-    tie = getattr(hf_config, "tie_word_embeddings", None)
-    if tie is not None:
-        text.tie_word_embeddings = bool(tie)
-    return text
-
-
-def text_tensor_name(hf_config: Any, name: str) -> str | None:
-    """The decoder's name for checkpoint tensor ``name``; None for a vision tower's or projector's tensor (read by
-    the vision encoder, not the decoder). A text checkpoint's names are the decoder's."""
-    vl = vision_language_of(hf_config)
-    if vl is None:
-        return name
-    if name.startswith(vl.vision_prefixes):
-        return None
-    for prefix, ours in sorted(TEXT_PREFIXES, key=lambda p: -len(p[0])):
-        if name.startswith(prefix):
-            return ours + name[len(prefix):]
-    return name  # lm_head.weight: the same in every layout

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.decoder import mean_last
 from models.errors import ModelError
+from models.towers import delegated_norms, load_parts, meta_model, quiet_transformers, randomized_zeros
 from models.vision import geometry_of, vision_language_of
 
 
@@ -127,31 +127,6 @@ class Lfm2VlVision(VisionEncoder):
         return self.projector(h.reshape(1, self.grid, self.grid, -1)).reshape(1, self.tokens, -1)
 
 
-class DelegatedLayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` of a ``[1, P, D]`` (or ``[1, H, W, D]``: LFM2-VL's projector) fp32 input in ops XNNPACK
-    delegates (ExecuTorch 1.5.1's XNNPACK takes no ``layer_norm``: each of a ViT layer's two norms would end its
-    partition and run on the portable kernels); the same mean and biased variance, equal to the fused kernel within
-    float rounding (tests/test_vision_language.py)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp16 / bf16 keep the fused kernel's accuracy
-        if x.dim() not in (3, 4) or x.shape[0] != 1 or x.dtype != torch.float32:
-            return super().forward(x)
-        x = x.contiguous()  # a transposed input would make a transposed output, where the fused kernel's is contiguous
-        centered = x - mean_last(x)
-        return centered * torch.rsqrt(mean_last(centered * centered) + self.eps) * self.weight + self.bias
-
-
-def _delegated_norms(encoder: VisionEncoder) -> VisionEncoder:
-    """Every plain ``nn.LayerNorm`` of the encoder over one dimension, with weight and bias (CLIP's, SigLIP's),
-    computed as :class:`DelegatedLayerNorm` (the same parameters)."""
-    for module in encoder.modules():
-        if (type(module) is nn.LayerNorm and len(module.normalized_shape) == 1 and module.weight is not None
-                and module.bias is not None):
-            module.__class__ = DelegatedLayerNorm
-    return encoder
-
-
 ENCODERS: dict[str, type[VisionEncoder]] = {"llava": LlavaVision, "gemma3": Gemma3Vision, "idefics3": Idefics3Vision,
                                             "lfm2_vl": Lfm2VlVision}
 
@@ -187,43 +162,27 @@ def load_vision_encoder(path: str, hf_config: Any, geometry: tuple[int, int] | N
     their tensors read from the safetensors files (the text decoder's are not read: a 4B checkpoint's vision
     tower costs its own 1.7 GB, not the whole model in fp32). ``geometry``: (S, N) as the plan decided it; None:
     from the folder's files (:func:`models.vision.geometry_of`)."""
-    from models.checkpoint import open_checkpoint, read_tensors
-
     family = vision_language_of(hf_config)
     assert family is not None, "a vision-language checkpoint"
     tower, projector = _new_parts(hf_config)
-    parts = {"tower": tower, "projector": projector}
-    names = {f"{part}.{name.removeprefix(NESTED)}": (part, name) for part, module in parts.items()
-             for name in module.state_dict()}
-    shapes = {ours: tuple(parts[part].state_dict()[name].shape) for ours, (part, name) in names.items()}
-    tensors = read_tensors(open_checkpoint(path).weight_files, shapes, _part_name)
-    for part, module in parts.items():
-        module.load_state_dict({name: tensors[ours] for ours, (owner, name) in names.items() if owner == part})
+    load_parts(path, {"tower": tower, "projector": projector}, _part_name, NESTED)
     geometry = geometry or geometry_of(hf_config, path)
-    return _delegated_norms(ENCODERS[family.name](hf_config, geometry, tower, projector)).eval()
+    return delegated_norms(ENCODERS[family.name](hf_config, geometry, tower, projector)).eval()
 
 
 def _new_parts(hf_config: Any) -> tuple[nn.Module, nn.Module]:
     """The vision tower and projector of ``hf_config``'s architecture in fp32 with transformers' initialization, built
     alone: the whole model is only laid out on the meta device to find their classes."""
     hf_config._attn_implementation = "eager"
-    tower, projector = _parts(_layout(hf_config))
-    with _quiet_transformers():
+    tower, projector = _parts(meta_model(hf_config))
+    with quiet_transformers():
         return type(tower)(hf_config.vision_config), type(projector)(hf_config)
-
-
-def _layout(hf_config: Any) -> nn.Module:
-    """The whole vision-language model of ``hf_config`` on the meta device: its modules, nothing allocated."""
-    import transformers
-
-    with torch.device("meta"), _quiet_transformers():
-        return getattr(transformers, hf_config.architectures[0])(hf_config)
 
 
 def vision_parameters(hf_config: Any) -> int:
     """The vision tower's and projector's parameters (all of the tower's layers: an upper bound for LLaVA, which reads
     fewer), counted on the meta device: nothing allocated."""
-    return sum(p.numel() for part in _parts(_layout(hf_config)) for p in part.parameters())
+    return sum(p.numel() for part in _parts(meta_model(hf_config)) for p in part.parameters())
 
 
 def random_vision_encoder(hf_config: Any, seed: int = 0, geometry: tuple[int, int] | None = None) -> VisionEncoder:
@@ -233,24 +192,6 @@ def random_vision_encoder(hf_config: Any, seed: int = 0, geometry: tuple[int, in
     assert family is not None, "a vision-language config"
     torch.manual_seed(seed)
     parts = _new_parts(hf_config)
-    with torch.no_grad():  # Gemma 3's projector starts at zero: random images would all embed to nothing
-        for p in (p for part in parts for p in part.parameters() if p.dim() > 1 and not p.any()):
-            p.normal_(0.0, 0.02)
+    randomized_zeros(parts)  # Gemma 3's projector starts at zero: random images would all embed to nothing
     geometry = geometry or geometry_of(hf_config, None)
-    return _delegated_norms(ENCODERS[family.name](hf_config, geometry, *parts)).eval()
-
-
-class _quiet_transformers:
-    """transformers' loading report and progress bars are library noise on the export's console."""
-
-    def __enter__(self) -> None:
-        import transformers
-
-        self.level = transformers.utils.logging.get_verbosity()
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-
-    def __exit__(self, *exc: object) -> None:
-        import transformers
-
-        transformers.utils.logging.set_verbosity(self.level)
+    return delegated_norms(ENCODERS[family.name](hf_config, geometry, *parts)).eval()

@@ -142,6 +142,19 @@ def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str
 
 
 @pytest.fixture(scope="session")
+def alm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``alm_checkpoint("voxtral")``: a tiny audio-language checkpoint with its feature extractor (models.tiny_alm),
+    once per run."""
+    from models.tiny_alm import write_tiny_alm_checkpoint
+
+    def get(family: str) -> Path:
+        return shared_folder(tmp_path_factory, f"alm_{family}",
+                             lambda folder: write_tiny_alm_checkpoint(folder, family))
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def vlm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``vlm_checkpoint("llava")``: a tiny vision-language checkpoint with its processor (models.tiny_vlm), once per
     run."""

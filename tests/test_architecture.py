@@ -148,7 +148,7 @@ def test_each_kind_of_model_is_one_registered_module_and_the_stages_name_none() 
     from exporters.components.kind import Kind
     from exporters.plan import ComponentKind
 
-    assert list(KINDS) == ["decoder", "adapters", "slots", "draft", "vision_encoder", "asr"]
+    assert list(KINDS) == ["decoder", "adapters", "slots", "draft", "vision_encoder", "audio_encoder", "asr"]
     assert {k for k, kind in KINDS.items() if not kind.variant} == {str(k) for k in ComponentKind}
     for kind in KINDS.values():
         assert type(kind).__module__ == f"exporters.components.{type(kind).__module__.rsplit('.', 1)[-1]}"

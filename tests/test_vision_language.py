@@ -289,7 +289,7 @@ def test_quant_vision_auto_quantizes_the_encoder_beside_a_quantized_decoder(vlm_
 def test_equal_image_embeddings_pass_the_image_check_even_when_zero() -> None:
     """A checkpoint whose projector is all zeros (transformers initializes Gemma 3's so) embeds every image to zeros,
     in the program as eagerly: equal, so the check passes them (torch's cosine of two zero vectors is 0)."""
-    from exporters.validation.image import _least_cosine
+    from exporters.validation.encoder_prompt import least_cosine as _least_cosine
 
     zeros, ones = torch.zeros(1, 4, 8), torch.ones(1, 4, 8)
     assert _least_cosine(zeros, zeros) == 1.0 and _least_cosine(ones, ones) == pytest.approx(1.0)

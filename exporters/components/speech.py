@@ -13,7 +13,6 @@ keeps (``models.whisper``), beside the constants a runner needs (``exporters.pro
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from torch import nn
 
 from exporters.components.kind import Basis, Bundled, Finalized, Kind, Part
 from exporters.config import DType, ExportConfig, KvDType, ModelConfig, Source, WeightsPlacement
-from exporters.errors import UserError, check_choice
+from exporters.errors import UserError
 from exporters.manifest import (AppliedQuantization, ComponentEntry, LayoutEntry, Manifest, MethodEntry, ModelEntry,
                                 SpeechEntry)
 from exporters.output.files import private_path
@@ -37,12 +36,11 @@ from exporters.program.signatures import signature
 from exporters.program.speech import (CHUNK_SECONDS, METHODS, PREPROCESSOR_FILE, SAMPLE_RATE, SpeechTokens,
                                       speech_constants, write_preprocessor)
 from exporters.quant.apply import quantize_linear_role
-from exporters.quant.linears import quantize_linears
+from exporters.quant.audio import audio_scheme, quantize_audio
 from exporters.quant.schemes import DTYPES
 from exporters.validation.speech import SpeechBaseline, check_speech, transcribe_eager, validation_input
 from models.checkpoint import open_checkpoint
-from models.ctranslate2 import is_ctranslate2
-from models.whisper import ENCODER, TEXT_DECODER, EncoderMethod, TextDecoderMethod, WhisperProgram, example_inputs
+from models.whisper import ENCODER, is_whisper, TEXT_DECODER, EncoderMethod, TextDecoderMethod, WhisperProgram, example_inputs
 
 if TYPE_CHECKING:
     from exporters.context import ExportContext
@@ -56,33 +54,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("exporters")
 
 SPEECH = "speech"  # the component's name
-ARCHITECTURES = ("WhisperForConditionalGeneration",)
-# quant.audio: the encoder's linear layers (the convolutions and norms stay in float). "auto": 8da8w beside a
-# quantized decoder, fp32 beside a float one.
-AUDIO_SCHEMES = ("fp32", "8da8w", "8da4w")
-AUTO, AUTO_QUANTIZED, AUTO_FLOAT = "auto", "8da8w", "fp32"
 # Peak RSS per byte of the fp32 weights, over the base: measured on Whisper base (docs/speech.md).
 PEAK_PER_BYTE = 6.0
 
 
 def is_speech(model: ModelConfig) -> bool:
     """Whether ``model.checkpoint`` is a speech recognizer this kind exports (a Whisper folder, HF or faster-whisper)."""
-    if model.source != Source.hf or model.checkpoint is None:
-        return False
-    path = Path(model.checkpoint).expanduser()
-    if is_ctranslate2(path):
-        return True
-    try:
-        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
-    except (OSError, json.JSONDecodeError):
-        return False  # open_checkpoint reports it, with the fix
-    return any(a in ARCHITECTURES for a in architectures)
-
-
-def audio_scheme(quant: Any) -> str:
-    if quant.audio != AUTO:
-        return quant.audio
-    return AUTO_QUANTIZED if quant.linear else AUTO_FLOAT
+    return model.source == Source.hf and model.checkpoint is not None and is_whisper(Path(model.checkpoint).expanduser())
 
 
 @dataclass(frozen=True)
@@ -139,12 +117,8 @@ class Speech(Kind):
 
     def check(self, cfg: ExportConfig, lengths: Lengths) -> None:
         """What a speech export cannot do, refused before any weight is read."""
-        check_choice("quant.audio", cfg.quant.audio, [AUTO, *AUDIO_SCHEMES], "Fix quant.audio.")
         if not is_speech(cfg.model):
-            if cfg.quant.audio != AUTO:
-                raise UserError(f"quant.audio={cfg.quant.audio} quantizes a speech checkpoint's audio encoder, and "
-                                "model.checkpoint is not one. Leave quant.audio unset.")
-            return
+            return  # quant.audio without an audio encoder: refused by exporters.components.audio
         q, ex = cfg.quant, cfg.export
         what = f"{cfg.model.checkpoint} is a speech recognizer (Whisper)"
         if cfg.backend.name not in ("xnnpack", "portable"):
@@ -198,10 +172,7 @@ class Speech(Kind):
         """quant.audio on the encoder's linear layers, quant.linear on the decoder's (the cross-attention's keys and
         values, computed by the encoder method, included)."""
         model, quant, record = models[part.name], part.component.quant.config, ctx.record(part.name)
-        scheme = audio_scheme(quant)
-        if scheme != "fp32":
-            quantize_linears(model.audio, list(_linears(model.audio, "encoder").values()), scheme, quant.group_size)
-        record.audio_quantization = f"{scheme} on its {len(_linears(model.audio, 'encoder'))} linear layers"
+        record.audio_quantization = quantize_audio(model.audio, audio_scheme(quant), quant.group_size)
         applied = AppliedQuantization(dtype=str(quant.dtype), notes=[f"encoder (quant.audio): {record.audio_quantization}"])
         dtype = DTYPES[str(quant.dtype)]
         if quant.linear is not None:

@@ -34,7 +34,8 @@ from exporters.program.vision import (PATCH_ROW_FAMILIES, PROCESSOR_FILES, VISIO
                                       has_processor, preprocessing, prompt_marker,
                                       vision_constants, vision_spec)
 from exporters.quant.vision import AUTO, VISION_SCHEMES, quantize_vision, vision_scheme
-from exporters.validation.image import ImageBaseline, check_image_path, unquantized_image_path
+from exporters.validation.encoder_prompt import EncoderBaseline
+from exporters.validation.image import check_image_path, unquantized_image_path
 from models.checkpoint import open_checkpoint
 from models.tokenizer import find_tokenizer
 from models.vision import VISION_LANGUAGE, geometry_of, load_processor, vision_language_of
@@ -59,7 +60,7 @@ class VisionRecord:
 
     checkpoint: Checkpoint  # the decoder's: the encoder is read from the same folder
     quantization: str | None = None  # quantize: what quant.vision did
-    baseline: ImageBaseline | None = None  # baseline: the image prompt through the unquantized models
+    baseline: EncoderBaseline | None = None  # baseline: the image prompt through the unquantized models
     check: VisionCheck | None = None  # validate: the image path in the program against eager
 
 

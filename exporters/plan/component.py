@@ -30,6 +30,7 @@ class ComponentKind(Choice):
     decoder = "decoder"  # token ids in, logits out, a KV cache: the program's LLM methods
     draft = "draft"  # a smaller decoder with the target's tokenizer proposing tokens for verify (draft.checkpoint)
     vision_encoder = "vision_encoder"  # an image in, embeddings for the decoder out; no state
+    audio_encoder = "audio_encoder"  # log-mel windows in, embeddings for the decoder out; no state
     # A speech recognizer (Whisper): log-mel features through its encoder, tokens through its text decoder attending to
     # them; a program's main model in place of the decoder (exporters.components.speech)
     asr = "asr"

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from exporters.program.swappable import SlotPlan
 
 
-MethodInput = Literal["tokens", "embeddings", "pixels"]
+MethodInput = Literal["tokens", "embeddings", "pixels", "features"]
 MethodOutput = Literal["logits", "embeddings"]
 
 
@@ -47,6 +47,9 @@ class MethodSpec:
     takes: MethodInput = "tokens"
     gives: MethodOutput = "logits"
     image_size: int = 0  # vision_encoder: it takes one image [1, 3, image_size, image_size]
+    # audio_encoder: it takes log-mel windows [W, bins, frames], W in [min_tokens, max_tokens] (the windows are its
+    # dynamic dimension)
+    features: tuple[int, int] = (0, 0)
 
     @property
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -59,6 +62,8 @@ class MethodSpec:
         the dimension to a constant); embeddings are ``hidden_size`` wide in the decoder's activation ``dtype``."""
         if self.takes == "pixels":
             return (torch.zeros(1, 3, self.image_size, self.image_size),)
+        if self.takes == "features":
+            return (torch.zeros(min(2, self.max_tokens) if self.dynamic else self.max_tokens, *self.features),)
         n = min(2, self.max_tokens) if self.dynamic else self.max_tokens
         position = torch.tensor([0], dtype=torch.int64)
         if self.takes == "embeddings":
@@ -70,6 +75,8 @@ class MethodSpec:
     def dynamic_shapes(self) -> Any:
         if not self.dynamic:
             return None
+        if self.takes == "features":
+            return ({0: Dim("windows", min=self.min_tokens, max=self.max_tokens)},)
         tokens = {1: Dim("num_tokens", min=self.min_tokens, max=self.max_tokens)}
         return (tokens,) if self.gives == "embeddings" else (tokens, None)
 

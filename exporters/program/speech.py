@@ -12,13 +12,18 @@ model is ``models.whisper``.
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 
 from exporters.manifest import Signature, TensorSpec
+from exporters.output.files import private_path
+from exporters.program.versions import installed
+from models.gguf import llm_exporters_cache
 from models.whisper import ENCODER, TEXT_DECODER, WhisperShape
 
 log = logging.getLogger("exporters")
@@ -102,10 +107,22 @@ def speech_signatures(shape: WhisperShape, max_tokens: int) -> dict[str, Signatu
 def write_preprocessor(path: Path, mel_bins: int, max_seconds: int = PREPROCESSOR_MAX_SECONDS) -> None:
     """ExecuTorch's ``WhisperAudioProcessor`` (its own log-mel, equal to transformers' feature extractor) lowered
     to XNNPACK and written to ``path``: samples ``[N]`` (16 kHz mono float, up to ``max_seconds``) in, features
-    ``[n_windows, mels, 3000]`` out, one 30 s window per row."""
-    from executorch.extension.audio.mel_spectrogram import export_processor
+    ``[n_windows, mels, 3000]`` out, one 30 s window per row.
 
-    export_processor(str(path), backend="xnnpack", feature_size=mel_bins, max_audio_len=max_seconds, stack_output=True)
+    It depends on nothing but ``mel_bins``, ``max_seconds`` and the installed packages, and lowering it takes
+    seconds, so it is made once per (those, the versions) in the project's cache and copied from there."""
+    versions = "-".join(f"{name}{installed(name)}" for name in ("executorch", "torch"))
+    cached = llm_exporters_cache() / "preprocessors" / f"whisper-mel{mel_bins}-{max_seconds}s-{versions}.pte"
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cached) + ".lock"):
+        if not cached.is_file():
+            from executorch.extension.audio.mel_spectrogram import export_processor
+
+            made = private_path(cached, "made")
+            export_processor(str(made), backend="xnnpack", feature_size=mel_bins, max_audio_len=max_seconds,
+                             stack_output=True)
+            made.replace(cached)
+    shutil.copyfile(cached, path)
 
 
 def preprocessor_features(samples: torch.Tensor, mel_bins: int) -> torch.Tensor:

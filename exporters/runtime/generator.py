@@ -16,14 +16,16 @@ from typing import Callable
 import torch
 
 from exporters.errors import UserError, check_choice
-from exporters.manifest import program_in
+from exporters.manifest import AudioEntry, program_in
 from exporters.program.adapters import ADAPTERS_CONSTANT
 from exporters.program.constants import DRAFT_VOCAB
 from exporters.program.draft import DRAFT, DRAFT_METHODS
 from exporters.program.vision import VISION_METHOD
 from exporters.program.weights import data_files_beside
 from exporters.runtime.driver import Driver, MethodRoles, program_context_len, program_method_shapes
-from exporters.runtime.images import ImagePrompt, image_prompt, prefill_parts
+from exporters.runtime.heard import audio_prompt
+from exporters.runtime.images import image_prompt
+from exporters.runtime.media import MediaPrompt, prefill_parts
 from exporters.runtime.programs import LoadedProgram
 from exporters.runtime.sampling import SamplingConfig, distribution, sample  # noqa: F401 (re-exported)
 from exporters.runtime.speculative import (SPECULATIVE, DraftLength, DraftProposer, LookupProposer, Observers, Proposer,
@@ -251,15 +253,22 @@ class Generator:
         """A vision-language program (it has vision_encoder)."""
         return VISION_METHOD in self.program.method_names
 
-    def with_images(self, prompt: str, images: list[str], chat: bool = False) -> ImagePrompt:
+    def with_images(self, prompt: str, images: list[str], chat: bool = False) -> MediaPrompt:
         """``prompt`` and ``images`` (files) as the program's processor makes them (exporters.runtime.images)."""
         made = image_prompt(self.program, self.pte.parent, prompt, images, chat)
         self.check_fits(made.ids)
         return made
 
+    def with_audio(self, prompt: str, audio: str, chat: bool = False, entry: AudioEntry | None = None) -> MediaPrompt:
+        """``prompt`` and the recording ``audio`` (a file) for an audio-language program (exporters.runtime.heard);
+        ``entry``: the manifest's record of its audio encoder (the audio token's text, the preprocessor)."""
+        made = audio_prompt(self.program, self.pte.parent, prompt, audio, chat, self.encode, entry)
+        self.check_fits(made.ids)
+        return made
+
     def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
                  prompt_ids: list[int] | None = None, speculative: str = "auto",
-                 draft_tokens: int | None = None, images: ImagePrompt | None = None) -> GenerationResult:
+                 draft_tokens: int | None = None, images: MediaPrompt | None = None) -> GenerationResult:
         """``speculative``: ``lookup`` proposes tokens from the text so far and checks them with the verify method
         (exactly the target's output: exporters.runtime.speculative), ``none`` decodes one token per call.
         ``draft_tokens``: proposals per verify call (1 to the program's get_draft_tokens); None adapts them.
@@ -275,7 +284,7 @@ class Generator:
         start = time.perf_counter()
         if images is not None:
             roles = MethodRoles.through_embeddings(program_method_shapes(self.program))
-            logits = prefill_parts(self.program, roles, images.parts)
+            logits = prefill_parts(self.program, roles, images)
         else:
             logits = self.driver.prefill(torch.tensor([ids[progress.cached:]], dtype=torch.int64),
                                          start=progress.cached)

@@ -1,15 +1,13 @@
 """Prompts with images for a vision-language program, made by the checkpoint's own processor (saved in the run).
 
 The processor resizes and normalizes each picture and writes the image's tokens into the prompt; the prompt is then
-fed as ExecuTorch's MultimodalRunner feeds it: each text segment through ``token_embedding`` then ``text_decoder``,
-each image through ``vision_encoder`` then ``text_decoder``, at consecutive positions (an image takes as many
-positions as ``vision_encoder`` gives embeddings). Every mismatch is refused before any method runs.
+fed as ExecuTorch's MultimodalRunner feeds it (``exporters.runtime.media``). Every mismatch is refused before any
+method runs.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +16,11 @@ import torch
 from exporters.errors import UserError
 from exporters.program.vision import (IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD, program_pixels,
                                       prompt_marker)
-from exporters.runtime.driver import Driver, MethodRoles, RunsMethods
+from exporters.runtime.media import MediaPrompt
 from models.lfm2_vl_images import Lfm2VlSquareImages
 from models.vision import load_processor
 
 log = logging.getLogger("exporters")
-
-
-@dataclass(frozen=True)
-class ImagePrompt:
-    ids: list[int]  # the prompt's tokens, each image's positions as the image token
-    parts: list[torch.Tensor]  # in order: token ids [1, T], or one image's pixels [1, 3, S, S]
 
 
 def _open_image(path: str) -> Any:
@@ -41,7 +33,7 @@ def _open_image(path: str) -> Any:
         raise UserError(f"image={path}: cannot be read as an image ({e}). Give a PNG or JPEG file.") from None
 
 
-def image_prompt(program: Any, folder: Path, prompt: str, images: list[str], chat: bool) -> ImagePrompt:
+def image_prompt(program: Any, folder: Path, prompt: str, images: list[str], chat: bool) -> MediaPrompt:
     """``prompt`` with ``images`` (files), through the processor beside the program; ``chat``: the chat template
     places the images before the text (else the prompt must mark where each goes)."""
     names = program.method_names
@@ -71,13 +63,13 @@ def image_prompt(program: Any, folder: Path, prompt: str, images: list[str], cha
     out = processor(images=pictures or None, text=prompt, return_tensors="pt")
     ids = out["input_ids"][0].tolist()
     if not images:
-        return ImagePrompt(ids, [torch.tensor([ids])])
+        return MediaPrompt(ids, [torch.tensor([ids])], VISION_METHOD)
     pixels = program_pixels(out, size)
     if tuple(pixels.shape[-2:]) != (size, size):
         raise UserError(f"the processor made {tuple(pixels.shape[-2:])} images and the program's vision_encoder takes "
                         f"{size}x{size} (get_image_size): the processor files beside the program are not the ones it "
                         "was exported with. Export again, or restore the run folder's processor_config.json.")
-    return ImagePrompt(ids, _parts(ids, pixels, image_token, per_image))
+    return MediaPrompt(ids, _parts(ids, pixels, image_token, per_image), VISION_METHOD)
 
 
 def _say_stretched(processor: Any, paths: list[str], pictures: list[Any], size: int) -> None:
@@ -120,19 +112,3 @@ def _parts(ids: list[int], pixels: torch.Tensor, image_token: int, per_image: in
     if text:
         parts.append(torch.tensor([text]))
     return parts
-
-
-def prefill_parts(program: RunsMethods, roles: MethodRoles, parts: list[torch.Tensor]) -> torch.Tensor:
-    """The prompt's last logits [1, V] after each part at consecutive positions: images through vision_encoder, text
-    through ``roles`` (token_embedding and text_decoder, in calls of at most ``roles.prompt_max_tokens``)."""
-    driver, position, logits = Driver(program, roles), 0, None
-    for part in parts:
-        if part.is_floating_point():
-            embeddings = program.run(VISION_METHOD, part)[0]
-            logits = program.run(roles.prompt, embeddings, torch.tensor([position]))[0]
-            position += embeddings.shape[1]
-        else:
-            logits = driver.prefill(part, position)
-            position += part.shape[1]
-    assert logits is not None, "a prompt has at least one part"
-    return logits.reshape(-1, logits.shape[-1])[-1:]

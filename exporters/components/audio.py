@@ -1,0 +1,289 @@
+"""The audio encoder: an audio-language checkpoint's audio tower and projector beside its text decoder, in one program.
+
+A checkpoint whose ``config.json`` names an audio-language architecture (``models.audio_language``: Voxtral,
+Qwen2-Audio) gets a component ``audio`` with one method, ``audio_encoder`` (log-mel features of W 30 s windows
+``[W, bins, frames]`` to ``[1, W * N, hidden]`` embeddings), and the decoder gets ``token_embedding`` and
+``text_decoder``: the methods ExecuTorch's ``MultimodalRunner`` calls for an audio prompt. ``preprocessor.pte``
+beside the program turns raw 16 kHz samples into the features (ExecuTorch's ``WhisperAudioProcessor``). The plan
+reads ``config.json`` (not the weights) to size the method; load reads the tower and projector alone from the
+decoder's checkpoint folder (``models.audio_encoder``); ``quant.audio`` quantizes it apart; validation runs the
+validation recording and a prompt around it through the program (``exporters.validation.encoder_prompt``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from tokenizers import Tokenizer
+from transformers import AutoConfig
+
+from exporters.components.kind import Basis, Bundled, Finalized, Kind, Part
+from exporters.config import ExportConfig, ModelConfig, Source
+from exporters.errors import UserError, check_choice
+from exporters.manifest import AudioCheck, AudioEntry, ComponentEntry, Manifest
+from exporters.output.files import private_path
+from exporters.plan.component import Component, ComponentKind, QuantPlan
+from exporters.plan.footprint import BASE_BYTES, Footprint
+from exporters.program.audio import AUDIO, AUDIO_METHOD, audio_constants, audio_spec
+from exporters.program.methods import MULTIMODAL_METHODS, MethodTable
+from exporters.program.passes import noop_expands_dropped
+from exporters.program.speech import PREPROCESSOR_FILE, SAMPLE_RATE, preprocessor_features, write_preprocessor
+from exporters.quant.audio import AUDIO_SCHEMES, AUTO, audio_scheme, quantize_audio
+from exporters.runtime.audio import read_audio
+from exporters.validation.encoder_prompt import (GREEDY_STEPS, EncoderBaseline, check_encoder_path, room_needed,
+                                                unquantized_path)
+from exporters.validation.speech import VALIDATION_RECORDING
+from models.audio_encoder import audio_parameters, load_audio_encoder, random_audio_encoder
+from models.audio_language import AudioGeometry, audio_language_of, is_audio_language
+from models.checkpoint import open_checkpoint
+from models.tokenizer import find_tokenizer
+from models.whisper import is_whisper
+
+if TYPE_CHECKING:
+    from exporters.context import ExportContext
+    from exporters.context.artifacts import WrittenProgram
+    from exporters.program.lengths import Lengths
+    from exporters.runtime.quality import TextWindows
+    from exporters.validation.under_test import ProgramUnderTest
+    from models.audio_encoder import AudioEncoder
+    from models.checkpoint import Checkpoint
+
+log = logging.getLogger("exporters")
+
+# Peak RSS the audio encoder adds to an export, per byte of its fp32 weights: the vision encoder's measured factor
+# (exporters.components.vision), until Voxtral Mini's shape is measured (docs/speech.md).
+AUDIO_PEAK_PER_BYTE = 3.7
+
+
+@dataclass
+class AudioRecord:
+    """What the stages learn of the audio encoder."""
+
+    checkpoint: Checkpoint  # the decoder's: the encoder is read from the same folder
+    recording: str = ""  # the validation recording, and its length
+    features: torch.Tensor | None = None  # its log-mel windows, as the preprocessor makes them
+    quantization: str | None = None  # quantize: what quant.audio did
+    baseline: EncoderBaseline | None = None  # baseline: the audio prompt through the unquantized models
+    check: AudioCheck | None = None  # validate: the audio path in the program against eager
+
+
+def audio_geometry(model: ModelConfig) -> AudioGeometry | None:
+    """The audio encoder ``model.checkpoint`` holds, from its ``config.json``; None for any other checkpoint."""
+    if model.source != Source.hf or model.checkpoint is None:
+        return None
+    path = Path(model.checkpoint).expanduser()
+    try:
+        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, json.JSONDecodeError):
+        return None  # open_checkpoint reports it, with the fix
+    if not is_audio_language(architectures):
+        return None
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    family = audio_language_of(hf_config)
+    return family.geometry(hf_config) if family is not None else None
+
+
+def audio_windows(geometry: AudioGeometry, call_tokens: int) -> int:
+    """Windows one call of audio_encoder takes: the family's most, as many as one text_decoder call takes."""
+    return max(1, min(geometry.max_windows, call_tokens // geometry.tokens))
+
+
+@dataclass(frozen=True)
+class AudioBuild:
+    """How the audio encoder is built: from the decoder's checkpoint folder, by transformers' own modules."""
+
+    model: ModelConfig
+    geometry: AudioGeometry
+    windows: int  # windows a call of audio_encoder takes
+
+    @property
+    def source(self) -> Source:
+        return self.model.source
+
+    def checkpoint(self, work_dir: Path) -> Checkpoint:
+        return open_checkpoint(self.model.checkpoint, need_weights=not self.model.random_init)
+
+    def build(self, checkpoint: Checkpoint, device: str = "cpu") -> AudioEncoder:
+        """The encoder with the checkpoint's weights, or with seeded random ones of its shape (model.random_init)."""
+        if self.model.random_init:
+            return random_audio_encoder(checkpoint.hf_config, self.model.seed)
+        return load_audio_encoder(str(checkpoint.path), checkpoint.hf_config)
+
+
+def audio_footprint(parameters: int) -> Footprint:
+    """What the audio encoder adds to the export's memory, held from load to the end (exporters.plan.footprint)."""
+    fp32 = 4 * parameters
+    return Footprint(parameters, fp32, fp32, fp32,
+                     {stage: BASE_BYTES + int(AUDIO_PEAK_PER_BYTE * fp32)
+                      for stage in ("load", "quantize", "lower", "emit", "validate")})
+
+
+class Audio(Kind):
+    name = str(ComponentKind.audio_encoder)
+
+    def check(self, cfg: ExportConfig, lengths: Lengths) -> None:
+        """What an audio-language export cannot do, refused before any weight is read."""
+        check_choice("quant.audio", cfg.quant.audio, [AUTO, *AUDIO_SCHEMES], "Fix quant.audio.")
+        geometry = audio_geometry(cfg.model)
+        if geometry is None:
+            speech = cfg.model.source == Source.hf and cfg.model.checkpoint is not None and is_whisper(
+                Path(cfg.model.checkpoint).expanduser())
+            if cfg.quant.audio != AUTO and not speech:
+                raise UserError(f"quant.audio={cfg.quant.audio} quantizes an audio encoder (Whisper's, or an "
+                                "audio-language model's), and model.checkpoint has none. Leave quant.audio unset.")
+            return
+        what = f"{cfg.model.checkpoint} hears audio ({geometry.family}, {geometry.tokens} positions per 30 s)"
+        if not cfg.backend.dynamic_shapes:
+            raise UserError(f"{what}, and backend={cfg.backend.name} exports fixed-size calls: ExecuTorch's "
+                            "MultimodalRunner feeds each text segment and each recording to text_decoder in one call of "
+                            "its own length. Use backend=xnnpack or backend=portable.")
+        if geometry.tokens > lengths.call_tokens:
+            raise UserError(f"{what}, and one call of text_decoder takes at most {lengths.call_tokens} tokens "
+                            f"(export.max_seq_len): the MultimodalRunner feeds a recording in one call. Set "
+                            f"export.max_seq_len={geometry.tokens + 1} or more (and export.max_context_len above it).")
+        if cfg.validate and room_needed(geometry.tokens) > lengths.context:
+            raise UserError(f"{what}, and the cache holds {lengths.context} positions (export.max_context_len): "
+                            f"validation's prompt puts text and {GREEDY_STEPS} generated tokens around a recording. Set "
+                            f"export.max_context_len={room_needed(geometry.tokens)} or more.")
+        for key, value, why in (
+                ("quant.pt2e", cfg.quant.pt2e, "the backend's quantizer converts a graph that takes tokens"),
+                ("draft.checkpoint", cfg.draft.checkpoint, "speculative decoding of audio prompts is not built yet"),
+                ("model.adapters", cfg.model.adapters or None, "adapters on an audio-language program are not built yet"),
+                ("export.adapters", cfg.export.adapters if cfg.export.adapters != "methods" else None,
+                 "adapters on an audio-language program are not built yet")):
+            if value is not None:
+                raise UserError(f"{what}, and {key}={value}: {why}. Export it without {key}.")
+
+    def plan(self, cfg: ExportConfig, basis: Basis) -> Component | None:
+        """The audio encoder as a component of the plan (None for any other checkpoint)."""
+        geometry = audio_geometry(cfg.model)
+        if geometry is None:
+            return None
+        windows = audio_windows(geometry, basis.lengths.call_tokens)
+        table = MethodTable({AUDIO_METHOD: audio_spec(geometry, windows)}, {AUDIO_METHOD: None}, {},
+                            {AUDIO_METHOD: AUDIO})
+        return Component(name=AUDIO, kind=ComponentKind.audio_encoder, build=AudioBuild(cfg.model, geometry, windows),
+                         quant=QuantPlan(cfg.quant, cfg.export.tied_embedding, basis.shortcuts), methods=table)
+
+    def decoder_methods(self, component: Component) -> Sequence[str]:
+        return MULTIMODAL_METHODS
+
+    def open(self, part: Part, ctx: ExportContext) -> Footprint:
+        """The audio encoder, alive beside the decoder from load to the end; read from the decoder's checkpoint."""
+        checkpoint = ctx.main.checkpoint
+        ctx.records[part.name] = AudioRecord(checkpoint)
+        return audio_footprint(audio_parameters(checkpoint.hf_config))
+
+    def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
+        models[part.name] = part.component.build.build(ctx.record(part.name).checkpoint)
+
+    def baseline(self, part: Part, ctx: ExportContext, models: dict[str, Any], windows: TextWindows | None) -> None:
+        """The validation recording's features, and the audio prompt through the unquantized encoder and decoder."""
+        record, build = ctx.record(part.name), part.component.build
+        given = ctx.config.validation.audio_file
+        recording = read_audio(Path(given).expanduser() if given else VALIDATION_RECORDING)
+        features = preprocessor_features(torch.from_numpy(recording.samples), build.geometry.bins)
+        record.features = features[:build.windows]
+        record.recording = f"{Path(recording.source).name} ({min(recording.seconds, 30.0 * build.windows):.1f} s)"
+        assert windows is not None, "an audio-language program's main model is a language model"
+        record.baseline = unquantized_path(models[ctx.plan.main.name], models[part.name], record.features,
+                                           windows.windows[0])
+
+    def quantize(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
+        """After the decoder: the encoder's output must be in the dtype the decoder now computes in."""
+        encoder, quant = models[part.name], part.component.quant.config
+        encoder.out_dtype = models[ctx.plan.main.name].activation_dtype()
+        ctx.record(part.name).quantization = quantize_audio(encoder, audio_scheme(quant), quant.group_size)
+
+    def passes(self, part: Part) -> list[Any]:
+        return [noop_expands_dropped()]
+
+    def constants(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> dict[str, Any]:
+        """What an app needs to make audio_encoder's input and to place its embeddings in a prompt."""
+        build = part.component.build
+        return audio_constants(build.geometry, build.windows)
+
+    def validate(self, part: Part, ctx: ExportContext, under: ProgramUnderTest, models: dict[str, Any]) -> None:
+        record = ctx.record(part.name)
+        assert record.features is not None, "the baseline stage read the validation recording"
+        record.check = AudioCheck(recording=record.recording, **check_encoder_path(
+            under.program, AUDIO_METHOD, record.features, models[ctx.plan.main.name], models[part.name],
+            under.text.windows[0], under.tolerance.max_kl, record.baseline))
+        log.info("  validate: audio path %s", "passed" if record.check.passed else "FAILED")
+
+    def failures(self, part: Part, ctx: ExportContext) -> list[str]:
+        check = ctx.record(part.name).check
+        return [f"the audio path: {', '.join(check.failures)}"] if check is not None and not check.passed else []
+
+    def finalize(self, part: Part, ctx: ExportContext, written: WrittenProgram, pte: Path) -> Finalized:
+        """The manifest's record of the encoder, and the preprocessor beside the program."""
+        encoder = written.components[part.name]
+        geometry = part.component.build.geometry
+        final = pte.parent / PREPROCESSOR_FILE
+        staged = private_path(final, "staged")
+        log.info("  finalize: writing %s (ExecuTorch's WhisperAudioProcessor, raw 16 kHz samples to %d-bin features)",
+                 PREPROCESSOR_FILE, geometry.bins)
+        write_preprocessor(staged, geometry.bins)
+        entry = ComponentEntry(
+            kind=str(part.component.kind), methods=list(written.methods.of_component(part.name)), adapters=[],
+            checkpoint=str(ctx.record(part.name).checkpoint.path), parameters=sum(p.numel() for p in encoder.parameters()),
+            state=[], family=geometry.family, audio=self.entry(part, ctx))
+        return Finalized(entry, staged={final: staged})
+
+    def entry(self, part: Part, ctx: ExportContext) -> AudioEntry:
+        """The manifest's record of the encoder: what an app does to a recording, and how the audio path was checked."""
+        build, record = part.component.build, ctx.record(part.name)
+        g = build.geometry
+        tokenizer = find_tokenizer(ctx.main.checkpoint.path)
+        token = None
+        if tokenizer is not None and tokenizer.name == "tokenizer.json":
+            token = Tokenizer.from_file(str(tokenizer)).id_to_token(g.audio_token_id)
+        return AudioEntry(family=g.family, sample_rate=SAMPLE_RATE, mel_bins=g.bins, frames=g.frames,
+                          tokens_per_window=g.tokens, max_windows=build.windows, audio_token_id=g.audio_token_id,
+                          audio_token=token,
+                          input=f"float32 [windows, {g.bins}, {g.frames}]: log-mel features of 1 to {build.windows} "
+                                "30 s windows (preprocessor.pte makes them of 16 kHz mono samples)",
+                          preprocessor=PREPROCESSOR_FILE, quantization=record.quantization or "fp32",
+                          check=record.check)
+
+    def describe(self, stage: str, part: Part, ctx: ExportContext, models: dict[str, Any]) -> str:
+        if stage == "load":
+            return f"; {part.name}: {models[part.name].describe()}"
+        if stage == "quantize":
+            return f"; audio encoder: {ctx.record(part.name).quantization}"
+        return ""
+
+    def bundle(self, m: Manifest) -> Bundled:
+        """The bundle carries the preprocessor and says how an app feeds audio."""
+        entry = next((e for e in m.components.values() if e.kind == self.name), None)
+        if entry is None or entry.audio is None:
+            return Bundled()
+        return Bundled(readme=bundle_readme(entry.audio), files=[PREPROCESSOR_FILE],
+                       fields={"audio": dataclasses.asdict(entry.audio)})
+
+
+def bundle_readme(a: AudioEntry) -> str:
+    """The bundle README's section on audio: what an app does to a recording, and which runner takes it."""
+    return f"""## Audio
+
+`{PREPROCESSOR_FILE}` turns a recording into `audio_encoder`'s input: its `forward` takes 16 kHz mono float32
+samples `[N]` and gives log-mel features `[windows, {a.mel_bins}, {a.frames}]`, one row per 30 s window.
+`audio_encoder` takes 1 to {a.max_windows} window(s) in one call and returns {a.tokens_per_window} embeddings per
+window, which `text_decoder` takes at the next positions; text goes through `token_embedding` then `text_decoder`. In a
+prompt the audio's place is token {a.audio_token_id} (`{a.audio_token}`), {a.tokens_per_window} times per window.
+
+- Android / iOS (C++): run `{PREPROCESSOR_FILE}` on the samples, then `MultimodalRunner` from
+  `executorch/extension/llm/runner` with a list of inputs: the text before the audio, `Audio` (the features above,
+  float32, `batch` = windows, `n_bins` = {a.mel_bins}, `n_frames` = {a.frames}), the text after; it calls the three
+  methods in order and then decodes.
+- Python: `executorch.extension.llm.runner.MultimodalRunner("<program>", "tokenizer.json")` with
+  `[make_token_input(before), make_audio_input(features), make_token_input(after)]`.
+- `python -m exporters.generate <this folder> prompt="..." audio=<file>` (the audio goes before the prompt's text).
+
+"""

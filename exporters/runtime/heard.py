@@ -1,0 +1,90 @@
+"""Prompts with a recording for an audio-language program, as an app makes them.
+
+``preprocessor.pte`` beside the program turns the recording's 16 kHz samples into log-mel windows (ExecuTorch's
+``WhisperAudioProcessor``, what an Android or iOS app runs); the prompt's text goes around them: where it writes the
+audio token (``[AUDIO]``, ``<|AUDIO|>``), else before the text; ``chat=true`` writes the model's user turn. The
+prompt is then fed as ExecuTorch's MultimodalRunner feeds it (``exporters.runtime.media``). Every mismatch is refused
+before any method runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from exporters.errors import UserError
+from exporters.manifest import AudioEntry, Manifest
+from exporters.program.audio import AUDIO_METHOD, AUDIO_TOKEN_ID, AUDIO_TOKENS, MAX_WINDOWS
+from exporters.program.speech import CHUNK_SECONDS, PREPROCESSOR_FILE, SAMPLE_RATE
+from exporters.runtime.audio import read_audio
+from exporters.runtime.media import MediaPrompt
+from exporters.runtime.programs import LoadedProgram
+from models.audio_language import audio_language_named
+from models.vision import load_processor
+
+
+def audio_entry(manifest: Manifest | None) -> AudioEntry | None:
+    if manifest is None:
+        return None
+    return next((c.audio for c in manifest.components.values() if c.audio is not None), None)
+
+
+def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
+                 encode: Callable[[str], list[int]], entry: AudioEntry | None) -> MediaPrompt:
+    """``prompt`` with the recording at ``path``; ``encode``: the program's tokenizer with its BOS."""
+    if AUDIO_METHOD not in program.method_names:
+        raise UserError(f"audio={path} needs a speech or audio-language program, and {program.path} has no "
+                        f"{AUDIO_METHOD} method: export a Whisper or an audio-language checkpoint (Voxtral, "
+                        "Qwen2-Audio), or leave audio out.")
+    per_window, token = int(program.constant(AUDIO_TOKENS)), int(program.constant(AUDIO_TOKEN_ID))
+    most = int(program.constant(MAX_WINDOWS))
+    recording = read_audio(path)  # a file that is not audio is refused before anything runs
+    for conversion in recording.conversions:
+        print(f"[audio: {conversion}]", file=sys.stderr)
+    windows = -(-len(recording.samples) // (CHUNK_SECONDS * SAMPLE_RATE))
+    if windows > most:
+        raise UserError(f"audio={path} is {recording.seconds:.1f} s long, {windows} windows of {CHUNK_SECONDS} s, and "
+                        f"this program's {AUDIO_METHOD} takes at most {most} ({most * CHUNK_SECONDS} s) in one call: "
+                        f"cut the recording, or export with a larger export.max_seq_len (each window takes "
+                        f"{per_window} positions of one text_decoder call).")
+    text = _text(prompt, chat, entry, folder, path)
+    ids = encode(text)
+    marks = [i for i, t in enumerate(ids) if t == token]
+    if len(marks) != 1:
+        raise UserError(f"the prompt marks the audio {len(marks)} times with token {token}"
+                        + (f" ({entry.audio_token!r})" if entry and entry.audio_token else "")
+                        + ": write it once where the recording goes, or not at all (the recording then comes "
+                          "before the text); nothing was generated.")
+    preprocessor = folder / (entry.preprocessor if entry and entry.preprocessor else PREPROCESSOR_FILE)
+    if not preprocessor.is_file():
+        raise UserError(f"{folder}: {preprocessor.name} is missing beside the program: it came with the export and "
+                        "turns a recording into audio_encoder's input. Copy the whole run folder.")
+    features = LoadedProgram(preprocessor).run("forward", torch.from_numpy(recording.samples))[0]
+    at = marks[0]
+    before, after = ids[:at], ids[at + 1:]
+    parts = [*([torch.tensor([before])] if before else []), features.contiguous(),
+             *([torch.tensor([after])] if after else [])]
+    return MediaPrompt(before + [token] * (per_window * features.shape[0]) + after, parts, AUDIO_METHOD)
+
+
+def _text(prompt: str, chat: bool, entry: AudioEntry | None, folder: Path, path: str) -> str:
+    """The prompt's text with the audio token where the recording goes."""
+    marker = entry.audio_token if entry is not None and entry.audio_token else None
+    if marker is None:
+        raise UserError(f"audio={path}: the manifest beside the program names no audio token text (its tokenizer is "
+                        "not a tokenizer.json): export again with the checkpoint's tokenizer.json.")
+    if not chat:
+        return prompt if marker in prompt else marker + prompt
+    family = audio_language_named(entry.family) if entry is not None else None
+    if family is not None and family.chat is not None:
+        return family.chat.format(audio=marker, prompt=prompt)
+    processor = load_processor(folder)
+    if not getattr(processor, "chat_template", None):
+        raise UserError(f"chat=true needs the processor's chat template, and {folder} has none: use chat=false and "
+                        f"write {marker!r} where the recording goes (or leave it out: it then comes first).")
+    content = [{"type": "audio", "path": path}, {"type": "text", "text": prompt}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)

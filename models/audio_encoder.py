@@ -1,0 +1,117 @@
+"""The audio encoder of an audio-language checkpoint: log-mel windows in, audio embeddings in the text decoder's width.
+
+Built from transformers' own modules (the audio tower and the projector of the checkpoint's architecture), so it
+computes what transformers computes; each family's wrapper only gives what ExecuTorch's ``MultimodalRunner`` feeds
+and takes: ``[W, bins, frames]`` log-mel features of W 30-second windows in (the preprocessor's stacked output),
+``[1, W * N, hidden]`` out, the N positions per window the runner gives the audio in the text decoder. Parity with
+transformers' own audio features: tests/test_audio_language.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.audio_language import AudioGeometry, audio_language_of
+from models.towers import delegated_norms, load_parts, meta_model, quiet_transformers
+
+
+class AudioEncoder(nn.Module):
+    """``forward(features [W, bins, frames]) -> [1, W * N, hidden]``."""
+
+    def __init__(self, config: Any, geometry: AudioGeometry, tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__()
+        self.geometry = geometry
+        self.tower, self.projector = tower, projector
+        self.compute_dtype = torch.float32  # what its weights and activations are in (quant.audio)
+        self.out_dtype = torch.float32  # what the text decoder takes: MultimodalRunner converts nothing
+
+    def describe(self) -> str:
+        g = self.geometry
+        params = sum(p.numel() for p in self.parameters())
+        return f"{params / 1e6:.2f}M parameters, {g.bins} mel bins x {g.frames} frames -> {g.tokens} positions per 30 s"
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.embeddings(features.to(self.compute_dtype)).to(self.out_dtype)
+
+    def embeddings(self, features: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class VoxtralAudio(AudioEncoder):
+    """Whisper's encoder on each window, then ``intermediate_size / hidden_size`` consecutive states stacked into one
+    row and projected (transformers' ``VoxtralModel.get_audio_features``), the windows one after the other."""
+
+    def __init__(self, config: Any, geometry: AudioGeometry, tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__(config, geometry, tower, projector)
+        self.stacked = config.audio_config.intermediate_size
+
+    def embeddings(self, features: torch.Tensor) -> torch.Tensor:
+        states = self.tower(features).last_hidden_state
+        return self.projector(states.reshape(-1, self.stacked)).unsqueeze(0)
+
+
+class Qwen2Audio(AudioEncoder):
+    """Whisper's encoder with its average pool, then one linear: a whole 30 s window (the processor pads every
+    recording to one), so no frame is masked."""
+
+    def embeddings(self, features: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.tower(features).last_hidden_state).reshape(1, -1, self.projector.linear.out_features)
+
+
+ENCODERS: dict[str, type[AudioEncoder]] = {"voxtral": VoxtralAudio, "qwen2_audio": Qwen2Audio}
+
+# Where a checkpoint keeps the tower's and the projector's tensors: the hub's ``audio_tower.*`` and transformers 5's
+# ``model.audio_tower.*``.
+PART_PREFIXES: dict[str, tuple[str, ...]] = {
+    "tower": ("model.audio_tower.", "audio_tower."),
+    "projector": ("model.multi_modal_projector.", "multi_modal_projector.")}
+
+
+def _part_name(stored: str) -> str | None:
+    """``tower.<name>`` / ``projector.<name>`` of a checkpoint tensor (None: the text decoder's)."""
+    for part, prefixes in PART_PREFIXES.items():
+        prefix = next((p for p in prefixes if stored.startswith(p)), None)
+        if prefix is not None:
+            return f"{part}.{stored[len(prefix):]}"
+    return None
+
+
+def _parts(model: Any) -> tuple[nn.Module, nn.Module]:
+    return model.model.audio_tower, model.model.multi_modal_projector
+
+
+def _new_parts(hf_config: Any) -> tuple[nn.Module, nn.Module]:
+    """The tower and projector of ``hf_config``'s architecture in fp32 with transformers' initialization, built alone.
+    Eager attention: SDPA lowers to checks for fully masked rows on every [heads, 1500, 1500] score matrix."""
+    hf_config._attn_implementation = "eager"
+    hf_config.audio_config._attn_implementation = "eager"
+    tower, projector = _parts(meta_model(hf_config))
+    with quiet_transformers():
+        return type(tower)(hf_config.audio_config), type(projector)(hf_config)
+
+
+def _encoder(hf_config: Any, parts: tuple[nn.Module, nn.Module]) -> AudioEncoder:
+    family = audio_language_of(hf_config)
+    assert family is not None, "an audio-language config"
+    return delegated_norms(ENCODERS[family.name](hf_config, family.geometry(hf_config), *parts)).eval()
+
+
+def load_audio_encoder(path: str, hf_config: Any) -> AudioEncoder:
+    """The audio encoder of the checkpoint folder ``path`` in fp32, only its tensors read."""
+    tower, projector = _new_parts(hf_config)
+    load_parts(path, {"tower": tower, "projector": projector}, _part_name)
+    return _encoder(hf_config, (tower, projector))
+
+
+def random_audio_encoder(hf_config: Any, seed: int = 0) -> AudioEncoder:
+    """The audio encoder of ``hf_config``'s shape with seeded random weights (transformers' own initialization)."""
+    torch.manual_seed(seed)
+    return _encoder(hf_config, _new_parts(hf_config))
+
+
+def audio_parameters(hf_config: Any) -> int:
+    """The tower's and projector's parameters, counted on the meta device: nothing allocated."""
+    return sum(p.numel() for part in _parts(meta_model(hf_config)) for p in part.parameters())

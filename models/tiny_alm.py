@@ -1,0 +1,116 @@
+"""Tiny audio-language checkpoints, built offline by transformers' own classes: the fixtures of the audio tests.
+
+No audio-language weights ship in a pip package, so each family (``models.audio_language.AUDIO_LANGUAGE``) is built
+here from a small config with the tiny text tokenizer plus the family's audio tokens, and Whisper's feature extractor
+(128 mel bins) saved beside it, as the hub's checkpoints are. The audio tower takes real 30 s windows (3000 frames):
+its positions are the real ones, its widths tiny. The text side is fitted to the corpus for a few seconds (peaked
+logits); the audio side keeps its seeded random weights. Built once per recipe and cached (``models.tiny.built_once``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from models.tiny import BOS_ID, CORPUS, EOS_ID, built_once, fit_to_corpus, recipe_key, train_tokenizer
+from models.tiny_vlm import TEXT_ARCH, TEXT_VOCAB
+
+MEL_BINS = 128
+WINDOW_POSITIONS = 1500  # Whisper's encoder positions of a 30 s window (3000 frames, halved by its second conv)
+AUDIO_WIDTH = 32
+# Voxtral stacks intermediate_size / hidden_size encoder states into one embedding (4 in Voxtral Mini): 20 here, so a
+# window takes 75 positions and fits one call of the tiny decoder's default 128.
+VOXTRAL_STACK = 20
+
+
+def _tokenizer(special: dict[str, str]) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(TEXT_VOCAB), bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<unk>", extra_special_tokens=special)
+
+
+def _features() -> Any:
+    from transformers import WhisperFeatureExtractor
+
+    return WhisperFeatureExtractor(feature_size=MEL_BINS)
+
+
+def _voxtral() -> tuple[Any, list[Any]]:
+    """Voxtral's prompt tokens as its tekken tokenizer names them; a Llama decoder."""
+    from transformers import LlamaConfig, VoxtralConfig, VoxtralEncoderConfig
+
+    tok = _tokenizer({"audio_token": "[AUDIO]", "begin_audio_token": "[BEGIN_AUDIO]", "inst_token": "[INST]",
+                      "end_inst_token": "[/INST]"})
+    config = VoxtralConfig(
+        audio_config=VoxtralEncoderConfig(hidden_size=AUDIO_WIDTH, intermediate_size=AUDIO_WIDTH * VOXTRAL_STACK,
+                                          num_hidden_layers=2, num_attention_heads=2, num_mel_bins=MEL_BINS,
+                                          max_source_positions=WINDOW_POSITIONS),
+        text_config=LlamaConfig(**TEXT_ARCH, head_dim=16, vocab_size=len(tok), bos_token_id=BOS_ID,
+                                eos_token_id=EOS_ID),
+        audio_token_id=tok.convert_tokens_to_ids("[AUDIO]"), architectures=["VoxtralForConditionalGeneration"])
+    return config, [tok, _features()]
+
+
+def _qwen2_audio() -> tuple[Any, list[Any]]:
+    """Qwen2-Audio's own processor (Whisper's features, its audio tokens); a Qwen2 decoder."""
+    from transformers import Qwen2AudioConfig, Qwen2AudioEncoderConfig, Qwen2AudioProcessor, Qwen2Config
+
+    tok = _tokenizer({"audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>",
+                      "audio_eos_token": "<|audio_eos|>"})
+    config = Qwen2AudioConfig(
+        audio_config=Qwen2AudioEncoderConfig(d_model=AUDIO_WIDTH, encoder_ffn_dim=2 * AUDIO_WIDTH, encoder_layers=2,
+                                             encoder_attention_heads=2, num_mel_bins=MEL_BINS,
+                                             max_source_positions=WINDOW_POSITIONS),
+        text_config=Qwen2Config(**TEXT_ARCH, vocab_size=len(tok), bos_token_id=BOS_ID, eos_token_id=EOS_ID),
+        audio_token_index=tok.convert_tokens_to_ids("<|AUDIO|>"), architectures=["Qwen2AudioForConditionalGeneration"])
+    return config, [Qwen2AudioProcessor(feature_extractor=_features(), tokenizer=tok)]
+
+
+#: family (``models.audio_language.AudioLanguage.name``) -> its tiny config and the files saved beside it.
+TINY_ALM: dict[str, Callable[[], tuple[Any, list[Any]]]] = {"voxtral": _voxtral, "qwen2_audio": _qwen2_audio}
+
+
+def write_tiny_alm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, train_steps: int = 100) -> Path:
+    """A seeded tiny audio-language checkpoint of ``family`` in ``out_dir``: ``config.json``, ``model.safetensors``,
+    the tokenizer with the audio tokens, the feature extractor's (or processor's) files, ``generation_config.json``."""
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    key = recipe_key(alm=family, seed=seed, train_steps=train_steps, code=code)
+    return built_once(key, lambda out: _build(out, family, seed, train_steps), Path(out_dir))
+
+
+def _build(out: Path, family: str, seed: int, train_steps: int) -> Path:
+    import transformers
+    from transformers import GenerationConfig
+
+    config, beside = TINY_ALM[family]()
+    tokenizer = next(getattr(b, "tokenizer", b) for b in beside if hasattr(b, "tokenizer") or hasattr(b, "encode"))
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    model = getattr(transformers, config.architectures[0])(config)
+    if train_steps:
+        fit_to_corpus(model, tokenizer(CORPUS)["input_ids"], train_steps, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(out)
+    for files in beside:
+        files.save_pretrained(out)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny audio-language checkpoint (random audio tower, text "
+                                                 "fitted to a short corpus) with its feature extractor.")
+    parser.add_argument("family", choices=sorted(TINY_ALM))
+    parser.add_argument("out", help="the checkpoint folder to write")
+    args = parser.parse_args()
+    print(write_tiny_alm_checkpoint(args.out, args.family))
+
+
+if __name__ == "__main__":
+    main()
