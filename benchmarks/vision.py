@@ -25,7 +25,7 @@ from exporters.runtime.programs import LoadedProgram
 from exporters.validation.image import test_image
 
 
-def _median_seconds(run, repeats: int) -> float:  # type: ignore[no-untyped-def]
+def median_seconds(run, repeats: int) -> float:  # type: ignore[no-untyped-def]
     run()  # warm-up: XNNPACK packs and allocates on the first call
     times = []
     for _ in range(repeats):
@@ -52,14 +52,14 @@ def measure(program: str, text_tokens: int, steps: int, repeats: int) -> dict[st
     parts = [text[:, :text_tokens], pixels, text[:, text_tokens:]]
     prompt_len = 2 * text_tokens + per_image
     steps = min(steps, int(loaded.constant("get_max_context_len")) - prompt_len)  # what the cache holds after it
-    encode_s = _median_seconds(lambda: loaded.run(VISION_METHOD, pixels), repeats)
-    prompt_s = _median_seconds(lambda: prefill_parts(loaded, mm, MediaPrompt([], parts, VISION_METHOD)), repeats)
+    encode_s = median_seconds(lambda: loaded.run(VISION_METHOD, pixels), repeats)
+    prompt_s = median_seconds(lambda: prefill_parts(loaded, mm, MediaPrompt([], parts, VISION_METHOD)), repeats)
 
     def decode() -> None:
         for i in range(steps):
             driver.decode_one_token(7 + i % 100, prompt_len + i)
 
-    decode_s = _median_seconds(decode, repeats)
+    decode_s = median_seconds(decode, repeats)
     return {"rss_after_load_mb": round(after_load - before, 1), "image_encode_ms": round(encode_s * 1e3, 1),
             "image_positions": per_image, "image_size": size, "prompt_tokens": prompt_len,
             "prompt_with_image_tok_s": round(prompt_len / prompt_s, 1), "decode_tok_s": round(steps / decode_s, 1),

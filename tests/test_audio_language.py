@@ -200,3 +200,28 @@ def test_generate_refuses_audio_the_program_cannot_take(exported, alm_checkpoint
     text_run = exported("model=tiny").pte_path.parent
     assert main([str(text_run), "prompt=hi", f"audio={tmp_path / 'speech.wav'}"]) == 2
     assert "needs a speech or audio-language program" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # the Voxtral program above runs the same methods and kernels; this is Qwen2-Audio's wrapper
+def test_a_qwen2_audio_program_writes_transformers_tokens_on_a_whole_window(exported, alm_checkpoint) -> None:
+    """Qwen2-Audio's program encodes one padded 30 s window whole (750 positions): transformers' greedy tokens on the
+    same features with every frame counted (feature_attention_mask of ones), token for token."""
+    from exporters.runtime.heard import audio_entry
+
+    ckpt = alm_checkpoint("qwen2_audio")
+    result = exported("model=hf", f"model.checkpoint={ckpt}", "export.methods=[decode]", "export.layout=split",
+                      "export.max_seq_len=768", "export.max_context_len=800")
+    m = result.manifest
+    audio = m.components["audio"].audio
+    assert m.validation.passed and audio.check.passed and audio.tokens_per_window == TOKENS["qwen2_audio"]
+    generator = Generator(result.pte_path)
+    made = generator.with_audio("Once upon a time", str(VALIDATION_RECORDING), entry=audio_entry(m))
+    features = made.parts[1]
+    ids = torch.tensor([made.ids])
+    with torch.no_grad():
+        generated = transformers_alm(ckpt).generate(input_ids=ids, input_features=features,
+                                                    feature_attention_mask=torch.ones(1, 3000, dtype=torch.long),
+                                                    max_new_tokens=NEW_TOKENS, do_sample=False)
+    ours = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), images=made)
+    assert ours.new_ids == generated[0, ids.shape[1]:].tolist()

@@ -207,7 +207,7 @@ def test_what_a_speech_program_cannot_do_is_refused(speech_program, args: list[s
 @pytest.mark.slow
 def test_audio_to_a_text_program_is_refused(exported, capsys) -> None:  # type: ignore[no-untyped-def]
     assert generate_main([str(exported().pte_path.parent), f"audio={VALIDATION_RECORDING}"]) == 2
-    assert "is not a speech program" in capsys.readouterr().err
+    assert "needs a speech or audio-language program" in capsys.readouterr().err
 
 
 SENTENCES = [

@@ -142,8 +142,9 @@ def test_the_vision_tower_is_read_alone_from_each_layout_checkpoints_have(vlm_ch
 
 @pytest.mark.slow
 # LLaVA's program runs through exporters.generate (two images in one prompt, below) in the full run; through the stock
-# MultimodalRunner with -m extended, for the full run's time.
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.extended) if f == "llava" else f
+# MultimodalRunner with -m extended, for the full run's time. Idefics3's too: its SigLIP layers are Gemma 3's (and
+# LFM2-VL's SigLIP2), its connector a reshape and a linear, its eager parity a fast test.
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.extended) if f in ("llava", "idefics3") else f
                                     for f in FAMILIES])
 def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_checkpoint, family: str, tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:

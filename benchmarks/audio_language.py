@@ -1,0 +1,116 @@
+"""A published audio-language shape with seeded random weights, exported and run: what a real size costs.
+
+    python -m benchmarks.audio_language voxtral-mini-3b --out /work/bench/voxtral
+    python -m benchmarks.audio_language --measure <run folder>      # the runtime numbers of one program
+
+No audio-language weights ship in a package we found; the shape is the published ``config.json``'s (transformers'
+own config class), exported with ``model.random_init=true``. The export runs in a child process (its wall time and
+peak RSS from ``os.wait4``, beside the manifest's estimate and stage times); then, on the loaded program, RSS after
+load, ``audio_encoder`` on one 30 s window of the validation recording (its features from the run's
+``preprocessor.pte``), a prompt with that audio (text, the audio, text: the MultimodalRunner's calls) in tokens per
+second, and decode. Medians after a warm-up. Writes ``report.json`` into ``--out`` (docs/audio.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.exporting import exporter_command, run_measured_or_failed
+from benchmarks.vision import median_seconds
+
+
+def voxtral_mini_3b() -> Any:
+    """Voxtral Mini 3B (mistralai/Voxtral-Mini-3B-2507): Whisper large-v3's encoder (1280 wide x 32 layers, 128 mel
+    bins), 4 states stacked into a two-layer projector, a Llama decoder 3072 wide x 30 layers with 131k tokens
+    (transformers' VoxtralConfig defaults are this checkpoint's)."""
+    from transformers import VoxtralConfig
+
+    return VoxtralConfig(audio_token_id=24, architectures=["VoxtralForConditionalGeneration"])
+
+
+SHAPES: dict[str, Callable[[], Any]] = {"voxtral-mini-3b": voxtral_mini_3b}
+OURS = ["quant=8da4w", "quant.group_size=32"]
+
+
+def measure(program: str, text_tokens: int = 16, steps: int = 32, repeats: int = 3) -> dict[str, float | str]:
+    from exporters.program.audio import AUDIO_METHOD, AUDIO_TOKENS
+    from exporters.program.speech import PREPROCESSOR_FILE
+    from exporters.runtime.audio import read_audio
+    from exporters.runtime.driver import Driver, MethodRoles, program_method_shapes
+    from exporters.runtime.generator import resolve_program
+    from exporters.runtime.media import MediaPrompt, prefill_parts
+    from exporters.runtime.memory import current_rss_mb
+    from exporters.runtime.programs import LoadedProgram
+    from exporters.validation.speech import VALIDATION_RECORDING
+
+    pte = resolve_program(program)
+    before = current_rss_mb()
+    loaded = LoadedProgram(pte)
+    mm = MethodRoles.through_embeddings(program_method_shapes(loaded))
+    driver = Driver.of(loaded)
+    loaded.load(AUDIO_METHOD, *(m for m in (mm.prompt, mm.embed, driver.roles.step) if m))
+    after_load = current_rss_mb()
+    samples = torch.from_numpy(read_audio(VALIDATION_RECORDING).samples)
+    features = LoadedProgram(pte.parent / PREPROCESSOR_FILE).run("forward", samples)[0][:1].contiguous()
+    positions, vocab = int(loaded.constant(AUDIO_TOKENS)), int(loaded.constant("get_vocab_size"))
+    text = torch.arange(3, 3 + 2 * text_tokens).remainder(vocab).reshape(1, -1)
+    prompt = MediaPrompt([], [text[:, :text_tokens], features, text[:, text_tokens:]], AUDIO_METHOD)
+    prompt_len = 2 * text_tokens + positions
+    steps = min(steps, int(loaded.constant("get_max_context_len")) - prompt_len)
+    encode_s = median_seconds(lambda: loaded.run(AUDIO_METHOD, features), repeats)
+    prompt_s = median_seconds(lambda: prefill_parts(loaded, mm, prompt), repeats)
+
+    def decode() -> None:
+        for i in range(steps):
+            driver.decode_one_token(7 + i % 100, prompt_len + i)
+
+    decode_s = median_seconds(decode, repeats)
+    return {"rss_after_load_mb": round(after_load - before, 1), "audio_encode_ms_30s": round(encode_s * 1e3, 1),
+            "audio_positions": positions, "prompt_tokens": prompt_len,
+            "prompt_with_audio_tok_s": round(prompt_len / prompt_s, 1), "decode_tok_s": round(steps / decode_s, 1),
+            "decode_method": driver.roles.step}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", nargs="?", choices=sorted(SHAPES))
+    parser.add_argument("--out", type=Path, help="the benchmark's folder (the shape, the run, report.json)")
+    parser.add_argument("--max-seq-len", type=int, default=400, help="one call: a 30 s window's 375 positions and text")
+    parser.add_argument("--measure", metavar="RUN", help="only the runtime numbers of this run folder, as JSON")
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure)))
+        return
+    if args.shape is None or args.out is None:
+        parser.error("give a shape and --out (or --measure RUN)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    shape = args.out / "shape"
+    SHAPES[args.shape]().save_pretrained(shape)
+    run = args.out / "ours"
+    overrides = ["model=hf", f"model.checkpoint={shape}", "model.random_init=true", *OURS,
+                 f"export.max_seq_len={args.max_seq_len}", f"export.max_context_len={args.max_seq_len + 64}"]
+    wall, peak, failed = run_measured_or_failed(exporter_command(overrides, run), args.out / "ours.log")
+    report: dict[str, Any] = {"shape": args.shape, "overrides": overrides, "wall_s": round(wall, 1),
+                              "peak_rss_mb": round(peak), "failed": failed}
+    if failed is None:
+        manifest = json.loads((run / "manifest.json").read_text())
+        resources = manifest["resources"]
+        report.update(program_mb=round(manifest["program"]["size_bytes"] / 1e6, 1),
+                      estimated_peak_rss_mb=resources.get("estimated_peak_rss_mb"),
+                      stages_s={k: round(v, 1) for k, v in manifest["timings_s"].items()})
+        runtime = subprocess.run([sys.executable, "-m", "benchmarks.audio_language", "--measure", str(run)],
+                                 check=True, capture_output=True, text=True)
+        report["runtime"] = json.loads(runtime.stdout.strip().splitlines()[-1])
+    (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
