@@ -14,7 +14,7 @@ Each renderer takes one tool's JSON: ``suite`` the test suite's durations (``pyt
 ``benchmarks.llama_cpp`` report, ``memory`` a ``benchmarks.memory_estimate`` report, ``hybrid`` the rows
 ``benchmarks.hybrid --results`` keeps, ``adapters`` a ``benchmarks.adapters`` report, ``vision_quant`` the rows
 ``benchmarks.vision_quant --results`` writes, ``serve`` a ``benchmarks.serve`` report, ``speech`` a
-``benchmarks.speech`` report. Keep the JSON files in
+``benchmarks.speech`` report, ``audio_shape`` a ``benchmarks.audio_language`` report. Keep the JSON files in
 ``docs/results/``: they are the measurement, the table is a view of it. A new table is a renderer in
 :data:`RENDERERS` and a region in a doc.
 """
@@ -177,10 +177,25 @@ def render_speech(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_audio_shape(data: dict[str, Any]) -> str:
+    """A ``benchmarks.audio_language`` report: one published shape's export cost and its audio path's speed."""
+    r, stages = data["runtime"], data["stages_s"]
+    settings = " ".join(o for o in data["overrides"] if not o.startswith(("model=", "model.checkpoint=")))
+    return "\n".join([
+        f"{data['shape']}, `{settings}`:", "",
+        "| export s | peak RSS MB | estimated MB | program MB | RSS after load MB | audio_encoder, 30 s | "
+        "prompt with audio | decode |", "|---|---|---|---|---|---|---|---|",
+        f"| {data['wall_s']:.0f} | {data['peak_rss_mb']} | {data['estimated_peak_rss_mb']:.0f} | "
+        f"{data['program_mb']:.1f} | {r['rss_after_load_mb']:.0f} | {r['audio_encode_ms_30s'] / 1e3:.1f} s | "
+        f"{r['prompt_tokens']} tokens at {r['prompt_with_audio_tok_s']} tok/s | {r['decode_tok_s']} tok/s |", "",
+        "Stages (s): " + ", ".join(f"{k} {v:.0f}" for k, v in stages.items()) + "."]) + "\n"
+
+
 RENDERERS: dict[str, Callable[[Any], str]] = {"serve": render_serve, "suite": render_suite, "export": render_export,
                                               "speculative": render_speculative, "memory": render_memory,
                                               "hybrid": render_hybrid, "adapters": render_adapters,
-                                              "vision_quant": render_vision_quant, "speech": render_speech}
+                                              "vision_quant": render_vision_quant, "speech": render_speech,
+                                              "audio_shape": render_audio_shape}
 
 
 def regenerate(text: str, root: Path = ROOT) -> tuple[str, list[str]]:
