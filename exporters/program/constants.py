@@ -33,6 +33,8 @@ def constant_methods(args: DecoderArgs, checkpoint: Checkpoint, specs: dict[str,
     if checkpoint.eos_ids:
         values["get_eos_ids"] = list(checkpoint.eos_ids)
     for name, spec in specs.items():
+        if spec.takes == "features":  # audio_encoder counts windows, not tokens: get_max_audio_windows says them
+            continue
         values[f"get_{name}_max_tokens"] = spec.max_tokens
         if spec.dynamic and spec.min_tokens > 1:  # verify: 2..K+1 tokens (without it, exactly max_tokens)
             values[f"get_{name}_min_tokens"] = spec.min_tokens
