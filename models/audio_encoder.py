@@ -70,15 +70,6 @@ PART_PREFIXES: dict[str, tuple[str, ...]] = {
     "projector": ("model.multi_modal_projector.", "multi_modal_projector.")}
 
 
-def _part_name(stored: str) -> str | None:
-    """``tower.<name>`` / ``projector.<name>`` of a checkpoint tensor (None: the text decoder's)."""
-    for part, prefixes in PART_PREFIXES.items():
-        prefix = next((p for p in prefixes if stored.startswith(p)), None)
-        if prefix is not None:
-            return f"{part}.{stored[len(prefix):]}"
-    return None
-
-
 def _parts(model: Any) -> tuple[nn.Module, nn.Module]:
     return model.model.audio_tower, model.model.multi_modal_projector
 
@@ -102,7 +93,7 @@ def _encoder(hf_config: Any, parts: tuple[nn.Module, nn.Module]) -> AudioEncoder
 def load_audio_encoder(path: str, hf_config: Any) -> AudioEncoder:
     """The audio encoder of the checkpoint folder ``path`` in fp32, only its tensors read."""
     tower, projector = _new_parts(hf_config)
-    load_parts(path, {"tower": tower, "projector": projector}, _part_name)
+    load_parts(path, {"tower": tower, "projector": projector}, PART_PREFIXES)
     return _encoder(hf_config, (tower, projector))
 
 

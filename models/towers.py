@@ -7,7 +7,7 @@ and ``models.audio_encoder`` wrap the parts into what the program's method compu
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -42,11 +42,19 @@ def meta_model(hf_config: Any) -> nn.Module:
         return getattr(transformers, hf_config.architectures[0])(hf_config)
 
 
-def load_parts(path: str, parts: dict[str, nn.Module], part_name: Callable[[str], str | None],
-               nested: str = "") -> None:
-    """Read ``parts``' tensors (only theirs) from checkpoint folder ``path`` into them. ``part_name``: a stored
-    tensor's ``<part>.<name>`` (None: another part's, the text decoder's); ``nested``: a prefix some layouts put
-    before the part's own names and others do not."""
+def load_parts(path: str, parts: dict[str, nn.Module], prefixes: dict[str, tuple[str, ...]], nested: str = "") -> None:
+    """Read ``parts``' tensors (only theirs) from checkpoint folder ``path`` into them. ``prefixes``: part -> where
+    checkpoints keep its tensors, in every layout transformers reads (the others are the text decoder's);
+    ``nested``: a prefix some layouts put before the part's own names and others do not."""
+
+    def part_name(stored: str) -> str | None:
+        """``<part>.<name>`` of a checkpoint tensor (None: the text decoder's)."""
+        for part, starts in prefixes.items():
+            start = next((p for p in starts if stored.startswith(p)), None)
+            if start is not None:
+                return f"{part}.{stored[len(start):].removeprefix(nested)}"
+        return None
+
     names = {f"{part}.{name.removeprefix(nested)}": (part, name) for part, module in parts.items()
              for name in module.state_dict()}
     shapes = {ours: tuple(parts[part].state_dict()[name].shape) for ours, (part, name) in names.items()}

@@ -148,15 +148,6 @@ PART_PREFIXES: dict[str, tuple[str, ...]] = {
 NESTED = "vision_model."  # CLIP's and SigLIP's layers are under it in some layouts and not in others
 
 
-def _part_name(stored: str) -> str | None:
-    """``tower.<name>`` / ``projector.<name>`` of a checkpoint tensor (None: the text decoder's)."""
-    for part, prefixes in PART_PREFIXES.items():
-        prefix = next((p for p in prefixes if stored.startswith(p)), None)
-        if prefix is not None:
-            return f"{part}.{stored[len(prefix):].removeprefix(NESTED)}"
-    return None
-
-
 def load_vision_encoder(path: str, hf_config: Any, geometry: tuple[int, int] | None = None) -> VisionEncoder:
     """The vision encoder of the checkpoint folder ``path`` in fp32: the tower and projector built alone, and only
     their tensors read from the safetensors files (the text decoder's are not read: a 4B checkpoint's vision
@@ -165,7 +156,7 @@ def load_vision_encoder(path: str, hf_config: Any, geometry: tuple[int, int] | N
     family = vision_language_of(hf_config)
     assert family is not None, "a vision-language checkpoint"
     tower, projector = _new_parts(hf_config)
-    load_parts(path, {"tower": tower, "projector": projector}, _part_name, NESTED)
+    load_parts(path, {"tower": tower, "projector": projector}, PART_PREFIXES, NESTED)
     geometry = geometry or geometry_of(hf_config, path)
     return delegated_norms(ENCODERS[family.name](hf_config, geometry, tower, projector)).eval()
 
