@@ -28,7 +28,7 @@ from exporters.config import ExportConfig, ModelConfig, Source
 from exporters.errors import UserError, check_choice
 from exporters.manifest import AudioCheck, AudioEntry, ComponentEntry, Manifest
 from exporters.output.files import private_path
-from exporters.plan.component import Component, ComponentKind, QuantPlan
+from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
 from exporters.plan.footprint import BASE_BYTES, Footprint
 from exporters.program.audio import AUDIO, AUDIO_METHOD, audio_constants, audio_spec
 from exporters.program.methods import MULTIMODAL_METHODS, MethodTable
@@ -41,7 +41,6 @@ from exporters.validation.encoder_prompt import (GREEDY_STEPS, EncoderBaseline, 
 from exporters.validation.speech import VALIDATION_RECORDING
 from models.audio_encoder import audio_parameters, load_audio_encoder, random_audio_encoder
 from models.audio_language import AudioGeometry, audio_language_of, is_audio_language
-from models.checkpoint import open_checkpoint
 from models.tokenizer import find_tokenizer
 from models.whisper import is_whisper
 
@@ -95,19 +94,11 @@ def audio_windows(geometry: AudioGeometry, call_tokens: int) -> int:
 
 
 @dataclass(frozen=True)
-class AudioBuild:
+class AudioBuild(FolderBuild):
     """How the audio encoder is built: from the decoder's checkpoint folder, by transformers' own modules."""
 
-    model: ModelConfig
     geometry: AudioGeometry
     windows: int  # windows a call of audio_encoder takes
-
-    @property
-    def source(self) -> Source:
-        return self.model.source
-
-    def checkpoint(self, work_dir: Path) -> Checkpoint:
-        return open_checkpoint(self.model.checkpoint, need_weights=not self.model.random_init)
 
     def build(self, checkpoint: Checkpoint, device: str = "cpu") -> AudioEncoder:
         """The encoder with the checkpoint's weights, or with seeded random ones of its shape (model.random_init)."""

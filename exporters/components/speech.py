@@ -27,7 +27,7 @@ from exporters.errors import UserError
 from exporters.manifest import (AppliedQuantization, ComponentEntry, LayoutEntry, Manifest, MethodEntry, ModelEntry,
                                 SpeechEntry)
 from exporters.output.files import private_path
-from exporters.plan.component import Component, ComponentKind, QuantPlan
+from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
 from exporters.plan.footprint import BASE_BYTES, Footprint
 from exporters.program.constants import recorded
 from exporters.program.methods import MethodTable
@@ -39,7 +39,6 @@ from exporters.quant.apply import quantize_linear_role
 from exporters.quant.audio import audio_scheme, quantize_audio
 from exporters.quant.schemes import DTYPES
 from exporters.validation.speech import SpeechBaseline, check_speech, transcribe_eager, validation_input
-from models.checkpoint import open_checkpoint
 from models.whisper import ENCODER, is_whisper, TEXT_DECODER, EncoderMethod, TextDecoderMethod, WhisperProgram, example_inputs
 
 if TYPE_CHECKING:
@@ -64,19 +63,11 @@ def is_speech(model: ModelConfig) -> bool:
 
 
 @dataclass(frozen=True)
-class SpeechBuild:
+class SpeechBuild(FolderBuild):
     """How the speech model is built: transformers' Whisper with the checkpoint's weights (or seeded random ones of
     its shape), wrapped with the program's state for ``max_tokens`` decoder positions."""
 
-    model: ModelConfig
     max_tokens: int | None  # export.max_context_len; None: the checkpoint's decoder positions
-
-    @property
-    def source(self) -> Source:
-        return self.model.source
-
-    def checkpoint(self, work_dir: Path) -> Checkpoint:
-        return open_checkpoint(self.model.checkpoint, need_weights=not self.model.random_init)
 
     def build(self, checkpoint: Checkpoint, device: str = "cpu") -> WhisperProgram:
         """transformers' eager attention in the encoder: its SDPA lowers to portable checks for fully masked rows on

@@ -26,7 +26,7 @@ from exporters.config import ExportConfig, ModelConfig, Source
 from exporters.context.artifacts import summary
 from exporters.errors import UserError, check_choice
 from exporters.manifest import ComponentEntry, Manifest, VisionEntry
-from exporters.plan.component import Component, ComponentKind, QuantPlan
+from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
 from exporters.plan.footprint import BASE_BYTES, Footprint
 from exporters.program.methods import MULTIMODAL_METHODS, MethodTable
 from exporters.program.passes import noop_expands_dropped
@@ -36,7 +36,6 @@ from exporters.program.vision import (PATCH_ROW_FAMILIES, PROCESSOR_FILES, VISIO
 from exporters.quant.vision import AUTO, VISION_SCHEMES, quantize_vision, vision_scheme
 from exporters.validation.encoder_prompt import EncoderBaseline
 from exporters.validation.image import check_image_path, unquantized_image_path
-from models.checkpoint import open_checkpoint
 from models.tokenizer import find_tokenizer
 from models.vision import VISION_LANGUAGE, geometry_of, load_processor, vision_language_of
 from models.vision_encoder import load_vision_encoder, random_vision_encoder, vision_parameters
@@ -88,18 +87,10 @@ def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
 
 
 @dataclass(frozen=True)
-class VisionBuild:
+class VisionBuild(FolderBuild):
     """How the vision encoder is built: from the decoder's checkpoint folder, by transformers' own loader."""
 
-    model: ModelConfig
     geometry: VisionGeometry
-
-    @property
-    def source(self) -> Source:
-        return self.model.source
-
-    def checkpoint(self, work_dir: Path) -> Checkpoint:
-        return open_checkpoint(self.model.checkpoint, need_weights=not self.model.random_init)
 
     def build(self, checkpoint: Checkpoint, device: str = "cpu") -> VisionEncoder:
         """The encoder with the checkpoint's weights, or with seeded random ones of its shape (model.random_init)."""

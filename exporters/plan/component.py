@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from exporters.config import Attention, Choice, KvDType, ModelConfig, Source
 from exporters.program.methods import MethodTable
 from exporters.quant.plan import QuantPlan
-from models.checkpoint import build_model
+from models.checkpoint import build_model, open_checkpoint
 from models.sources import SOURCES
 from models.vocabulary import frequent_tokens
 
@@ -37,7 +37,7 @@ class ComponentKind(Choice):
 
 
 class Build(Protocol):
-    """How a component's eager model is built (``ModelBuild``; a vision encoder's: ``exporters.components.vision``)."""
+    """How a component's eager model is built (``ModelBuild``; the encoders' and speech model's: ``FolderBuild``)."""
 
     model: ModelConfig
 
@@ -47,6 +47,21 @@ class Build(Protocol):
     def checkpoint(self, work_dir: Path) -> "Checkpoint": ...
 
     def build(self, checkpoint: "Checkpoint", device: str = "cpu") -> Any: ...
+
+
+@dataclass(frozen=True)
+class FolderBuild:
+    """A build that reads a Hugging Face folder as it is (a vision or audio encoder beside the decoder, a speech
+    model): its weights unless ``model.random_init``. Subclasses add what they need and ``build``."""
+
+    model: ModelConfig
+
+    @property
+    def source(self) -> Source:
+        return self.model.source
+
+    def checkpoint(self, work_dir: Path) -> "Checkpoint":
+        return open_checkpoint(self.model.checkpoint, need_weights=not self.model.random_init)
 
 
 @dataclass(frozen=True)
