@@ -29,9 +29,10 @@ from exporters.errors import UserError, check_choice
 from exporters.manifest import AudioCheck, AudioEntry, ComponentEntry, Manifest
 from exporters.output.files import private_path
 from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
-from exporters.plan.footprint import BASE_BYTES, Footprint
+from exporters.plan.footprint import Footprint, encoder_footprint
 from exporters.program.audio import AUDIO, AUDIO_METHOD, audio_constants, audio_spec
-from exporters.program.methods import MULTIMODAL_METHODS, MethodTable
+from exporters.program.methods import (MULTIMODAL_METHODS, MethodTable, check_encoder_unbuilt,
+                                       check_runner_feeds)
 from exporters.program.passes import noop_expands_dropped
 from exporters.program.speech import PREPROCESSOR_FILE, SAMPLE_RATE, preprocessor_features, write_preprocessor
 from exporters.quant.audio import AUDIO_SCHEMES, AUTO, audio_scheme, quantize_audio
@@ -107,14 +108,6 @@ class AudioBuild(FolderBuild):
         return load_audio_encoder(str(checkpoint.path), checkpoint.hf_config)
 
 
-def audio_footprint(parameters: int) -> Footprint:
-    """What the audio encoder adds to the export's memory, held from load to the end (exporters.plan.footprint)."""
-    fp32 = 4 * parameters
-    return Footprint(parameters, fp32, fp32, fp32,
-                     {stage: BASE_BYTES + int(AUDIO_PEAK_PER_BYTE * fp32)
-                      for stage in ("load", "quantize", "lower", "emit", "validate")})
-
-
 class Audio(Kind):
     name = str(ComponentKind.audio_encoder)
 
@@ -130,26 +123,12 @@ class Audio(Kind):
                                 "audio-language model's), and model.checkpoint has none. Leave quant.audio unset.")
             return
         what = f"{cfg.model.checkpoint} hears audio ({geometry.family}, {geometry.tokens} positions per 30 s)"
-        if not cfg.backend.dynamic_shapes:
-            raise UserError(f"{what}, and backend={cfg.backend.name} exports fixed-size calls: ExecuTorch's "
-                            "MultimodalRunner feeds each text segment and each recording to text_decoder in one call of "
-                            "its own length. Use backend=xnnpack or backend=portable.")
-        if geometry.tokens > lengths.call_tokens:
-            raise UserError(f"{what}, and one call of text_decoder takes at most {lengths.call_tokens} tokens "
-                            f"(export.max_seq_len): the MultimodalRunner feeds a recording in one call. Set "
-                            f"export.max_seq_len={geometry.tokens + 1} or more (and export.max_context_len above it).")
+        check_runner_feeds(cfg, lengths, what, geometry.tokens, "a recording")
         if cfg.validate and room_needed(geometry.tokens) > lengths.context:
             raise UserError(f"{what}, and the cache holds {lengths.context} positions (export.max_context_len): "
                             f"validation's prompt puts text and {GREEDY_STEPS} generated tokens around a recording. Set "
                             f"export.max_context_len={room_needed(geometry.tokens)} or more.")
-        for key, value, why in (
-                ("quant.pt2e", cfg.quant.pt2e, "the backend's quantizer converts a graph that takes tokens"),
-                ("draft.checkpoint", cfg.draft.checkpoint, "speculative decoding of audio prompts is not built yet"),
-                ("model.adapters", cfg.model.adapters or None, "adapters on an audio-language program are not built yet"),
-                ("export.adapters", cfg.export.adapters if cfg.export.adapters != "methods" else None,
-                 "adapters on an audio-language program are not built yet")):
-            if value is not None:
-                raise UserError(f"{what}, and {key}={value}: {why}. Export it without {key}.")
+        check_encoder_unbuilt(cfg, what, "audio", "an audio-language")
 
     def plan(self, cfg: ExportConfig, basis: Basis) -> Component | None:
         """The audio encoder as a component of the plan (None for any other checkpoint)."""
@@ -169,7 +148,7 @@ class Audio(Kind):
         """The audio encoder, alive beside the decoder from load to the end; read from the decoder's checkpoint."""
         checkpoint = ctx.main.checkpoint
         ctx.records[part.name] = AudioRecord(checkpoint)
-        return audio_footprint(audio_parameters(checkpoint.hf_config))
+        return encoder_footprint(audio_parameters(checkpoint.hf_config), AUDIO_PEAK_PER_BYTE)
 
     def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         models[part.name] = part.component.build.build(ctx.record(part.name).checkpoint)

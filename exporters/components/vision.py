@@ -27,8 +27,9 @@ from exporters.context.artifacts import summary
 from exporters.errors import UserError, check_choice
 from exporters.manifest import ComponentEntry, Manifest, VisionEntry
 from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
-from exporters.plan.footprint import BASE_BYTES, Footprint
-from exporters.program.methods import MULTIMODAL_METHODS, MethodTable
+from exporters.plan.footprint import Footprint, encoder_footprint
+from exporters.program.methods import (MULTIMODAL_METHODS, MethodTable, check_encoder_unbuilt,
+                                       check_runner_feeds)
 from exporters.program.passes import noop_expands_dropped
 from exporters.program.vision import (PATCH_ROW_FAMILIES, PROCESSOR_FILES, VISION, VISION_METHOD, VisionGeometry,
                                       has_processor, preprocessing, prompt_marker,
@@ -106,20 +107,12 @@ class VisionBuild(FolderBuild):
 VISION_PEAK_PER_BYTE = 3.7
 
 
-def vision_footprint(parameters: int) -> Footprint:
-    """What the vision encoder adds to the export's memory, held from load to the end (exporters.plan.footprint)."""
-    fp32 = 4 * parameters
-    return Footprint(parameters, fp32, fp32, fp32,
-                     {stage: BASE_BYTES + int(VISION_PEAK_PER_BYTE * fp32)
-                      for stage in ("load", "quantize", "lower", "emit", "validate")})
-
-
 class Vision(Kind):
     name = str(ComponentKind.vision_encoder)
 
     def check(self, cfg: ExportConfig, lengths: Lengths) -> None:
         """What a vision-language export cannot do, refused before any weight is read."""
-        geometry, dynamic_shapes = vision_geometry(cfg.model), cfg.backend.dynamic_shapes
+        geometry = vision_geometry(cfg.model)
         check_choice("quant.vision", cfg.quant.vision, [AUTO, *VISION_SCHEMES], "Fix quant.vision.")
         if geometry is None:
             if cfg.quant.vision != AUTO:
@@ -127,22 +120,8 @@ class Vision(Kind):
                                 "and model.checkpoint is a text model. Leave quant.vision unset.")
             return
         what = f"{cfg.model.checkpoint} sees images ({geometry.family}, {geometry.tokens} positions per image)"
-        if not dynamic_shapes:
-            raise UserError(f"{what}, and backend={cfg.backend.name} exports fixed-size calls: ExecuTorch's "
-                            "MultimodalRunner feeds each text segment and each image to text_decoder in one call of its "
-                            "own length. Use backend=xnnpack or backend=portable.")
-        if geometry.tokens > lengths.call_tokens:
-            raise UserError(f"{what}, and one call of text_decoder takes at most {lengths.call_tokens} tokens "
-                            f"(export.max_seq_len): the MultimodalRunner feeds an image in one call. Set "
-                            f"export.max_seq_len={geometry.tokens + 1} or more (and export.max_context_len above it).")
-        for key, value, why in (
-                ("quant.pt2e", cfg.quant.pt2e, "the backend's quantizer converts a graph that takes tokens"),
-                ("draft.checkpoint", cfg.draft.checkpoint, "speculative decoding of image prompts is not built yet"),
-                ("model.adapters", cfg.model.adapters or None, "adapters on a vision-language program are not built yet"),
-                ("export.adapters", cfg.export.adapters if cfg.export.adapters != "methods" else None,
-                 "adapters on a vision-language program are not built yet")):
-            if value is not None:
-                raise UserError(f"{what}, and {key}={value}: {why}. Export it without {key}.")
+        check_runner_feeds(cfg, lengths, what, geometry.tokens, "an image")
+        check_encoder_unbuilt(cfg, what, "image", "a vision-language")
 
     def plan(self, cfg: ExportConfig, basis: Basis) -> Component | None:
         """The vision encoder as a component of the plan (None for a text checkpoint)."""
@@ -160,7 +139,7 @@ class Vision(Kind):
         """The image encoder, alive beside the decoder from load to the end; read from the decoder's checkpoint."""
         checkpoint = ctx.main.checkpoint
         ctx.records[part.name] = VisionRecord(checkpoint)
-        return vision_footprint(vision_parameters(checkpoint.hf_config))
+        return encoder_footprint(vision_parameters(checkpoint.hf_config), VISION_PEAK_PER_BYTE)
 
     def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         models[part.name] = part.component.build.build(ctx.record(part.name).checkpoint)

@@ -303,3 +303,13 @@ def check_fits(footprint: Footprint, limit_gb: float | None) -> None:
         "a smaller quant (quant=8da4w_emb4w stores 4-bit weights, about 1.2 bytes per parameter in memory), "
         "validate=false (validation loads the program beside the eager model), or a machine with more memory. "
         "If the estimate is wrong for this machine (swap, or memory freed since), set export.memory_limit_gb.")
+
+
+def encoder_footprint(parameters: int, peak_per_byte: float) -> Footprint:
+    """What an encoder beside the decoder (vision, audio) adds to the export's memory, held from load to the end:
+    its fp32 weights, and ``peak_per_byte`` times them at each stage's peak (measured per kind)."""
+    fp32 = 4 * parameters
+    return Footprint(parameters, fp32, fp32, fp32,
+                     {stage: BASE_BYTES + int(peak_per_byte * fp32)
+                      for stage in ("load", "quantize", "lower", "emit", "validate")})
+

@@ -22,7 +22,7 @@ from exporters.program.lengths import Lengths
 from exporters.program.layouts import LAYOUTS, Layout, check_layout
 
 if TYPE_CHECKING:
-    from exporters.config import BackendConfig, DraftConfig, ExportSection, QuantConfig
+    from exporters.config import BackendConfig, DraftConfig, ExportConfig, ExportSection, QuantConfig
     from exporters.program.swappable import SlotPlan
 
 
@@ -146,6 +146,33 @@ METHOD_KINDS: dict[str, Callable[[Lengths], MethodSpec]] = {
 }
 #: The methods ExecuTorch's MultimodalRunner calls on the decoder (named so in every layout).
 MULTIMODAL_METHODS = ("token_embedding", "text_decoder")
+
+
+def check_runner_feeds(cfg: ExportConfig, lengths: Lengths, what: str, tokens: int, one: str) -> None:
+    """An encoder beside the decoder (``one``: "an image", "a recording" of ``tokens`` positions): the MultimodalRunner
+    feeds each text segment and each encoder output to text_decoder in one call of its own length, so the backend
+    must take dynamic shapes and one call must hold the encoder's positions. ``what``: the checkpoint, named."""
+    if not cfg.backend.dynamic_shapes:
+        raise UserError(f"{what}, and backend={cfg.backend.name} exports fixed-size calls: ExecuTorch's "
+                        f"MultimodalRunner feeds each text segment and each {one.split(' ', 1)[1]} to text_decoder in "
+                        "one call of its own length. Use backend=xnnpack or backend=portable.")
+    if tokens > lengths.call_tokens:
+        raise UserError(f"{what}, and one call of text_decoder takes at most {lengths.call_tokens} tokens "
+                        f"(export.max_seq_len): the MultimodalRunner feeds {one} in one call. Set "
+                        f"export.max_seq_len={tokens + 1} or more (and export.max_context_len above it).")
+
+
+def check_encoder_unbuilt(cfg: ExportConfig, what: str, prompts: str, program: str) -> None:
+    """What an encoder's program does not build yet (``prompts``: "image", "audio"; ``program``: "a vision-language",
+    "an audio-language"), refused by name."""
+    for key, value, why in (
+            ("quant.pt2e", cfg.quant.pt2e, "the backend's quantizer converts a graph that takes tokens"),
+            ("draft.checkpoint", cfg.draft.checkpoint, f"speculative decoding of {prompts} prompts is not built yet"),
+            ("model.adapters", cfg.model.adapters or None, f"adapters on {program} program are not built yet"),
+            ("export.adapters", cfg.export.adapters if cfg.export.adapters != "methods" else None,
+             f"adapters on {program} program are not built yet")):
+        if value is not None:
+            raise UserError(f"{what}, and {key}={value}: {why}. Export it without {key}.")
 
 
 def with_verify(kinds: Sequence[str], draft: DraftConfig) -> list[str]:
