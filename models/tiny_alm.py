@@ -13,10 +13,8 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
-from models.tiny import BOS_ID, CORPUS, EOS_ID, built_once, fit_to_corpus, recipe_key, train_tokenizer
-from models.tiny_vlm import TEXT_ARCH, TEXT_VOCAB
+from models.tiny import BOS_ID, EOS_ID, built_once, recipe_key
+from models.tiny_vlm import TEXT_ARCH, save_multimodal, tiny_tokenizer
 
 MEL_BINS = 128
 WINDOW_POSITIONS = 1500  # Whisper's encoder positions of a 30 s window (3000 frames, halved by its second conv)
@@ -26,24 +24,17 @@ AUDIO_WIDTH = 32
 VOXTRAL_STACK = 20
 
 
-def _tokenizer(special: dict[str, str]) -> Any:
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(TEXT_VOCAB), bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<unk>", extra_special_tokens=special)
-
-
 def _features() -> Any:
     from transformers import WhisperFeatureExtractor
 
     return WhisperFeatureExtractor(feature_size=MEL_BINS)
 
 
-def _voxtral() -> tuple[Any, list[Any]]:
+def _voxtral() -> tuple[Any, Any, list[Any]]:
     """Voxtral's prompt tokens as its tekken tokenizer names them; a Llama decoder."""
     from transformers import LlamaConfig, VoxtralConfig, VoxtralEncoderConfig
 
-    tok = _tokenizer({"audio_token": "[AUDIO]", "begin_audio_token": "[BEGIN_AUDIO]", "inst_token": "[INST]",
+    tok = tiny_tokenizer({"audio_token": "[AUDIO]", "begin_audio_token": "[BEGIN_AUDIO]", "inst_token": "[INST]",
                       "end_inst_token": "[/INST]"})
     config = VoxtralConfig(
         audio_config=VoxtralEncoderConfig(hidden_size=AUDIO_WIDTH, intermediate_size=AUDIO_WIDTH * VOXTRAL_STACK,
@@ -52,14 +43,14 @@ def _voxtral() -> tuple[Any, list[Any]]:
         text_config=LlamaConfig(**TEXT_ARCH, head_dim=16, vocab_size=len(tok), bos_token_id=BOS_ID,
                                 eos_token_id=EOS_ID),
         audio_token_id=tok.convert_tokens_to_ids("[AUDIO]"), architectures=["VoxtralForConditionalGeneration"])
-    return config, [tok, _features()]
+    return config, tok, [tok, _features()]
 
 
-def _qwen2_audio() -> tuple[Any, list[Any]]:
+def _qwen2_audio() -> tuple[Any, Any, list[Any]]:
     """Qwen2-Audio's own processor (Whisper's features, its audio tokens); a Qwen2 decoder."""
     from transformers import Qwen2AudioConfig, Qwen2AudioEncoderConfig, Qwen2AudioProcessor, Qwen2Config
 
-    tok = _tokenizer({"audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>",
+    tok = tiny_tokenizer({"audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>",
                       "audio_eos_token": "<|audio_eos|>"})
     config = Qwen2AudioConfig(
         audio_config=Qwen2AudioEncoderConfig(d_model=AUDIO_WIDTH, encoder_ffn_dim=2 * AUDIO_WIDTH, encoder_layers=2,
@@ -67,11 +58,11 @@ def _qwen2_audio() -> tuple[Any, list[Any]]:
                                              max_source_positions=WINDOW_POSITIONS),
         text_config=Qwen2Config(**TEXT_ARCH, vocab_size=len(tok), bos_token_id=BOS_ID, eos_token_id=EOS_ID),
         audio_token_index=tok.convert_tokens_to_ids("<|AUDIO|>"), architectures=["Qwen2AudioForConditionalGeneration"])
-    return config, [Qwen2AudioProcessor(feature_extractor=_features(), tokenizer=tok)]
+    return config, tok, [Qwen2AudioProcessor(feature_extractor=_features(), tokenizer=tok)]
 
 
-#: family (``models.audio_language.AudioLanguage.name``) -> its tiny config and the files saved beside it.
-TINY_ALM: dict[str, Callable[[], tuple[Any, list[Any]]]] = {"voxtral": _voxtral, "qwen2_audio": _qwen2_audio}
+#: family (``models.audio_language.AudioLanguage.name``) -> its tiny config, tokenizer and the files saved beside it.
+TINY_ALM: dict[str, Callable[[], tuple[Any, Any, list[Any]]]] = {"voxtral": _voxtral, "qwen2_audio": _qwen2_audio}
 
 
 def write_tiny_alm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, train_steps: int = 100) -> Path:
@@ -83,22 +74,8 @@ def write_tiny_alm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, t
 
 
 def _build(out: Path, family: str, seed: int, train_steps: int) -> Path:
-    import transformers
-    from transformers import GenerationConfig
-
-    config, beside = TINY_ALM[family]()
-    tokenizer = next(getattr(b, "tokenizer", b) for b in beside if hasattr(b, "tokenizer") or hasattr(b, "encode"))
-    transformers.utils.logging.disable_progress_bar()
-    torch.manual_seed(seed)
-    model = getattr(transformers, config.architectures[0])(config)
-    if train_steps:
-        fit_to_corpus(model, tokenizer(CORPUS)["input_ids"], train_steps, seed)
-    out.mkdir(parents=True, exist_ok=True)
-    model.eval().save_pretrained(out)
-    for files in beside:
-        files.save_pretrained(out)
-    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(out)
-    return out
+    config, tokenizer, beside = TINY_ALM[family]()
+    return save_multimodal(out, config, tokenizer, beside, seed, train_steps)
 
 
 def main() -> None:

@@ -25,7 +25,8 @@ VISION_ARCH: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_
 IMAGE_TOKENS = 4  # embedding positions per image, every family below
 
 
-def _tokenizer(special: dict[str, str]) -> Any:
+def tiny_tokenizer(special: dict[str, str]) -> Any:
+    """The tiny text tokenizer with a family's special tokens (here and in ``models.tiny_alm``)."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(TEXT_VOCAB), bos_token="<s>", eos_token="</s>",
@@ -35,7 +36,7 @@ def _tokenizer(special: dict[str, str]) -> Any:
 def _llava() -> tuple[Any, Any]:
     from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor
 
-    tok = _tokenizer({"image_token": "<image>"})
+    tok = tiny_tokenizer({"image_token": "<image>"})
     config = LlavaConfig(
         vision_config=CLIPVisionConfig(**VISION_ARCH, image_size=28, patch_size=14, projection_dim=32),
         text_config=LlamaConfig(**TEXT_ARCH, vocab_size=len(tok), bos_token_id=BOS_ID, eos_token_id=EOS_ID),
@@ -52,7 +53,7 @@ def _gemma3() -> tuple[Any, Any]:
     from transformers import (Gemma3Config, Gemma3ImageProcessor, Gemma3Processor, Gemma3TextConfig,
                               SiglipVisionConfig)
 
-    tok = _tokenizer({"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+    tok = tiny_tokenizer({"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                       "eoi_token": "<end_of_image>"})
     config = Gemma3Config(
         vision_config=SiglipVisionConfig(**VISION_ARCH, image_size=56, patch_size=14, vision_use_head=False),
@@ -69,7 +70,7 @@ def _idefics3() -> tuple[Any, Any]:
     from transformers import (Idefics3Config, Idefics3ImageProcessor, Idefics3Processor, Idefics3VisionConfig,
                               LlamaConfig)
 
-    tok = _tokenizer({"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+    tok = tiny_tokenizer({"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
                       "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"})
     config = Idefics3Config(
         vision_config=Idefics3VisionConfig(**VISION_ARCH, image_size=32, patch_size=8),
@@ -90,7 +91,7 @@ def _lfm2_vl() -> tuple[Any, Any]:
 
     from models.lfm2_vl_images import Lfm2VlSquareImages
 
-    tok = _tokenizer({"image_token": "<image>", "image_start_token": "<|image_start|>",
+    tok = tiny_tokenizer({"image_token": "<image>", "image_start_token": "<|image_start|>",
                       "image_end_token": "<|image_end|>", "image_thumbnail_token": "<|img_thumbnail|>"})
     config = Lfm2VlConfig(
         vision_config=Siglip2VisionConfig(**VISION_ARCH, patch_size=8, num_patches=4, vision_use_head=False),
@@ -118,10 +119,17 @@ def write_tiny_vlm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, t
 
 
 def _build(out: Path, family: str, seed: int, train_steps: int) -> Path:
+    config, processor = TINY_VLM[family]()
+    return save_multimodal(out, config, processor.tokenizer, [processor], seed, train_steps)
+
+
+def save_multimodal(out: Path, config: Any, tokenizer: Any, beside: list[Any], seed: int, train_steps: int) -> Path:
+    """transformers' model of ``config`` with seeded random weights, its text side fitted to the corpus, saved in
+    ``out`` with ``beside`` (a processor, a tokenizer, a feature extractor) and ``generation_config.json``: every tiny
+    multimodal checkpoint (here and in ``models.tiny_alm``)."""
     import transformers
     from transformers import GenerationConfig
 
-    config, processor = TINY_VLM[family]()
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(seed)
     model = getattr(transformers, config.architectures[0])(config)
@@ -130,10 +138,11 @@ def _build(out: Path, family: str, seed: int, train_steps: int) -> Path:
             if "multi_modal_projector" in name and not p.any():
                 p.normal_(0.0, 0.05)
     if train_steps:
-        fit_to_corpus(model, processor.tokenizer(CORPUS)["input_ids"], train_steps, seed)
+        fit_to_corpus(model, tokenizer(CORPUS)["input_ids"], train_steps, seed)
     out.mkdir(parents=True, exist_ok=True)
     model.eval().save_pretrained(out)
-    processor.save_pretrained(out)
+    for files in beside:
+        files.save_pretrained(out)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(out)
     return out
 
