@@ -1,4 +1,5 @@
-"""The image processor's files saved beside a checkpoint (or a run), and the settings they hold."""
+"""Files saved beside a checkpoint (or a run) read without building anything: the architectures ``config.json``
+names, the image processor's files and the settings they hold."""
 
 from __future__ import annotations
 
@@ -20,3 +21,13 @@ def processor_settings(folder: Path) -> dict[str, Any]:
             raw = json.loads(path.read_text())
             settings.update(raw.get("image_processor", raw))
     return settings
+
+
+def saved_architectures(folder: Path) -> list[str]:
+    """The architectures ``folder``'s ``config.json`` names; [] when it has none or cannot be read (open_checkpoint
+    reports that, with the fix)."""
+    try:
+        return list(json.loads((Path(folder) / "config.json").read_text()).get("architectures") or [])
+    except (OSError, json.JSONDecodeError):
+        return []
+

@@ -20,7 +20,6 @@ written are masked, so a new audio needs no reset: its first call writes from po
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from torch import nn
 
 from models.ctranslate2 import is_ctranslate2
 from models.kv_cache import CacheGeometry
+from models.processor_files import saved_architectures
 
 ENCODER = "encoder"
 TEXT_DECODER = "text_decoder"
@@ -38,13 +38,7 @@ ARCHITECTURES = ("WhisperForConditionalGeneration",)
 
 def is_whisper(path: Path) -> bool:
     """Whether folder ``path`` holds a Whisper model: a Hugging Face checkpoint of it, or faster-whisper's files."""
-    if is_ctranslate2(path):
-        return True
-    try:
-        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
-    except (OSError, json.JSONDecodeError):
-        return False  # open_checkpoint reports it, with the fix
-    return any(a in ARCHITECTURES for a in architectures)
+    return is_ctranslate2(path) or any(a in ARCHITECTURES for a in saved_architectures(path))
 
 
 @dataclass(frozen=True)

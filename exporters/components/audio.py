@@ -13,7 +13,6 @@ validation recording and a prompt around it through the program (``exporters.val
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,8 @@ from exporters.program.audio import AUDIO, AUDIO_METHOD, audio_constants, audio_
 from exporters.program.methods import (MULTIMODAL_METHODS, MethodTable, check_encoder_unbuilt,
                                        check_runner_feeds)
 from exporters.program.passes import noop_expands_dropped
-from exporters.program.speech import PREPROCESSOR_FILE, SAMPLE_RATE, preprocessor_features, write_preprocessor
+from exporters.program.speech import (PREPROCESSOR_FILE, SAMPLE_RATE, is_speech, preprocessor_features,
+                                      write_preprocessor)
 from exporters.quant.audio import AUDIO_SCHEMES, AUTO, audio_scheme, quantize_audio
 from exporters.runtime.audio import read_audio
 from exporters.validation.encoder_prompt import (GREEDY_STEPS, EncoderBaseline, check_encoder_path, room_needed,
@@ -42,8 +42,8 @@ from exporters.validation.encoder_prompt import (GREEDY_STEPS, EncoderBaseline, 
 from exporters.validation.speech import VALIDATION_RECORDING
 from models.audio_encoder import audio_parameters, load_audio_encoder, random_audio_encoder
 from models.audio_language import AudioGeometry, audio_language_of, is_audio_language
+from models.processor_files import saved_architectures
 from models.tokenizer import find_tokenizer
-from models.whisper import is_whisper
 
 if TYPE_CHECKING:
     from exporters.context import ExportContext
@@ -78,11 +78,7 @@ def audio_geometry(model: ModelConfig) -> AudioGeometry | None:
     if model.source != Source.hf or model.checkpoint is None:
         return None
     path = Path(model.checkpoint).expanduser()
-    try:
-        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
-    except (OSError, json.JSONDecodeError):
-        return None  # open_checkpoint reports it, with the fix
-    if not is_audio_language(architectures):
+    if not is_audio_language(saved_architectures(path)):
         return None
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     family = audio_language_of(hf_config)
@@ -116,9 +112,7 @@ class Audio(Kind):
         check_choice("quant.audio", cfg.quant.audio, [AUTO, *AUDIO_SCHEMES], "Fix quant.audio.")
         geometry = audio_geometry(cfg.model)
         if geometry is None:
-            speech = cfg.model.source == Source.hf and cfg.model.checkpoint is not None and is_whisper(
-                Path(cfg.model.checkpoint).expanduser())
-            if cfg.quant.audio != AUTO and not speech:
+            if cfg.quant.audio != AUTO and not is_speech(cfg.model):
                 raise UserError(f"quant.audio={cfg.quant.audio} quantizes an audio encoder (Whisper's, or an "
                                 "audio-language model's), and model.checkpoint has none. Leave quant.audio unset.")
             return

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from exporters.components.kind import Basis, Bundled, Finalized, Kind, Part
-from exporters.config import DType, ExportConfig, KvDType, ModelConfig, Source, WeightsPlacement
+from exporters.config import DType, ExportConfig, KvDType, WeightsPlacement
 from exporters.errors import UserError
 from exporters.manifest import (AppliedQuantization, ComponentEntry, LayoutEntry, Manifest, MethodEntry, ModelEntry,
                                 SpeechEntry)
@@ -34,12 +34,12 @@ from exporters.program.methods import MethodTable
 from exporters.program.passes import noop_expands_dropped
 from exporters.program.signatures import signature
 from exporters.program.speech import (CHUNK_SECONDS, METHODS, PREPROCESSOR_FILE, SAMPLE_RATE, SpeechTokens,
-                                      speech_constants, write_preprocessor)
+                                      is_speech, speech_constants, write_preprocessor)
 from exporters.quant.apply import quantize_linear_role
 from exporters.quant.audio import audio_scheme, quantize_audio
 from exporters.quant.schemes import DTYPES
 from exporters.validation.speech import SpeechBaseline, check_speech, transcribe_eager, validation_input
-from models.whisper import ENCODER, is_whisper, TEXT_DECODER, EncoderMethod, TextDecoderMethod, WhisperProgram, example_inputs
+from models.whisper import ENCODER, TEXT_DECODER, EncoderMethod, TextDecoderMethod, WhisperProgram, example_inputs
 
 if TYPE_CHECKING:
     from exporters.context import ExportContext
@@ -55,11 +55,6 @@ log = logging.getLogger("exporters")
 SPEECH = "speech"  # the component's name
 # Peak RSS per byte of the fp32 weights, over the base: measured on Whisper base (docs/speech.md).
 PEAK_PER_BYTE = 6.0
-
-
-def is_speech(model: ModelConfig) -> bool:
-    """Whether ``model.checkpoint`` is a speech recognizer this kind exports (a Whisper folder, HF or faster-whisper)."""
-    return model.source == Source.hf and model.checkpoint is not None and is_whisper(Path(model.checkpoint).expanduser())
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ quantizes it apart (``exporters.quant.vision``); validation runs an image and an
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from exporters.program.vision import (PATCH_ROW_FAMILIES, PROCESSOR_FILES, VISIO
 from exporters.quant.vision import AUTO, VISION_SCHEMES, quantize_vision, vision_scheme
 from exporters.validation.encoder_prompt import EncoderBaseline
 from exporters.validation.image import check_image_path, unquantized_image_path
+from models.processor_files import saved_architectures
 from models.tokenizer import find_tokenizer
 from models.vision import VISION_LANGUAGE, geometry_of, load_processor, vision_language_of
 from models.vision_encoder import load_vision_encoder, random_vision_encoder, vision_parameters
@@ -70,14 +70,7 @@ def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
     if model.source != Source.hf or model.checkpoint is None:
         return None
     path = Path(model.checkpoint).expanduser()
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        return None
-    try:
-        architectures = json.loads(config_file.read_text()).get("architectures") or []
-    except (OSError, json.JSONDecodeError):
-        return None  # open_checkpoint reports it, with the fix
-    if not any(arch in v.architectures for v in VISION_LANGUAGE for arch in architectures):
+    if not any(arch in v.architectures for v in VISION_LANGUAGE for arch in saved_architectures(path)):
         return None
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     family = vision_language_of(hf_config)

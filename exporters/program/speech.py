@@ -20,11 +20,12 @@ from typing import Any
 import torch
 from filelock import FileLock
 
+from exporters.config import ModelConfig, Source
 from exporters.manifest import Signature, TensorSpec
 from exporters.output.files import private_path
 from exporters.program.versions import installed
 from models.gguf import llm_exporters_cache
-from models.whisper import ENCODER, TEXT_DECODER, WhisperShape
+from models.whisper import ENCODER, TEXT_DECODER, WhisperShape, is_whisper
 
 log = logging.getLogger("exporters")
 
@@ -67,6 +68,11 @@ class SpeechTokens:
         return [self.start, *([language] if language is not None else []),
                 *([task_token] if task_token is not None else []),
                 *([self.no_timestamps] if self.no_timestamps is not None else [])]
+
+
+def is_speech(model: ModelConfig) -> bool:
+    """Whether ``model.checkpoint`` is a speech recognizer (a Whisper folder, Hugging Face's or faster-whisper's)."""
+    return model.source == Source.hf and model.checkpoint is not None and is_whisper(Path(model.checkpoint).expanduser())
 
 
 def speech_constants(shape: WhisperShape, tokens: SpeechTokens, max_tokens: int) -> dict[str, Any]:
