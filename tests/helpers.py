@@ -36,6 +36,16 @@ def assert_matches_transformers(ref, ours, tokens: torch.Tensor, prefill_len: in
                                        msg=lambda m, pos=pos: f"decode step at position {pos}: {m}")
 
 
+def transformers_model(ckpt: Path):  # type: ignore[no-untyped-def]
+    """The checkpoint as transformers loads it, by its config's architecture (fp32, eager attention): the reference a
+    multimodal program is compared with."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(ckpt)
+    cls = getattr(transformers, config.architectures[0])
+    return cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 def copy_checkpoint(src: Path, dst: Path, config: dict[str, Any] | None = None, drop: tuple[str, ...] = ()) -> Path:
     """A copy of checkpoint ``src`` at ``dst`` with ``config.json`` fields set (``config``) or removed (``drop``)."""
     shutil.copytree(src, dst)

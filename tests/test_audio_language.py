@@ -24,7 +24,7 @@ from exporters.validation.speech import VALIDATION_RECORDING
 from models.audio_encoder import load_audio_encoder
 from models.checkpoint import build_model, open_checkpoint
 from models.tiny_alm import TINY_ALM, VOXTRAL_STACK, WINDOW_POSITIONS
-from tests.helpers import compose_config
+from tests.helpers import compose_config, transformers_model
 
 FAMILIES = list(TINY_ALM)
 NEW_TOKENS = 8
@@ -32,14 +32,6 @@ NEW_TOKENS = 8
 # call long enough for one 30 s window of the tiny Voxtral (75 positions).
 PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=96")
 TOKENS = {"voxtral": WINDOW_POSITIONS // VOXTRAL_STACK, "qwen2_audio": WINDOW_POSITIONS // 2}
-
-
-def transformers_alm(ckpt: Path):  # type: ignore[no-untyped-def]
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(ckpt)
-    cls = getattr(transformers, config.architectures[0])
-    return cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def transformers_embeddings(ref, family: str, features: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -56,7 +48,7 @@ def test_the_audio_encoder_computes_what_transformers_computes(alm_checkpoint, f
     ckpt = alm_checkpoint(family)
     encoder = load_audio_encoder(str(ckpt), open_checkpoint(ckpt).hf_config)
     features = torch.randn(2, 128, 3000, generator=torch.Generator().manual_seed(0))
-    ref = transformers_alm(ckpt)
+    ref = transformers_model(ckpt)
     with torch.no_grad():
         ours = torch.cat([encoder(features)] if family == "voxtral" else [encoder(w[None]) for w in features], dim=1)
         theirs = transformers_embeddings(ref, family, features)
@@ -69,7 +61,7 @@ def test_the_text_decoder_of_an_audio_checkpoint_is_transformers_language_model(
     """The decoder is read from the checkpoint's language_model.* tensors alone and computes transformers' logits."""
     ckpt = alm_checkpoint(family)
     ours = build_model(open_checkpoint(ckpt), 64)
-    ref = transformers_alm(ckpt)
+    ref = transformers_model(ckpt)
     ids = torch.tensor([[1, 17, 42, 99, 7, 250, 3]])
     with torch.no_grad():
         expected = ref(input_ids=ids).logits
@@ -158,7 +150,7 @@ def test_the_stock_multimodal_runner_writes_transformers_tokens_with_audio(expor
     ids = torch.tensor([made.ids])
     assert made.ids == before + [config.audio_token_id] * TOKENS["voxtral"] + after
     with torch.no_grad():
-        generated = transformers_alm(ckpt).generate(input_ids=ids, input_features=features,
+        generated = transformers_model(ckpt).generate(input_ids=ids, input_features=features,
                                                     max_new_tokens=NEW_TOKENS, do_sample=False)
     expected_ids = generated[0, ids.shape[1]:].tolist()
     text = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), images=made)
@@ -220,7 +212,7 @@ def test_a_qwen2_audio_program_writes_transformers_tokens_on_a_whole_window(expo
     features = made.parts[1]
     ids = torch.tensor([made.ids])
     with torch.no_grad():
-        generated = transformers_alm(ckpt).generate(input_ids=ids, input_features=features,
+        generated = transformers_model(ckpt).generate(input_ids=ids, input_features=features,
                                                     feature_attention_mask=torch.ones(1, 3000, dtype=torch.long),
                                                     max_new_tokens=NEW_TOKENS, do_sample=False)
     ours = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), images=made)

@@ -25,7 +25,7 @@ from models.checkpoint import build_model, open_checkpoint
 from models.tiny_vlm import IMAGE_TOKENS as TINY_IMAGE_TOKENS
 from models.tiny_vlm import TINY_VLM
 from models.vision_encoder import load_vision_encoder
-from tests.helpers import compose_config
+from tests.helpers import compose_config, transformers_model
 
 FAMILIES = list(TINY_VLM)
 NEW_TOKENS = 8
@@ -34,14 +34,6 @@ NEW_TOKENS = 8
 PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=32")
 # Where the prompt's image goes: the processor expands this into the image's tokens (Gemma 3's begin-of-image token).
 IMAGE_MARK = {"llava": "<image>", "gemma3": "<start_of_image>", "idefics3": "<image>", "lfm2_vl": "<image>"}
-
-
-def transformers_vlm(ckpt: Path):  # type: ignore[no-untyped-def]
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(ckpt)
-    cls = getattr(transformers, config.architectures[0])
-    return cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def picture():  # type: ignore[no-untyped-def]
@@ -83,7 +75,7 @@ def transformers_features(ref, family: str, pixels: torch.Tensor) -> torch.Tenso
 def test_the_text_decoder_of_a_vision_language_checkpoint_matches_transformers(vlm_checkpoint, family: str) -> None:
     ckpt = vlm_checkpoint(family)
     ours = build_model(open_checkpoint(ckpt), 32)
-    ref = transformers_vlm(ckpt)
+    ref = transformers_model(ckpt)
     tokens = torch.randint(3, 380, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = ref(input_ids=tokens).logits
@@ -98,7 +90,7 @@ def test_the_text_decoder_of_a_vision_language_checkpoint_matches_transformers(v
 def test_the_vision_encoder_computes_transformers_image_features(vlm_checkpoint, family: str) -> None:
     ckpt = vlm_checkpoint(family)
     encoder = load_vision_encoder(str(ckpt), open_checkpoint(ckpt).hf_config)
-    ref = transformers_vlm(ckpt)
+    ref = transformers_model(ckpt)
     pixels = torch.rand(1, 3, encoder.image_size, encoder.image_size, generator=torch.Generator().manual_seed(0)) * 2 - 1
     with torch.no_grad():
         ours = encoder(pixels)
@@ -196,7 +188,7 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     generate_hf(runner, inputs=inputs, config=GenerationConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False),
                 image_token_id=config.image_token_id, token_callback=pieces.append)
     with torch.no_grad():
-        generated = transformers_vlm(ckpt).generate(**reference, max_new_tokens=NEW_TOKENS, do_sample=False)
+        generated = transformers_model(ckpt).generate(**reference, max_new_tokens=NEW_TOKENS, do_sample=False)
     from transformers import AutoTokenizer
 
     expected = AutoTokenizer.from_pretrained(ckpt).decode(generated[0, inputs["input_ids"].shape[1]:])
@@ -363,7 +355,7 @@ def test_several_images_in_one_prompt_give_transformers_greedy_tokens(exported, 
     inputs = processor(images=[Image.open(f) for f in files], text=prompt, return_tensors="pt")
     assert inputs["input_ids"][0].tolist() == made.ids
     with torch.no_grad():
-        generated = transformers_vlm(ckpt).generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        generated = transformers_model(ckpt).generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert text == processor.tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:])
 
 
