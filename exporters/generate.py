@@ -173,18 +173,18 @@ def main(argv: list[str] | None = None) -> int:
             generator.check_speculation(args.speculative, args.draft_tokens)
             # A vision-language program's prompt always goes through its processor: an image mark without an image
             # (or the reverse) is refused there, as image= on a program that takes none.
-            images = (generator.with_audio(args.prompt, args.audio, args.chat, audio_entry(manifest))
-                      if args.audio is not None else generator.with_images(args.prompt, args.image, args.chat)
-                      if generator.sees_images or args.image else None)
-            prompt = chat_prompt(generator.pte, args.prompt) if args.chat and not images else args.prompt
-            ids = images.ids if images else generator.encode(prompt)
+            media = (generator.with_audio(args.prompt, args.audio, args.chat, audio_entry(manifest))
+                     if args.audio is not None else generator.with_images(args.prompt, args.image, args.chat)
+                     if generator.sees_images or args.image else None)
+            prompt = chat_prompt(generator.pte, args.prompt) if args.chat and not media else args.prompt
+            ids = media.ids if media else generator.encode(prompt)
             generator.check_fits(ids)
             generator.load()
             sys.stdout.write(args.prompt if not args.chat else "")
             result = generator.generate(
                 prompt, SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed), prompt_ids=ids,
                 on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()), speculative=args.speculative,
-                draft_tokens=args.draft_tokens, images=images)
+                draft_tokens=args.draft_tokens, media=media)
     except REPORTED_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

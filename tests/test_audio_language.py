@@ -153,7 +153,7 @@ def test_the_stock_multimodal_runner_writes_transformers_tokens_with_audio(expor
         generated = transformers_model(ckpt).generate(input_ids=ids, input_features=features,
                                                     max_new_tokens=NEW_TOKENS, do_sample=False)
     expected_ids = generated[0, ids.shape[1]:].tolist()
-    text = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), images=made)
+    text = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), media=made)
     assert text.new_ids == expected_ids
 
     runner = MultimodalRunner(str(result.pte_path), str(run / "tokenizer.json"))
@@ -215,5 +215,5 @@ def test_a_qwen2_audio_program_writes_transformers_tokens_on_a_whole_window(expo
         generated = transformers_model(ckpt).generate(input_ids=ids, input_features=features,
                                                     feature_attention_mask=torch.ones(1, 3000, dtype=torch.long),
                                                     max_new_tokens=NEW_TOKENS, do_sample=False)
-    ours = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), images=made)
+    ours = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), media=made)
     assert ours.new_ids == generated[0, ids.shape[1]:].tolist()

@@ -202,7 +202,7 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     # LFM2-VL's program takes one square: a 50 x 40 picture is stretched to it, and the console says so.
     stretched = f"is 50x40; the program takes {vision.image_size}x{vision.image_size} images: stretched to it"
     assert (stretched in caplog.text) == (family == "lfm2_vl")
-    assert generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), images=made).text == expected
+    assert generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), media=made).text == expected
     # A release bundle carries the processor and says how an app feeds an image.
     bundle, _ = make_bundle(run, tmp_path / "release")
     assert (bundle / "processor_config.json").is_file() and "## Images" in (bundle / "README.md").read_text()
@@ -350,7 +350,7 @@ def test_several_images_in_one_prompt_give_transformers_greedy_tokens(exported, 
     generator = Generator(result.pte_path)
     made = generator.with_images(prompt, files)
     assert sum(part.is_floating_point() for part in made.parts) == 2
-    text = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), images=made).text
+    text = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), media=made).text
     processor = transformers.AutoProcessor.from_pretrained(ckpt)
     inputs = processor(images=[Image.open(f) for f in files], text=prompt, return_tensors="pt")
     assert inputs["input_ids"][0].tolist() == made.ids

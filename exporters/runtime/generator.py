@@ -268,27 +268,28 @@ class Generator:
 
     def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
                  prompt_ids: list[int] | None = None, speculative: str = "auto",
-                 draft_tokens: int | None = None, images: MediaPrompt | None = None) -> GenerationResult:
+                 draft_tokens: int | None = None, media: MediaPrompt | None = None) -> GenerationResult:
         """``speculative``: ``lookup`` proposes tokens from the text so far and checks them with the verify method
         (exactly the target's output: exporters.runtime.speculative), ``none`` decodes one token per call.
         ``draft_tokens``: proposals per verify call (1 to the program's get_draft_tokens); None adapts them.
-        ``images``: the prompt with its images (:meth:`with_images`), fed as ExecuTorch's MultimodalRunner feeds it.
+        ``media``: the prompt with its images or recording (:meth:`with_images`, :meth:`with_audio`), fed as
+        ExecuTorch's MultimodalRunner feeds it.
         With ``keep_cache``, the prompt's first tokens that the cache holds already are not run again.
         ``progress`` says what was done so far, also when ``on_text`` raised to stop it."""
         proposer = self.speculation(speculative, draft_tokens)
-        ids = images.ids if images is not None else prompt_ids if prompt_ids is not None else self.encode(prompt)
+        ids = media.ids if media is not None else prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(ids)
         stream = TextStream(self.tokenizer)
-        self.progress = progress = Progress(self._reusable(ids) if images is None else 0)
+        self.progress = progress = Progress(self._reusable(ids) if media is None else 0)
         self._in_cache = []  # until the prompt is run, nothing is known to be there
         start = time.perf_counter()
-        if images is not None:
+        if media is not None:
             roles = MethodRoles.through_embeddings(program_method_shapes(self.program))
-            logits = prefill_parts(self.program, roles, images)
+            logits = prefill_parts(self.program, roles, media)
         else:
             logits = self.driver.prefill(torch.tensor([ids[progress.cached:]], dtype=torch.int64),
                                          start=progress.cached)
-        self._in_cache = ids if self.keep_cache and images is None else []
+        self._in_cache = ids if self.keep_cache and media is None else []
         prompt_s = time.perf_counter() - start
         start = time.perf_counter()
 
