@@ -24,6 +24,15 @@ import torch
 
 from benchmarks.exporting import exporter_command, run_measured_or_failed
 from benchmarks.vision import median_seconds
+from exporters.program.audio import AUDIO_METHOD, AUDIO_TOKENS
+from exporters.program.speech import PREPROCESSOR_FILE
+from exporters.runtime.audio import read_audio
+from exporters.runtime.driver import Driver, MethodRoles, program_method_shapes
+from exporters.runtime.generator import resolve_program
+from exporters.runtime.media import MediaPrompt, prefill_parts
+from exporters.runtime.memory import current_rss_mb
+from exporters.runtime.programs import LoadedProgram
+from exporters.validation.speech import VALIDATION_RECORDING
 
 
 def voxtral_mini_3b() -> Any:
@@ -40,16 +49,6 @@ OURS = ["quant=8da4w", "quant.group_size=32"]
 
 
 def measure(program: str, text_tokens: int = 16, steps: int = 32, repeats: int = 3) -> dict[str, float | str]:
-    from exporters.program.audio import AUDIO_METHOD, AUDIO_TOKENS
-    from exporters.program.speech import PREPROCESSOR_FILE
-    from exporters.runtime.audio import read_audio
-    from exporters.runtime.driver import Driver, MethodRoles, program_method_shapes
-    from exporters.runtime.generator import resolve_program
-    from exporters.runtime.media import MediaPrompt, prefill_parts
-    from exporters.runtime.memory import current_rss_mb
-    from exporters.runtime.programs import LoadedProgram
-    from exporters.validation.speech import VALIDATION_RECORDING
-
     pte = resolve_program(program)
     before = current_rss_mb()
     loaded = LoadedProgram(pte)
