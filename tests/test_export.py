@@ -118,7 +118,12 @@ def test_manifest_records_the_export(exported, backend: str, quant: str) -> None
     assert v["top1_agreement"] >= v["tolerance"]["min_top1"] and v["kl_mean"] <= v["tolerance"]["max_kl"]
     if quant == "fp32":
         assert v["top1_agreement"] == 1.0 and v["perplexity"] == pytest.approx(v["baseline_perplexity"], rel=1e-5)
+        # the eager model is the unquantized one: against it and against the baseline, the same numbers
+        assert (v["kl_vs_unquantized"], v["top1_vs_unquantized"]) == (v["kl_mean"], v["top1_agreement"])
+    else:  # what the export costs in all includes what quantizing cost the eager model
+        assert v["kl_vs_unquantized"] > v["kl_mean"] and v["top1_vs_unquantized"] < 1.0
     assert v["quality"].startswith(f"perplexity {v['perplexity']:.2f} (eager ")
+    assert f"against unquantized {v['baseline_dtype']}: KL {v['kl_vs_unquantized']:.2g}, top-1 " in v["quality"]
     assert set(m["timings_s"]) == {"load", "baseline", "quantize", "capture", "lower", "emit", "validate", "advise"}
     # lowering's seconds per captured method (forward is prefill's; a backend with no partitioner has no split) and
     # per pass, adding up to ExecuTorch's call, most of the stage
@@ -253,7 +258,7 @@ def test_the_edge_passes_lowering_may_skip_are_the_ones_that_were_read() -> None
     assert read == _EDGE_SKIPPED_PASS_SOURCES
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # about 2 minutes (the stock path is ExecuTorch's slow one): `pytest -m extended` before a release
 def test_the_stock_path_writes_the_same_program_as_the_shortcuts(tmp_path: Path) -> None:
     """export.shortcuts=false takes the libraries' stock path everywhere exporters.program.internals patches them: torchao's
     own HQQ, its quant ops run op by op, each method decomposed three times and put through every edge dialect pass,

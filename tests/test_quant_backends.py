@@ -38,12 +38,14 @@ RUNNABLE = [
 # kernels portable fp32 runs, in another dtype; portable's 4-bit and 8-bit embeddings the embedding op 8da4w_emb4w
 # runs (outside the delegate, on the same kernels); OpenVINO fp16 what its fp32 runs (its device computes in bf16
 # either way); GPTQ with a size budget the 4-bit kernels of 8da4w and the same 8-bit ones (its codes are checked to
-# be XNNPACK's format eagerly: tests/test_calibrated.py).
+# be XNNPACK's format eagerly: tests/test_calibrated.py); portable fp32 the kernels tests/test_export.py's portable
+# program runs on the tiny model.
 SLOW_VARIANTS = {CALIBRATED_MIXED, ("xnnpack", "bf16"), ("xnnpack", "8da8w"), ("portable", "fp16"), ("portable", "bf16"),
                  ("xnnpack", "8da4w", "quant.group_size=64", "quant.lm_head=8da8w", "quant.lm_head_group_size=0"),
                  ("portable", "fp32", "quant.embedding=4w"),
                  ("portable", "fp32", "quant.embedding=8w", "quant.embedding_group_size=0"),
-                 ("openvino", "fp16", "export.prefill_chunk=12", "quant.max_ppl_drift=0.1")}
+                 ("openvino", "fp16", "export.prefill_chunk=12", "quant.max_ppl_drift=0.1"),
+                 ("portable", "fp32")}
 CASES = [pytest.param(p, id="-".join(p), marks=[EXTENDED] if p in SLOW_VARIANTS else []) for p in RUNNABLE]
 PROMPT_LEN, DECODE_STEPS = 12, 16
 OTHER_TEXT = ("People who build apps for phones want a language model that answers quickly, fits in memory and "

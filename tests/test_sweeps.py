@@ -48,7 +48,8 @@ def assert_measured(row: dict[str, str]) -> None:
     """An ok row carries every measure: size, export, runtime speed and memory, quality."""
     assert row["status"] == "ok", row
     for column in ("size_mb", "export_s", "peak_rss_mb", "prefill_tok_s", "decode_tok_s", "rss_after_load_mb",
-                   "perplexity", "baseline_perplexity", "ppl_increase", "kl_mean", "top1_agreement", "job_s"):
+                   "perplexity", "baseline_perplexity", "ppl_increase", "kl_mean", "top1_agreement", "kl_vs_unquantized",
+                   "top1_vs_unquantized", "job_s"):
         assert row[column] != "" and float(row[column]) == float(row[column]), (column, row)
     assert float(row["size_mb"]) > 0 and float(row["decode_tok_s"]) > 0 and float(row["peak_rss_mb"]) > 100
 

@@ -66,7 +66,7 @@ class Decoder(LanguageModel):
     def baseline(self, part: Part, ctx: ExportContext, models: dict[str, Any], windows: TextWindows) -> None:
         record, model = ctx.record(part.name), models[part.name]
         with active_adapter(model, None):  # the base, whatever adapters are attached
-            record.nll, record.scored = unquantized_nll(model, windows)
+            record.nll, record.scored, record.unquantized = unquantized_nll(model, windows)
 
     def constants(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> dict[str, Any]:
         plan = ctx.plan
@@ -74,8 +74,10 @@ class Decoder(LanguageModel):
                                 plan.lengths.max_seq_len, plan.backend.dynamic_shapes)
 
     def validate(self, part: Part, ctx: ExportContext, under: ProgramUnderTest, models: dict[str, Any]) -> None:
-        ctx.record(part.name).validation = validate_methods(models[part.name], under, ctx.plan.methods.of_adapter(None),
-                                                            proposer=proposer_of(ctx, models))
+        record = ctx.record(part.name)
+        record.validation = validate_methods(models[part.name], under, ctx.plan.methods.of_adapter(None),
+                                             proposer=proposer_of(ctx, models), unquantized_logits=record.unquantized)
+        record.unquantized = None  # compared: not kept through finalize
 
     def failures(self, part: Part, ctx: ExportContext) -> list[str]:
         report = ctx.record(part.name).validation

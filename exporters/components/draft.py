@@ -110,7 +110,7 @@ class Draft(LanguageModel):
 
     def baseline(self, part: Part, ctx: ExportContext, models: dict[str, Any], windows: TextWindows) -> None:
         record = ctx.record(part.name)
-        record.nll, record.scored = unquantized_nll(models[part.name], windows)
+        record.nll, record.scored, _ = unquantized_nll(models[part.name], windows)
 
     def constants(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> dict[str, Any]:
         head_ids = models[part.name].head_ids

@@ -25,6 +25,8 @@ from models.gguf import GgufTensors, pending_conversion
 from models.tiny import CORPUS
 
 if TYPE_CHECKING:
+    import torch
+
     from exporters.context import ExportContext
     from exporters.manifest import AppliedQuantization, ValidationReport
     from models.checkpoint import Checkpoint
@@ -45,6 +47,9 @@ class ModelRecord:
     validation: ValidationReport | None = None  # validate
     nll: float | None = None  # baseline: unquantized, on the validation windows
     scored: int | None = None  # baseline: the targets ``nll`` is over (fewer when its head scores a few tokens)
+    # baseline: the unquantized model's predictions per window [L - P, V], which validation compares the program with
+    # too (what the export costs against the model as loaded, not only against its quantized eager model).
+    unquantized: list[torch.Tensor] | None = None
 
 
 def first_conversion(model: ModelConfig) -> GgufTensors | None:
@@ -62,13 +67,13 @@ def read_calibration(cfg: CalibrationConfig, source: Source, model: CausalLM, ch
     return calibration_text(cfg, own_text, checkpoint, model.args.vocab_size, model.args.max_context_len)
 
 
-def unquantized_nll(model: CausalLM, windows: TextWindows) -> tuple[float, int]:
-    """The model's negative log-likelihood on the validation ``windows``, with an fp32 cache, and the targets it is
-    over (those its head scores)."""
+def unquantized_nll(model: CausalLM, windows: TextWindows) -> tuple[float, int, list[torch.Tensor]]:
+    """The model's negative log-likelihood on the validation ``windows``, with an fp32 cache, the targets it is
+    over (those its head scores), and its predictions per window."""
     with model.kv_dtype_as(KvDType.fp32):
         logits = window_logits(full_sequence(model), windows)
     model.reset_cache()
-    return windows.nll(logits, model.head_ids), windows.scored(model.head_ids)
+    return windows.nll(logits, model.head_ids), windows.scored(model.head_ids), logits
 
 
 class LanguageModel(Kind):

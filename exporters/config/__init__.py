@@ -67,6 +67,7 @@ class Algorithm(Choice):
     hqq = "hqq"
     affine = "affine"
     gptq = "gptq"
+    signround = "signround"
 
     @property
     def torchao_name(self) -> str | None:
@@ -204,6 +205,19 @@ class CalibrationConfig:
 
 
 @dataclass
+class LearningConfig:
+    # quant.algorithm=signround: signed-gradient steps each decoder layer learns its group scales for (one
+    # calibration window a step; null = 50), and the step's size (null = 1/steps, as the SignRound paper), decayed
+    # to zero. More steps cost time linearly (docs/quality.md#learned-4-bit); other algorithms learn nothing and
+    # refuse these.
+    steps: Optional[int] = None
+    lr: Optional[float] = None
+    # Learn each weight's rounding too (SignRound's offsets in [-0.5, 0.5]): a parameter per weight, which fits a
+    # few thousand calibration tokens and loses on other text (measured on SmolLM2-135M), so off by default.
+    rounding: bool = False
+
+
+@dataclass
 class QuantConfig:
     # The option's name (conf/quant/<name>.yaml), used in run folder names and sweep summaries.
     name: str = MISSING
@@ -225,13 +239,16 @@ class QuantConfig:
     # export.adapters=swappable only 8w: set_adapter and adapter files take the matrices in 8 bits, a scale per row.
     adapters: Optional[str] = None
     # How the linear layers' (and lm_head's) integer codes and scales are chosen: "hqq" as ExecuTorch's export_llm
-    # does, "affine" (min/max), or "gptq": calibrated on quant.calibration's text (each column's rounding error
-    # compensated by the columns not yet rounded), in the same format and size (docs/quality.md).
+    # does, "affine" (min/max), "gptq": calibrated on quant.calibration's text (each column's rounding error
+    # compensated by the columns not yet rounded), or "signround": each decoder layer's rounding and group scales
+    # learned against the unquantized layer's output on that text (quant.learning), in the same format and size
+    # (docs/quality.md).
     algorithm: Algorithm = Algorithm.hqq
     # The token embedding is a lookup (it has no inputs to calibrate with): "hqq" or "affine".
     embedding_algorithm: Algorithm = Algorithm.hqq
     # The text calibrated algorithms and static activation scales learn from.
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    learning: LearningConfig = field(default_factory=LearningConfig)
     # Rotate the model before quantizing it, so a few outlier channels no longer set every group's scale
     # (QuaRot, SpinQuant; docs/quality.md#rotations): "hadamard" fuses a randomized Hadamard rotation of the
     # residual stream (R1, RMSNorm gains folded into the next linears) and of each head's values (R2) into the

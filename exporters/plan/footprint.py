@@ -224,8 +224,10 @@ class MemoryBudget:
                                     + (_turning(weights) if rotates(self.quant) else 0))
         advise = None
         if self.validation_tokens is not None:
-            logits = int(LOGITS_COPIES * self.validation_tokens * shapes.model.embed_tokens.num_embeddings * 4)
-            peaks.update(self._validation_peaks(weights, stored_bytes, lowered, logits))
+            one = self.validation_tokens * shapes.model.embed_tokens.num_embeddings * 4
+            peaks.update(self._validation_peaks(weights, stored_bytes, lowered, int(LOGITS_COPIES * one)))
+            for stage in ("quantize", "lower", "emit", "validate"):  # the baseline's predictions, kept to compare with
+                peaks[stage] += one
             if self.advising:
                 # Each remedy advise measures is a fresh model quantized (calibrated, for GPTQ) beside the export's
                 # eager model. Advise runs only past the quality warning's threshold: its peak is reported, not

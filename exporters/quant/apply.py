@@ -17,13 +17,14 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from exporters.config import QuantConfig, RotationKind, TiedEmbeddingStorage
+from exporters.config import Algorithm, QuantConfig, RotationKind, TiedEmbeddingStorage
 from exporters.manifest import AppliedQuantization, AppliedScheme, CalibrationRecord, MixedPrecisionRecord
 from exporters.quant import tied
 from exporters.quant.calibrated import Target, quantize_calibrated
 from exporters.quant.calibration import CalibrationText
 from exporters.quant.hqq import hqq_by_rows
 from exporters.quant.rotation import rotate, rotates
+from exporters.quant.signround import DEFAULT_STEPS, Learning, quantize_learned
 from exporters.quant.mixed import (SENSITIVITY_TOKENS, Candidate, Precision, choose_upgrades, measure_sensitivity,
                                    weight_bytes)
 from exporters.quant.schemes import (DATA_FREE, DTYPES, EIGHT_BIT_FORM, EMBEDDING_SCHEMES, LINEAR_SCHEMES, IntScheme,
@@ -131,11 +132,23 @@ def quantize_linear_role(role: str, linears: dict[str, nn.Linear], scheme: str, 
     return plan.record
 
 
-def _apply_calibrated(model: CausalLM, plans: dict[str, RolePlan], text: CalibrationText) -> None:
-    """GPTQ on the calibration text for the plans' modules (the linears and lm_head), one pass over the model."""
+def learning_steps(cfg: QuantConfig) -> int | None:
+    """The steps a learned algorithm takes per layer (None for the others)."""
+    return cfg.learning.steps or DEFAULT_STEPS if cfg.algorithm == Algorithm.signround else None
+
+
+def _apply_calibrated(model: CausalLM, cfg: QuantConfig, plans: dict[str, RolePlan], text: CalibrationText) -> None:
+    """``cfg.algorithm`` (GPTQ, SignRound) on the calibration text for the plans' modules (the linears and
+    lm_head), one pass over the model."""
     targets = {name: Target(module, plan.precision(name).integer, plan.precision(name).group_size)  # type: ignore[arg-type]
                for plan in plans.values() for name, module in plan.modules.items()}
-    quantize_calibrated(model, targets, text, _progress("calibrated linear", len(targets)))
+    if cfg.algorithm == Algorithm.signround:
+        learning = Learning(steps=learning_steps(cfg), lr=cfg.learning.lr, rounding=cfg.learning.rounding)
+        log.info("  %s: learning each layer's scales%s, %d steps a layer", PROGRESS_LABEL.get(),
+                 " and rounding" if learning.rounding else "", learning.steps)
+        quantize_learned(model, targets, text, learning, _progress("learned linear", len(targets)))
+    else:
+        quantize_calibrated(model, targets, text, _progress("calibrated linear", len(targets)))
 
 
 def _mix(model: CausalLM, cfg: QuantConfig, computing: dict[str, RolePlan], text: CalibrationText,
@@ -298,10 +311,11 @@ def _prepare(model: CausalLM, cfg: QuantConfig, computing: dict[str, RolePlan], 
     if calibrated:
         assert text is not None
         started = time.perf_counter()
-        _apply_calibrated(model, computing, text)
+        _apply_calibrated(model, cfg, computing, text)
         applied.calibration = CalibrationRecord(algorithm=str(cfg.algorithm), source=text.source, sha256=text.sha256,
                                                 tokens=text.tokens, windows=len(text.windows),
-                                                seconds=round(time.perf_counter() - started, 1))
+                                                seconds=round(time.perf_counter() - started, 1),
+                                                steps=learning_steps(cfg))
     elif "linear" in computing:
         _apply_data_free("linear", computing["linear"], cfg.algorithm, DTYPES[cfg.dtype], shortcuts)
     return recast

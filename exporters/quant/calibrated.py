@@ -88,7 +88,7 @@ class InputRecorder:
             handle.remove()
 
 
-def _solve(names: list[str], targets: dict[str, Target], shared: SharedInput) -> None:
+def solve(names: list[str], targets: dict[str, Target], shared: SharedInput) -> None:
     """GPTQ for linears that read one input; those of one format are stacked and solved at once."""
     assert shared.hessian is not None
     by_format: dict[tuple[IntScheme, int], list[str]] = {}
@@ -125,7 +125,7 @@ def quantize_calibrated(model: CausalLM, targets: dict[str, Target], text: Calib
             finally:
                 recorder.close()
             for shared in recorder.inputs:
-                _solve(shared.names, here, shared)
+                solve(shared.names, here, shared)
                 solved.update(shared.names)
                 for _ in shared.names:
                     step()
@@ -135,7 +135,7 @@ def quantize_calibrated(model: CausalLM, targets: dict[str, Target], text: Calib
         head = SharedInput(names=["lm_head"])
         for h in states:
             head.add(model.final_norm(h))
-        _solve(head.names, targets, head)
+        solve(head.names, targets, head)
         solved.add("lm_head")
         step()
     missed = sorted(set(targets) - solved)

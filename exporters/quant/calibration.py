@@ -122,3 +122,9 @@ class LayerByLayer:
                     after_each()
             out.append(torch.cat(pieces, dim=1))
         return out
+
+    def window(self, i: int, w: int, h: torch.Tensor) -> torch.Tensor:
+        """Decoder layer ``i`` on window ``w``'s hidden states ``h`` alone (learning takes a window a step)."""
+        layer = self.model.model.layers[i]
+        return torch.cat([layer(h[:, p[0]:p[-1] + 1], inputs[i].rope, p, inputs[i].mask, inputs[i].slots)
+                          for p, inputs in self.calls[w]], dim=1)

@@ -145,6 +145,24 @@ def check_algorithms(quant: QuantConfig) -> None:
             f"(quant=8da4w_calibrated, quant.linear=8da4w) or a data-free algorithm ({listed(sorted(DATA_FREE))}).")
     if quant.algorithm not in DATA_FREE or quant.size_budget is not None:  # both read the calibration text
         check_calibration(quant.calibration)
+    check_learning(quant)
+
+
+def check_learning(quant: QuantConfig) -> None:
+    """``quant.learning`` is read by a learned algorithm only, and its values can be learned with."""
+    set_ = {k: v for k, v in (("steps", quant.learning.steps), ("lr", quant.learning.lr),
+                              ("rounding", quant.learning.rounding or None)) if v is not None}
+    if set_ and quant.algorithm != Algorithm.signround:
+        named = ", ".join(f"quant.learning.{k}={v}" for k, v in set_.items())
+        raise UserError(f"{named}: only quant.algorithm=signround learns, and quant={quant.name} uses "
+                        f"quant.algorithm={quant.algorithm}. Add quant.algorithm=signround (or quant=8da4w_learned), "
+                        f"or drop the quant.learning settings.")
+    if quant.learning.steps is not None and quant.learning.steps < 1:
+        raise UserError(f"quant.learning.steps={quant.learning.steps}: each layer needs at least one step "
+                        f"(null = 100).")
+    if quant.learning.lr is not None and not 0 < quant.learning.lr <= 0.5:
+        raise UserError(f"quant.learning.lr={quant.learning.lr}: a signed step moves each scale factor (and rounding "
+                        f"offset) by lr, and they live in ranges one wide; use a value in (0, 0.5] (null = 1/steps).")
 
 
 def check_size_budget(quant: QuantConfig) -> None:

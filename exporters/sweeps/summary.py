@@ -61,6 +61,9 @@ class JobRow:
     ppl_increase: float | None = None  # perplexity / baseline_perplexity - 1: the quality loss
     kl_mean: float | None = None  # validation: KL(eager quantized || program), nats per token
     top1_agreement: float | None = None  # validation: share of positions with the eager model's greedy token
+    # validation: the program against the unquantized model (what the export costs in all), as the two above
+    kl_vs_unquantized: float | None = None
+    top1_vs_unquantized: float | None = None
     job_s: float | None = None  # the whole job: process start, export, validation, bench
     program: str = ""  # the .pte, relative to the sweep folder
 
@@ -81,7 +84,8 @@ class JobRow:
         if m.validation:
             v = m.validation
             values.update(perplexity=v.perplexity, baseline_perplexity=v.baseline_perplexity,
-                          ppl_increase=v.ppl_increase, kl_mean=v.kl_mean, top1_agreement=v.top1_agreement)
+                          ppl_increase=v.ppl_increase, kl_mean=v.kl_mean, top1_agreement=v.top1_agreement,
+                          kl_vs_unquantized=v.kl_vs_unquantized, top1_vs_unquantized=v.top1_vs_unquantized)
         return JobRow(**{**asdict(self), **values})
 
 
@@ -190,7 +194,8 @@ COLUMNS = (
     Column("decode tok/s", "decode_tok_s", "{:.0f}"), Column("RSS after load MB", "rss_after_load_mb", "{:.0f}"),
     Column("perplexity", "perplexity", "{:.2f}"), Column("unquantized", "baseline_perplexity", "{:.2f}"),
     Column("increase", "ppl_increase", "{:+.1%}"), Column("KL", "kl_mean", "{:.2g}"),
-    Column("top-1", "top1_agreement", "{:.0%}"),
+    Column("top-1", "top1_agreement", "{:.0%}"), Column("KL vs unquantized", "kl_vs_unquantized", "{:.2g}"),
+    Column("top-1 vs unquantized", "top1_vs_unquantized", "{:.0%}"),
 )
 
 

@@ -169,6 +169,7 @@ class Judged:
     roles: MethodRoles
     failures: list[str]
     speculative: SpeculativeCheck | None = None
+    against_unquantized: Agreement | None = None  # the program against the unquantized model, where it was kept
 
 
 def report(judged: Judged, under: ProgramUnderTest, t: Tolerance, unquantized: float | None = None,
@@ -208,18 +209,29 @@ def report(judged: Judged, under: ProgramUnderTest, t: Tolerance, unquantized: f
         per_window=scores.per_window,
         eager_kv_dtype=eager_kv_dtype,
         speculative=speculative,
+        kl_vs_unquantized=float(judged.against_unquantized.kl.mean()) if judged.against_unquantized else None,
+        top1_vs_unquantized=(float(judged.against_unquantized.top1.double().mean()) if judged.against_unquantized
+                             else None),
     )
+
+
+def against(reference: list[torch.Tensor], program: list[torch.Tensor]) -> Agreement:
+    """The program's predictions against ``reference``'s (the unquantized model's), window by window."""
+    return Agreement.joined([Agreement.of(r, p) for r, p in zip(reference, program)])
 
 
 def validate_methods(model: CausalLM, under: ProgramUnderTest, specs: dict[str, MethodSpec],
                      adapter: str | None = None, unquantized: float | None = None,
-                     proposer: tuple[MethodRoles, torch.Tensor | None] | None = None) -> ValidationReport:
+                     proposer: tuple[MethodRoles, torch.Tensor | None] | None = None,
+                     unquantized_logits: list[torch.Tensor] | None = None) -> ValidationReport:
     """The decoder's methods ``specs`` (with ``adapter`` applied on the eager side) against its eager model, and verify
     with speculation when they include it (``proposer``: a draft's methods and the token of each of its logits; else
-    lookup); ``unquantized``: the unquantized perplexity with that adapter (None: the base's)."""
+    lookup); ``unquantized``: the unquantized perplexity with that adapter (None: the base's);
+    ``unquantized_logits``: the unquantized model's predictions, which the program is compared with too."""
     roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})
     found = predictions(model, under, roles, specs, adapter, side=f"adapter {adapter}" if adapter else "program")
     scores = Scores.of(found, under.text)
     speculative = speculative_check(model, under, roles, adapter, proposer) if roles.verify else None
-    judged = Judged(found, scores, roles, judge(scores, found, under.tolerance, speculative), speculative)
+    judged = Judged(found, scores, roles, judge(scores, found, under.tolerance, speculative), speculative,
+                    against(unquantized_logits, found.program) if unquantized_logits is not None else None)
     return report(judged, under, under.tolerance, unquantized, under.eager_kv_dtype)

@@ -1,0 +1,253 @@
+"""Learned 4-bit scales: SignRound's signed gradient descent (Cheng et al., 2023, "Optimize Weight Rounding via
+Signed Gradient Descent"; the algorithm of Intel's ``auto-round``) on each decoder layer's output, in exactly the
+integer format XNNPACK runs.
+
+GPTQ chooses each linear's codes to keep that one linear's output close on the calibration inputs. Here a whole
+decoder layer learns at once: a factor on every group's scale (and, with ``rounding``, an offset in [-0.5, 0.5] on
+every weight before it is rounded, so each may round up or down), by signed gradient steps on the layer's output
+error: the quantized layer, fed what the quantized layers before it give, should give what the unquantized layer
+gives on the unquantized inputs. The error is attention and MLP together against the unquantized model, so the
+earlier layers' errors are compensated too.
+
+What learns was chosen by measurement on SmolLM2-135M (docs/quality.md#learned-4-bit): the projections that feed
+the attention scores (q, k, v) keep the activation-weighted scales learning starts from, because learned through the
+softmax on a few thousand calibration tokens they fit that text and lose on other text; so do the per-weight
+rounding offsets (``rounding``, off by default), a parameter per weight.
+
+The codes and scales come out as GPTQ's do: symmetric codes in ``[qmin, qmax]``, scales rounded to bf16 (XNNPACK's
+blockwise kernels store them so), set through the scheme's torchao weight (the same program format and size).
+``lm_head`` (its error is the logits', not a layer's) keeps GPTQ.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from exporters.quant.calibrated import SharedInput, Target, solve
+from exporters.quant.calibration import CalibrationText, LayerByLayer
+from exporters.quant.gptq import IntGrid, static_scales
+from models.decoder import Attention, CausalLM, DecoderLayer
+from models.kv_cache import KVCache
+from models.mapped_pages import release_file_pages
+
+log = logging.getLogger("exporters")
+
+# The scale factor's range: a group's scale may shrink (clipping its largest weights for a finer step elsewhere)
+# or grow a little from where the activation-weighted search put it.
+SCALE_FACTOR = (0.5, 1.25)
+# Steps a layer learns for when quant.learning.steps is null.
+DEFAULT_STEPS = 50
+# Linears whose outputs make the attention scores: they keep the activation-weighted scales learning starts from.
+SCORE_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj")
+
+
+@dataclass(frozen=True)
+class Learning:
+    """How long each decoder layer learns (``steps``, one calibration window each), the signed step's size (``lr``;
+    the paper's 1/steps when None, decayed linearly to zero), and whether each weight's rounding is learned too."""
+
+    steps: int
+    lr: float | None = None
+    rounding: bool = False
+
+    def rate(self, step: int) -> float:
+        base = self.lr if self.lr is not None else 1.0 / self.steps
+        return base * (1.0 - step / self.steps)
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    """round(x) forward, identity backward (the straight-through estimator)."""
+    return x + (torch.round(x) - x).detach()
+
+
+def _bf16_ste(x: torch.Tensor) -> torch.Tensor:
+    return x + (x.to(torch.bfloat16).float() - x).detach()
+
+
+class LearnedRounding(nn.Module):
+    """A linear's weight as its quantized value, ``clamp(round(W / s + v)) * s`` with ``s = bf16(s0 * factor)`` per
+    group, registered as a parametrization of ``weight``: ``s0`` the activation-weighted scale search's, ``factor``
+    learned (and ``v``, with ``rounding``)."""
+
+    def __init__(self, weight: torch.Tensor, grid: IntGrid, importance: torch.Tensor, rounding: bool) -> None:
+        super().__init__()
+        rows, cols = weight.shape
+        self.grid, self.group = grid, grid.group_size or cols
+        self.shape = (rows, cols // self.group, self.group)
+        self.register_buffer("s0", static_scales(weight.float(), importance, grid), persistent=False)
+        self.factor = nn.Parameter(torch.ones(self.s0.shape))
+        self.offset = nn.Parameter(torch.zeros(self.shape)) if rounding else None
+
+    def scales(self) -> torch.Tensor:
+        return _bf16_ste(self.s0 * self.factor) if self.grid.bf16_scales else self.s0 * self.factor
+
+    def codes(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = self.scales()[..., None]
+        x = weight.float().reshape(self.shape) / scale
+        q = torch.clamp(_round_ste(x if self.offset is None else x + self.offset), self.grid.qmin, self.grid.qmax)
+        return q, scale
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        q, scale = self.codes(weight)
+        return (q * scale).reshape(weight.shape).to(weight.dtype)
+
+    @torch.no_grad()
+    def step(self, rate: float) -> None:
+        """One signed-gradient step, each parameter kept in its range."""
+        for p, (low, high) in ((self.factor, SCALE_FACTOR), (self.offset, (-0.5, 0.5))):
+            if p is not None and p.grad is not None:
+                p -= rate * p.grad.sign()
+                p.clamp_(low, high)
+                p.grad = None
+
+    @torch.no_grad()
+    def result(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes int8 [rows, cols], scales fp32 [rows, groups])``: what the kernels will compute with."""
+        q, scale = self.codes(weight)
+        return q.reshape(weight.shape).to(torch.int8), scale[..., 0].float()
+
+
+class _CacheOutOfPlace(KVCache):
+    """A cache written out of place: a window longer than one call writes it again after the first call's attention
+    read it, which autograd (holding what was read) refuses in place."""
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, start_pos: object = None) -> None:
+        self.k_cache = self.k_cache.index_copy(2, slots, k.to(self.k_cache.dtype))
+        self.v_cache = self.v_cache.index_copy(2, slots, v.to(self.v_cache.dtype))
+
+
+class _LearningAttention(Attention):
+    @staticmethod
+    def cache_layout_of(args: object) -> type[KVCache]:
+        return _CacheOutOfPlace
+
+
+@contextmanager
+def differentiable_attention(layer: DecoderLayer, dtype: torch.dtype) -> Iterator[None]:
+    """Within this block ``layer``'s attention runs on ATen ops: ExecuTorch's ``llama::custom_sdpa`` has no gradient
+    (autograd would pass none to q, k and v, and those projections would learn nothing). The same projections and
+    norms, a cache of its own, written out of place."""
+    attn = getattr(layer, "self_attn", None)
+    if not isinstance(attn, Attention):
+        yield
+        return
+    with torch.device("meta"):
+        aten = _LearningAttention(attn.args, attn.kv_cache.geometry)
+    for name, child in attn.named_children():
+        if name != "kv_cache":
+            setattr(aten, name, child)
+    aten.q_rotate, aten.k_rotate = attn.q_rotate, attn.k_rotate
+    aten.kv_cache.rebuild(dtype, attn.q_rotate.device)
+    layer.self_attn = aten
+    try:
+        yield
+    finally:
+        layer.self_attn = attn
+
+
+def _input_energy(run: LayerByLayer, i: int, states: list[torch.Tensor],
+                  targets: dict[str, Target]) -> dict[str, torch.Tensor]:
+    """Each target's inputs' energy per column (``sum x^2`` over the calibration tokens), which weighs the initial
+    scale search as GPTQ's does."""
+    energy: dict[str, torch.Tensor] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            energy[name] = energy.get(name, 0) + (x * x).sum(dim=0)
+        return record
+
+    handles = [t.module.register_forward_pre_hook(hook(n)) for n, t in targets.items()]
+    try:
+        run.layer(i, states)
+    finally:
+        for h in handles:
+            h.remove()
+    return energy
+
+
+def _learn_layer(run: LayerByLayer, i: int, targets: dict[str, Target], inputs: list[torch.Tensor],
+                 goals: list[torch.Tensor], learning: Learning) -> float:
+    """Learn layer ``i``'s rounding on ``inputs`` -> ``goals`` (windows), then store its integer weights; the
+    last steps' mean output error relative to the first's."""
+    energy = _input_energy(run, i, inputs, targets)
+    learners: dict[str, LearnedRounding] = {}
+    for name, t in targets.items():
+        grid = t.scheme.grid(t.group_size)
+        cols = t.module.weight.shape[1]
+        learns = name.rsplit(".", 1)[-1] not in SCORE_PROJECTIONS
+        learners[name] = LearnedRounding(t.module.weight.detach(), grid,
+                                         energy[name].reshape(cols // (grid.group_size or cols), -1),
+                                         learning.rounding and learns).requires_grad_(learns)
+        parametrize.register_parametrization(t.module, "weight", learners[name], unsafe=True)
+    layer = run.model.model.layers[i]
+    losses: list[float] = []
+    try:
+        with torch.enable_grad(), differentiable_attention(layer, inputs[0].dtype):
+            for step in range(learning.steps):
+                w = step % len(inputs)
+                for buffer in layer.buffers():  # the cache written by the last step is not part of this one's graph
+                    buffer.detach_()
+                out = run.window(i, w, inputs[w])
+                loss = torch.nn.functional.mse_loss(out.float(), goals[w].float())
+                if loss.requires_grad:  # some layer's targets may all be score projections
+                    loss.backward()
+                rate = learning.rate(step)
+                for learner in learners.values():
+                    learner.step(rate)
+                losses.append(loss.item())
+    finally:
+        for buffer in layer.buffers():
+            buffer.detach_()
+        for name, t in targets.items():
+            original = t.module.parametrizations.weight.original
+            codes, scales = learners[name].result(original)
+            parametrize.remove_parametrizations(t.module, "weight", leave_parametrized=False)
+            t.module.weight = nn.Parameter(t.scheme.weight(codes, scales, t.group_size, original.dtype),
+                                           requires_grad=False)
+            release_file_pages([original])
+    tail = max(1, len(losses) // 10)
+    return (sum(losses[-tail:]) / tail) / max(sum(losses[:tail]) / tail, 1e-30)
+
+
+@torch.no_grad()
+def quantize_learned(model: CausalLM, targets: dict[str, Target], text: CalibrationText, learning: Learning,
+                     step: Callable[[], None]) -> None:
+    """Quantize ``targets`` with scales learned on ``text``, one decoder layer at a time (each against the
+    unquantized layer's output), then ``lm_head`` with GPTQ on the final norm's outputs; ``step`` once per quantized
+    linear."""
+    run = LayerByLayer(model, text.windows)
+    exact = run.embedded  # the unquantized model's hidden states
+    states = [h.clone() for h in exact]  # the quantized model's
+    solved: set[str] = set()
+    started = time.perf_counter()
+    for i in range(len(model.model.layers)):
+        here = {n: t for n, t in targets.items() if n.startswith(f"model.layers.{i}.")}
+        goals = run.layer(i, exact)
+        if here:
+            kept = _learn_layer(run, i, here, states, goals, learning)
+            solved.update(here)
+            for _ in here:
+                step()
+            log.debug("signround: layer %d learned in %.1f s (output error x%.2f)", i,
+                      time.perf_counter() - started, kept)
+        states = run.layer(i, states)
+        exact = goals
+    model.reset_cache()
+    if "lm_head" in targets:
+        head = SharedInput(names=["lm_head"])
+        for h in states:
+            head.add(model.final_norm(h))
+        solve(head.names, targets, head)
+        solved.add("lm_head")
+        step()
+    missed = sorted(set(targets) - solved)
+    assert not missed, f"calibration never ran these linears, so they were not quantized: {missed}"
