@@ -86,8 +86,8 @@ def test_gptq_codes_are_xnnpacks_format_and_beat_hqq_on_unseen_text(smollm2_trun
     (["quant=8da8w", "quant.size_budget=1.05"], "has no 4-bit linears"),
     (["quant=8da4w", "quant.size_budget=1.05", "quant.calibration.max_tokens=10"], "at least 512 tokens"),
     (["quant=8da4w_calibrated", "quant.learning.steps=10"], "only quant.algorithm=signround learns"),
-    (["quant=8da4w_learned", "quant.learning.steps=0"], "at least one step"),
-    (["quant=8da4w_learned", "quant.learning.lr=0.9"], "use a value in"),
+    (["quant=8da4w_calibrated", "quant.algorithm=signround", "quant.learning.steps=0"], "at least one step"),
+    (["quant=8da4w_calibrated", "quant.algorithm=signround", "quant.learning.lr=0.9"], "use a value in"),
     (["quant=8da4w", "quant.learning.rounding=true"], "only quant.algorithm=signround learns"),
 ])
 def test_calibration_that_cannot_work_is_refused_before_any_work(overrides: list[str], named: str) -> None:

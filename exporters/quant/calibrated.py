@@ -108,6 +108,20 @@ def solve(names: list[str], targets: dict[str, Target], shared: SharedInput) -> 
         release_file_pages(weights)  # the checkpoint's pages of the weights just replaced
 
 
+def calibrate_layer(run: LayerByLayer, i: int, states: list[torch.Tensor], here: dict[str, Target],
+                    step: Callable[[], None]) -> None:
+    """GPTQ for ``here``, the targets of decoder layer ``i``, on the inputs ``states`` give them."""
+    recorder = InputRecorder(here)
+    try:
+        run.layer(i, states, after_each=recorder.next_call)
+    finally:
+        recorder.close()
+    for shared in recorder.inputs:
+        solve(shared.names, here, shared)
+        for _ in shared.names:
+            step()
+
+
 @torch.no_grad()
 def quantize_calibrated(model: CausalLM, targets: dict[str, Target], text: CalibrationText,
                         step: Callable[[], None]) -> None:
@@ -119,16 +133,8 @@ def quantize_calibrated(model: CausalLM, targets: dict[str, Target], text: Calib
     for i in range(len(model.model.layers)):
         here = {n: t for n, t in targets.items() if n.startswith(f"model.layers.{i}.")}
         if here:
-            recorder = InputRecorder(here)
-            try:
-                run.layer(i, states, after_each=recorder.next_call)
-            finally:
-                recorder.close()
-            for shared in recorder.inputs:
-                solve(shared.names, here, shared)
-                solved.update(shared.names)
-                for _ in shared.names:
-                    step()
+            calibrate_layer(run, i, states, here, step)
+            solved.update(here)
         states = run.layer(i, states)  # what the next layer sees: this one's output, quantized
     model.reset_cache()
     if "lm_head" in targets:

@@ -155,7 +155,7 @@ def check_learning(quant: QuantConfig) -> None:
     if set_ and quant.algorithm != Algorithm.signround:
         named = ", ".join(f"quant.learning.{k}={v}" for k, v in set_.items())
         raise UserError(f"{named}: only quant.algorithm=signround learns, and quant={quant.name} uses "
-                        f"quant.algorithm={quant.algorithm}. Add quant.algorithm=signround (or quant=8da4w_learned), "
+                        f"quant.algorithm={quant.algorithm}. Add quant.algorithm=signround, "
                         f"or drop the quant.learning settings.")
     if quant.learning.steps is not None and quant.learning.steps < 1:
         raise UserError(f"quant.learning.steps={quant.learning.steps}: each layer needs at least one step "
