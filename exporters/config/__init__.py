@@ -206,7 +206,7 @@ class CalibrationConfig:
 
 @dataclass
 class LearningConfig:
-    # quant.algorithm=signround: signed-gradient steps each decoder layer learns its group scales for (one
+    # With quant.algorithm=signround, the signed-gradient steps each decoder layer learns its group scales for (one
     # calibration window a step; null = 50), and the step's size (null = 1/steps, as the SignRound paper), decayed
     # to zero. More steps cost time linearly (docs/quality.md#learned-4-bit); other algorithms learn nothing and
     # refuse these.
