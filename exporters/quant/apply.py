@@ -147,6 +147,8 @@ def _apply_calibrated(model: CausalLM, cfg: QuantConfig, plans: dict[str, RolePl
         log.info("  %s: learning each layer's scales%s, %d steps a layer", PROGRESS_LABEL.get(),
                  " and rounding" if learning.rounding else "", learning.steps)
         quantize_learned(model, targets, text, learning, _progress("learned linear", len(targets)))
+        if "lm_head" in plans:  # its error is the logits', not a layer's: GPTQ's codes (exporters.quant.signround)
+            plans["lm_head"].record.algorithm = str(Algorithm.gptq)
     else:
         quantize_calibrated(model, targets, text, _progress("calibrated linear", len(targets)))
 
