@@ -240,9 +240,9 @@ class QuantConfig:
     adapters: Optional[str] = None
     # How the linear layers' (and lm_head's) integer codes and scales are chosen: "hqq" as ExecuTorch's export_llm
     # does, "affine" (min/max), "gptq": calibrated on quant.calibration's text (each column's rounding error
-    # compensated by the columns not yet rounded), or "signround": each decoder layer's rounding and group scales
-    # learned against the unquantized layer's output on that text (quant.learning), in the same format and size
-    # (docs/quality.md).
+    # compensated by the columns not yet rounded), or "signround" (experimental): each decoder layer's group scales
+    # learned against the unquantized layer's output on that text (quant.learning), q/k/v and lm_head by GPTQ, in
+    # the same format and size (docs/quality.md).
     algorithm: Algorithm = Algorithm.hqq
     # The token embedding is a lookup (it has no inputs to calibrate with): "hqq" or "affine".
     embedding_algorithm: Algorithm = Algorithm.hqq

@@ -122,6 +122,22 @@ def calibrate_layer(run: LayerByLayer, i: int, states: list[torch.Tensor], here:
             step()
 
 
+def finish_with_head(model: CausalLM, targets: dict[str, Target], states: list[torch.Tensor], solved: set[str],
+                     step: Callable[[], None]) -> None:
+    """After the decoder layers (``states``: the last one's outputs, quantized): GPTQ for ``lm_head`` on the final
+    norm's outputs, then the check that every target was quantized."""
+    model.reset_cache()
+    if "lm_head" in targets:
+        head = SharedInput(names=["lm_head"])
+        for h in states:
+            head.add(model.final_norm(h))
+        solve(head.names, targets, head)
+        solved.add("lm_head")
+        step()
+    missed = sorted(set(targets) - solved)
+    assert not missed, f"calibration never ran these linears, so they were not quantized: {missed}"
+
+
 @torch.no_grad()
 def quantize_calibrated(model: CausalLM, targets: dict[str, Target], text: CalibrationText,
                         step: Callable[[], None]) -> None:
@@ -136,13 +152,4 @@ def quantize_calibrated(model: CausalLM, targets: dict[str, Target], text: Calib
             calibrate_layer(run, i, states, here, step)
             solved.update(here)
         states = run.layer(i, states)  # what the next layer sees: this one's output, quantized
-    model.reset_cache()
-    if "lm_head" in targets:
-        head = SharedInput(names=["lm_head"])
-        for h in states:
-            head.add(model.final_norm(h))
-        solve(head.names, targets, head)
-        solved.add("lm_head")
-        step()
-    missed = sorted(set(targets) - solved)
-    assert not missed, f"calibration never ran these linears, so they were not quantized: {missed}"
+    finish_with_head(model, targets, states, solved, step)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from exporters.quant.calibrated import SharedInput, Target, calibrate_layer, solve
+from exporters.quant.calibrated import Target, calibrate_layer, finish_with_head
 from exporters.quant.calibration import CalibrationText, LayerByLayer
 from exporters.quant.gptq import IntGrid, static_scales
 from models.decoder import Attention, CausalLM, DecoderLayer
@@ -177,8 +177,9 @@ def _input_energy(run: LayerByLayer, i: int, states: list[torch.Tensor],
 
 def _learn_layer(run: LayerByLayer, i: int, targets: dict[str, Target], inputs: list[torch.Tensor],
                  goals: list[torch.Tensor], learning: Learning) -> float:
-    """Learn layer ``i``'s rounding on ``inputs`` -> ``goals`` (windows), then store its integer weights; the
-    last steps' mean output error relative to the first's."""
+    """Learn the scales (and with ``learning.rounding`` the rounding) of ``targets``, linears of layer ``i``, on
+    ``inputs`` -> ``goals`` (windows), then store their integer weights; the last steps' mean output error relative
+    to the first's."""
     if not targets:
         return 1.0
     energy = _input_energy(run, i, inputs, targets)
@@ -244,13 +245,4 @@ def quantize_learned(model: CausalLM, targets: dict[str, Target], text: Calibrat
                       time.perf_counter() - started, kept)
         states = run.layer(i, states)
         exact = goals
-    model.reset_cache()
-    if "lm_head" in targets:
-        head = SharedInput(names=["lm_head"])
-        for h in states:
-            head.add(model.final_norm(h))
-        solve(head.names, targets, head)
-        solved.add("lm_head")
-        step()
-    missed = sorted(set(targets) - solved)
-    assert not missed, f"calibration never ran these linears, so they were not quantized: {missed}"
+    finish_with_head(model, targets, states, solved, step)
