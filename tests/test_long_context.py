@@ -204,7 +204,10 @@ def test_a_sink_that_does_not_fit_is_refused_before_any_work(overrides: list[str
         checked_config(compose_config(*overrides))
 
 
-SINK = ("export.max_seq_len=8", "export.max_context_len=32", "export.attention_sink=4")
+# The int8 ring tests/test_speculative.py reads (its verify method and int8 slots change nothing the tests below
+# check: the eager model keeps the same int8 cache): one export for both files.
+SINK = ("quant=fp32", "export.kv_dtype=int8", "export.max_seq_len=8", "export.max_context_len=32",
+        "export.attention_sink=4", "export.methods=[prefill,decode,forward,verify]")
 
 
 def greedy_through(driver, eos: set[int], turns: list[list[int]], per_turn: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
@@ -269,15 +272,15 @@ def test_stock_runner_carries_a_sink_program_over_four_caches(exported, release:
     assert runner["turns"] == [tokenizer.decode(t) for t in ours], runner["log"][-3000:]
 
 
-def test_stock_runner_stops_with_an_error_at_the_end_of_a_cache_without_a_sink(exported) -> None:  # type: ignore[no-untyped-def]
-    """max_seq_len < max_context_len without a sink: the manifest says the runner fails at the end of the cache,
-    and it does (after correct text)."""
+def test_stock_runner_stops_with_an_error_at_the_end_of_a_cache_without_a_sink(long_context) -> None:  # type: ignore[no-untyped-def]
+    """max_seq_len < max_context_len without a sink (16 and 96 here): the manifest says the runner fails at the end
+    of the cache, and it does (after correct text)."""
     import subprocess
     import sys
 
     from tests.runtimes import STOCK_RUNNER_SCRIPT
 
-    result = exported("export.max_seq_len=8", "export.max_context_len=32")
+    result = long_context
     verdicts = result.manifest.layout.stock_runners
     assert {o.result for o in verdicts.values()} == {"fails"} and "attention_sink" in verdicts["1.5.1"].fix
     pte = result.pte_path

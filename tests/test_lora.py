@@ -96,7 +96,7 @@ def with_adapters(exported, tiny_checkpoint: Path, tiny_adapters):  # type: igno
 def test_one_program_holds_the_base_and_each_adapter_with_the_base_stored_once(exported, tiny_checkpoint: Path,  # type: ignore[no-untyped-def]
                                                                                 tiny_adapters) -> None:
     both = with_adapters(exported, tiny_checkpoint, tiny_adapters)
-    alone = exported("model=llama", f"model.checkpoint={tiny_checkpoint}", "quant=fp32")
+    alone = exported()  # the default export: the tiny model whose files tiny_checkpoint holds, fp32, no adapter
     m = both.manifest
     assert m.ok and m.passed and m.validation is not None and m.validation.checked == "runtime"
     entry = m.adapters["every"]

@@ -24,7 +24,9 @@ from tests.helpers import compose_config, eager_model_of
 # The 2-layer cut of SmolLM2 has a perplexity of 7e7 on the validation text, where a relative drift is
 # ill-conditioned: computing in bf16 moves it 5% with KL 2e-4 and 100% top-1. KL and top-1 carry the check here;
 # the whole SmolLM2 passes at bf16's 3% (+0.3%, docs/options.md).
-OPENVINO = ("backend=openvino", "export.layout=split", "quant.max_ppl_drift=0.1")
+# The program tests/test_quant_backends.py's OpenVINO fp32 entry exports (one export for both files).
+OPENVINO = ("backend=openvino", "export.methods=[prefill,decode]", "export.layout=split", "export.prefill_chunk=12",
+            "quant.max_ppl_drift=0.1")
 PROMPT = "The weather on the coast is"
 # Two logits within this share of the largest are a tie under bf16 compute: bf16 keeps 8 significant bits, so a
 # logit of 72 is stored in steps of 0.5 (0.7%). Seen here (avx512_bf16, no AMX): 0.02 apart at 72, the program

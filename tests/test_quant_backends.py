@@ -39,8 +39,11 @@ RUNNABLE = [
 # runs (outside the delegate, on the same kernels); OpenVINO fp16 what its fp32 runs (its device computes in bf16
 # either way); GPTQ with a size budget the 4-bit kernels of 8da4w and the same 8-bit ones (its codes are checked to
 # be XNNPACK's format eagerly: tests/test_calibrated.py); portable fp32 the kernels tests/test_export.py's portable
-# program runs on the tiny model.
+# program runs on the tiny model; xnnpack fp16 the kernels the sweeps' fp16 jobs run and validate (tests/test_sweeps.py,
+# three programs on the tiny model); 8da4w_emb4w the 8da4w linears and the 4-bit embedding that
+# tests/test_external_weights.py's 8da4w_emb4w programs run (tiny model, with their data files swapped).
 SLOW_VARIANTS = {CALIBRATED_MIXED, ("xnnpack", "bf16"), ("xnnpack", "8da8w"), ("portable", "fp16"), ("portable", "bf16"),
+                 ("xnnpack", "fp16"), ("xnnpack", "8da4w_emb4w"),
                  ("xnnpack", "8da4w", "quant.group_size=64", "quant.lm_head=8da8w", "quant.lm_head_group_size=0"),
                  ("portable", "fp32", "quant.embedding=4w"),
                  ("portable", "fp32", "quant.embedding=8w", "quant.embedding_group_size=0"),
