@@ -296,20 +296,21 @@ def test_quant_vision_on_a_text_checkpoint_is_refused(tiny_checkpoint) -> None:
 
 @pytest.mark.slow
 def test_bad_image_prompts_are_refused_before_any_method_runs(exported, vlm_checkpoint, tmp_path: Path) -> None:
-    result = exported("model=hf", f"model.checkpoint={vlm_checkpoint('llava')}", *PROGRAM)
+    # LFM2-VL's program, which the stock runner's test exports too (nothing checked here is a family's own).
+    result = exported("model=hf", f"model.checkpoint={vlm_checkpoint('lfm2_vl')}", *PROGRAM)
     generator = Generator(result.pte_path)
     picture().save(tmp_path / "picture.png")
     (tmp_path / "notes.png").write_text("not an image")
     with pytest.raises(UserError, match="cannot be read as an image"):
-        generator.with_images(prompt_of("llava"), [str(tmp_path / "notes.png")])
+        generator.with_images(prompt_of("lfm2_vl"), [str(tmp_path / "notes.png")])
     with pytest.raises(UserError, match="marks 0 image.*1 image= file"):
         generator.with_images("Once upon a time", [str(tmp_path / "picture.png")])
     with pytest.raises(UserError, match="marks 1 image.*0 image= file"):
-        generator.with_images(prompt_of("llava"), [])
+        generator.with_images(prompt_of("lfm2_vl"), [])
     # The command line too: an image mark without image= is refused, nothing generated.
     from exporters.generate import main
 
-    assert main([str(result.pte_path.parent), f"prompt={prompt_of('llava')}", "max_new_tokens=2"]) == 2
+    assert main([str(result.pte_path.parent), f"prompt={prompt_of('lfm2_vl')}", "max_new_tokens=2"]) == 2
 
 
 def test_quant_vision_schemes_keep_the_image_features(vlm_checkpoint) -> None:
