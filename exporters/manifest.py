@@ -133,6 +133,9 @@ class KvCacheEntry:
     layers: list[str] = field(default_factory=list)
     # The state of the layers that are not attention (short convolutions' last inputs): fixed, whatever the context.
     state_bytes: int = 0
+    # Per layer, the earlier layer whose cache it reads instead of keeping one (Gemma 4's KV sharing), else null;
+    # empty when every attention layer keeps its own. `slots` lists the caches kept.
+    cache_of: list[int | None] = field(default_factory=list)
 
     def describe(self) -> str:
         windowed = sorted({w for w in self.windows if w is not None})
@@ -148,7 +151,9 @@ class KvCacheEntry:
                 + (f"; beside it {_size(self.state_bytes)} of recurrent state in "
                    f"{sum(kind != 'attention' for kind in self.layers)} of {len(self.layers)} layers "
                    f"({', '.join(sorted({k for k in self.layers if k != 'attention'}))}), the same at any length"
-                   if self.state_bytes else ""))
+                   if self.state_bytes else "")
+                + (f"; {sum(j is not None for j in self.cache_of)} of {len(self.cache_of)} layers read an earlier "
+                   "layer's cache instead of keeping one" if any(j is not None for j in self.cache_of) else ""))
 
 
 def _size(n: int) -> str:

@@ -1,4 +1,4 @@
-"""One exportable decoder for the Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, SmolLM3, Ministral 3, OLMo 2/3 and the
+"""One exportable decoder for the Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3/4, SmolLM3, Ministral 3, OLMo 2/3 and the
 hybrid LFM2 and Qwen3.5 families, with a static KV cache held in buffers (and, in hybrid models, the fixed-size state
 of their other layers).
 
@@ -18,7 +18,9 @@ torch 2.13 (see docs/DESIGN.md). This module keeps everything ``torch.export`` a
 * attention covers the whole cache with a position mask (or the kernel's own causal bound), so shapes stay
   static except the number of new tokens ``T``;
 * a hybrid model's other layers (LFM2's short convolutions, :mod:`models.short_conv`; Qwen3.5's Gated DeltaNet,
-  :mod:`models.gated_delta`) keep their state in buffers named the same way in every method, beside the caches.
+  :mod:`models.gated_delta`) keep their state in buffers named the same way in every method, beside the caches;
+* Gemma 4's last layers own no cache: each attends over an earlier layer's (``layer_kv_source``), after that layer
+  wrote the call's keys and values, as transformers' ``shared_kv_states`` does.
 """
 
 from __future__ import annotations
@@ -133,6 +135,21 @@ class DecoderArgs:
     gated_delta: GatedDeltaShape | None = None  # the shape of the gated_delta layers (Qwen3.5)
     # Qwen3.5: q_proj gives each head's queries and as many gates; the attention output is multiplied by their sigmoid.
     attn_output_gate: bool = False
+    # Gemma 4. Per layer (empty: the model-wide value everywhere): head size, kv heads, MLP width (its KV-sharing
+    # layers' MLP is twice as wide), values taken from k_proj (no v_proj), and the earlier layer whose cache the layer
+    # reads instead of keeping one (None: its own).
+    layer_head_dim: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_intermediate: tuple[int, ...] = ()
+    layer_k_is_v: tuple[bool, ...] = ()
+    layer_kv_source: tuple[int | None, ...] = ()
+    v_norm: bool = False  # values RMS-normed per head, without a weight
+    norm_weight_fp32: bool = False  # RMSNorm scales by its weight in fp32, then casts (Gemma 4)
+    layer_scalar: bool = False  # each layer's output multiplied by a stored scalar (Gemma 4's layer_scalar)
+    # Per-layer embeddings (Gemma 4's PLE): each layer adds a gated projection of a per_layer_input-wide vector per
+    # token, from a table of per_layer_vocab rows and a projection of the token's embedding. 0: none.
+    per_layer_input: int = 0
+    per_layer_vocab: int = 0
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -145,6 +162,24 @@ class DecoderArgs:
             object.__setattr__(self, "layer_rope", (self.rope[0][0] if self.rope else None,) * n)
         if not self.layer_window:
             object.__setattr__(self, "layer_window", (None,) * n)
+        for name, default in (("layer_head_dim", self.head_dim), ("layer_kv_heads", self.num_key_value_heads),
+                              ("layer_intermediate", self.intermediate_size), ("layer_k_is_v", False),
+                              ("layer_kv_source", None)):
+            if not getattr(self, name):
+                object.__setattr__(self, name, (default,) * n)
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} needs one entry per layer ({n})")
+        for i, kv in enumerate(self.layer_kv_heads):
+            if self.num_attention_heads % kv:
+                raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of layer {i}'s "
+                                 f"{kv} key-value heads")
+        for i, j in enumerate(self.layer_kv_source):
+            if j is not None and not (0 <= j < i and self.layer_kv_source[j] is None
+                                      and self.layer_window[j] == self.layer_window[i]
+                                      and self.layer_head_dim[j] == self.layer_head_dim[i]
+                                      and self.layer_kv_heads[j] == self.layer_kv_heads[i]):
+                raise ValueError(f"layer {i} reads layer {j}'s KV cache, which must be an earlier layer with a cache "
+                                 "of its own, of the same window, head size and kv heads")
         object.__setattr__(self, "layer_mixer", tuple(Mixer(m) for m in self.layer_mixer) or (Mixer.attention,) * n)
         # A window that covers the whole cache is plain causal attention.
         windows = tuple(None if w is None or w >= self.max_context_len else int(w) for w in self.layer_window)
@@ -170,6 +205,22 @@ class DecoderArgs:
         unknown = {r for r in self.layer_rope if r is not None} - {name for name, _ in self.rope}
         if unknown:
             raise ValueError(f"layers use RoPE tables {sorted(unknown)} that are not defined")
+
+    def for_layer(self, i: int) -> DecoderArgs:
+        """These arguments with layer ``i``'s head size, kv heads and MLP width as the model-wide ones: what its
+        attention and MLP are built from."""
+        shape = {"head_dim": self.layer_head_dim[i], "num_key_value_heads": self.layer_kv_heads[i],
+                 "intermediate_size": self.layer_intermediate[i]}
+        if all(getattr(self, k) == v for k, v in shape.items()):
+            return self
+        return dataclasses.replace(self, **shape)
+
+    @property
+    def per_layer_shapes(self) -> bool:
+        """Layers differ in head size, kv heads, MLP width or cache (Gemma 4): what a transform written for one
+        shape of every layer (quant.rotation) cannot take."""
+        return (len(set(self.layer_head_dim)) > 1 or len(set(self.layer_kv_heads)) > 1
+                or len(set(self.layer_intermediate)) > 1 or any(j is not None for j in self.layer_kv_source))
 
     @property
     def max_call_tokens(self) -> int:
@@ -210,13 +261,18 @@ def mean_last(h: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, exactly as transformers' ``LlamaRMSNorm`` or, with ``unit_offset``,
-    ``GemmaRMSNorm`` (scale by ``1 + weight`` before casting back)."""
+    """RMSNorm computed in fp32, exactly as transformers' ``LlamaRMSNorm``; with ``unit_offset`` ``GemmaRMSNorm``
+    (scale by ``1 + weight`` before casting back); with ``weight_fp32`` Gemma 4's (scale by ``weight`` before casting
+    back); with ``scaled=False`` no weight at all (Gemma 4's ``v_norm``)."""
 
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False, weight_fp32: bool = False,
+                 scaled: bool = True) -> None:
         super().__init__()
         self.unit_offset = unit_offset
-        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.weight_fp32 = weight_fp32 or unit_offset
+        self.scaled = scaled
+        if scaled:
+            self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,8 +283,10 @@ class RMSNorm(nn.Module):
         else:
             mean_sq = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(mean_sq + self.variance_epsilon)
-        if self.unit_offset:
-            return (h * (1.0 + self.weight.float())).to(dtype)
+        if not self.scaled:
+            return h.to(dtype)
+        if self.weight_fp32:
+            return (h * ((1.0 + self.weight.float()) if self.unit_offset else self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
 
 
@@ -244,45 +302,79 @@ class LayerInputs(NamedTuple):
 
 
 class Attention(nn.Module):
+    """Attention of layer ``layer``, built from that layer's arguments (:meth:`DecoderArgs.for_layer`).
+
+    A layer whose ``layer_kv_source`` names an earlier one (Gemma 4's KV sharing) has neither k/v projections nor a
+    cache: it attends over that layer's cache (:meth:`read_cache_of`), which the layer wrote earlier in the call."""
+
     @staticmethod
     def cache_layout_of(args: DecoderArgs) -> type[KVCache]:
         return KVCache
 
-    def __init__(self, args: DecoderArgs, geometry: CacheGeometry) -> None:
+    def __init__(self, args: DecoderArgs, geometry: CacheGeometry, layer: int = 0) -> None:
         super().__init__()
         self.args = args
+        self.layer = layer
+        self.shares_cache = args.layer_kv_source[layer] is not None
+        self.k_is_v = args.layer_k_is_v[layer]
         h, kv, d = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         if args.fused_qkv:
             self.qkv_proj = nn.Linear(args.hidden_size, (h + 2 * kv) * d, bias=args.qkv_bias)
         else:
             self.q_proj = nn.Linear(args.hidden_size, h * d * (2 if args.attn_output_gate else 1), bias=args.qkv_bias)
-            self.k_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
-            self.v_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
+            if not self.shares_cache:
+                self.k_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
+                if not self.k_is_v:
+                    self.v_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(h * d, args.hidden_size, bias=args.o_bias)
         if args.qk_norm:
             q_width, k_width = (h * d, kv * d) if args.qk_norm_across_heads else (d, d)
-            self.q_norm = RMSNorm(q_width, args.rms_norm_eps, args.unit_offset_norm)
-            self.k_norm = RMSNorm(k_width, args.rms_norm_eps, args.unit_offset_norm)
-        self.kv_cache = self.cache_layout_of(args)(kv, geometry, d)
+            self.q_norm = RMSNorm(q_width, args.rms_norm_eps, args.unit_offset_norm, args.norm_weight_fp32)
+            if not self.shares_cache:
+                self.k_norm = RMSNorm(k_width, args.rms_norm_eps, args.unit_offset_norm, args.norm_weight_fp32)
+        if args.v_norm and not self.shares_cache:
+            self.v_norm = RMSNorm(d, args.rms_norm_eps, scaled=False)
+        # A plain attribute, not a submodule: the owner's cache is registered (and exported) once, under its layer.
+        self._cache_owner: Attention | None = None
+        if not self.shares_cache:
+            self.kv_cache = self.cache_layout_of(args)(kv, geometry, d)
         # rotate_half's matrix (rotate_half_matrix), one per projection: Core ML's converter takes each
         # constant once. Identical bytes, so the program stores them once.
         self.register_buffer("q_rotate", torch.empty(0), persistent=False)
         self.register_buffer("k_rotate", torch.empty(0), persistent=False)
         self.scale = args.scale
 
+    def read_cache_of(self, owner: Attention) -> None:
+        """From now on attend over ``owner``'s cache (KV sharing); ``owner`` runs first in every call."""
+        assert self.shares_cache and not owner.shares_cache
+        object.__setattr__(self, "_cache_owner", owner)
+
+    def cache(self) -> KVCache:
+        owner = self._cache_owner
+        if not self.shares_cache:
+            return self.kv_cache
+        assert owner is not None, "a layer that shares a cache was not given its owner (DecoderBody binds them)"
+        return owner.kv_cache
+
     def _qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, ...]:
         """Projections (q/k normed, RoPE applied), each [1, T, heads, head_dim], and the output gate [1, T, heads *
-        head_dim] (None without ``attn_output_gate``).
+        head_dim] (None without ``attn_output_gate``); k and v are None in a layer that reads another's cache.
 
         Shapes use -1 for the token dimension: a named symbolic size would stop XNNPACK from
         delegating the reshape in dynamic-length prefill and split the graph into many partitions.
         """
         a = self.args
         h, kv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        if self.shares_cache:
+            q = self.q_proj(x).view(1, -1, h, d)
+            if a.qk_norm:
+                q = self.q_norm(q)
+            return (q if rope is None else apply_rope(q, *rope, self.q_rotate)), None, None, None
         if a.fused_qkv:
             q, k, v = self.qkv_proj(x).split([h * d, kv * d, kv * d], dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k = self.q_proj(x), self.k_proj(x)
+            v = k if self.k_is_v else self.v_proj(x)  # Gemma 4's attention_k_eq_v: values are the unnormed keys
         gate = None
         if a.attn_output_gate:  # per head: d queries, then d gates
             q, gate = q.view(1, -1, h, 2 * d).chunk(2, dim=-1)
@@ -292,6 +384,8 @@ class Attention(nn.Module):
         q, k, v = q.view(1, -1, h, d), k.view(1, -1, kv, d), v.view(1, -1, kv, d)
         if a.qk_norm and not a.qk_norm_across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
+        if a.v_norm:
+            v = self.v_norm(v)
         if rope is not None:
             q, k = apply_rope(q, *rope, self.q_rotate), apply_rope(k, *rope, self.k_rotate)
         return q, k, v, gate
@@ -303,12 +397,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
         q, k, v, gate = self._qkv(x, rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [1, heads, T, d]
+        q = q.transpose(1, 2)  # [1, heads, T, d]
         a = self.args
         kv, rep, d = a.num_key_value_heads, a.n_rep, a.head_dim
 
-        cache = self.kv_cache
-        cache.update(k, v, slots)
+        cache = self.cache()
+        if not self.shares_cache:
+            cache.update(k.transpose(1, 2), v.transpose(1, 2), slots)
         n = cache.geometry.slots
 
         # Grouped-query attention without copying the cache: the n_rep query heads of one kv head are
@@ -335,26 +430,27 @@ class CustomOpsAttention(Attention):
     def cache_layout_of(args: DecoderArgs) -> type[KVCache]:
         return KV_CACHES[args.kv_dtype]
 
-    def __init__(self, args: DecoderArgs, geometry: CacheGeometry) -> None:
+    def __init__(self, args: DecoderArgs, geometry: CacheGeometry, layer: int = 0) -> None:
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers llama:: ops)
 
         blockers = args.custom_ops_blockers()
         if blockers:
             raise ValueError(f"llama::custom_sdpa cannot compute {', '.join(blockers)}; use attention='aten'")
-        super().__init__(args, geometry)
+        super().__init__(args, geometry, layer)
 
     def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
         a = self.args
         dtype = x.dtype
         q, k, v, gate = self._qkv(x, rope)  # each [1, T, heads, d]: the kernels' layout, no transpose
-        cache = self.kv_cache
+        cache = self.cache()
         assert isinstance(cache, CustomOpsKVCache)
         start_pos = positions[0].item()
         torch._check(start_pos >= 0)  # a position (torch._check_is_size is deprecated: it says to use this)
         if not cache.geometry.ring:  # a ring takes any position
             torch._check(start_pos < cache.geometry.slots)
-        cache.update(k, v, slots, start_pos)
+        if not self.shares_cache:
+            cache.update(k, v, slots, start_pos)
         # The kernels take fp32; casting around them is cheaper than doing without them.
         out = cache.attend(q, start_pos, None if cache.geometry.plain else mask, self.scale)  # [1, T, heads, d]
         return self.o_proj(self.gated(out.to(dtype).view(1, -1, a.num_attention_heads * a.head_dim), gate))
@@ -475,13 +571,15 @@ class DecoderLayer(nn.Module):
     ``post_attention_layernorm`` is the attention output's norm, as in transformers; with post norms there is no
     ``input_layernorm``."""
 
-    def __init__(self, args: DecoderArgs, geometry: CacheGeometry, mixer: Mixer = Mixer.attention) -> None:
+    def __init__(self, args: DecoderArgs, geometry: CacheGeometry, mixer: Mixer = Mixer.attention,
+                 index: int = 0) -> None:
         super().__init__()
-        norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm)  # noqa: E731
+        norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm, args.norm_weight_fp32)  # noqa: E731
         self.norms = args.norms
         self.mixer = mixer
+        args = args.for_layer(index)
         if mixer == Mixer.attention:
-            self.self_attn = ATTENTION[args.attention](args, geometry)
+            self.self_attn = ATTENTION[args.attention](args, geometry, index)
         elif mixer == Mixer.short_conv:
             self.conv = ShortConv(args.hidden_size, args.conv_kernel, args.conv_bias)
         else:
@@ -497,8 +595,22 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
         if self.norms != Norms.pre:
             self.post_feedforward_layernorm = norm()
+        if args.per_layer_input:  # Gemma 4's per-layer embeddings: a gated projection of this layer's vector
+            from transformers.activations import ACT2FN
+
+            self.per_layer_input_gate = nn.Linear(args.hidden_size, args.per_layer_input, bias=False)
+            self.per_layer_projection = nn.Linear(args.per_layer_input, args.hidden_size, bias=False)
+            self.post_per_layer_input_norm = norm()
+            self.per_layer_act = ACTIVATIONS.get(args.hidden_act) or ACT2FN[args.hidden_act]
+        if args.layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1))
         # quant.rotation with sandwich norms: the normed block outputs rotated into the residual stream's basis.
         self.output_rotation: Rotation | None = None
+
+    @property
+    def holds_state(self) -> bool:
+        """False for a layer that reads another layer's KV cache (Gemma 4): it keeps nothing between calls."""
+        return self.mixer != Mixer.attention or not self.self_attn.shares_cache
 
     def recurrent(self) -> ShortConv | GatedDeltaNet:
         """The mixer of a layer that is not attention, whose state is not a KV cache."""
@@ -512,7 +624,8 @@ class DecoderLayer(nn.Module):
         return MIXER_MODULES[self.mixer], self.recurrent()
 
     def forward(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, mask: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
+                slots: torch.Tensor, per_layer: torch.Tensor | None = None) -> torch.Tensor:
+        """``per_layer`` [1, T, per_layer_input]: this layer's per-layer embedding (Gemma 4), else None."""
         h = x if self.norms == Norms.post else self.input_layernorm(x)
         if self.mixer == Mixer.attention:
             attn = self.self_attn(h, rope, positions, mask, slots)
@@ -523,7 +636,11 @@ class DecoderLayer(nn.Module):
             return x + self.mlp(self.post_attention_layernorm(x))
         x = x + rotated(self.output_rotation, self.post_attention_layernorm(attn))
         mlp = self.mlp(self.pre_feedforward_layernorm(x) if self.norms == Norms.sandwich else x)
-        return x + rotated(self.output_rotation, self.post_feedforward_layernorm(mlp))
+        x = x + rotated(self.output_rotation, self.post_feedforward_layernorm(mlp))
+        if per_layer is not None:
+            gated = self.per_layer_act(self.per_layer_input_gate(x)) * per_layer
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
 
 
 class DecoderBody(nn.Module):
@@ -532,9 +649,18 @@ class DecoderBody(nn.Module):
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, geometry, mixer)
-                                    for geometry, mixer in zip(args.layer_geometry, args.layer_mixer))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm)
+        self.layers = nn.ModuleList(DecoderLayer(args, geometry, mixer, i)
+                                    for i, (geometry, mixer) in enumerate(zip(args.layer_geometry, args.layer_mixer)))
+        for layer, source in zip(self.layers, args.layer_kv_source):
+            if source is not None:
+                layer.self_attn.read_cache_of(self.layers[source].self_attn)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm, args.norm_weight_fp32)
+        if args.per_layer_input:  # Gemma 4's per-layer embeddings: every layer's vector of a token, packed
+            width = args.num_hidden_layers * args.per_layer_input
+            self.embed_tokens_per_layer = nn.Embedding(args.per_layer_vocab, width)
+            self.per_layer_model_projection = nn.Linear(args.hidden_size, width, bias=False)
+            self.per_layer_projection_norm = RMSNorm(args.per_layer_input, args.rms_norm_eps,
+                                                     weight_fp32=args.norm_weight_fp32)
 
 
 class CausalLM(nn.Module):
@@ -569,6 +695,11 @@ class CausalLM(nn.Module):
         # Python floats (not tensors, so export sees a constant): the scale rounded to each dtype.
         self.embed_scale = {
             dtype: float(torch.tensor(args.embed_scale or 1.0, dtype=dtype, device="cpu"))
+            for dtype in (torch.float32, torch.float16, torch.bfloat16)
+        }
+        # Gemma 4's per-layer embeddings: the table scaled by sqrt(width) in the weights' dtype, as transformers does.
+        self.per_layer_scale = {
+            dtype: float(torch.tensor(args.per_layer_input**0.5, dtype=dtype, device="cpu"))
             for dtype in (torch.float32, torch.float16, torch.bfloat16)
         }
         if self.model.norm.weight.device.type != "meta":
@@ -626,7 +757,8 @@ class CausalLM(nn.Module):
             if rope is not None:
                 attn.q_rotate = rotate_half_matrix(rot_dims[rope]).to(device)
                 attn.k_rotate = rotate_half_matrix(rot_dims[rope]).to(device)
-            attn.kv_cache.rebuild(dtype, device)
+            if not attn.shares_cache:
+                attn.kv_cache.rebuild(dtype, device)
 
     def activation_dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype if self.lm_head.weight.is_floating_point() else torch.float32
@@ -638,11 +770,11 @@ class CausalLM(nn.Module):
         if kv_dtype == self.args.kv_dtype:
             yield
             return
-        a = dataclasses.replace(self.args, kv_dtype=kv_dtype)
         attentions = [layer.self_attn for layer in self.attention_layers()]
         kept = [attn.kv_cache for attn in attentions]
         device = self.cache_positions.device
         for attn in attentions:
+            a = dataclasses.replace(attn.args, kv_dtype=kv_dtype)  # the layer's own head size and kv heads
             attn.kv_cache = attn.cache_layout_of(a)(a.num_key_value_heads, attn.kv_cache.geometry, a.head_dim)
             attn.kv_cache.rebuild(self.activation_dtype(), device)
         try:
@@ -663,6 +795,23 @@ class CausalLM(nn.Module):
         """Hidden states [1, T, hidden] before the first layer, of tokens [1, T] or of embeddings [1, T, hidden]."""
         h = inputs if inputs.is_floating_point() else self.token_embeddings(inputs)
         return rotated(self.embed_rotation, h)
+
+    def per_layer_inputs(self, tokens: torch.Tensor, h: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each layer's per-layer embedding [1, T, per_layer_input] of ``tokens`` [1, T] whose embeddings are ``h``
+        (Gemma 4's PLE: the token's own row and a normed projection of its embedding, averaged by 2^-0.5), or None
+        per layer for a model without them."""
+        a = self.args
+        if not a.per_layer_input:
+            return [None] * a.num_hidden_layers
+        if tokens.is_floating_point():
+            raise ValueError("per-layer embeddings (Gemma 4) are looked up by token id; this model cannot take "
+                             "embeddings as its input yet")
+        m = self.model
+        shape = (1, -1, a.num_hidden_layers, a.per_layer_input)
+        own = (m.embed_tokens_per_layer(tokens) * self.per_layer_scale[h.dtype]).view(shape)
+        projected = m.per_layer_projection_norm((m.per_layer_model_projection(h) * a.hidden_size**-0.5).view(shape))
+        both = (projected + own) * 2.0**-0.5
+        return list(both.unbind(dim=2))
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The last layer's hidden states [1, T, hidden], normed as the head reads them."""
@@ -724,8 +873,9 @@ class CausalLM(nn.Module):
             return torch.cat(out, dim=1) if full_logits else out[-1]
         positions = input_pos[0] + torch.arange(seq_len, dtype=torch.int64)
         h = self.embed(tokens)
-        for layer, inputs in zip(self.model.layers, self.layer_inputs(positions, h.dtype)):
-            h = layer(h, inputs.rope, positions, inputs.mask, inputs.slots)
+        per_layer = self.per_layer_inputs(tokens, h)
+        for layer, inputs, extra in zip(self.model.layers, self.layer_inputs(positions, h.dtype), per_layer):
+            h = layer(h, inputs.rope, positions, inputs.mask, inputs.slots, extra)
         h = self.final_norm(h)
         if not full_logits:  # the last token's hidden state [1, hidden]
             # A view when T is a static 1 (decode), which XNNPACK delegates; it has no select, so a
@@ -748,10 +898,12 @@ class CausalLM(nn.Module):
         """Zero every KV buffer and recurrent state, so a new sequence starts clean (eager runs: baseline,
         validation)."""
         for layer in self.model.layers:
-            layer.state()[1].reset()
+            if layer.holds_state:
+                layer.state()[1].reset()
 
     def attention_layers(self) -> list[DecoderLayer]:
-        return [layer for layer in self.model.layers if layer.mixer == Mixer.attention]
+        """The attention layers that keep a KV cache (not those reading another layer's, Gemma 4)."""
+        return [layer for layer in self.model.layers if layer.mixer == Mixer.attention and layer.holds_state]
 
     def kv_caches(self) -> list[KVCache]:
         return [layer.self_attn.kv_cache for layer in self.attention_layers()]
@@ -762,7 +914,7 @@ class CausalLM(nn.Module):
     def state_buffers(self) -> list[str]:
         """Names of every buffer of the state methods share: the KV caches' (codes, and scales when quantized) and
         the recurrent mixers' (their last inputs, Gated DeltaNet's matrices)."""
-        return [f"model.layers.{i}.{path}.{name}" for i, layer in enumerate(self.model.layers)
+        return [f"model.layers.{i}.{path}.{name}" for i, layer in enumerate(self.model.layers) if layer.holds_state
                 for path, held in [layer.state()] for name, _ in held.named_buffers()]
 
     def recurrent_state_bytes(self) -> int:

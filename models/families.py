@@ -60,6 +60,8 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()
     # Prefixes of checkpoint tensors transformers' own class skips on load (Qwen3.5's multi-token-prediction head).
     unused: tuple[str, ...] = ()
+    # More such prefixes that depend on the config (Gemma 4's KV-sharing layers keep unused k/v projections).
+    unused_of: Callable[[Any], tuple[str, ...]] | None = None
 
     def tensor_name(self, name: str) -> str:
         for pattern, replacement in self.renames:
@@ -71,9 +73,10 @@ FAMILIES: dict[str, Family] = {}
 
 
 def register_family(name: str, *architectures: str, model_type: str, renames: tuple[tuple[str, str], ...] = (),
-                    unused: tuple[str, ...] = ()) -> Callable[[FamilyAdapter], FamilyAdapter]:
+                    unused: tuple[str, ...] = (),
+                    unused_of: Callable[[Any], tuple[str, ...]] | None = None) -> Callable[[FamilyAdapter], FamilyAdapter]:
     def wrap(fn: FamilyAdapter) -> FamilyAdapter:
-        FAMILIES[name] = Family(name, architectures, model_type, fn, renames, unused)
+        FAMILIES[name] = Family(name, architectures, model_type, fn, renames, unused, unused_of)
         return fn
 
     return wrap
@@ -213,6 +216,64 @@ def gemma3(cfg: Any, max_context_len: int) -> dict[str, Any]:
     }
 
 
+def _gemma4_kv_sources(cfg: Any) -> tuple[int | None, ...]:
+    """Per layer, the layer whose cache it reads: transformers' ``kv_sharing_modes`` marks the last layers "reuse",
+    each reading what the last "store" layer of its type wrote (``shared_kv_states[layer_type]``)."""
+    stored: dict[str, int] = {}
+    sources: list[int | None] = []
+    for i, (mode, kind) in enumerate(zip(cfg.kv_sharing_modes, cfg.layer_types)):
+        if mode == "reuse":
+            if kind not in stored:
+                raise ModelError(f"layer {i} of this Gemma 4 config reuses the keys and values of a {kind} layer, "
+                                 "but no earlier layer of that type stores them. Fix num_kv_shared_layers in config.json.")
+            sources.append(stored[kind])
+        else:
+            sources.append(None)
+            if mode == "store":
+                stored[kind] = i
+    return tuple(sources)
+
+
+def _gemma4_unused(cfg: Any) -> tuple[str, ...]:
+    """KV-sharing layers' k/v projections and norms, which published checkpoints carry and transformers skips."""
+    return tuple(f"model.layers.{i}.self_attn.{name}." for i, j in enumerate(_gemma4_kv_sources(cfg)) if j is not None
+                 for name in ("k_proj", "v_proj", "k_norm", "v_norm"))
+
+
+@register_family("gemma4", "Gemma4ForCausalLM", model_type="gemma4_text", unused_of=_gemma4_unused)
+def gemma4(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Gemma 4 text models (E2B, E4B, 31B): Gemma 3's layers with unit-scale norms (and an unweighted one on values),
+    head size and kv heads per layer type, partial "proportional" RoPE on full-attention layers, per-layer embeddings
+    (PLE), a stored scalar per layer, and the last layers reading an earlier layer's cache (KV sharing) with twice the
+    MLP width."""
+    if getattr(cfg, "use_bidirectional_attention", None):
+        raise ModelError("this Gemma 4 config uses bidirectional attention, not a causal LM's.")
+    if getattr(cfg, "enable_moe_block", False):
+        raise ModelError("this Gemma 4 config has mixture-of-experts layers (enable_moe_block), which this exporter "
+                         "does not implement. The dense models (E2B, E4B, 31B) export.")
+    cfg.standardize_rope_params()
+    types, n = list(cfg.layer_types), cfg.num_hidden_layers
+    layers = [cfg.per_layer_config[i] for i in range(n)]
+    sources = _gemma4_kv_sources(cfg)
+    wide = 2 if cfg.use_double_wide_mlp else 1
+    return {
+        "head_dim": layers[0].head_dim, "num_key_value_heads": layers[0].num_key_value_heads,
+        "layer_head_dim": tuple(c.head_dim for c in layers),
+        "layer_kv_heads": tuple(c.num_key_value_heads for c in layers),
+        "layer_intermediate": tuple(cfg.intermediate_size * (wide if j is not None else 1) for j in sources),
+        "layer_k_is_v": tuple(bool(cfg.attention_k_eq_v) and t != "sliding_attention" for t in types),
+        "layer_kv_source": sources,
+        "embed_scale": cfg.hidden_size**0.5, **_llama_biases(cfg), "mlp_bias": False,
+        "hidden_act": cfg.hidden_activation, "norms": Norms.sandwich, "qk_norm": True, "v_norm": True,
+        "norm_weight_fp32": True, "layer_scalar": True, "attn_scale": 1.0,
+        "final_logit_softcap": cfg.final_logit_softcapping,
+        "per_layer_input": cfg.hidden_size_per_layer_input or 0,
+        "per_layer_vocab": cfg.vocab_size_per_layer_input if cfg.hidden_size_per_layer_input else 0,
+        "rope": tuple((t, rope_table(cfg.per_layer_config[t], layer_type=t)) for t in sorted(set(types))),
+        "layer_rope": tuple(types), "layer_window": _windows_by_layer_type(cfg),
+    }
+
+
 @register_family("smollm3", "SmolLM3ForCausalLM", model_type="smollm3")
 def smollm3(cfg: Any, max_context_len: int) -> dict[str, Any]:
     """SmolLM3: Llama with RoPE left out of every few layers (NoPE)."""
@@ -319,14 +380,26 @@ def qwen3_5(cfg: Any, max_context_len: int) -> dict[str, Any]:
 def tensor_namer(hf_config: Any) -> Callable[[str], str | None]:
     """The decoder's name for each checkpoint tensor (None: another component's), for ``hf_config``'s layout."""
     family = family_of_config(hf_config)
+    unused = () if family is None else family.unused
+    if family is not None and family.unused_of is not None:
+        unused += family.unused_of(language_config(hf_config))
 
     def name(stored: str) -> str | None:
-        if family is not None and stored.startswith(family.unused):
+        if stored.startswith(unused):
             return None
         text = text_tensor_name(hf_config, stored)
         return family.tensor_name(text) if text is not None and family is not None else text
 
     return name
+
+
+def _model_wide(cfg: Any, name: str) -> Any:
+    """``cfg.<name>``, or None where the config has none or one per layer (Gemma 4's head_dim, which its adapter
+    gives per layer)."""
+    try:
+        return getattr(cfg, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return None
 
 
 def decoder_args(hf_config: Any, max_context_len: int, source: str, family: str | None = None) -> DecoderArgs:
@@ -355,8 +428,8 @@ def decoder_args(hf_config: Any, max_context_len: int, source: str, family: str 
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "num_key_value_heads": _model_wide(cfg, "num_key_value_heads") or cfg.num_attention_heads,
+        "head_dim": _model_wide(cfg, "head_dim") or cfg.hidden_size // cfg.num_attention_heads,
         "rms_norm_eps": getattr(cfg, "rms_norm_eps", None),
         "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
         "max_context_len": max_context_len,

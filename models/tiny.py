@@ -196,6 +196,10 @@ def _train_tiny_checkpoint(out_dir: Path, arch: dict[str, Any] | None, seed: int
     model = getattr(transformers, architecture)(config)
     if train_steps:
         fit_to_corpus(model, corpus_ids, train_steps, seed)
+    with torch.no_grad():  # Gemma 4's stored per-layer scalars start at 1, where a missing multiply would not show
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.uniform_(0.5, 1.5)
     model.eval().save_pretrained(out)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(out)
     if tokenizer == "sentencepiece":

@@ -61,6 +61,16 @@ FAMILY_CASES: dict[str, dict[str, Any]] = {
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
         },
     },
+    # Six layers, the last two reading layers 2's and 3's caches (KV sharing) with double-wide MLPs; head size 16 with
+    # 1 kv head on sliding layers (window 6), 32 with 2 on full ones, whose values are their keys (attention_k_eq_v)
+    # and whose RoPE is "proportional" (a quarter of the pairs rotate); per-layer embeddings of 32; final soft-capping.
+    "gemma4": {
+        "num_hidden_layers": 6, "layer_types": ["sliding_attention", "full_attention"] * 3,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 32,
+        "num_global_key_value_heads": 2, "attention_k_eq_v": True, "vocab_size": 397, "tie_word_embeddings": True,
+        "sliding_window": 6, "hidden_size_per_layer_input": 32, "vocab_size_per_layer_input": 397,
+        "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "final_logit_softcapping": 10.0,
+    },
     # NoPE every second layer, tied.
     "smollm3": {
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 389, "tie_word_embeddings": True,

@@ -26,7 +26,7 @@ from tests.helpers import assert_matches_transformers, compose_config, copy_chec
 from tests.family_cases import FAMILY_CASES
 
 FAMILY_NAMES = list(FAMILY_CASES)
-SLIDING = ["mistral", "qwen2", "gemma2", "gemma3", "ministral3", "olmo3"]
+SLIDING = ["mistral", "qwen2", "gemma2", "gemma3", "gemma4", "ministral3", "olmo3"]
 MAX_SEQ_LEN, DECODE_STEPS = 48, 10
 PROMPT = "The model was exported with ExecuTorch and shipped in an app."
 

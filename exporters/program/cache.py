@@ -69,4 +69,5 @@ def kv_cache_entry(model: CausalLM, tokens_per_call: int) -> KvCacheEntry:
                         bytes_per_token=sum(c.bytes_per_slot() for c in caches), bytes=sum(c.bytes() for c in caches),
                         windows=list(a.layer_window), attention_sink=a.attention_sink,
                         slots=[c.geometry.slots for c in caches], layers=[m.value for m in a.layer_mixer],
-                        state_bytes=model.recurrent_state_bytes())
+                        state_bytes=model.recurrent_state_bytes(),
+                        cache_of=list(a.layer_kv_source) if any(j is not None for j in a.layer_kv_source) else [])

@@ -21,7 +21,7 @@ import torch
 from exporters.config import Algorithm, QuantConfig, RotationKind
 from exporters.manifest import QualityWarning, Remedy
 from exporters.quant.apply import progress_as, quantize_model
-from exporters.quant.calibration import CalibrationText
+from exporters.quant.calibration import CalibrationText, layer_by_layer_blocker
 from exporters.quant.remedy_cache import Measurement, RemedyCache
 from exporters.quant.schemes import DATA_FREE, EIGHT_BIT_FORM, GROUP_SIZE_QUANTUM
 from exporters.runtime.memory import return_freed_memory
@@ -134,6 +134,19 @@ class Trials:
     cache: RemedyCache | None = None
 
 
+def _blocker(change: Change, model: CausalLM, whole_does_not_fit: str | None) -> str | None:
+    """Why ``change`` is not measured on ``model``, or None: the memory estimate says it would not fit, or what it
+    runs is not implemented for the model (rotations and layer-by-layer calibration of Gemma 4)."""
+    if change.casts_whole and whole_does_not_fit is not None:
+        return whole_does_not_fit
+    if change.rotates and model.args.per_layer_shapes:
+        return "rotations are not implemented for a model whose layers differ in shape"
+    if change.fields.get("algorithm") == Algorithm.gptq:
+        blocker = layer_by_layer_blocker(model)
+        return None if blocker is None else f"GPTQ is not implemented for this model: {blocker}"
+    return None
+
+
 def advise(plan: QuantPlan, loss: Loss, quantized: CausalLM, trials: Trials,
            whole_does_not_fit: str | None = None) -> QualityWarning:
     """Each remedy of ``plan``'s quant config measured on a fresh model from ``trials``: quantized as the export was
@@ -144,8 +157,8 @@ def advise(plan: QuantPlan, loss: Loss, quantized: CausalLM, trials: Trials,
     found, unmeasured = [], {}
     remedies = changes(plan.config)
     known = {c.overrides: trials.cache.get(_config(plan, c)) if trials.cache else None for c in remedies}
-    to_measure = [c for c in remedies if known[c.overrides] is None
-                  and not (c.casts_whole and whole_does_not_fit is not None)]
+    blocked = {c.overrides: _blocker(c, quantized, whole_does_not_fit) for c in remedies}
+    to_measure = [c for c in remedies if known[c.overrides] is None and blocked[c.overrides] is None]
     if remedies:
         earlier = sum(m is not None for m in known.values())
         log.info("  advise: perplexity %+.1f%% over unquantized; %d remedies to measure, about %.0f s (estimated)%s; "
@@ -158,10 +171,10 @@ def advise(plan: QuantPlan, loss: Loss, quantized: CausalLM, trials: Trials,
         if measured is not None:
             log.info("  advise: remedy %d/%d, %s (%s): measured before (%.0f s then)", i, len(remedies), change.what,
                      change.overrides, measured.seconds)
-        elif change.casts_whole and whole_does_not_fit is not None:
+        elif blocked[change.overrides] is not None:
             log.warning("  advise: remedy %d/%d, %s (%s), not measured: %s", i, len(remedies), change.what,
-                        change.overrides, whole_does_not_fit)
-            unmeasured[change.overrides] = whole_does_not_fit
+                        change.overrides, blocked[change.overrides])
+            unmeasured[change.overrides] = blocked[change.overrides]
             continue
         else:
             log.info("  advise: remedy %d/%d, %s (%s): a fresh copy of the model, quantized and scored (about %.0f s)",

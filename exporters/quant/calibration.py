@@ -21,7 +21,7 @@ from models.checkpoint import Checkpoint
 from models.decoder import CausalLM
 
 if TYPE_CHECKING:
-    from exporters.config import CalibrationConfig
+    from exporters.config import CalibrationConfig, QuantConfig
 
 DEFAULT_CALIBRATION_TEXT = "calibration_text.txt"
 # GPTQ estimates each layer's input covariance from the text: with fewer tokens than this, the estimate of a
@@ -93,6 +93,31 @@ def calibration_text(cfg: CalibrationConfig, text: str | None, ckpt: Checkpoint,
     return CalibrationText(source=source, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(), windows=windows)
 
 
+def layer_by_layer_blocker(model: CausalLM) -> str | None:
+    """Why :class:`LayerByLayer` cannot run this model's layers one at a time, or None."""
+    a = model.args
+    if any(j is not None for j in a.layer_kv_source):
+        return ("its last layers attend over earlier layers' KV caches (Gemma 4's KV sharing), which running one "
+                "layer over every window before the next would not hold")
+    if a.per_layer_input:
+        return "its layers take per-layer embeddings (Gemma 4), which running them one at a time does not compute"
+    return None
+
+
+def check_layer_by_layer(shapes: CausalLM, quant: QuantConfig) -> None:
+    """Calibration (GPTQ, signround) and the size budget's sensitivity run the layers one at a time: refused before
+    any weight is read where that is not implemented for the model."""
+    from exporters.config import Algorithm
+
+    uses = [f"quant.algorithm={quant.algorithm}"] if quant.algorithm in (Algorithm.gptq, Algorithm.signround) else []
+    uses += ["quant.size_budget"] if quant.size_budget is not None else []
+    blocker = layer_by_layer_blocker(shapes) if uses else None
+    if blocker is not None:
+        raise UserError(f"{' and '.join(uses)} run the decoder one layer at a time, which is not implemented for this "
+                        f"model: {blocker}. Export it with data-free rounding (quant.algorithm=hqq, the default) "
+                        "and without quant.size_budget.")
+
+
 class LayerByLayer:
     """Token windows run through the decoder one layer at a time, as calibration (each layer solved on the
     outputs of the quantized ones before it) and sensitivity (the model re-run from one layer on) need: every
@@ -100,6 +125,9 @@ class LayerByLayer:
     (``args.max_call_tokens``) goes through each layer in calls of that size, as its ring caches need."""
 
     def __init__(self, model: CausalLM, windows: list[torch.Tensor]) -> None:
+        blocker = layer_by_layer_blocker(model)
+        if blocker is not None:
+            raise UserError(f"this model's layers cannot be run one at a time: {blocker}.")
         self.model = model
         weight = model.lm_head.weight
         dtype = weight.dtype if weight.is_floating_point() else torch.float32

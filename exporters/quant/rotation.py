@@ -146,6 +146,10 @@ def rotates(quant: QuantConfig) -> bool:
 
 def check_rotation(shapes: CausalLM, quant: QuantConfig) -> None:
     """What a rotation needs of the model's shapes, checked before any weight is read."""
+    if rotates(quant) and shapes.args.per_layer_shapes:
+        raise UserError("quant.rotation and quant.online_hadamard rotate every layer alike, and this model's layers "
+                        "differ in head size, kv heads, MLP width or cache (Gemma 4). Export it without them "
+                        "(quant.rotation=none quant.online_hadamard=false).")
     if quant.online_hadamard:
         check_online_hadamard(shapes.args.intermediate_size)
 

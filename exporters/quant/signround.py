@@ -141,7 +141,7 @@ def differentiable_attention(layer: DecoderLayer, dtype: torch.dtype) -> Iterato
         yield
         return
     with torch.device("meta"):
-        aten = _LearningAttention(attn.args, attn.kv_cache.geometry)
+        aten = _LearningAttention(attn.args, attn.kv_cache.geometry, attn.layer)
     for name, child in attn.named_children():
         if name != "kv_cache":
             setattr(aten, name, child)

@@ -1,0 +1,92 @@
+"""Gemma 4's text decoder (issue 64): what it has that Gemma 3 does not, beyond the families' parity tests
+(tests/test_families.py runs its checkpoint against transformers eagerly with both attentions, and its fp32 program
+step by step): layers that read an earlier layer's cache keep none of their own, published checkpoints' unused
+tensors are skipped, and what is not implemented for it is refused before any weight is read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from exporters.errors import UserError
+from exporters.export import export
+from models.checkpoint import build_model, open_checkpoint
+from models.errors import ModelError
+from tests.family_cases import FAMILY_CASES
+from tests.helpers import compose_config, copy_checkpoint
+from tests.test_families import MAX_SEQ_LEN, PARITY_METHODS, export_family
+
+CASE = FAMILY_CASES["gemma4"]
+LAYERS = CASE["num_hidden_layers"]
+SHARED = range(LAYERS - CASE["num_kv_shared_layers"], LAYERS)  # the layers reading an earlier layer's cache
+
+
+def test_layers_that_share_a_cache_keep_none_and_read_the_last_layer_of_their_type(family_checkpoint) -> None:
+    model = build_model(open_checkpoint(family_checkpoint("gemma4")), MAX_SEQ_LEN)
+    a = model.args
+    # Layers 4 (sliding) and 5 (full) read layers 2 and 3: the last of each type that keeps a cache.
+    assert a.layer_kv_source == (None, None, None, None, 2, 3)
+    assert [a.layer_window[i] for i in (2, 4)] == [CASE["sliding_window"]] * 2 and a.layer_window[3] is None
+    assert a.layer_head_dim == (16, 32) * 3 and a.layer_kv_heads == (1, 2) * 3
+    assert a.layer_intermediate == (128,) * 4 + (256,) * 2  # double-wide MLPs on the sharing layers
+    for i in SHARED:
+        attn = model.model.layers[i].self_attn
+        assert not hasattr(attn, "k_proj") and not hasattr(attn, "kv_cache")
+        assert attn.cache() is model.model.layers[a.layer_kv_source[i]].self_attn.kv_cache
+    assert not hasattr(model.model.layers[3].self_attn, "v_proj")  # full layers' values are their keys (k_eq_v)
+    # The state methods share is the four owners' caches, once each.
+    assert {name.split(".")[2] for name in model.state_buffers()} == {"0", "1", "2", "3"}
+    assert len(model.kv_caches()) == 4
+
+
+def test_the_program_keeps_four_caches_for_six_layers(exported, family_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """The fp32 program tests/test_families.py runs against transformers: its manifest says which layers read
+    which cache, and its cache costs the four owners' bytes."""
+    result = export_family(exported, family_checkpoint, "gemma4", "fp32", model_option="gemma4",
+                           methods=PARITY_METHODS)
+    kv = result.manifest.kv_cache
+    assert kv is not None and kv.cache_of == [None, None, None, None, 2, 3] and len(kv.slots) == 4
+    # Keys and values of 1 head of 16 (sliding) and 2 heads of 32 (full), fp32, in layers 0-3 only.
+    assert kv.bytes_per_token == 2 * 4 * (1 * 16 + 2 * 32 + 1 * 16 + 2 * 32)
+    assert "2 of 6 layers read an earlier layer's cache" in kv.describe()
+
+
+def test_a_published_checkpoints_unused_kv_tensors_are_skipped(family_checkpoint, tmp_path: Path) -> None:
+    """Published Gemma 4 files carry k/v projections and norms for the sharing layers, which transformers skips on
+    load: they load here too and change nothing."""
+    ckpt = copy_checkpoint(family_checkpoint("gemma4"), tmp_path / "published")
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    for i in SHARED:  # shaped as the layer's own would be
+        d, kv = (16, 1) if i % 2 == 0 else (32, 2)
+        tensors[f"model.layers.{i}.self_attn.k_proj.weight"] = torch.randn(kv * d, 64)
+        tensors[f"model.layers.{i}.self_attn.v_proj.weight"] = torch.randn(kv * d, 64)
+        tensors[f"model.layers.{i}.self_attn.k_norm.weight"] = torch.randn(d)
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    tokens = torch.randint(3, 390, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        published = build_model(open_checkpoint(ckpt), MAX_SEQ_LEN)(tokens, torch.tensor([0]), full_logits=True)
+        plain = build_model(open_checkpoint(family_checkpoint("gemma4")), MAX_SEQ_LEN)(tokens, torch.tensor([0]),
+                                                                                     full_logits=True)
+    assert torch.equal(published, plain)
+
+
+def test_mixture_of_experts_layers_are_refused(family_checkpoint, tmp_path: Path) -> None:
+    ckpt = copy_checkpoint(family_checkpoint("gemma4"), tmp_path / "moe", config={"enable_moe_block": True})
+    with pytest.raises(ModelError, match=r"mixture-of-experts layers \(enable_moe_block\).*dense models"):
+        build_model(open_checkpoint(ckpt), MAX_SEQ_LEN)
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["quant=8da4w_calibrated"], r"quant.algorithm=gptq run the decoder one layer at a time.*KV sharing.*hqq"),
+    (["quant=8da4w", "quant.size_budget=1.05"], r"quant.size_budget run the decoder one layer at a time"),
+    (["quant=8da4w_rotated"], r"quant.rotation and quant.online_hadamard rotate every layer alike.*quant.rotation=none"),
+])
+def test_what_is_not_implemented_for_it_is_refused_before_any_weight_is_read(family_checkpoint, tmp_path: Path,
+                                                                             overrides: list[str], says: str) -> None:
+    cfg = compose_config("model=gemma4", f"model.checkpoint={family_checkpoint('gemma4')}", *overrides)
+    with pytest.raises(UserError, match=says):
+        export(cfg, tmp_path / "run")
+    assert not list((tmp_path / "run").glob("*.pte"))
