@@ -385,10 +385,10 @@ def tensor_namer(hf_config: Any) -> Callable[[str], str | None]:
         unused += family.unused_of(language_config(hf_config))
 
     def name(stored: str) -> str | None:
-        if stored.startswith(unused):
-            return None
         text = text_tensor_name(hf_config, stored)
-        return family.tensor_name(text) if text is not None and family is not None else text
+        if text is None or text.startswith(unused):  # another component's, or one transformers skips
+            return None
+        return family.tensor_name(text) if family is not None else text
 
     return name
 

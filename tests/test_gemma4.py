@@ -54,23 +54,33 @@ def test_the_program_keeps_four_caches_for_six_layers(exported, family_checkpoin
     assert "2 of 6 layers read an earlier layer's cache" in kv.describe()
 
 
-def test_a_published_checkpoints_unused_kv_tensors_are_skipped(family_checkpoint, tmp_path: Path) -> None:
-    """Published Gemma 4 files carry k/v projections and norms for the sharing layers, which transformers skips on
-    load: they load here too and change nothing."""
-    ckpt = copy_checkpoint(family_checkpoint("gemma4"), tmp_path / "published")
+def test_the_decoder_of_a_published_multimodal_checkpoint_exports_alone(tmp_path: Path) -> None:
+    """Gemma 4 ships as Gemma4ForConditionalGeneration (towers beside the decoder, `model.language_model.` names), its
+    files carrying k/v projections and norms for the sharing layers, which transformers skips on load. The decoder
+    loads from them (towers and those tensors skipped) and computes transformers' logits for a text prompt."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
+
+    from tests.family_cases import family_arch
+
+    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    reference = Gemma4ForConditionalGeneration(Gemma4Config(text_config=Gemma4TextConfig(**family_arch("gemma4")),
+                                                            vision_config=vision)).eval()
+    ckpt = tmp_path / "published"
+    reference.save_pretrained(ckpt)
     tensors = load_file(str(ckpt / "model.safetensors"))
     for i in SHARED:  # shaped as the layer's own would be
         d, kv = (16, 1) if i % 2 == 0 else (32, 2)
-        tensors[f"model.layers.{i}.self_attn.k_proj.weight"] = torch.randn(kv * d, 64)
-        tensors[f"model.layers.{i}.self_attn.v_proj.weight"] = torch.randn(kv * d, 64)
-        tensors[f"model.layers.{i}.self_attn.k_norm.weight"] = torch.randn(d)
+        for name, shape in (("k_proj.weight", (kv * d, 64)), ("v_proj.weight", (kv * d, 64)), ("k_norm.weight", (d,))):
+            tensors[f"model.language_model.layers.{i}.self_attn.{name}"] = torch.randn(shape)
     save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-    tokens = torch.randint(3, 390, (1, 10), generator=torch.Generator().manual_seed(0))
+    ours = build_model(open_checkpoint(ckpt), MAX_SEQ_LEN)
+    assert ours.args.layer_kv_source == (None, None, None, None, 2, 3)
+    tokens = torch.randint(3, 390, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        published = build_model(open_checkpoint(ckpt), MAX_SEQ_LEN)(tokens, torch.tensor([0]), full_logits=True)
-        plain = build_model(open_checkpoint(family_checkpoint("gemma4")), MAX_SEQ_LEN)(tokens, torch.tensor([0]),
-                                                                                     full_logits=True)
-    assert torch.equal(published, plain)
+        torch.testing.assert_close(ours(tokens, torch.tensor([0]), full_logits=True),
+                                   reference(input_ids=tokens).logits, atol=1e-4, rtol=0)
 
 
 def test_mixture_of_experts_layers_are_refused(family_checkpoint, tmp_path: Path) -> None:
