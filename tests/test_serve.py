@@ -72,10 +72,49 @@ def test_sampling_is_seeded_and_stop_strings_cut_the_text(tiny_server) -> None: 
     assert "".join(c.choices[0].text for c in streamed if c.choices) == full[:full.index(stop)]
 
 
+def test_log_probabilities_are_the_programs_own(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    """logprobs=3 on a text completion: one entry per completion token, each the log-softmax of the logits the
+    program gave at that position (recomputed here through the program's own methods), the greedy token the best of
+    its three alternatives; streamed, the same numbers arrive with the last chunk."""
+    import torch
+
+    from exporters.runtime.driver import Driver
+    from exporters.runtime.programs import LoadedProgram
+
+    server, run = tiny_server
+    client = server.client()
+    ask = dict(model=run.name, prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=3)
+    whole = client.completions.create(**ask).choices[0]
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert "".join(lp.tokens) == whole.text and lp.text_offset[1] == len(lp.tokens[0])
+    for chosen, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and len(top) <= 3 and value == max(top.values()) and top[chosen] == value
+    plain = Generator(run).generate("Once upon a time", SamplingConfig(12, 0.0, 1.0, 0))  # the same greedy tokens
+    ids, new = plain.prompt_ids, plain.new_ids
+    driver = Driver.of(LoadedProgram(run / "model.pte"))
+    logits = driver.prefill(torch.tensor([ids]))
+    expected = []
+    for i, token in enumerate(new[:4]):  # the first four positions, through the program itself
+        expected.append(float(torch.log_softmax(logits.float().reshape(-1), dim=-1)[token]))
+        logits = driver.decode_one_token(token, len(ids) + i)
+    assert lp.token_logprobs[:4] == pytest.approx(expected, abs=1e-5)
+    chunks = list(client.completions.create(stream=True, **ask))
+    # (the prompt is in the cache now: its last token runs alone, not in prefill, so equal to float noise)
+    assert chunks[-1].choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert chunks[-1].choices[0].logprobs.tokens == lp.tokens
+    assert all(c.choices[0].logprobs is None for c in chunks[:-1])
+
+
 @pytest.mark.parametrize("body, status, says", [
     (b'{"model": "x", "prompt": ', 400, "not valid JSON"),
     (b'{"model": "nope", "prompt": "a"}', 404, "model 'nope' is not served here"),
-    (b'{"model": "M", "prompt": "a", "logprobs": 2}', 400, "logprobs: log-probabilities are not computed"),
+    (b'{"model": "M", "prompt": "a", "logprobs": 9}', 400, "logprobs=9: a text completion takes the number of"),
+    (b'{"model": "M", "prompt": "a", "top_logprobs": 2}', 400, "top_logprobs is a chat completion's field"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "logprobs": 2}', 400,
+     "a chat completion takes logprobs=true and the number of alternatives as top_logprobs"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 400,
+     "top_logprobs needs logprobs=true"),
     (b'{"model": "M", "prompt": "a", "temprature": 0}', 400, "temprature: not a field of this request"),
     (b'{"model": "M", "prompt": "a", "n": 2}', 400, "n=2: this server gives one answer per request"),
     (b'{"model": "M", "prompt": "a", "max_tokens": 100000}', 400, "max_tokens=100000 is above this server's limit"),
@@ -162,6 +201,13 @@ def test_chat_completions_apply_the_bundled_template(real_exported, tmp_path: Pa
         first = client.chat.completions.create(model=run.name, messages=turn[:2], max_tokens=4, temperature=0)
         second = client.chat.completions.create(model=run.name, messages=turn, max_tokens=4, temperature=0)
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+        scored = client.chat.completions.create(model=run.name, messages=turn[:2], max_tokens=6, temperature=0,
+                                                logprobs=True, top_logprobs=2)
+        content = scored.choices[0].logprobs.content
+        assert len(content) == scored.usage.completion_tokens and "".join(t.token for t in content) == \
+            scored.choices[0].message.content
+        assert all(t.logprob == t.top_logprobs[0].logprob and len(t.top_logprobs) == 2 for t in content)
+        assert all(bytes(t.bytes) == t.token.encode() for t in content)
         picture = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}]
         with pytest.raises(openai.BadRequestError, match="takes text only"):
             client.chat.completions.create(model=run.name, messages=picture)

@@ -268,15 +268,18 @@ class Generator:
 
     def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
                  prompt_ids: list[int] | None = None, speculative: str = "auto",
-                 draft_tokens: int | None = None, media: MediaPrompt | None = None) -> GenerationResult:
+                 draft_tokens: int | None = None, media: MediaPrompt | None = None,
+                 on_logits: Callable[[torch.Tensor], None] | None = None) -> GenerationResult:
         """``speculative``: ``lookup`` proposes tokens from the text so far and checks them with the verify method
         (exactly the target's output: exporters.runtime.speculative), ``none`` decodes one token per call.
         ``draft_tokens``: proposals per verify call (1 to the program's get_draft_tokens); None adapts them.
         ``media``: the prompt with its images or recording (:meth:`with_images`, :meth:`with_audio`), fed as
         ExecuTorch's MultimodalRunner feeds it.
         With ``keep_cache``, the prompt's first tokens that the cache holds already are not run again.
-        ``progress`` says what was done so far, also when ``on_text`` raised to stop it."""
-        proposer = self.speculation(speculative, draft_tokens)
+        ``progress`` says what was done so far, also when ``on_text`` raised to stop it.
+        ``on_logits``: told the logits each token is chosen from, in order (log-probabilities); it turns speculation
+        off, whose verify calls choose several tokens from one call."""
+        proposer = self.speculation(speculative, draft_tokens) if on_logits is None else None
         ids = media.ids if media is not None else prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(ids)
         stream = TextStream(self.tokenizer)
@@ -301,7 +304,7 @@ class Generator:
 
         new_ids, stop, stats = continue_text(
             self.driver, ids, logits, cfg, Stops(self.eos_ids, self.max_context_len, self.endless),
-            Speculation(proposer, draft_tokens) if proposer is not None else None, Observers(emit))
+            Speculation(proposer, draft_tokens) if proposer is not None else None, Observers(emit, on_logits))
         if self._in_cache:
             self._in_cache = ids + new_ids[:-1]  # the last token chosen may not have been run
         gen_s = time.perf_counter() - start

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from exporters.runtime.generator import SamplingConfig
 from exporters.server.engine import Answer, Cancelled, Engine, Job, random_seed
 from exporters.server.errors import ApiError
+from exporters.server.logprobs import chat_logprobs, completion_logprobs
 from exporters.server.protocol import ChatRequest, CompletionRequest, Sampling, new_id, now, usage
 
 
@@ -58,6 +59,7 @@ def create_app(engine: Engine, limits: Limits, name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
+        body.check()  # before the template: what is asked is refused whatever the program
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
         return await _complete(engine, limits, body, engine.template.render(messages), request, name, chat=True)
 
@@ -89,8 +91,8 @@ async def _complete(engine: Engine, limits: Limits, body: Sampling, prompt: str,
     sampling = SamplingConfig(wanted or limits.max_tokens, body.temperature, body.top_p,
                               random_seed() if body.seed is None else body.seed)
     engine.admit()  # released when the job ends, whether or not its client is still there
-    job = Job(adapter, ids, sampling, body.stops)
-    reply = _Reply(body.model, chat)
+    job = Job(adapter, ids, sampling, body.stops, top_logprobs=body.wanted_logprobs())
+    reply = _Reply(body.model, chat, engine.token_text)
     if body.stream:
         pieces: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -142,7 +144,9 @@ async def _stream(future: asyncio.Future, pieces: asyncio.Queue, job: Job, reply
         while (piece := await pieces.get()) is not None:
             yield _event(reply.chunk(piece))
         answer = future.result()
-        yield _event(reply.chunk(finish=answer.finish_reason))
+        # Text is released in pieces that are not tokens (bytes merge, stop strings hold text back): the tokens'
+        # log-probabilities come whole with the last chunk, which the client appends as it does any chunk's.
+        yield _event(reply.chunk(finish=answer.finish_reason, logprobs=reply.logprobs(answer)))
         if with_usage:
             yield _event(reply.usage_chunk(answer))
         yield "data: [DONE]\n\n"
@@ -161,28 +165,35 @@ def _event(data: dict[str, Any]) -> str:
 class _Reply:
     """OpenAI's response objects for one request."""
 
-    def __init__(self, model: str, chat: bool) -> None:
-        self.model, self.chat = model, chat
+    def __init__(self, model: str, chat: bool, text_of: Callable[[int], str]) -> None:
+        self.model, self.chat, self.text_of = model, chat, text_of
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
+
+    def logprobs(self, answer: Answer) -> dict[str, Any] | None:
+        if answer.logprobs is None:
+            return None
+        shape = chat_logprobs if self.chat else completion_logprobs
+        return shape(answer.logprobs, self.text_of)
 
     def _head(self, suffix: str = "") -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": kind + suffix, "created": self.created, "model": self.model}
 
     def whole(self, answer: Answer) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": answer.finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": answer.finish_reason, "logprobs": self.logprobs(answer)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": answer.text}
         else:
             choice["text"] = answer.text
         return {**self._head(), "choices": [choice], "usage": _usage(answer)}
 
-    def chunk(self, text: str = "", role: bool = False, finish: str | None = None) -> dict[str, Any]:
+    def chunk(self, text: str = "", role: bool = False, finish: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             return {**self._head(".chunk"), "choices": [choice]}
-        return {**self._head(), "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+        return {**self._head(), "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
 
     def usage_chunk(self, answer: Answer) -> dict[str, Any]:
         return {**self._head(".chunk" if self.chat else ""), "choices": [], "usage": _usage(answer)}

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
+import torch
+
 from exporters.errors import UserError
 from exporters.manifest import MANIFEST_FILE
 from exporters.runtime.generator import Generator, SamplingConfig, chat_template
 from exporters.server.errors import ApiError
+from exporters.server.logprobs import TokenLogprob, token_logprobs
 from exporters.server.stops import StopText
 
 
@@ -45,6 +48,7 @@ class Job:
     stops: list[str]
     on_text: Callable[[str], None] | None = None  # streaming: each piece of text as it is released
     cancelled: threading.Event = field(default_factory=threading.Event)
+    top_logprobs: int | None = None  # log-probabilities with this many alternatives per token; None: none
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Answer:
     completion_tokens: int
     cached_tokens: int  # of the prompt, already in the cache
     finish_reason: Literal["stop", "length"]
+    logprobs: list[TokenLogprob] | None = None  # one per completion token, when the job asked
 
 
 def cache_reusable(pte: Path) -> str | None:
@@ -146,8 +151,11 @@ class Engine:
             if text.stopped:
                 raise Stopped()
 
+        seen: list[torch.Tensor] = []
+        on_logits = None if job.top_logprobs is None else (lambda logits: seen.append(logits.detach().clone()))
         try:
-            result = self.generator.generate("", job.sampling, on_text, prompt_ids=job.ids, speculative=self.speculative)
+            result = self.generator.generate("", job.sampling, on_text, prompt_ids=job.ids, speculative=self.speculative,
+                                             on_logits=on_logits)
             finish = "stop" if result.stop_reason == "eos" else "length"
             tail = text.flush()
             if tail and job.on_text:
@@ -159,7 +167,11 @@ class Engine:
                      "" if len(self.generator.progress.new_ids) == 1 else "s")
             raise
         done = self.generator.progress
-        return Answer(text.released, len(job.ids), len(done.new_ids), done.cached, finish)
+        logprobs = None if job.top_logprobs is None else token_logprobs(seen, done.new_ids, job.top_logprobs)
+        return Answer(text.released, len(job.ids), len(done.new_ids), done.cached, finish, logprobs)
+
+    def token_text(self, token: int) -> str:
+        return self.generator.tokenizer.decode([token])
 
 
 def random_seed() -> int:

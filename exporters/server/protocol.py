@@ -1,7 +1,7 @@
 """What clients send (OpenAI's chat and text completions) and what they get back.
 
 Fields OpenAI defines that this server does not compute yet are refused by name (a 400 that says so), never
-ignored: a client that asks for log-probabilities or a JSON schema must not get an answer without them. A field
+ignored: a client that asks for a JSON schema or tools must not get an answer without them. A field
 OpenAI does not define is refused too (a typo is named).
 """
 
@@ -14,12 +14,11 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from exporters.server.errors import ApiError
+from exporters.server.logprobs import MOST_CHAT, MOST_COMPLETIONS
 
 #: OpenAI's fields the server refuses for now, with what to do instead; a value that asks nothing (null, false, 0,
 #: n=1, response_format text) is accepted.
 NOT_YET = {
-    "logprobs": "log-probabilities are not computed by this server yet",
-    "top_logprobs": "log-probabilities are not computed by this server yet",
     "response_format": "constrained decoding (a JSON schema) is not available in this server yet; only "
                        "{\"type\": \"text\"}",
     "tools": "tool calls are not available in this server yet",
@@ -63,7 +62,9 @@ class Sampling(BaseModel):
     frequency_penalty: Optional[float] = None
 
     def check(self) -> None:
-        """Refuse what is asked and not computed (NOT_YET), n > 1, more than 4 stop strings."""
+        """Refuse what is asked and not computed (NOT_YET), n > 1, more than 4 stop strings, log-probabilities asked
+        in the other API's shape."""
+        self.wanted_logprobs()
         for name, why in NOT_YET.items():
             value = getattr(self, name, None)
             if value not in (None, False, 0, [], {}) and not (name == "response_format" and value == {"type": "text"}):
@@ -73,6 +74,10 @@ class Sampling(BaseModel):
                            param="n", code="unsupported_parameter")
         if len(self.stops) > 4:
             raise ApiError(400, f"stop holds {len(self.stops)} strings; at most 4.", param="stop")
+
+    def wanted_logprobs(self) -> int | None:
+        """Alternatives per token to report with log-probabilities (0: the chosen token's alone); None: none."""
+        raise NotImplementedError
 
     @property
     def stops(self) -> list[str]:
@@ -111,6 +116,17 @@ class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
 
+    def wanted_logprobs(self) -> int | None:
+        """Chat's shape: ``logprobs`` true or false, ``top_logprobs`` 0 to 20 alternatives beside it."""
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise ApiError(400, f"logprobs={self.logprobs}: a chat completion takes logprobs=true and the number of "
+                           f"alternatives as top_logprobs (0 to {MOST_CHAT}).", param="logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MOST_CHAT:
+            raise ApiError(400, f"top_logprobs={self.top_logprobs}: 0 to {MOST_CHAT}.", param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     @property
     def most_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
@@ -119,6 +135,17 @@ class ChatRequest(Sampling):
 class CompletionRequest(Sampling):
     prompt: Union[str, list[str]]
     max_tokens: Optional[int] = Field(default=16, ge=1)  # OpenAI's default for text completions
+
+    def wanted_logprobs(self) -> int | None:
+        """Text completions' shape: ``logprobs`` is the number of alternatives (0 to 5)."""
+        if self.top_logprobs is not None:
+            raise ApiError(400, "top_logprobs is a chat completion's field; a text completion takes the number of "
+                           f"alternatives as logprobs (0 to {MOST_COMPLETIONS}).", param="top_logprobs")
+        if isinstance(self.logprobs, bool) or (self.logprobs is not None
+                                               and not 0 <= self.logprobs <= MOST_COMPLETIONS):
+            raise ApiError(400, f"logprobs={str(self.logprobs).lower()}: a text completion takes the number of "
+                           f"alternatives per token, 0 to {MOST_COMPLETIONS}.", param="logprobs")
+        return self.logprobs
 
     @property
     def text(self) -> str:
