@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from exporters.config import Algorithm
 from exporters.errors import UserError
 from exporters.runtime.quality import read_text, text_ids
 from models.checkpoint import Checkpoint
@@ -107,8 +108,6 @@ def layer_by_layer_blocker(model: CausalLM) -> str | None:
 def check_layer_by_layer(shapes: CausalLM, quant: QuantConfig) -> None:
     """Calibration (GPTQ, signround) and the size budget's sensitivity run the layers one at a time: refused before
     any weight is read where that is not implemented for the model."""
-    from exporters.config import Algorithm
-
     uses = [f"quant.algorithm={quant.algorithm}"] if quant.algorithm in (Algorithm.gptq, Algorithm.signround) else []
     uses += ["quant.size_budget"] if quant.size_budget is not None else []
     blocker = layer_by_layer_blocker(shapes) if uses else None
