@@ -100,3 +100,16 @@ def test_what_is_not_implemented_for_it_is_refused_before_any_weight_is_read(fam
     with pytest.raises(UserError, match=says):
         export(cfg, tmp_path / "run")
     assert not list((tmp_path / "run").glob("*.pte"))
+
+
+def test_the_tiny_source_writes_a_tiny_gemma4(tmp_path: Path) -> None:
+    """model=tiny model.family=gemma4: transformers' defaults are E2B's (heads of 256 and 512, a per-layer table of
+    262144 rows, 135M parameters at hidden 64); the tiny model is tiny, and the table covers its vocabulary."""
+    import json
+
+    from models.sources import SOURCES
+
+    ckpt = SOURCES["tiny"](compose_config("model=tiny", "model.family=gemma4").model, tmp_path)
+    config = json.loads((ckpt.path / "config.json").read_text())
+    assert config["vocab_size_per_layer_input"] == config["vocab_size"] and config["hidden_size_per_layer_input"] == 16
+    assert build_model(ckpt, MAX_SEQ_LEN).parameter_count() < 300_000
