@@ -61,6 +61,8 @@ class Lfm2VlSquareImages(Siglip2ImageProcessorPil):
     """``Lfm2VlProcessor``'s image processor for one S x S image per picture (no tiles, no thumbnail)."""
 
     valid_kwargs = Lfm2VlImagesKwargs
+    stretches_to_square = True  # read by exporters.runtime.images without importing this module (transformers' PIL
+    # image processors take about 5 s to import: every text generation would pay it)
 
     def __init__(self, **kwargs: Any) -> None:
         lfm2 = {key: kwargs.pop(key, value) for key, value in LFM2_VL_DEFAULTS.items()}

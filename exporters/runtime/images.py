@@ -17,7 +17,6 @@ from exporters.errors import UserError
 from exporters.program.vision import (IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD, program_pixels,
                                       prompt_marker)
 from exporters.runtime.media import MediaPrompt
-from models.lfm2_vl_images import Lfm2VlSquareImages
 from models.vision import load_processor
 
 log = logging.getLogger("exporters")
@@ -76,7 +75,7 @@ def _say_stretched(processor: Any, paths: list[str], pictures: list[Any], size: 
     """LFM2-VL's processor here makes one S x S image of every picture (the program's one shape): a picture of another
     aspect ratio is stretched, which the console says (transformers' own processor would keep the ratio, in tiles)."""
 
-    if not isinstance(processor.image_processor, Lfm2VlSquareImages):
+    if not getattr(processor.image_processor, "stretches_to_square", False):  # models.lfm2_vl_images' processor
         return
     for path, picture in zip(paths, pictures):
         width, height = picture.size
