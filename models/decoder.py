@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -350,9 +350,9 @@ class Attention(nn.Module):
         object.__setattr__(self, "_cache_owner", owner)
 
     def cache(self) -> KVCache:
-        owner = self._cache_owner
         if not self.shares_cache:
             return self.kv_cache
+        owner = self._cache_owner
         assert owner is not None, "a layer that shares a cache was not given its owner (DecoderBody binds them)"
         return owner.kv_cache
 
@@ -497,6 +497,20 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh, "gelu_new": gelu_tanh}
 
 
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation a config names: ours (:data:`ACTIVATIONS`), else transformers' ``ACT2FN``."""
+    from transformers.activations import ACT2FN
+
+    return ACTIVATIONS.get(name) or ACT2FN[name]
+
+
+def in_each_dtype(value: float) -> dict[torch.dtype, float]:
+    """``value`` rounded to each activation dtype, as Python floats (export sees a constant): transformers scales
+    embeddings by a tensor of the weights' dtype."""
+    return {dtype: float(torch.tensor(value, dtype=dtype, device="cpu"))
+            for dtype in (torch.float32, torch.float16, torch.bfloat16)}
+
+
 class Rotation(nn.Module):
     """A constant orthogonal matrix applied at run time to ``x`` [1, T, n]: the parts of a rotation
     (``quant.rotation``, ``exporters.quant.rotation``) that cannot be folded into weights.
@@ -540,8 +554,6 @@ class MLP(nn.Module):
     """Gated MLP: SwiGLU (Llama, Qwen, Phi-3) or GeGLU (Gemma), split or fused gate/up projections."""
 
     def __init__(self, args: DecoderArgs) -> None:
-        from transformers.activations import ACT2FN
-
         super().__init__()
         self.fused = args.fused_gate_up
         hidden, inter, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
@@ -551,7 +563,7 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(hidden, inter, bias=bias)
             self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
-        self.act_fn = ACTIVATIONS.get(args.hidden_act) or ACT2FN[args.hidden_act]
+        self.act_fn = activation(args.hidden_act)
         self.down_input_rotation: Rotation | None = None  # quant.online_hadamard (R4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -596,12 +608,10 @@ class DecoderLayer(nn.Module):
         if self.norms != Norms.pre:
             self.post_feedforward_layernorm = norm()
         if args.per_layer_input:  # Gemma 4's per-layer embeddings: a gated projection of this layer's vector
-            from transformers.activations import ACT2FN
-
             self.per_layer_input_gate = nn.Linear(args.hidden_size, args.per_layer_input, bias=False)
             self.per_layer_projection = nn.Linear(args.per_layer_input, args.hidden_size, bias=False)
             self.post_per_layer_input_norm = norm()
-            self.per_layer_act = ACTIVATIONS.get(args.hidden_act) or ACT2FN[args.hidden_act]
+            self.per_layer_act = activation(args.hidden_act)
         if args.layer_scalar:
             self.register_buffer("layer_scalar", torch.ones(1))
         # quant.rotation with sandwich norms: the normed block outputs rotated into the residual stream's basis.
@@ -692,16 +702,8 @@ class CausalLM(nn.Module):
             self.register_buffer(f"rope_sin_{name}", torch.empty(0), persistent=False)
             self.register_buffer(f"rope_inv_freq_{name}", torch.empty(0), persistent=False)
         self.register_buffer("cache_positions", torch.empty(0, dtype=torch.int64), persistent=False)
-        # Python floats (not tensors, so export sees a constant): the scale rounded to each dtype.
-        self.embed_scale = {
-            dtype: float(torch.tensor(args.embed_scale or 1.0, dtype=dtype, device="cpu"))
-            for dtype in (torch.float32, torch.float16, torch.bfloat16)
-        }
-        # Gemma 4's per-layer embeddings: the table scaled by sqrt(width) in the weights' dtype, as transformers does.
-        self.per_layer_scale = {
-            dtype: float(torch.tensor(args.per_layer_input**0.5, dtype=dtype, device="cpu"))
-            for dtype in (torch.float32, torch.float16, torch.bfloat16)
-        }
+        self.embed_scale = in_each_dtype(args.embed_scale or 1.0)
+        self.per_layer_scale = in_each_dtype(args.per_layer_input**0.5)  # Gemma 4's per-layer table: sqrt(width)
         if self.model.norm.weight.device.type != "meta":
             self.init_buffers()
 

@@ -62,6 +62,9 @@ class Family:
     unused: tuple[str, ...] = ()
     # More such prefixes that depend on the config (Gemma 4's KV-sharing layers keep unused k/v projections).
     unused_of: Callable[[Any], tuple[str, ...]] | None = None
+    # Config fields whose transformers defaults are a published model's size, at a tiny model's scale (its vocabulary
+    # size -> the fields): what models.tiny writes for model=tiny model.family=<name>.
+    tiny_arch: Callable[[int], dict[str, Any]] | None = None
 
     def tensor_name(self, name: str) -> str:
         for pattern, replacement in self.renames:
@@ -74,9 +77,10 @@ FAMILIES: dict[str, Family] = {}
 
 def register_family(name: str, *architectures: str, model_type: str, renames: tuple[tuple[str, str], ...] = (),
                     unused: tuple[str, ...] = (),
-                    unused_of: Callable[[Any], tuple[str, ...]] | None = None) -> Callable[[FamilyAdapter], FamilyAdapter]:
+                    unused_of: Callable[[Any], tuple[str, ...]] | None = None,
+                    tiny_arch: Callable[[int], dict[str, Any]] | None = None) -> Callable[[FamilyAdapter], FamilyAdapter]:
     def wrap(fn: FamilyAdapter) -> FamilyAdapter:
-        FAMILIES[name] = Family(name, architectures, model_type, fn, renames, unused, unused_of)
+        FAMILIES[name] = Family(name, architectures, model_type, fn, renames, unused, unused_of, tiny_arch)
         return fn
 
     return wrap
@@ -240,7 +244,15 @@ def _gemma4_unused(cfg: Any) -> tuple[str, ...]:
                  for name in ("k_proj", "v_proj", "k_norm", "v_norm"))
 
 
-@register_family("gemma4", "Gemma4ForCausalLM", model_type="gemma4_text", unused_of=_gemma4_unused)
+def _gemma4_tiny(vocab_size: int) -> dict[str, Any]:
+    """Heads of 16 and 32 and a per-layer table of the tiny vocabulary, where transformers' defaults (E2B's: heads of
+    256 and 512, 262144 rows) would make a 64-wide model of 135M parameters."""
+    return {"head_dim": 16, "global_head_dim": 32, "hidden_size_per_layer_input": 16,
+            "vocab_size_per_layer_input": vocab_size}
+
+
+@register_family("gemma4", "Gemma4ForCausalLM", model_type="gemma4_text", unused_of=_gemma4_unused,
+                 tiny_arch=_gemma4_tiny)
 def gemma4(cfg: Any, max_context_len: int) -> dict[str, Any]:
     """Gemma 4 text models (E2B, E4B, 31B): Gemma 3's layers with unit-scale norms (and an unweighted one on values),
     head size and kv heads per layer type, partial "proportional" RoPE on full-attention layers, per-layer embeddings

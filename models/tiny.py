@@ -39,15 +39,6 @@ Hello world! How are you today? I am fine, thank you. What is the weather like?
 Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { } - _ + = / \\ * & % $ # @
 """
 
-def tiny_family_arch(family: str, vocab_size: int) -> dict[str, Any]:
-    """Fields whose transformers defaults are a published model's size, at the tiny model's scale: a tiny Gemma 4
-    would otherwise get heads of 256 and 512 and a per-layer-embedding table of 262144 rows (135M parameters)."""
-    if family == "gemma4":
-        return {"head_dim": 16, "global_head_dim": 32, "hidden_size_per_layer_input": 16,
-                "vocab_size_per_layer_input": vocab_size}
-    return {}
-
-
 DEFAULT_ARCH: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 192,
@@ -185,7 +176,8 @@ def _train_tiny_checkpoint(out_dir: Path, arch: dict[str, Any] | None, seed: int
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     given = {**DEFAULT_ARCH, **(arch or {})}
-    arch = {**tiny_family_arch(family, given["vocab_size"]), **given}
+    scaled = FAMILIES[family].tiny_arch  # fields whose transformers defaults are a published model's size
+    arch = {**(scaled(given["vocab_size"]) if scaled else {}), **given}
     if "rope_parameters" in arch:  # it carries its own rope_theta (per layer type for Gemma 3)
         arch.pop("rope_theta")
     if tokenizer == "sentencepiece":

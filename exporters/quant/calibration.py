@@ -108,7 +108,8 @@ def layer_by_layer_blocker(model: CausalLM) -> str | None:
 def check_layer_by_layer(shapes: CausalLM, quant: QuantConfig) -> None:
     """Calibration (GPTQ, signround) and the size budget's sensitivity run the layers one at a time: refused before
     any weight is read where that is not implemented for the model."""
-    uses = [f"quant.algorithm={quant.algorithm}"] if quant.algorithm in (Algorithm.gptq, Algorithm.signround) else []
+    calibrated = Algorithm(quant.algorithm).torchao_name is None  # what DATA_FREE leaves out (exporters.quant.schemes)
+    uses = [f"quant.algorithm={quant.algorithm}"] if calibrated else []
     uses += ["quant.size_budget"] if quant.size_budget is not None else []
     blocker = layer_by_layer_blocker(shapes) if uses else None
     if blocker is not None:
