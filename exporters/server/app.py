@@ -59,12 +59,13 @@ def create_app(engine: Engine, limits: Limits, name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
-        body.check()  # before the template: what is asked is refused whatever the program
+        body.check()  # before the template: what is asked is refused whatever the program has
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
         return await _complete(engine, limits, body, engine.template.render(messages), request, name, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        body.check()
         return await _complete(engine, limits, body, body.text, request, name, chat=False)
 
     return app
@@ -81,7 +82,7 @@ def _authorize(request: Request, api_key: str | None) -> None:
 
 async def _complete(engine: Engine, limits: Limits, body: Sampling, prompt: str, request: Request, name: str,
                     chat: bool) -> Any:
-    body.check()
+    """``body`` checked (``Sampling.check``) and ``prompt`` rendered by the route."""
     adapter = _adapter(engine, body.model, name)
     wanted = body.most_tokens  # type: ignore[attr-defined]
     if wanted is not None and wanted > limits.max_tokens:

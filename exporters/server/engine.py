@@ -17,13 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
-import torch
-
 from exporters.errors import UserError
 from exporters.manifest import MANIFEST_FILE
 from exporters.runtime.generator import Generator, SamplingConfig, chat_template
 from exporters.server.errors import ApiError
-from exporters.server.logprobs import TokenLogprob, token_logprobs
+from exporters.server.logprobs import Recorder, TokenLogprob
 from exporters.server.stops import StopText
 
 
@@ -151,11 +149,11 @@ class Engine:
             if text.stopped:
                 raise Stopped()
 
-        seen: list[torch.Tensor] = []
-        on_logits = None if job.top_logprobs is None else (lambda logits: seen.append(logits.detach().clone()))
+        recorder = None if job.top_logprobs is None else Recorder(job.top_logprobs,
+                                                                   lambda: self.generator.progress.new_ids)
         try:
             result = self.generator.generate("", job.sampling, on_text, prompt_ids=job.ids, speculative=self.speculative,
-                                             on_logits=on_logits)
+                                             on_logits=None if recorder is None else recorder.seen)
             finish = "stop" if result.stop_reason == "eos" else "length"
             tail = text.flush()
             if tail and job.on_text:
@@ -167,8 +165,8 @@ class Engine:
                      "" if len(self.generator.progress.new_ids) == 1 else "s")
             raise
         done = self.generator.progress
-        logprobs = None if job.top_logprobs is None else token_logprobs(seen, done.new_ids, job.top_logprobs)
-        return Answer(text.released, len(job.ids), len(done.new_ids), done.cached, finish, logprobs)
+        return Answer(text.released, len(job.ids), len(done.new_ids), done.cached, finish,
+                      None if recorder is None else recorder.result())
 
     def token_text(self, token: int) -> str:
         return self.generator.tokenizer.decode([token])

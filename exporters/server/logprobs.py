@@ -22,15 +22,38 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the position's most likely tokens, best first
 
 
-def token_logprobs(logits: list[torch.Tensor], tokens: list[int], top: int) -> list[TokenLogprob]:
-    """One entry per token of ``tokens``, each from the logits it was chosen from (``logits[i]`` for ``tokens[i]``)."""
-    entries = []
-    for row, token in zip(logits, tokens):
-        lp = torch.log_softmax(row.float().reshape(-1), dim=-1)
-        best = lp.topk(top) if top else None
-        entries.append(TokenLogprob(token, float(lp[token]),
-                                    [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))))
-    return entries
+def token_logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s entry from the logits ``row`` it was chosen from, with the ``top`` most likely beside it."""
+    lp = torch.log_softmax(row.float().reshape(-1), dim=-1)
+    best = lp.topk(top) if top else None
+    return TokenLogprob(token, float(lp[token]),
+                        [] if best is None else list(zip(best.indices.tolist(), best.values.tolist())))
+
+
+class Recorder:
+    """Told each position's logits as generation goes (:meth:`seen`), it reads the token chosen from them in
+    ``tokens()`` (the generation's growing list) when the next logits come, and keeps only that entry: one row of
+    logits at a time, not every position's (1024 tokens of a 262144-token vocabulary would be 1 GB)."""
+
+    def __init__(self, top: int, tokens: Callable[[], list[int]]) -> None:
+        self.top, self.tokens = top, tokens
+        self.entries: list[TokenLogprob] = []
+        self.pending: torch.Tensor | None = None  # the logits whose token is not chosen yet
+
+    def seen(self, logits: torch.Tensor) -> None:
+        self._settle()
+        self.pending = logits.detach().clone()
+
+    def _settle(self) -> None:
+        chosen = self.tokens()
+        if self.pending is not None and len(chosen) > len(self.entries):
+            self.entries.append(token_logprob(self.pending, chosen[len(self.entries)], self.top))
+        self.pending = None
+
+    def result(self) -> list[TokenLogprob]:
+        """One entry per token generated (the logits of a token that ended generation, EOS, are dropped)."""
+        self._settle()
+        return self.entries
 
 
 def chat_logprobs(entries: list[TokenLogprob], text_of: Callable[[int], str]) -> dict[str, Any]:
