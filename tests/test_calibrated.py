@@ -85,10 +85,13 @@ def test_gptq_codes_are_xnnpacks_format_and_beat_hqq_on_unseen_text(smollm2_trun
     (["quant=8da4w", "quant.size_budget=0.9"], "smallest program it can make is the uniform one"),
     (["quant=8da8w", "quant.size_budget=1.05"], "has no 4-bit linears"),
     (["quant=8da4w", "quant.size_budget=1.05", "quant.calibration.max_tokens=10"], "at least 512 tokens"),
-    (["quant=8da4w_calibrated", "quant.learning.steps=10"], "only quant.algorithm=signround learns"),
+    (["quant=8da4w_calibrated", "quant.learning.steps=10"], "only quant.algorithm=distill and signround learn"),
     (["quant=8da4w_calibrated", "quant.algorithm=signround", "quant.learning.steps=0"], "at least one step"),
     (["quant=8da4w_calibrated", "quant.algorithm=signround", "quant.learning.lr=0.9"], "use a value in"),
-    (["quant=8da4w", "quant.learning.rounding=true"], "only quant.algorithm=signround learns"),
+    (["quant=8da4w", "quant.learning.rounding=true"], "only quant.algorithm=distill and signround learn"),
+    (["quant=8da4w_learned", "quant.learning.rounding=true"], "only quant.algorithm=signround learns each weight"),
+    (["quant=8da4w_learned", "quant.learning.lr=0.5"], r"Adam moves the log.*\(0, 0.1\]"),
+    (["quant=8da4w_learned", "quant.learning.steps=0"], "at least one step"),
 ])
 def test_calibration_that_cannot_work_is_refused_before_any_work(overrides: list[str], named: str) -> None:
     with pytest.raises(UserError, match=named):

@@ -136,7 +136,7 @@ def test_bad_values_are_refused_before_any_work(override: str, named: str) -> No
 
 
 @pytest.mark.parametrize("override,allowed", [
-    ("quant.algorithm=minmax", "hqq, affine, gptq, signround"),
+    ("quant.algorithm=minmax", "hqq, affine, gptq, signround, distill"),
     ("quant.dtype=fp64", "fp32, fp16, bf16"),
     ("export.layout=ours", "stock, split"),
     ("export.tied_embedding=once", "shared, copied"),

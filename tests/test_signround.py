@@ -17,7 +17,8 @@ from exporters.config import CalibrationConfig, Source
 from exporters.quant.calibrated import Target
 from exporters.quant.calibration import LayerByLayer
 from exporters.quant.schemes import LINEAR_SCHEMES
-from exporters.quant.signround import Learning, differentiable_attention, quantize_learned
+from exporters.quant.learning import differentiable_attention
+from exporters.quant.signround import Learning, quantize_learned
 from models.checkpoint import build_model, open_checkpoint
 
 

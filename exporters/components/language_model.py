@@ -17,6 +17,7 @@ from exporters.config import CalibrationConfig, KvDType, ModelConfig, Source
 from exporters.plan.footprint import GB, Footprint, MemoryBudget, check_conversion, conversion_peak
 from exporters.quant.apply import quantize_model
 from exporters.quant.calibration import CalibrationText, calibration_text, check_layer_by_layer
+from exporters.quant.distill import check_distillable
 from exporters.quant.rotation import check_rotation
 from exporters.runtime.quality import TextWindows, full_sequence, window_logits
 from models.checkpoint import stored_bytes
@@ -90,6 +91,7 @@ class LanguageModel(Kind):
         shapes = build.build(checkpoint, device="meta")
         check_rotation(shapes, component.quant.config)
         check_layer_by_layer(shapes, component.quant.config)
+        check_distillable(shapes, component.quant.config)
         check_hybrid(shapes, ctx.plan, component)
         ctx.records[part.name] = ModelRecord(checkpoint, shapes.parameter_count())
         footprint = MemoryBudget.of(ctx.plan, component).estimate(shapes, stored_bytes(checkpoint, shapes))

@@ -68,6 +68,7 @@ class Algorithm(Choice):
     affine = "affine"
     gptq = "gptq"
     signround = "signround"
+    distill = "distill"
 
     @property
     def torchao_name(self) -> str | None:
@@ -206,13 +207,14 @@ class CalibrationConfig:
 
 @dataclass
 class LearningConfig:
-    # With quant.algorithm=signround, the signed-gradient steps each decoder layer learns its group scales for (one
-    # calibration window a step; null = 50), and the step's size (null = 1/steps, as the SignRound paper), decayed
-    # to zero. More steps cost time linearly (docs/quality.md#learned-4-bit); other algorithms learn nothing and
-    # refuse these.
+    # The learned algorithms' steps (one calibration window a step) and step size, decayed to zero: with
+    # quant.algorithm=distill, Adam steps of the whole model's group scales (null = 60) and the step on their log
+    # (null = 0.001); with signround, each decoder layer's signed-gradient steps (null = 50) and their size (null =
+    # 1/steps, as the SignRound paper). More steps cost time linearly (docs/quality.md#learned-4-bit); other
+    # algorithms learn nothing and refuse these.
     steps: Optional[int] = None
     lr: Optional[float] = None
-    # Learn each weight's rounding too (SignRound's offsets in [-0.5, 0.5]): a parameter per weight, which fits a
+    # signround: learn each weight's rounding too (offsets in [-0.5, 0.5]): a parameter per weight, which fits a
     # few thousand calibration tokens and loses on other text (measured on SmolLM2-135M), so off by default.
     rounding: bool = False
 
@@ -240,9 +242,10 @@ class QuantConfig:
     adapters: Optional[str] = None
     # How the linear layers' (and lm_head's) integer codes and scales are chosen: "hqq" as ExecuTorch's export_llm
     # does, "affine" (min/max), "gptq": calibrated on quant.calibration's text (each column's rounding error
-    # compensated by the columns not yet rounded), or "signround" (experimental): each decoder layer's group scales
-    # learned against the unquantized layer's output on that text (quant.learning), q/k/v and lm_head by GPTQ, in
-    # the same format and size (docs/quality.md).
+    # compensated by the columns not yet rounded), "distill": GPTQ's codes, then every group scale learned at once
+    # against the unquantized model's predictions on that text (quant.learning; a few minutes more), or "signround"
+    # (experimental): each decoder layer's group scales learned against the unquantized layer's output, q/k/v and
+    # lm_head by GPTQ. All in the same format and size (docs/quality.md#learned-4-bit).
     algorithm: Algorithm = Algorithm.hqq
     # The token embedding is a lookup (it has no inputs to calibrate with): "hqq" or "affine".
     embedding_algorithm: Algorithm = Algorithm.hqq

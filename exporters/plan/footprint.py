@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from exporters.config import QuantConfig, TiedEmbeddingStorage
+from exporters.config import Algorithm, QuantConfig, TiedEmbeddingStorage
 from exporters.console import count
 from exporters.errors import UserError
 from exporters.quant.advice import changes
+from exporters.quant.distill import distill_bytes
 from exporters.quant.mixed import Precision
 from exporters.quant.rotation import rotates
 from exporters.quant.schemes import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, layer_scheme
@@ -256,8 +257,10 @@ class MemoryBudget:
 
     def _calibrated_quantize(self, shapes: CausalLM, weights: Weights, stored_bytes: int) -> int:
         """What quantize holds when a calibration text runs the model or a rotation turns it: the model whole in
-        quant.dtype beside the stored weights and the quantized layers as they are made."""
-        return stored_bytes + weights.eager + shapes.parameter_count() * DTYPES[self.quant.dtype].itemsize
+        quant.dtype beside the stored weights and the quantized layers as they are made (and, distilling, what
+        learning holds)."""
+        learning = distill_bytes(shapes, self.quant) if self.quant.algorithm == Algorithm.distill else 0
+        return stored_bytes + weights.eager + shapes.parameter_count() * DTYPES[self.quant.dtype].itemsize + learning
 
     def _validation_peaks(self, weights: Weights, stored_bytes: int, lowered: int, logits: int) -> dict[str, int]:
         # torchao's eager linear dequantizes a quantized lm_head (its own, or the embedding quantized once) to fp32 at

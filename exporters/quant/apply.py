@@ -24,7 +24,8 @@ from exporters.quant.calibrated import Target, quantize_calibrated
 from exporters.quant.calibration import CalibrationText
 from exporters.quant.hqq import hqq_by_rows
 from exporters.quant.rotation import rotate, rotates
-from exporters.quant.signround import DEFAULT_STEPS, Learning, quantize_learned
+from exporters.quant import distill, signround
+from exporters.quant.signround import Learning, quantize_learned
 from exporters.quant.mixed import (SENSITIVITY_TOKENS, Candidate, Precision, choose_upgrades, measure_sensitivity,
                                    weight_bytes)
 from exporters.quant.schemes import (DATA_FREE, DTYPES, EIGHT_BIT_FORM, EMBEDDING_SCHEMES, LINEAR_SCHEMES, IntScheme,
@@ -133,13 +134,14 @@ def quantize_linear_role(role: str, linears: dict[str, nn.Linear], scheme: str, 
 
 
 def learning_steps(cfg: QuantConfig) -> int | None:
-    """The steps a learned algorithm takes per layer (None for the others)."""
-    return cfg.learning.steps or DEFAULT_STEPS if cfg.algorithm == Algorithm.signround else None
+    """The steps a learned algorithm takes (per layer for signround, in all for distill; None for the others)."""
+    defaults = {Algorithm.signround: signround.DEFAULT_STEPS, Algorithm.distill: distill.DEFAULT_STEPS}
+    return cfg.learning.steps or defaults[cfg.algorithm] if cfg.algorithm in defaults else None
 
 
 def _apply_calibrated(model: CausalLM, cfg: QuantConfig, plans: dict[str, RolePlan], text: CalibrationText) -> None:
-    """``cfg.algorithm`` (GPTQ, SignRound) on the calibration text for the plans' modules (the linears and
-    lm_head), one pass over the model."""
+    """``cfg.algorithm`` (GPTQ, SignRound, GPTQ then distillation) on the calibration text for the plans' modules
+    (the linears and lm_head)."""
     targets = {name: Target(module, plan.precision(name).integer, plan.precision(name).group_size)  # type: ignore[arg-type]
                for plan in plans.values() for name, module in plan.modules.items()}
     if cfg.algorithm == Algorithm.signround:
@@ -149,6 +151,14 @@ def _apply_calibrated(model: CausalLM, cfg: QuantConfig, plans: dict[str, RolePl
         quantize_learned(model, targets, text, learning, _progress("learned linear", len(targets)))
         if "lm_head" in plans:  # its error is the logits', not a layer's: GPTQ's codes (exporters.quant.signround)
             plans["lm_head"].record.algorithm = str(Algorithm.gptq)
+    elif cfg.algorithm == Algorithm.distill:
+        teacher = distill.unquantized_predictions(model, text)  # before any weight is quantized
+        quantize_calibrated(model, targets, text, _progress("calibrated linear", len(targets)))
+        steps = learning_steps(cfg)
+        assert steps is not None
+        distill.distill_scales(model, targets, text, teacher,
+                               distill.Distillation(steps, cfg.learning.lr or distill.DEFAULT_LR),
+                               distill.timed_progress(steps, PROGRESS_LABEL.get()))
     else:
         quantize_calibrated(model, targets, text, _progress("calibrated linear", len(targets)))
 

@@ -150,19 +150,28 @@ def check_algorithms(quant: QuantConfig) -> None:
 
 def check_learning(quant: QuantConfig) -> None:
     """``quant.learning`` is read by a learned algorithm only, and its values can be learned with."""
+    learned = (Algorithm.distill, Algorithm.signround)
     set_ = {k: v for k, v in (("steps", quant.learning.steps), ("lr", quant.learning.lr),
                               ("rounding", quant.learning.rounding or None)) if v is not None}
-    if set_ and quant.algorithm != Algorithm.signround:
+    if set_ and quant.algorithm not in learned:
         named = ", ".join(f"quant.learning.{k}={v}" for k, v in set_.items())
-        raise UserError(f"{named}: only quant.algorithm=signround learns, and quant={quant.name} uses "
-                        f"quant.algorithm={quant.algorithm}. Add quant.algorithm=signround, "
+        raise UserError(f"{named}: only quant.algorithm=distill and signround learn, and quant={quant.name} uses "
+                        f"quant.algorithm={quant.algorithm}. Add quant.algorithm=distill (or quant=8da4w_learned), "
                         f"or drop the quant.learning settings.")
+    if quant.learning.rounding and quant.algorithm != Algorithm.signround:
+        raise UserError(f"quant.learning.rounding=true: only quant.algorithm=signround learns each weight's rounding; "
+                        f"quant.algorithm={quant.algorithm} learns the group scales of GPTQ's codes. Drop "
+                        f"quant.learning.rounding, or use quant.algorithm=signround.")
     if quant.learning.steps is not None and quant.learning.steps < 1:
-        raise UserError(f"quant.learning.steps={quant.learning.steps}: each layer needs at least one step "
-                        f"(null = 100).")
-    if quant.learning.lr is not None and not 0 < quant.learning.lr <= 0.5:
-        raise UserError(f"quant.learning.lr={quant.learning.lr}: a signed step moves each scale factor (and rounding "
-                        f"offset) by lr, and they live in ranges one wide; use a value in (0, 0.5] (null = 1/steps).")
+        raise UserError(f"quant.learning.steps={quant.learning.steps}: learning needs at least one step "
+                        f"(null = the algorithm's default).")
+    top = 0.5 if quant.algorithm == Algorithm.signround else 0.1
+    if quant.learning.lr is not None and not 0 < quant.learning.lr <= top:
+        what = ("a signed step moves each scale factor (and rounding offset) by lr, and they live in ranges one wide"
+                if quant.algorithm == Algorithm.signround else
+                "Adam moves the log of each group scale by about lr a step; past 0.1 the first steps undo GPTQ's scales")
+        raise UserError(f"quant.learning.lr={quant.learning.lr}: {what}; use a value in (0, {top}] (null = the "
+                        f"algorithm's default).")
 
 
 def check_size_budget(quant: QuantConfig) -> None:

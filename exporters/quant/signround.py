@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
@@ -35,8 +34,8 @@ from torch.nn.utils import parametrize
 from exporters.quant.calibrated import Target, calibrate_layer, finish_with_head
 from exporters.quant.calibration import CalibrationText, LayerByLayer
 from exporters.quant.gptq import IntGrid, static_scales
-from models.decoder import Attention, CausalLM, DecoderLayer
-from models.kv_cache import KVCache
+from exporters.quant.learning import bf16_ste, detach_buffers, differentiable_attention, round_ste
+from models.decoder import CausalLM
 from models.mapped_pages import release_file_pages
 
 log = logging.getLogger("exporters")
@@ -64,15 +63,6 @@ class Learning:
         return base * (1.0 - step / self.steps)
 
 
-def _round_ste(x: torch.Tensor) -> torch.Tensor:
-    """round(x) forward, identity backward (the straight-through estimator)."""
-    return x + (torch.round(x) - x).detach()
-
-
-def _bf16_ste(x: torch.Tensor) -> torch.Tensor:
-    return x + (x.to(torch.bfloat16).float() - x).detach()
-
-
 class LearnedRounding(nn.Module):
     """A linear's weight as its quantized value, ``clamp(round(W / s + v)) * s`` with ``s = bf16(s0 * factor)`` per
     group, registered as a parametrization of ``weight``: ``s0`` the activation-weighted scale search's, ``factor``
@@ -88,12 +78,12 @@ class LearnedRounding(nn.Module):
         self.offset = nn.Parameter(torch.zeros(self.shape)) if rounding else None
 
     def scales(self) -> torch.Tensor:
-        return _bf16_ste(self.s0 * self.factor) if self.grid.bf16_scales else self.s0 * self.factor
+        return bf16_ste(self.s0 * self.factor) if self.grid.bf16_scales else self.s0 * self.factor
 
     def codes(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self.scales()[..., None]
         x = weight.float().reshape(self.shape) / scale
-        q = torch.clamp(_round_ste(x if self.offset is None else x + self.offset), self.grid.qmin, self.grid.qmax)
+        q = torch.clamp(round_ste(x if self.offset is None else x + self.offset), self.grid.qmin, self.grid.qmax)
         return q, scale
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
@@ -114,44 +104,6 @@ class LearnedRounding(nn.Module):
         """``(codes int8 [rows, cols], scales fp32 [rows, groups])``: what the kernels will compute with."""
         q, scale = self.codes(weight)
         return q.reshape(weight.shape).to(torch.int8), scale[..., 0].float()
-
-
-class _CacheOutOfPlace(KVCache):
-    """A cache written out of place: a window longer than one call writes it again after the first call's attention
-    read it, which autograd (holding what was read) refuses in place."""
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, start_pos: object = None) -> None:
-        self.k_cache = self.k_cache.index_copy(2, slots, k.to(self.k_cache.dtype))
-        self.v_cache = self.v_cache.index_copy(2, slots, v.to(self.v_cache.dtype))
-
-
-class _LearningAttention(Attention):
-    @staticmethod
-    def cache_layout_of(args: object) -> type[KVCache]:
-        return _CacheOutOfPlace
-
-
-@contextmanager
-def differentiable_attention(layer: DecoderLayer, dtype: torch.dtype) -> Iterator[None]:
-    """Within this block ``layer``'s attention runs on ATen ops: ExecuTorch's ``llama::custom_sdpa`` has no gradient
-    (autograd would pass none to q, k and v, and those projections would learn nothing). The same projections and
-    norms, a cache of its own, written out of place."""
-    attn = getattr(layer, "self_attn", None)
-    if not isinstance(attn, Attention):
-        yield
-        return
-    with torch.device("meta"):
-        aten = _LearningAttention(attn.args, attn.kv_cache.geometry, attn.layer)
-    for name, child in attn.named_children():
-        if name != "kv_cache":
-            setattr(aten, name, child)
-    aten.q_rotate, aten.k_rotate = attn.q_rotate, attn.k_rotate
-    aten.kv_cache.rebuild(dtype, attn.q_rotate.device)
-    layer.self_attn = aten
-    try:
-        yield
-    finally:
-        layer.self_attn = attn
 
 
 def _input_energy(run: LayerByLayer, i: int, states: list[torch.Tensor],
@@ -196,8 +148,7 @@ def _learn_layer(run: LayerByLayer, i: int, targets: dict[str, Target], inputs: 
         with torch.enable_grad(), differentiable_attention(layer, inputs[0].dtype):
             for step in range(learning.steps):
                 w = step % len(inputs)
-                for buffer in layer.buffers():  # the cache written by the last step is not part of this one's graph
-                    buffer.detach_()
+                detach_buffers(layer)
                 out = run.window(i, w, inputs[w])
                 loss = torch.nn.functional.mse_loss(out.float(), goals[w].float())
                 loss.backward()
@@ -206,8 +157,7 @@ def _learn_layer(run: LayerByLayer, i: int, targets: dict[str, Target], inputs: 
                     learner.step(rate)
                 losses.append(loss.item())
     finally:
-        for buffer in layer.buffers():
-            buffer.detach_()
+        detach_buffers(layer)
         for name, t in targets.items():
             original = t.module.parametrizations.weight.original
             codes, scales = learners[name].result(original)
