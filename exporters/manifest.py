@@ -277,7 +277,7 @@ class AppliedScheme:
     layers: dict[str, int]  # layer -> group size actually used (0 = one scale per row)
     # Layers the requested group size does not fit -> what they got instead ("8da8w, one scale per row").
     fallbacks: dict[str, str] = field(default_factory=dict)
-    # How the codes and scales were chosen (quant.algorithm): hqq, affine, or gptq / signround (calibrated).
+    # How the codes and scales were chosen (quant.algorithm): hqq, affine, or gptq / distill / signround (calibrated).
     algorithm: str = "hqq"
     # Layers given more bits by quant.size_budget -> the scheme they got (one scale per row).
     upgraded: dict[str, str] = field(default_factory=dict)
@@ -293,7 +293,11 @@ class CalibrationRecord:
     tokens: int  # tokens used (quant.calibration.max_tokens at most)
     windows: int
     seconds: float  # calibration and solving, in the quantize stage
-    steps: int | None = None  # signround: the signed-gradient steps each decoder layer learned for
+    steps: int | None = None  # signround: the signed-gradient steps of each decoder layer; distill: Adam's, in all
+    # distill: the mean KL to the unquantized model over the first and the last pass over the calibration windows
+    # (learning's own measure of progress, on the text it learns from; validation's is on other text).
+    kl_first_pass: float | None = None
+    kl_last_pass: float | None = None
 
 
 @dataclass
@@ -387,7 +391,10 @@ class AppliedQuantization:
         if self.pt2e:
             parts.append(self.pt2e.describe())
         if self.calibration:
-            parts.append(f"calibrated on {self.calibration.tokens} tokens in {self.calibration.seconds:.0f} s")
+            c = self.calibration
+            learned = (f" (KL to the unquantized model {c.kl_first_pass:.4f} in the first pass, {c.kl_last_pass:.4f} "
+                       f"in the last)" if c.kl_first_pass is not None else "")
+            parts.append(f"calibrated on {c.tokens} tokens in {c.seconds:.0f} s{learned}")
         return ", ".join(parts) + (", embeddings untied" if self.untied_embeddings else "")
 
 

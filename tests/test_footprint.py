@@ -93,6 +93,10 @@ def test_the_estimate_reads_the_plan_calibration_and_advise(tmp_path: Path) -> N
     assert data_free.advise is not None and data_free.advise > data_free.eager + data_free.stored
     assert footprint("quant=8da4w", "validation.warn_ppl_increase=null").advise is None
     assert "advise" not in data_free.peaks  # reported, not refused
+    # Distillation holds the teacher's predictions beside GPTQ's model: at least calibration tokens x vocab in bf16.
+    learned = footprint("quant=8da4w_learned")
+    tokens, vocab = 4096, 384  # quant.calibration.max_tokens, the tiny model's vocabulary
+    assert learned.peaks["quantize"] >= gptq.peaks["quantize"] + tokens * vocab * 2
 
 
 @pytest.mark.slow  # the SmolLM2 runs read the real checkpoint (converted from its GGUF once per machine)

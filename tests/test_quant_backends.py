@@ -16,6 +16,8 @@ from tests.helpers import eager_model_of
 
 # GPTQ codes and scales, with the layers that gain most per byte at 8 bits (exporters.quant.calibrated, .mixed).
 CALIBRATED_MIXED = ("xnnpack", "8da4w_calibrated", "quant.size_budget=1.05")
+# GPTQ's codes with scales learned against the unquantized model (exporters.quant.distill), a short learning.
+LEARNED = ("xnnpack", "8da4w_learned", "quant.learning.steps=6")
 # Kept out of the full run for its time (pytest -m extended): variants whose kernels another entry already runs.
 EXTENDED = pytest.mark.extended
 # Every quant option each runnable backend supports, on the real (truncated) SmolLM2. The default methods and layout,
@@ -24,7 +26,7 @@ RUNNABLE = [
     ("xnnpack", "fp32"), ("xnnpack", "fp16"), ("xnnpack", "bf16"), ("xnnpack", "8da8w"), ("xnnpack", "8da4w"),
     ("xnnpack", "8da4w_emb4w"),
     ("xnnpack", "8da4w", "quant.group_size=64", "quant.lm_head=8da8w", "quant.lm_head_group_size=0"),
-    CALIBRATED_MIXED,
+    CALIBRATED_MIXED, LEARNED,
     ("portable", "fp32"), ("portable", "fp16"), ("portable", "bf16"), ("portable", "fp32", "quant.embedding=4w"),
     ("portable", "fp32", "quant.embedding=8w", "quant.embedding_group_size=0"),
     # Fixed prompt length: prefill takes export.prefill_chunk tokens, the prompt below. The device computes in
@@ -41,8 +43,10 @@ RUNNABLE = [
 # be XNNPACK's format eagerly: tests/test_calibrated.py); portable fp32 the kernels tests/test_export.py's portable
 # program runs on the tiny model; xnnpack fp16 the kernels the sweeps' fp16 jobs run and validate (tests/test_sweeps.py,
 # three programs on the tiny model); 8da4w_emb4w the 8da4w linears and the 4-bit embedding that
-# tests/test_external_weights.py's 8da4w_emb4w programs run (tiny model, with their data files swapped).
-SLOW_VARIANTS = {CALIBRATED_MIXED, ("xnnpack", "bf16"), ("xnnpack", "8da8w"), ("portable", "fp16"), ("portable", "bf16"),
+# tests/test_external_weights.py's 8da4w_emb4w programs run (tiny model, with their data files swapped); the learned
+# scales the 8da4w kernels (the same torchao weight as GPTQ's; codes and bf16 scales checked eagerly in
+# tests/test_distill.py).
+SLOW_VARIANTS = {CALIBRATED_MIXED, LEARNED, ("xnnpack", "bf16"), ("xnnpack", "8da8w"), ("portable", "fp16"), ("portable", "bf16"),
                  ("xnnpack", "fp16"), ("xnnpack", "8da4w_emb4w"),
                  ("xnnpack", "8da4w", "quant.group_size=64", "quant.lm_head=8da8w", "quant.lm_head_group_size=0"),
                  ("portable", "fp32", "quant.embedding=4w"),

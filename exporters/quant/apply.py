@@ -139,9 +139,10 @@ def learning_steps(cfg: QuantConfig) -> int | None:
     return cfg.learning.steps or defaults[cfg.algorithm] if cfg.algorithm in defaults else None
 
 
-def _apply_calibrated(model: CausalLM, cfg: QuantConfig, plans: dict[str, RolePlan], text: CalibrationText) -> None:
+def _apply_calibrated(model: CausalLM, cfg: QuantConfig, plans: dict[str, RolePlan], text: CalibrationText
+                      ) -> list[float]:
     """``cfg.algorithm`` (GPTQ, SignRound, GPTQ then distillation) on the calibration text for the plans' modules
-    (the linears and lm_head)."""
+    (the linears and lm_head); distillation's KL at each step (empty for the others)."""
     targets = {name: Target(module, plan.precision(name).integer, plan.precision(name).group_size)  # type: ignore[arg-type]
                for plan in plans.values() for name, module in plan.modules.items()}
     if cfg.algorithm == Algorithm.signround:
@@ -156,11 +157,12 @@ def _apply_calibrated(model: CausalLM, cfg: QuantConfig, plans: dict[str, RolePl
         quantize_calibrated(model, targets, text, _progress("calibrated linear", len(targets)))
         steps = learning_steps(cfg)
         assert steps is not None
-        distill.distill_scales(model, targets, text, teacher,
-                               distill.Distillation(steps, cfg.learning.lr or distill.DEFAULT_LR),
-                               distill.timed_progress(steps, PROGRESS_LABEL.get()))
+        return distill.distill_scales(model, targets, text, teacher,
+                                      distill.Distillation(steps, cfg.learning.lr or distill.DEFAULT_LR),
+                                      distill.timed_progress(steps, PROGRESS_LABEL.get()))
     else:
         quantize_calibrated(model, targets, text, _progress("calibrated linear", len(targets)))
+    return []
 
 
 def _mix(model: CausalLM, cfg: QuantConfig, computing: dict[str, RolePlan], text: CalibrationText,
@@ -323,11 +325,14 @@ def _prepare(model: CausalLM, cfg: QuantConfig, computing: dict[str, RolePlan], 
     if calibrated:
         assert text is not None
         started = time.perf_counter()
-        _apply_calibrated(model, cfg, computing, text)
+        kl = _apply_calibrated(model, cfg, computing, text)
+        one_pass = min(len(text.windows), len(kl))
         applied.calibration = CalibrationRecord(algorithm=str(cfg.algorithm), source=text.source, sha256=text.sha256,
                                                 tokens=text.tokens, windows=len(text.windows),
                                                 seconds=round(time.perf_counter() - started, 1),
-                                                steps=learning_steps(cfg))
+                                                steps=learning_steps(cfg),
+                                                kl_first_pass=round(sum(kl[:one_pass]) / one_pass, 5) if kl else None,
+                                                kl_last_pass=round(sum(kl[-one_pass:]) / one_pass, 5) if kl else None)
     elif "linear" in computing:
         _apply_data_free("linear", computing["linear"], cfg.algorithm, DTYPES[cfg.dtype], shortcuts)
     return recast
