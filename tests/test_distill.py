@@ -75,6 +75,26 @@ def test_the_backward_is_autograds_without_a_float_weight(rounded: bool) -> None
     torch.testing.assert_close(grads[1], scales.grad)
 
 
+def test_before_learning_it_computes_what_the_quantized_linear_computes() -> None:
+    """A DistilledLinear around a torchao 8da4w linear gives that linear's eager output exactly: the same int8
+    activation rounding, the same codes and scales (what learning starts from is the quantized model)."""
+    from exporters.quant.calibrated import Target
+    from exporters.quant.distill import DistilledLinear
+    from exporters.quant.schemes import LINEAR_SCHEMES
+
+    g = torch.Generator().manual_seed(1)
+    scheme = LINEAR_SCHEMES["8da4w"]
+    linear = torch.nn.Linear(64, 24, bias=False)
+    codes = torch.randint(-8, 8, (24, 64), generator=g, dtype=torch.int8)
+    scales = (torch.rand(24, 2, generator=g) / 10).to(torch.bfloat16).float()
+    linear.weight = torch.nn.Parameter(scheme.weight(codes, scales, 32, torch.float32), requires_grad=False)
+    x = torch.randn(1, 7, 64, generator=g) * 3
+    with torch.no_grad():
+        expected = linear(x)
+        ours = DistilledLinear(linear, Target(linear, scheme, 32))(x)
+    assert torch.equal(ours, expected)
+
+
 def test_distilled_scales_keep_gptqs_codes_in_xnnpacks_format_and_lower_the_kl(tiny_checkpoint: Path) -> None:
     """quant=8da4w_learned against quant=8da4w_calibrated on the same text: every linear keeps GPTQ's codes, its scales
     move and stay bf16 (XNNPACK stores them so), the record says distill with its steps, and the model's KL to the

@@ -98,13 +98,16 @@ def distill_bytes(shapes: CausalLM, quant: QuantConfig) -> int:
 
 
 def _int8_per_token(x: torch.Tensor) -> torch.Tensor:
-    """``x`` through the kernels' dynamic activation rounding (int8, asymmetric, one scale per token): torchao's
-    ``Int8DynamicActivationIntxWeightConfig`` in eager, XNNPACK's 8da kernels in the program."""
-    low = x.amin(dim=-1, keepdim=True).clamp(max=0)
-    high = x.amax(dim=-1, keepdim=True).clamp(min=0)
-    scale = ((high - low) / 255).clamp_min(torch.finfo(torch.float32).eps)
-    zero = torch.round(-128 - low / scale)
-    return (torch.clamp(torch.round(x / scale) + zero, -128, 127) - zero) * scale
+    """``x`` through the kernels' dynamic activation rounding (int8, asymmetric, one scale per token), with torchao's
+    public primitives in the order its ``IntxUnpackedToInt8Tensor`` linear calls them in eager (XNNPACK's 8da kernels
+    in the program): the values the quantized eager model computes with."""
+    from torchao.quantization import MappingType, choose_qparams_affine, dequantize_affine, quantize_affine
+
+    block = (1,) * (x.dim() - 1) + (x.shape[-1],)
+    scale, zero = choose_qparams_affine(x, MappingType.ASYMMETRIC, block, torch.int8, -128, 127,
+                                        zero_point_dtype=torch.int8)
+    q = quantize_affine(x, block, scale, zero, torch.int8, -128, 127)
+    return dequantize_affine(q, block, scale, zero, torch.int8, -128, 127, output_dtype=x.dtype)
 
 
 class _CodesTimesScales(torch.autograd.Function):
