@@ -105,7 +105,7 @@ def test_manifest_records_exactly_what_was_applied(real_exported, pair: tuple[st
             assert applied.algorithm == algorithm
             # torchao's own choice of scales, or none (custom: the calibrated codes and scales are given to it)
             assert str(applied.torchao_args["intx_choose_qparams_algorithm"]).lower().endswith(
-                {"hqq": "hqq_scale_only", "gptq": "none"}[algorithm])
+                {"hqq": "hqq_scale_only", "gptq": "none", "distill": "none"}[algorithm])
             assert applied.layers and applied.fallbacks == {}
             assert set(applied.upgraded) <= set(q.mixed.upgraded if q.mixed else [])
 
