@@ -76,9 +76,10 @@ def unquantized_predictions(model: CausalLM, text: CalibrationText) -> list[torc
     return out
 
 
-# What one learning step keeps of a window, besides the teacher's predictions (measured on SmolLM2-135M): [tokens,
-# vocab] fp32 tensors alive at once (logits, log-probabilities, the teacher's in fp32, their gradients) and, per
-# value a linear reads or writes, the activations autograd saves for the backward pass.
+# What one learning step keeps of a window, besides the teacher's predictions: [tokens, vocab] fp32 tensors alive at
+# once (logits, log-probabilities, the teacher's in fp32, their gradients) and, per value a linear reads or writes,
+# the activations autograd saves for the backward pass. Checked against SmolLM2-135M's export (its peak now in
+# quantize): 3395 MB estimated, 3263 MB measured.
 STEP_LOGITS_COPIES = 5
 SAVED_PER_LINEAR_VALUE = 1.5
 
