@@ -91,6 +91,15 @@ def test_typo_inside_an_option_file_fails_at_composition(tmp_path) -> None:
     assert "Key 'groupsize' not in 'QuantConfig'" in str(err.value)
 
 
+def test_int8_activations_from_bf16_are_refused_before_any_work() -> None:
+    """No ExecuTorch kernel quantizes bf16 activations to int8 (emit failed with "Missing out variants"): refused at
+    the start with the dtypes that work; fp16 exports (tests/test_quant_backends.py runs fp16 programs)."""
+    with pytest.raises(UserError, match=r"quant.dtype=bf16 quantizes activations.*8da4w.*fp32 \(the default\) or fp16"):
+        to_typed(compose_config("quant=8da4w", "quant.dtype=bf16"))
+    to_typed(compose_config("quant=8da4w", "quant.dtype=fp16"))
+    to_typed(compose_config("quant=bf16"))
+
+
 def test_pair_that_cannot_run_is_refused_with_the_working_pairs() -> None:
     with pytest.raises(UserError) as err:
         to_typed(compose_config("backend=portable", "quant=8da4w"))

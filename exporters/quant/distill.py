@@ -122,14 +122,14 @@ class _CodesTimesScales(torch.autograd.Function):
         xq = _int8_per_token(x) if rounded_activations else x
         ctx.save_for_backward(xq, codes, scales)
         ctx.group = group
-        return F.linear(xq, _weight(codes, scales, group))
+        return F.linear(xq, _weight(codes, scales, group).to(xq.dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         xq, codes, scales = ctx.saved_tensors
         rows, cols = codes.shape
-        grad_x = grad @ _weight(codes, scales, ctx.group)
-        grad_w = grad.reshape(-1, rows).T @ xq.reshape(-1, cols)
+        grad_x = grad @ _weight(codes, scales, ctx.group).to(grad.dtype)
+        grad_w = grad.reshape(-1, rows).float().T @ xq.reshape(-1, cols).float()
         grad_scales = (grad_w.view(rows, -1, ctx.group) * codes.view(rows, -1, ctx.group)).sum(dim=-1)
         return grad_x, None, grad_scales, None, None
 

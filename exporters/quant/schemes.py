@@ -113,6 +113,7 @@ def check_quant(quant: QuantConfig, backend: BackendConfig) -> None:
         if getattr(quant, name) < 0:
             raise UserError(f"quant.{name}={getattr(quant, name)}: use 0 (per channel) or a positive group size.")
     check_algorithms(quant)
+    check_activation_dtype(quant)
     b = backend
     wanted = (("dtype", quant.dtype, b.supported_dtypes), ("linear", quant.linear, b.supported_linear),
               ("lm_head", quant.lm_head, b.supported_linear), ("embedding", quant.embedding, b.supported_embedding),
@@ -125,6 +126,19 @@ def check_quant(quant: QuantConfig, backend: BackendConfig) -> None:
                 f"{listed(b.supported_linear)}; embedding schemes {listed(b.supported_embedding)}. "
                 f"Pick another quant or backend, or override quant.{role}."
             )
+
+
+def check_activation_dtype(quant: QuantConfig) -> None:
+    """Int8 dynamic activations (the 8da schemes) computed from bf16 have no ExecuTorch kernel: XNNPACK does not take
+    torchao's bf16 choose/quantize/dequantize ops and the portable library has no out variant for them, so emit
+    would fail after lowering (fp16 and fp32 are delegated)."""
+    dynamic = sorted({s for s in (quant.linear, quant.lm_head, quant.adapters)
+                      if s in LINEAR_SCHEMES and LINEAR_SCHEMES[s].dynamic_activations})
+    if quant.dtype == DType.bf16 and dynamic:
+        raise UserError(f"quant={quant.name} with quant.dtype=bf16 quantizes activations to int8 at run time "
+                        f"({listed(dynamic)}) from bf16, which no ExecuTorch kernel runs (the program could not be "
+                        f"emitted). Use quant.dtype=fp32 (the default) or fp16 with it, or quant=bf16 (no integer "
+                        f"linears).")
 
 
 def check_algorithms(quant: QuantConfig) -> None:
