@@ -325,14 +325,13 @@ def _prepare(model: CausalLM, cfg: QuantConfig, computing: dict[str, RolePlan], 
     if calibrated:
         assert text is not None
         started = time.perf_counter()
-        kl = _apply_calibrated(model, cfg, computing, text)
-        one_pass = min(len(text.windows), len(kl))
+        passes = distill.first_and_last_pass(_apply_calibrated(model, cfg, computing, text), len(text.windows))
         applied.calibration = CalibrationRecord(algorithm=str(cfg.algorithm), source=text.source, sha256=text.sha256,
                                                 tokens=text.tokens, windows=len(text.windows),
                                                 seconds=round(time.perf_counter() - started, 1),
                                                 steps=learning_steps(cfg),
-                                                kl_first_pass=round(sum(kl[:one_pass]) / one_pass, 5) if kl else None,
-                                                kl_last_pass=round(sum(kl[-one_pass:]) / one_pass, 5) if kl else None)
+                                                kl_first_pass=passes[0] if passes else None,
+                                                kl_last_pass=passes[1] if passes else None)
     elif "linear" in computing:
         _apply_data_free("linear", computing["linear"], cfg.algorithm, DTYPES[cfg.dtype], shortcuts)
     return recast

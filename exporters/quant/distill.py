@@ -30,6 +30,8 @@ from exporters.errors import UserError
 from exporters.quant.calibrated import Target
 from exporters.quant.calibration import WINDOW_TOKENS, CalibrationText, LayerByLayer
 from exporters.quant.learning import bf16_ste, detach_buffers, every_attention_differentiable
+from exporters.quant.mixed import mean_kl
+from exporters.runtime.quality import full_sequence
 from models.decoder import CausalLM, Mixer
 
 log = logging.getLogger("exporters")
@@ -67,11 +69,8 @@ def unquantized_predictions(model: CausalLM, text: CalibrationText) -> list[torc
     """The unquantized model's log-probabilities [L, V] on each calibration window (bf16: half the memory, and
     the teacher's rounding is far below what the 4-bit student can match), with an fp32 KV cache."""
     with model.kv_dtype_as(KvDType.fp32):
-        out = []
-        for window in text.windows:
-            model.reset_cache()
-            logits = model(window, torch.tensor([0]), full_logits=True)[0].float()
-            out.append(F.log_softmax(logits, dim=-1).to(torch.bfloat16))
+        run = full_sequence(model)
+        out = [F.log_softmax(run(window), dim=-1).to(torch.bfloat16) for window in text.windows]
     model.reset_cache()
     return out
 
@@ -218,9 +217,7 @@ def distill_scales(model: CausalLM, targets: dict[str, Target], text: Calibratio
                 h = run.embedded[w]
                 for i in range(len(layers)):
                     h = run.window(i, w, h)
-                predicted = F.log_softmax(model.final_logits(h)[0].float(), dim=-1)
-                goal = teacher[w].float()
-                loss = (goal.exp() * (goal - predicted)).sum(dim=-1).mean()
+                loss = mean_kl(teacher[w].float(), model.final_logits(h)[0])
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 for group in optimizer.param_groups:
@@ -235,6 +232,15 @@ def distill_scales(model: CausalLM, targets: dict[str, Target], text: Calibratio
         for p in frozen:
             p.requires_grad_(True)
     return losses
+
+
+def first_and_last_pass(kl: list[float], windows: int) -> tuple[float, float] | None:
+    """The mean KL of :func:`distill_scales`'s first and last pass over the ``windows`` calibration windows (the
+    manifest's record of what learning did), or None without steps."""
+    if not kl:
+        return None
+    one_pass = min(windows, len(kl))
+    return round(sum(kl[:one_pass]) / one_pass, 5), round(sum(kl[-one_pass:]) / one_pass, 5)
 
 
 def timed_progress(steps: int, label: str) -> Callable[[int, float], None]:

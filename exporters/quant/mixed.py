@@ -83,10 +83,11 @@ class Sensitivity:
     kl_high: float
 
 
-def _kl(reference_logp: torch.Tensor, logits: torch.Tensor) -> float:
-    """Mean over tokens of KL(reference || model), from the reference's log-probabilities."""
+def mean_kl(reference_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(reference || model), from the reference's log-probabilities (differentiable in
+    ``logits``: distillation learns from it)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return float((reference_logp.exp() * (reference_logp - logp)).sum(-1).mean())
+    return (reference_logp.exp() * (reference_logp - logp)).sum(-1).mean()
 
 
 @torch.no_grad()
@@ -118,7 +119,7 @@ def measure_sensitivity(model: CausalLM, candidates: dict[str, Candidate], text:
         for precision in (candidate.low, candidate.high):
             candidate.module.weight.data = precision.rounded(original)
             try:
-                kls.append(_kl(reference, run_from(first, entering[first])))
+                kls.append(float(mean_kl(reference, run_from(first, entering[first]))))
             finally:
                 candidate.module.weight.data = original
         result[name] = Sensitivity(*kls)
