@@ -10,6 +10,7 @@ prompt's length) is checked before they are loaded.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from exporters import console
 from exporters.errors import REPORTED_ERRORS, UserError
 from exporters.manifest import MANIFEST_FILE, Manifest, SpeechEntry
+from exporters.runtime.constraint import Constraint
 from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt, resolve_program
 from exporters.runtime.audio import read_audio
 from exporters.runtime.heard import audio_entry
@@ -47,6 +49,8 @@ keys: prompt=<text> (taken as written: everything after the first =), or prompt_
       count, converted to 16 kHz mono),
       language=auto (a speech program: the spoken language's code, e.g. en, or auto: detected),
       task=transcribe (a speech program: transcribe, or translate into English),
+      json_schema=<file.json> (the answer constrained to that JSON schema: it parses and validates; one token
+      per call, without speculation),
       verbose=false (true: the runtime's own log lines too)
 """
 
@@ -68,10 +72,11 @@ class GenerateArgs:
     audio: Optional[str] = None
     language: str = "auto"
     task: str = "transcribe"
+    json_schema: Optional[str] = None
 
 
 #: Keys whose values are taken as written, never read as YAML: text and file paths (a path may hold ``:`` or ``#``).
-VERBATIM = ("prompt", "prompt_file", "image", "tokenizer", "adapter", "audio")
+VERBATIM = ("prompt", "prompt_file", "image", "tokenizer", "adapter", "audio", "json_schema")
 
 
 def parse(argv: list[str], stdin: TextIO | None = None) -> tuple[str, GenerateArgs]:
@@ -126,6 +131,22 @@ def _prompt(text: str | None, file: str | None, stdin: TextIO) -> str:
     return text
 
 
+def constraint_of(generator: Generator, args: GenerateArgs) -> Constraint | None:
+    """``json_schema=<file>``'s grammar, checked before the weights are loaded; refused beside a speculation it
+    would turn off."""
+    if args.json_schema is None:
+        return None
+    if args.speculative in ("draft", "lookup"):
+        raise UserError(f"json_schema= chooses one token per call and speculative={args.speculative} proposes several: "
+                        "leave speculative out (auto) or set speculative=none.")
+    try:
+        schema = json.loads(Path(args.json_schema).expanduser().read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"json_schema={args.json_schema}: cannot be read as a JSON file ({e}). Give a file holding "
+                        'a JSON schema, e.g. {"type": "object", "properties": {...}}.') from None
+    return generator.grammars.json_schema(schema)
+
+
 def transcribe(pte: Path, entry: SpeechEntry, args: GenerateArgs) -> int:
     """``audio=`` to a speech program: the recording's transcript on stdout, the numbers on stderr."""
     assert args.audio is not None
@@ -171,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             # Everything the program can answer without its weights is checked before they are loaded.
             generator = Generator(path, args.tokenizer, args.adapter, load=False)
             generator.check_speculation(args.speculative, args.draft_tokens)
+            constraint = constraint_of(generator, args)
             # A vision-language program's prompt always goes through its processor: an image mark without an image
             # (or the reverse) is refused there, as image= on a program that takes none.
             media = (generator.with_audio(args.prompt, args.audio, args.chat, audio_entry(manifest))
@@ -184,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             result = generator.generate(
                 prompt, SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed), prompt_ids=ids,
                 on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()), speculative=args.speculative,
-                draft_tokens=args.draft_tokens, media=media)
+                draft_tokens=args.draft_tokens, media=media, constraint=constraint)
     except REPORTED_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ the program can answer without its weights is refused before they are loaded."""
 from __future__ import annotations
 
 import io
+import json
 import re
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def test_every_key_the_usage_text_names_is_accepted(tmp_path: Path) -> None:
     samples = {"prompt": "Once: upon # a ${time}", "prompt_file": str(tmp_path / "p.txt"), "max_new_tokens": "5",
                "temperature": "0.7", "top_p": "0.9", "seed": "3", "chat": "true", "tokenizer": "/a b/tok.json",
                "adapter": "adapters/legal.ptd", "speculative": "lookup", "draft_tokens": "2", "image": "a #1.png",
-               "verbose": "true", "audio": "a #1: talk.wav", "language": "fr", "task": "translate"}
+               "verbose": "true", "audio": "a #1: talk.wav", "language": "fr", "task": "translate",
+               "json_schema": "/a b/schema #1.json"}
     named = set(re.findall(r"\b([a-z_]+)=", USAGE.split("keys:", 1)[1]))  # the keys, not the synopsis
     assert named <= samples.keys(), named - samples.keys()
     for key in named:
@@ -72,16 +74,45 @@ def generate(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
                           text=True, cwd=REPO_ROOT, timeout=600)
 
 
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}},
+          "required": ["name", "ok"], "additionalProperties": False}
+
+
 @pytest.mark.slow
-def test_a_multi_line_code_prompt_from_standard_input_generates_as_the_library_does(exported) -> None:  # type: ignore[no-untyped-def]
+def test_a_multi_line_code_prompt_from_standard_input_generates_as_the_library_does(exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The prompt read from standard input as written, the answer constrained to a JSON schema (json_schema=): what
+    the library writes with the same constraint, and it validates."""
+    import jsonschema
+
     from exporters.runtime.generator import Generator, SamplingConfig
 
     pte = exported().pte_path
     prompt = HOSTILE["code"]
-    proc = generate(str(pte.parent), "prompt=-", "max_new_tokens=8", stdin=prompt)
+    (tmp_path / "schema #1.json").write_text(json.dumps(SCHEMA))
+    proc = generate(str(pte.parent), "prompt=-", "max_new_tokens=60", f"json_schema={tmp_path / 'schema #1.json'}",
+                    stdin=prompt)
     assert proc.returncode == 0, proc.stderr
-    expected = Generator(pte).generate(prompt, SamplingConfig(max_new_tokens=8)).text
-    assert proc.stdout.startswith(prompt + expected)
+    generator = Generator(pte)
+    expected = generator.generate(prompt, SamplingConfig(max_new_tokens=60),
+                                  constraint=generator.grammars.json_schema(SCHEMA)).text
+    assert proc.stdout.startswith(prompt + expected) and "stopped: eos" in proc.stderr
+    jsonschema.validate(json.loads(expected), SCHEMA)
+
+
+@pytest.mark.slow
+def test_a_schema_that_cannot_be_read_or_used_is_refused_before_loading(exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from exporters.generate import constraint_of
+    from exporters.runtime.generator import Generator
+
+    generator = Generator(exported().pte_path, load=False)
+    (tmp_path / "bad.json").write_text('{"type": "objekt"}')
+    (tmp_path / "good.json").write_text(json.dumps(SCHEMA))
+    for args, says in ((["json_schema=" + str(tmp_path / "none.json")], "cannot be read as a JSON file"),
+                       (["json_schema=" + str(tmp_path / "bad.json")], "the JSON schema cannot be used: Invalid type"),
+                       (["json_schema=" + str(tmp_path / "good.json"), "speculative=lookup"],
+                        "json_schema= chooses one token per call")):
+        with pytest.raises(UserError, match=says):
+            constraint_of(generator, parse(["run", "prompt=x", *args])[1])
 
 
 @pytest.mark.slow

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal
 
+import pydantic
 import pytest
 
 from benchmarks.server_process import Server, serving
@@ -106,6 +107,68 @@ def test_log_probabilities_are_the_programs_own(tiny_server) -> None:  # type: i
     assert all(c.choices[0].logprobs is None for c in chunks[:-1])
 
 
+# Schemas of benchmarks/data/json_schemas.json whose every value is bounded (enums, booleans, integers in a range,
+# strings of a most length, patterns): the tiny random model's answer ends within its token budget. A number without
+# bounds can go on in digits until the budget ends, as with any engine.
+BOUNDED = ("person", "task", "keywords", "color", "rating")
+
+
+def schema_case(name: str) -> dict:  # type: ignore[type-arg]
+    from benchmarks.grammar_engines import SCHEMAS
+
+    return next(c for c in json.loads(SCHEMAS.read_text()) if c["name"] == name)
+
+
+def as_format(case: dict) -> dict:  # type: ignore[type-arg]
+    return {"type": "json_schema", "json_schema": {"name": case["name"], "schema": case["schema"]}}
+
+
+def test_a_json_schema_answer_parses_validates_and_is_the_best_allowed_token_each_time(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    """response_format with a JSON schema: every answer parses and validates, streamed or not, and is what the library
+    gives (Generator.generate with the constraint); each greedy token is the program's best among those the grammar
+    allows, checked through the program's own methods and a grammar stepped here."""
+    import jsonschema
+    import torch
+
+    from exporters.runtime.driver import Driver
+    from exporters.runtime.programs import LoadedProgram
+
+    server, run = tiny_server
+    client = server.client()
+    answers = {}
+    for name in BOUNDED:
+        case = schema_case(name)
+        got = client.completions.create(model=run.name, prompt="Once upon a time", max_tokens=100, temperature=0,
+                                        extra_body={"response_format": as_format(case)}).choices[0]
+        assert got.finish_reason == "stop", (name, got.text)
+        jsonschema.validate(json.loads(got.text), case["schema"])
+        answers[name] = got.text
+    case = schema_case("person")
+    streamed = client.completions.create(model=run.name, prompt="Once upon a time", max_tokens=100, temperature=0,
+                                         stream=True, extra_body={"response_format": as_format(case)})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == answers["person"]
+    generator = Generator(run)
+    library = generator.generate("Once upon a time", SamplingConfig(100, 0.0, 1.0, 0),
+                                 constraint=generator.grammars.json_schema(case["schema"]))
+    assert library.text == answers["person"] and library.stop_reason == "eos"
+    # Independently: the program's logits, the grammar's allowed tokens, the argmax among them, step by step.
+    grammar = generator.grammars.json_schema(case["schema"])
+    driver = Driver.of(LoadedProgram(run / "model.pte"))
+    ids = library.prompt_ids
+    logits = driver.prefill(torch.tensor([ids]))
+    for i, token in enumerate(library.new_ids):
+        assert token == int(grammar.allow(logits).reshape(-1).argmax()), f"token {i}"
+        grammar.consume(token)
+        logits = driver.decode_one_token(token, len(ids) + i)
+    assert grammar.complete
+    sampled = client.completions.create(model=run.name, prompt="Once upon a time", max_tokens=100, temperature=1.0,
+                                        seed=3, extra_body={"response_format": {"type": "json_object"}}).choices[0]
+    if sampled.finish_reason == "stop":  # an object of any keys: its strings may run to the budget
+        assert isinstance(json.loads(sampled.text), dict)
+    else:
+        assert sampled.text.startswith("{")
+
+
 @pytest.mark.parametrize("body, status, says", [
     (b'{"model": "x", "prompt": ', 400, "not valid JSON"),
     (b'{"model": "nope", "prompt": "a"}', 404, "model 'nope' is not served here"),
@@ -119,7 +182,11 @@ def test_log_probabilities_are_the_programs_own(tiny_server) -> None:  # type: i
     (b'{"model": "M", "prompt": "a", "n": 2}', 400, "n=2: this server gives one answer per request"),
     (b'{"model": "M", "prompt": "a", "max_tokens": 100000}', 400, "max_tokens=100000 is above this server's limit"),
     (b'{"model": "M", "prompt": "' + b"word " * 600 + b'"}', 400, "the prompt is"),
-    (b'{"model": "M", "prompt": "a", "response_format": {"type": "json_schema"}}', 400, "constrained decoding"),
+    (b'{"model": "M", "prompt": "a", "response_format": {"type": "json_schema"}}', 400, "needs json_schema.schema"),
+    (b'{"model": "M", "prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"name": "x", '
+     b'"schema": {"type": "objekt"}}}}', 400, "the JSON schema cannot be used: Invalid type: objekt"),
+    (b'{"model": "M", "prompt": "a", "response_format": {"type": "xml"}}', 400, "one of 'text', 'json_object'"),
+    (b'{"model": "M", "prompt": "a", "tools": [{"type": "function"}]}', 400, "tool calls are not available"),
     (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}]}', 400, "without a chat template"),
 ])
 def test_a_bad_request_is_one_json_error_and_the_server_goes_on(tiny_server, body: bytes, status: int,  # type: ignore[no-untyped-def]
@@ -182,6 +249,11 @@ def test_a_bundle_keeps_what_says_its_cache_can_be_reused(tiny_server, tmp_path:
     assert "no manifest" in (cache_reusable(tmp_path / "model.pte") or "")
 
 
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    country: Literal["France", "Italy", "Spain"]
+
+
 @pytest.mark.slow  # the real SmolLM2 (its chat template), cut to two layers: an export other tests share
 def test_chat_completions_apply_the_bundled_template(real_exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     run = real_exported("quant=fp32").pte_path.parent
@@ -208,6 +280,10 @@ def test_chat_completions_apply_the_bundled_template(real_exported, tmp_path: Pa
             scored.choices[0].message.content
         assert all(t.logprob == t.top_logprobs[0].logprob and len(t.top_logprobs) == 2 for t in content)
         assert all(bytes(t.bytes) == t.token.encode() for t in content)
+        # Structured outputs as the client's own parse() asks them: a pydantic model as a strict JSON schema.
+        parsed = client.chat.completions.parse(model=run.name, messages=turn[:2], max_tokens=48, temperature=0,
+                                               response_format=City)
+        assert isinstance(parsed.choices[0].message.parsed, City) and parsed.choices[0].finish_reason == "stop"
         picture = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}]
         with pytest.raises(openai.BadRequestError, match="takes text only"):
             client.chat.completions.create(model=run.name, messages=picture)

@@ -22,6 +22,7 @@ from exporters.program.constants import DRAFT_VOCAB
 from exporters.program.draft import DRAFT, DRAFT_METHODS
 from exporters.program.vision import VISION_METHOD
 from exporters.program.weights import data_files_beside
+from exporters.runtime.constraint import Constraint, Grammars
 from exporters.runtime.driver import Driver, MethodRoles, program_context_len, program_method_shapes
 from exporters.runtime.heard import audio_prompt
 from exporters.runtime.images import image_prompt
@@ -138,6 +139,7 @@ class Generator:
             self.pte, None if every_adapter else [adapter] if adapter else []))
         self.slots = Slots(self.program, self.pte.parent) if is_swappable(self.program) else None
         self.tokenizer = tokenizer_for(self.pte, tokenizer)
+        self.tokenizer_file = Path(tokenizer) if tokenizer else find_tokenizer(self.pte.parent)
         names = self.program.method_names
         self.max_context_len = program_context_len(self.program)
         # export.attention_sink: the cache is a ring, so prompts and generation may run past its length.
@@ -151,6 +153,7 @@ class Generator:
         self._in_cache: list[int] = []  # with keep_cache: the tokens the cache holds, from position 0
         self.progress = Progress(0)
         self._draft: Driver | None = None  # the draft model's methods, loaded when speculation first uses them
+        self._grammars: Grammars | None = None
         self.adapter = adapter
         self.load_seconds = time.perf_counter() - start
         if load:
@@ -188,6 +191,15 @@ class Generator:
             self.driver = self._drivers[adapter]
         self.adapter = adapter
         self._in_cache = []
+
+    @property
+    def grammars(self) -> Grammars:
+        """Constraints for this program's tokenizer and vocabulary (a JSON schema: :meth:`Grammars.json_schema`)."""
+        if self._grammars is None:
+            vocab = self.program.constant("get_vocab_size") if "get_vocab_size" in self.program.method_names else None
+            json_file = self.tokenizer_file if self.tokenizer_file and self.tokenizer_file.suffix == ".json" else None
+            self._grammars = Grammars(json_file, vocab, self.eos_ids)
+        return self._grammars
 
     @property
     def adapters(self) -> list[str]:
@@ -269,7 +281,8 @@ class Generator:
     def generate(self, prompt: str, cfg: SamplingConfig, on_text: Callable[[str], None] | None = None,
                  prompt_ids: list[int] | None = None, speculative: str = "auto",
                  draft_tokens: int | None = None, media: MediaPrompt | None = None,
-                 on_logits: Callable[[torch.Tensor], None] | None = None) -> GenerationResult:
+                 on_logits: Callable[[torch.Tensor], None] | None = None,
+                 constraint: Constraint | None = None) -> GenerationResult:
         """``speculative``: ``lookup`` proposes tokens from the text so far and checks them with the verify method
         (exactly the target's output: exporters.runtime.speculative), ``none`` decodes one token per call.
         ``draft_tokens``: proposals per verify call (1 to the program's get_draft_tokens); None adapts them.
@@ -278,8 +291,10 @@ class Generator:
         With ``keep_cache``, the prompt's first tokens that the cache holds already are not run again.
         ``progress`` says what was done so far, also when ``on_text`` raised to stop it.
         ``on_logits``: told the logits each token is chosen from, in order (log-probabilities); it turns speculation
-        off, whose verify calls choose several tokens from one call."""
-        proposer = self.speculation(speculative, draft_tokens) if on_logits is None else None
+        off, whose verify calls choose several tokens from one call.
+        ``constraint``: only the tokens its grammar allows are chosen (exporters.runtime.constraint); it turns
+        speculation off too."""
+        proposer = self.speculation(speculative, draft_tokens) if on_logits is None and constraint is None else None
         ids = media.ids if media is not None else prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(ids)
         stream = TextStream(self.tokenizer)
@@ -304,7 +319,8 @@ class Generator:
 
         new_ids, stop, stats = continue_text(
             self.driver, ids, logits, cfg, Stops(self.eos_ids, self.max_context_len, self.endless),
-            Speculation(proposer, draft_tokens) if proposer is not None else None, Observers(emit, on_logits))
+            Speculation(proposer, draft_tokens) if proposer is not None else None, Observers(emit, on_logits),
+            constraint)
         if self._in_cache:
             self._in_cache = ids + new_ids[:-1]  # the last token chosen may not have been run
         gen_s = time.perf_counter() - start

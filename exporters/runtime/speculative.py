@@ -26,6 +26,7 @@ from exporters.errors import UserError
 from exporters.runtime.sampling import SamplingConfig, distribution, sample
 
 if TYPE_CHECKING:
+    from exporters.runtime.constraint import Constraint
     from exporters.runtime.driver import Driver
 
 Speculative = Literal["auto", "draft", "lookup", "none"]
@@ -221,10 +222,12 @@ class Observers:
 
 def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: SamplingConfig, stops: Stops,
                   speculation: Speculation | None = None, observers: Observers = Observers(),
-                  ) -> tuple[list[int], StopReason, SpeculationStats | None]:
+                  constraint: Constraint | None = None) -> tuple[list[int], StopReason, SpeculationStats | None]:
     """Generate after the prompt ``ids`` whose last logits are ``logits``: one token per call of the step method, or
     with ``speculation`` several per call of ``verify``. The new tokens, why generation stopped, and speculation's
-    numbers."""
+    numbers. ``constraint``: each token chosen among those its grammar allows (without speculation), generation
+    ending when the document is complete."""
+    assert constraint is None or speculation is None, "a constraint chooses one token per call"
     eos_ids, max_context_len, endless = stops.eos_ids, stops.max_context_len, stops.endless
     proposer = speculation.proposer if speculation is not None else None
     draft_tokens = speculation.draft_tokens if speculation is not None else None
@@ -239,9 +242,12 @@ def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: Sam
     if draft_tokens is None and padded == most:
         draft_tokens = most
     length = DraftLength(most, draft_tokens) if proposer is not None else None
-    if seen:
-        seen(logits)
-    pending = [sample(logits, cfg, gen)]  # tokens chosen, not yet emitted
+    def choose(logits: torch.Tensor) -> int:
+        if seen:
+            seen(logits)
+        return sample(logits if constraint is None else constraint.allow(logits), cfg, gen)
+
+    pending = [choose(logits)]  # tokens chosen, not yet emitted
     while pending and len(new_ids) < cfg.max_new_tokens:
         token = pending.pop(0)
         if token in eos_ids:
@@ -249,6 +255,11 @@ def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: Sam
             break
         new_ids.append(token)
         emit(token)
+        if constraint is not None:
+            constraint.consume(token)
+            if constraint.complete:  # nothing may follow: the end of text the grammar would force, without a call
+                stop = "eos"
+                break
         position = len(ids) + len(new_ids) - 1
         if position + 1 >= max_context_len and not endless:
             stop = "context_full"
@@ -271,9 +282,7 @@ def continue_text(driver: Driver, ids: list[int], logits: torch.Tensor, cfg: Sam
         logits = driver.decode_one_token(token, position)
         if stats is not None:
             stats.target_calls += 1
-        if seen:
-            seen(logits)
-        pending = [sample(logits, cfg, gen)]
+        pending = [choose(logits)]
     if stats is not None:
         stats.tokens = len(new_ids)
     return new_ids, stop, stats

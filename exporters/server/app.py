@@ -89,10 +89,13 @@ async def _complete(engine: Engine, limits: Limits, body: Sampling, prompt: str,
         raise ApiError(400, f"max_tokens={wanted} is above this server's limit of {limits.max_tokens} "
                        "(max_tokens= when it was started).", param="max_tokens")
     ids = engine.prompt_ids(prompt)
+    constrained, schema = body.json_schema()
+    constraint = await asyncio.get_running_loop().run_in_executor(None, engine.constraint, schema) \
+        if constrained else None
     sampling = SamplingConfig(wanted or limits.max_tokens, body.temperature, body.top_p,
                               random_seed() if body.seed is None else body.seed)
     engine.admit()  # released when the job ends, whether or not its client is still there
-    job = Job(adapter, ids, sampling, body.stops, top_logprobs=body.wanted_logprobs())
+    job = Job(adapter, ids, sampling, body.stops, top_logprobs=body.wanted_logprobs(), constraint=constraint)
     reply = _Reply(body.model, chat, engine.token_text)
     if body.stream:
         pieces: asyncio.Queue = asyncio.Queue()

@@ -1,8 +1,8 @@
 """What clients send (OpenAI's chat and text completions) and what they get back.
 
 Fields OpenAI defines that this server does not compute yet are refused by name (a 400 that says so), never
-ignored: a client that asks for a JSON schema or tools must not get an answer without them. A field
-OpenAI does not define is refused too (a typo is named).
+ignored: a client that asks for tools must not get an answer without them. A field OpenAI does not define is refused
+too (a typo is named). ``response_format`` is computed: a JSON schema (or any JSON object) constrains the answer.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from exporters.server.errors import ApiError
 from exporters.server.logprobs import MOST_CHAT, MOST_COMPLETIONS
 
 #: OpenAI's fields the server refuses for now, with what to do instead; a value that asks nothing (null, false, 0,
-#: n=1, response_format text) is accepted.
+#: n=1) is accepted.
 NOT_YET = {
-    "response_format": "constrained decoding (a JSON schema) is not available in this server yet; only "
-                       "{\"type\": \"text\"}",
     "tools": "tool calls are not available in this server yet",
     "tool_choice": "tool calls are not available in this server yet",
     "logit_bias": "logit_bias is not applied by this server",
@@ -67,13 +65,33 @@ class Sampling(BaseModel):
         self.wanted_logprobs()
         for name, why in NOT_YET.items():
             value = getattr(self, name, None)
-            if value not in (None, False, 0, [], {}) and not (name == "response_format" and value == {"type": "text"}):
+            if value not in (None, False, 0, [], {}):
                 raise ApiError(400, f"{name}: {why}.", param=name, code="unsupported_parameter")
         if self.n != 1:
             raise ApiError(400, f"n={self.n}: this server gives one answer per request (n=1); send n requests.",
                            param="n", code="unsupported_parameter")
         if len(self.stops) > 4:
             raise ApiError(400, f"stop holds {len(self.stops)} strings; at most 4.", param="stop")
+        self.json_schema()
+
+    def json_schema(self) -> tuple[bool, dict[str, Any] | None]:
+        """``(constrained, schema)`` from ``response_format``: ``text`` (or none) is not constrained; ``json_object``
+        is any JSON object (schema None); ``json_schema`` is its ``json_schema.schema``. Refused when malformed."""
+        form = self.response_format
+        if form is None or form.get("type") == "text":
+            return False, None
+        kind = form.get("type")
+        if kind == "json_object":
+            return True, None
+        if kind != "json_schema":
+            raise ApiError(400, f"response_format.type={kind!r}: one of 'text', 'json_object' and 'json_schema'.",
+                           param="response_format.type")
+        spec = form.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ApiError(400, "response_format json_schema needs json_schema.schema, the JSON schema as an object "
+                           "({\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}).",
+                           param="response_format.json_schema")
+        return True, spec["schema"]
 
     def wanted_logprobs(self) -> int | None:
         """Alternatives per token to report with log-probabilities (0: the chosen token's alone); None: none."""

@@ -1,0 +1,95 @@
+"""Constrained decoding: only the tokens a JSON schema allows next may be chosen, so every answer parses and validates.
+
+The grammar engine is llguidance (chosen by measurement against xgrammar and outlines-core:
+``benchmarks.grammar_engines``, docs/serving.md). It reads the program's own ``tokenizer.json`` and, at each step,
+fills a bitmask of the tokens that keep the text a prefix of some valid document; the mask is applied to the
+logits the token is chosen from (greedy or sampled alike), and the chosen token is consumed. When the document is
+complete and nothing may follow, generation ends there (the end-of-text token the mask would force is not run).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from exporters.errors import UserError
+
+#: The JSON the engine writes: json.dumps' separators, no other whitespace (a small model let loose on whitespace
+#: can write newlines until its token budget ends).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
+    """``logits`` (last dimension: the vocabulary) with every token whose bit is 0 in ``bitmask`` (int32 words, 32
+    tokens each, lowest bit first) set to -inf, in place (a contiguous float32 CPU tensor)."""
+    bits = np.unpackbits(bitmask.view(np.uint8), count=logits.shape[-1], bitorder="little")  # zeros past the mask
+    # In numpy, on this thread: torch's intra-op threads cost 10-20 ms per call when the cores are busy.
+    logits.numpy()[..., bits == 0] = -np.inf
+    return logits
+
+
+class Constraint:
+    """One answer's grammar state: :meth:`allow` masks the logits, :meth:`consume` takes the chosen token."""
+
+    def __init__(self, matcher: Any, vocab: int) -> None:
+        self.matcher = matcher
+        self.bitmask = np.empty((vocab + 31) // 32, dtype=np.int32)  # tokens past it (padding rows) are never allowed
+
+    def allow(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of ``logits`` with the tokens the grammar does not allow next at -inf."""
+        self.matcher.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)
+        return apply_bitmask(torch.from_numpy(logits.float().numpy().copy()), self.bitmask)
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):  # the mask allowed it: only a bug gets here
+            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+
+    @property
+    def complete(self) -> bool:
+        """The document is whole and nothing may follow it."""
+        return self.matcher.is_stopped()
+
+
+class Grammars:
+    """Constraints for one program's tokenizer. The engine's tokenizer is made once, at first use (about 0.5 s for a
+    49k vocabulary); each schema compiles in about a millisecond."""
+
+    def __init__(self, tokenizer_json: Path | None, vocab: int | None, eos_ids: set[int]) -> None:
+        """``vocab``: the program's logits width (get_vocab_size); None: the tokenizer's."""
+        self.tokenizer_json, self.vocab, self.eos_ids = tokenizer_json, vocab, sorted(eos_ids)
+        self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def _engine_tokenizer(self):  # type: ignore[no-untyped-def]
+        import llguidance
+
+        with self._lock:
+            if self._tokenizer is None:
+                if self.tokenizer_json is None or not self.tokenizer_json.is_file():
+                    raise UserError("constrained decoding needs the program's tokenizer.json beside it (a SentencePiece "
+                                    "tokenizer.model alone is not read by the grammar engine).")
+                self._tokenizer = llguidance.LLTokenizer(self.tokenizer_json.read_text(), n_vocab=self.vocab,
+                                                         eos_token=self.eos_ids or None)
+            return self._tokenizer
+
+    def json_schema(self, schema: dict[str, Any] | None) -> Constraint:
+        """A constraint to a JSON document valid against ``schema`` (None: any JSON object). An invalid or
+        unsupported schema is a UserError with the engine's reason."""
+        import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(ANY_OBJECT if schema is None else schema),
+                                                                    defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise UserError(f"the JSON schema is not a JSON object: {e}") from None
+        tokenizer = self._engine_tokenizer()
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise UserError(f"the JSON schema cannot be used: {matcher.get_error()}")
+        return Constraint(matcher, tokenizer.vocab_size)
