@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
@@ -111,7 +112,7 @@ class OutlinesCore(Engine):
 
     def prepare(self, tokenizer_json: str, vocab: int, eos: int) -> None:
         import outlines_core
-        from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
 
         self.oc = outlines_core
         spec = json.loads(tokenizer_json)
@@ -120,7 +121,7 @@ class OutlinesCore(Engine):
         for text, index in spec["model"]["vocab"].items():
             if index != eos:
                 tokens.setdefault(bytes(to_byte[c] for c in text), []).append(index)
-        self.vocabulary = outlines_core.Vocabulary(eos, tokens)
+        self.vocabulary, self.eos = outlines_core.Vocabulary(eos, tokens), eos
 
     def compile(self, schema: dict[str, Any]) -> Any:
         regex = self.oc.json_schema.build_regex_from_schema(json.dumps(schema), whitespace_pattern=" ?")
@@ -130,7 +131,8 @@ class OutlinesCore(Engine):
         state.write_mask_into(bitmask.ctypes.data, bitmask.size, 4)
 
     def consume(self, state: Any, token: int) -> bool:
-        state.advance(token, return_tokens=False)
+        if token != self.eos:  # end of text is allowed in a final state, not a transition out of it
+            state.advance(token, return_tokens=False)
         return True
 
     def accepting(self, state: Any) -> bool:
@@ -145,7 +147,7 @@ def measure(engine: Engine, cases: list[dict[str, Any]], tokenizer, vocab: int, 
     start = time.perf_counter()
     engine.prepare(tokenizer.to_str(), vocab, eos)
     prepare_s = time.perf_counter() - start
-    compile_ms, per_token_us, accepted, failures = [], [], 0, []
+    compile_ms, per_token_us, fill_us, accepted, failures = [], [], [], 0, []
     logits = torch.zeros(vocab)
     for case in cases:
         start = time.perf_counter()
@@ -157,6 +159,7 @@ def measure(engine: Engine, cases: list[dict[str, Any]], tokenizer, vocab: int, 
             bitmask = np.full((vocab + 31) // 32, -1, dtype=np.int32)
             start = time.perf_counter()
             engine.fill(state, bitmask)
+            fill_us.append((time.perf_counter() - start) * 1e6)
             masked = apply_bitmask(torch.from_numpy(logits.numpy().copy()), bitmask)
             allowed = bool(masked[token] == 0)
             engine.consume(state, token)
@@ -173,6 +176,7 @@ def measure(engine: Engine, cases: list[dict[str, Any]], tokenizer, vocab: int, 
             "mask_us_median": round(statistics.median(per_token_us), 1),
             "mask_us_p99": round(per_token_us[int(0.99 * (len(per_token_us) - 1))], 1),
             "mask_us_mean": round(statistics.fmean(per_token_us), 1), "tokens": len(per_token_us),
+            "fill_us_median": round(statistics.median(fill_us), 1), "fill_us_mean": round(statistics.fmean(fill_us), 1),
             "examples_accepted": accepted, "examples": len(cases), "failures": failures[:5]}
 
 
@@ -196,9 +200,7 @@ def main() -> None:
         except ImportError as e:
             results[name] = {"missing": str(e)}
             continue
-        results[name] = min(runs, key=lambda r: r["mask_us_mean"])
-        results[name]["version"] = __import__(name.replace("-", "_")).__version__ if hasattr(
-            __import__(name.replace("-", "_")), "__version__") else ""
+        results[name] = {**min(runs, key=lambda r: r["mask_us_mean"]), "version": metadata.version(name)}
         print(name, json.dumps(results[name]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"tokenizer": str(args.tokenizer.name), "vocab": vocab, "schemas": len(cases),

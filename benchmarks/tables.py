@@ -191,11 +191,42 @@ def render_audio_shape(data: dict[str, Any]) -> str:
         "Stages (s): " + ", ".join(f"{k} {v:.0f}" for k, v in stages.items()) + "."]) + "\n"
 
 
+def render_grammar_engines(data: dict[str, Any]) -> str:
+    """A ``benchmarks.grammar_engines`` report: each engine's cost on one tokenizer and the 20 schemas."""
+    lines = [f"{data['schemas']} schemas, the {data['tokenizer']} tokenizer ({data['vocab']} tokens):", "",
+             "| engine | tokenizer prepared | compile per schema (median / max) | the engine's mask per token (median / "
+             "mean) | mask, apply and consume per token (median / p99 / mean) | examples accepted |",
+             "|---|---|---|---|---|---|"]
+    for name, e in data["engines"].items():
+        if "missing" in e:
+            lines.append(f"| {name} | not installed: {e['missing']} | | | | |")
+            continue
+        lines.append(f"| {name} {e.get('version', '')} | {e['prepare_s']:.2f} s | {e['compile_ms_median']:.1f} / "
+                     f"{e['compile_ms_max']:.1f} ms | {e['fill_us_median']:.0f} / {e['fill_us_mean']:.0f} µs | "
+                     f"{e['mask_us_median']:.0f} / {e['mask_us_p99']:.0f} / "
+                     f"{e['mask_us_mean']:.0f} µs | {e['examples_accepted']}/{e['examples']} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_constrained(data: dict[str, Any]) -> str:
+    """A ``benchmarks.constrained`` report: valid answers and the grammar's cost in decode speed."""
+    s = data["summary"]
+    return "\n".join([
+        "| measure | value |", "|---|---|",
+        f"| answers that parse and validate | {s['valid']}/{s['schemas']} ({s['ended']} ended by themselves within "
+        f"{data['max_tokens']} tokens) |",
+        f"| decode tokens/s, constrained / unconstrained | {s['tok_s']:.1f} / {s['plain_tok_s']:.1f} "
+        f"({s['ratio']:.2f}x) |",
+        f"| the engine's tokenizer, made once per program | {s['engine_tokenizer_s']:.2f} s |"]) + "\n"
+
+
 RENDERERS: dict[str, Callable[[Any], str]] = {"serve": render_serve, "suite": render_suite, "export": render_export,
                                               "speculative": render_speculative, "memory": render_memory,
                                               "hybrid": render_hybrid, "adapters": render_adapters,
                                               "vision_quant": render_vision_quant, "speech": render_speech,
-                                              "audio_shape": render_audio_shape}
+                                              "audio_shape": render_audio_shape,
+                                              "grammar_engines": render_grammar_engines,
+                                              "constrained": render_constrained}
 
 
 def regenerate(text: str, root: Path = ROOT) -> tuple[str, list[str]]:

@@ -303,9 +303,9 @@ def test_bad_image_prompts_are_refused_before_any_method_runs(exported, vlm_chec
     (tmp_path / "notes.png").write_text("not an image")
     with pytest.raises(UserError, match="cannot be read as an image"):
         generator.with_images(prompt_of("lfm2_vl"), [str(tmp_path / "notes.png")])
-    with pytest.raises(UserError, match="marks 0 image.*1 image= file"):
+    with pytest.raises(UserError, match="marks 0 image.*and 1 image"):
         generator.with_images("Once upon a time", [str(tmp_path / "picture.png")])
-    with pytest.raises(UserError, match="marks 1 image.*0 image= file"):
+    with pytest.raises(UserError, match="marks 1 image.*and 0 image"):
         generator.with_images(prompt_of("lfm2_vl"), [])
     # The command line too: an image mark without image= is refused, nothing generated.
     from exporters.generate import main

@@ -23,45 +23,71 @@ log = logging.getLogger("exporters")
 
 
 def _open_image(path: str) -> Any:
+    try:
+        return open_picture(Path(path))
+    except UserError as e:
+        raise UserError(f"image={path}: {e}") from None
+
+
+def open_picture(source: Path | bytes) -> Any:
+    """A file's or bytes' picture as RGB; anything PIL cannot read is a UserError."""
+    import io
+
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as image:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
             return image.convert("RGB")
     except (OSError, UnidentifiedImageError) as e:
-        raise UserError(f"image={path}: cannot be read as an image ({e}). Give a PNG or JPEG file.") from None
+        raise UserError(f"cannot be read as an image ({e}). Give a PNG or JPEG.") from None
 
 
 def image_prompt(program: Any, folder: Path, prompt: str, images: list[str], chat: bool) -> MediaPrompt:
     """``prompt`` with ``images`` (files), through the processor beside the program; ``chat``: the chat template
     places the images before the text (else the prompt must mark where each goes)."""
-    names = program.method_names
-    if VISION_METHOD not in names:
+    check_sees_images(program)
+    processor = load_processor(folder)
+    pictures = [_open_image(path) for path in images]
+    _say_stretched(processor, images, pictures, int(program.constant(IMAGE_SIZE)))
+    if chat:
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+        return conversation_prompt(program, processor, folder, [{"role": "user", "content": content}], pictures)
+    return marked_prompt(program, processor, prompt, pictures)
+
+
+def check_sees_images(program: Any) -> None:
+    if VISION_METHOD not in program.method_names:
         raise UserError(f"image= needs a vision-language program, and {program.path} has no {VISION_METHOD} method: "
                         "export a vision-language checkpoint (LLaVA, Gemma 3, SmolVLM / Idefics3, LFM2-VL), or leave image "
                         "out.")
+
+
+def conversation_prompt(program: Any, processor: Any, folder: Path, messages: list[dict[str, Any]],
+                        pictures: list[Any]) -> MediaPrompt:
+    """A conversation whose content parts are text and ``{"type": "image"}`` (one per picture, in order), through the
+    processor's chat template."""
+    if not getattr(processor, "chat_template", None):
+        raise UserError(f"a chat with images needs the processor's chat template, and {folder} has none (this "
+                        f"checkpoint was saved without one): write {prompt_marker(processor)!r} where each image goes in "
+                        "a prompt instead (chat=false, or a text completion).")
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return marked_prompt(program, processor, prompt, pictures)
+
+
+def marked_prompt(program: Any, processor: Any, prompt: str, pictures: list[Any]) -> MediaPrompt:
+    """``prompt``, whose image markers take ``pictures`` in order, as the program's parts."""
     size, per_image = int(program.constant(IMAGE_SIZE)), int(program.constant(IMAGE_TOKENS))
     image_token = int(program.constant(IMAGE_TOKEN_ID))
-    processor = load_processor(folder)
     marker = prompt_marker(processor)
-    pictures = [_open_image(path) for path in images]
-    _say_stretched(processor, images, pictures, size)
-    if chat and not getattr(processor, "chat_template", None):
-        raise UserError(f"chat=true needs the processor's chat template, and {folder} has none (this checkpoint was "
-                        f"saved without one): use chat=false and write {marker!r} where each image goes.")
-    if chat:
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
-        prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                               tokenize=False)
     marked = prompt.count(marker)
-    if marked != len(images):
+    if marked != len(pictures):
         raise UserError(
-            f"the prompt marks {marked} image(s) with {marker!r} and {len(images)} image= file(s) are given: each "
-            f"{marker!r} in the prompt takes one image= file, in order (chat=true places the marks for you); nothing "
+            f"the prompt marks {marked} image(s) with {marker!r} and {len(pictures)} image(s) are given: each "
+            f"{marker!r} in the prompt takes one image, in order (chat=true places the marks for you); nothing "
             "was generated.")
     out = processor(images=pictures or None, text=prompt, return_tensors="pt")
     ids = out["input_ids"][0].tolist()
-    if not images:
+    if not pictures:
         return MediaPrompt(ids, [torch.tensor([ids])], VISION_METHOD)
     pixels = program_pixels(out, size)
     if tuple(pixels.shape[-2:]) != (size, size):

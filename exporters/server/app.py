@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from exporters.runtime.generator import SamplingConfig
+from exporters.runtime.media import MediaPrompt
 from exporters.server.engine import Answer, Cancelled, Engine, Job, random_seed
 from exporters.server.errors import ApiError
 from exporters.server.logprobs import chat_logprobs, completion_logprobs
@@ -60,6 +61,14 @@ def create_app(engine: Engine, limits: Limits, name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
         body.check()  # before the template: what is asked is refused whatever the program has
+        if any(m.has_images for m in body.messages) and engine.generator.sees_images:
+            conversation, pictures = [], []
+            for i, m in enumerate(body.messages):
+                parts, found = m.parts(i)
+                conversation.append({"role": m.role, "content": parts})
+                pictures += found
+            media = await asyncio.get_running_loop().run_in_executor(None, engine.image_prompt, conversation, pictures)
+            return await _complete(engine, limits, body, media, request, name, chat=True)
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
         return await _complete(engine, limits, body, engine.template.render(messages), request, name, chat=True)
 
@@ -80,22 +89,24 @@ def _authorize(request: Request, api_key: str | None) -> None:
                        "exporters.serve with api_key=>.", code="invalid_api_key")
 
 
-async def _complete(engine: Engine, limits: Limits, body: Sampling, prompt: str, request: Request, name: str,
-                    chat: bool) -> Any:
-    """``body`` checked (``Sampling.check``) and ``prompt`` rendered by the route."""
+async def _complete(engine: Engine, limits: Limits, body: Sampling, prompt: str | MediaPrompt, request: Request,
+                    name: str, chat: bool) -> Any:
+    """``body`` checked (``Sampling.check``) and ``prompt`` rendered by the route (text, or a prompt with images)."""
     adapter = _adapter(engine, body.model, name)
     wanted = body.most_tokens  # type: ignore[attr-defined]
     if wanted is not None and wanted > limits.max_tokens:
         raise ApiError(400, f"max_tokens={wanted} is above this server's limit of {limits.max_tokens} "
                        "(max_tokens= when it was started).", param="max_tokens")
-    ids = engine.prompt_ids(prompt)
+    media = prompt if isinstance(prompt, MediaPrompt) else None
+    ids = media.ids if media is not None else engine.prompt_ids(prompt)
     constrained, schema = body.json_schema()
     constraint = await asyncio.get_running_loop().run_in_executor(None, engine.constraint, schema) \
         if constrained else None
     sampling = SamplingConfig(wanted or limits.max_tokens, body.temperature, body.top_p,
                               random_seed() if body.seed is None else body.seed)
     engine.admit()  # released when the job ends, whether or not its client is still there
-    job = Job(adapter, ids, sampling, body.stops, top_logprobs=body.wanted_logprobs(), constraint=constraint)
+    job = Job(adapter, ids, sampling, body.stops, top_logprobs=body.wanted_logprobs(), constraint=constraint,
+              media=media)
     reply = _Reply(body.model, chat, engine.token_text)
     if body.stream:
         pieces: asyncio.Queue = asyncio.Queue()

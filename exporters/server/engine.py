@@ -21,9 +21,12 @@ from exporters.errors import UserError
 from exporters.manifest import MANIFEST_FILE
 from exporters.runtime.constraint import Constraint
 from exporters.runtime.generator import Generator, SamplingConfig, chat_template
+from exporters.runtime.images import check_sees_images, conversation_prompt, open_picture
+from exporters.runtime.media import MediaPrompt
 from exporters.server.errors import ApiError
 from exporters.server.logprobs import Recorder, TokenLogprob
 from exporters.server.stops import StopText
+from models.vision import load_processor
 
 
 log = logging.getLogger("exporters.server")
@@ -49,6 +52,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     top_logprobs: int | None = None  # log-probabilities with this many alternatives per token; None: none
     constraint: Constraint | None = None  # response_format: the grammar the answer follows
+    media: MediaPrompt | None = None  # a prompt with images (its ids are ``ids``)
 
 
 @dataclass
@@ -111,6 +115,8 @@ class Engine:
         self._admitted = 0
         self._lock = threading.Lock()
         self.models = generator.adapters  # read once: a swappable program's are files, listed at every request else
+        self._processor = None  # a vision-language program's, loaded at its first request with images
+        self._processor_lock = threading.Lock()
 
     def admit(self) -> None:
         """Take a place in the queue, or refuse with 429."""
@@ -131,6 +137,26 @@ class Engine:
         except UserError as e:
             raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
         return ids
+
+    def image_prompt(self, conversation: list[dict[str, Any]], pictures: list[bytes]) -> MediaPrompt:
+        """A chat with images (content parts as the processor's template takes them, the pictures' bytes in order)
+        through the processor saved with the program, loaded at the first such request."""
+        program, folder = self.generator.program, self.generator.pte.parent
+        try:
+            check_sees_images(program)
+        except UserError:
+            raise ApiError(400, "an image_url content part: this program takes text only (images go to a "
+                           "vision-language program).", param="messages", code="unsupported_content") from None
+        try:
+            with self._processor_lock:
+                if self._processor is None:
+                    self._processor = load_processor(folder)
+            opened = [open_picture(picture) for picture in pictures]
+            made = conversation_prompt(program, self._processor, folder, conversation, opened)
+            self.generator.check_fits(made.ids)
+        except UserError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        return made
 
     def constraint(self, schema: dict[str, Any] | None) -> Constraint:
         """The grammar of ``schema`` (None: any JSON object) for one answer; a schema the engine cannot use is a 400.
@@ -162,7 +188,8 @@ class Engine:
         recorder = None if job.top_logprobs is None else Recorder(job.top_logprobs,
                                                                    lambda: self.generator.progress.new_ids)
         try:
-            result = self.generator.generate("", job.sampling, on_text, prompt_ids=job.ids, speculative=self.speculative,
+            result = self.generator.generate("", job.sampling, on_text, prompt_ids=job.ids, media=job.media,
+                                             speculative=self.speculative,
                                              on_logits=None if recorder is None else recorder.seen,
                                              constraint=job.constraint)
             finish = "stop" if result.stop_reason == "eos" else "length"

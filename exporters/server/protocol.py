@@ -7,6 +7,7 @@ too (a typo is named). ``response_format`` is computed: a JSON schema (or any JS
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
@@ -110,6 +111,21 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: Optional[str] = None
+    image_url: Optional[dict[str, Any]] = None
+
+    def picture(self, where: str) -> bytes:
+        """An ``image_url`` part's bytes: a ``data:`` URL (base64); the server fetches nothing."""
+        url = (self.image_url or {}).get("url")
+        if not isinstance(url, str) or not url.startswith("data:"):
+            raise ApiError(400, f"{where}: an image_url is taken as a data URL (data:image/png;base64,...); this server "
+                           "fetches nothing from the network.", param=where, code="unsupported_content")
+        head, _, payload = url.partition(",")
+        if not head.endswith(";base64"):
+            raise ApiError(400, f"{where}: the data URL is not base64 (data:image/png;base64,...).", param=where)
+        try:
+            return base64.b64decode(payload, validate=True)
+        except ValueError:
+            raise ApiError(400, f"{where}: the data URL's base64 does not decode.", param=where) from None
 
 
 class Message(BaseModel):
@@ -118,16 +134,39 @@ class Message(BaseModel):
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
 
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(part.type == "image_url" for part in self.content)
+
     def text(self, index: int) -> str:
         """The message's text; a part that is not text (an image, audio) is refused with what takes it."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         for part in self.content:
             if part.type != "text":
-                raise ApiError(400, f"messages[{index}]: a content part of type {part.type!r}: this program takes "
-                               "text only (images go to a vision-language program, through exporters.generate for "
-                               "now).", param=f"messages[{index}].content", code="unsupported_content")
+                what = ("this program takes text only (images go to a vision-language program)"
+                        if part.type == "image_url" else "this server takes text and image_url parts")
+                raise ApiError(400, f"messages[{index}]: a content part of type {part.type!r}: {what}.",
+                               param=f"messages[{index}].content", code="unsupported_content")
         return "".join(part.text or "" for part in self.content)
+
+    def parts(self, index: int) -> tuple[list[dict[str, Any]], list[bytes]]:
+        """The content as a processor's chat template takes it (text parts, and ``{"type": "image"}`` where each
+        picture goes), and the pictures' bytes in order."""
+        if self.content is None or isinstance(self.content, str):
+            return [{"type": "text", "text": self.content or ""}], []
+        parts: list[dict[str, Any]] = []
+        pictures: list[bytes] = []
+        for i, part in enumerate(self.content):
+            if part.type == "image_url":
+                pictures.append(part.picture(f"messages[{index}].content[{i}]"))
+                parts.append({"type": "image"})
+            elif part.type == "text":
+                parts.append({"type": "text", "text": part.text or ""})
+            else:
+                raise ApiError(400, f"messages[{index}]: a content part of type {part.type!r}: this server takes text "
+                               "and image_url parts.", param=f"messages[{index}].content", code="unsupported_content")
+        return parts, pictures
 
 
 class ChatRequest(Sampling):
