@@ -314,3 +314,47 @@ def test_an_adapter_is_a_model_and_the_base_comes_back(exported, tiny_checkpoint
         for model, adapter in ((run.name, None), ("pirate", "pirate"), (run.name, None), ("minutes", "minutes")):
             got = client.completions.create(model=model, prompt="Once upon a time", max_tokens=10, temperature=0)
             assert got.choices[0].text == greedy(run, "Once upon a time", 10, adapter), model
+
+
+# A LLaVA-style chat template for the tiny LLaVA's processor (the tiny checkpoints are saved without one): a user
+# turn's image parts become the processor's <image> mark.
+LLAVA_TEMPLATE = ("{% for m in messages %}{{ m['role'].upper() }}: {% for c in m['content'] %}{% if c['type'] == "
+                  "'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
+                  "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+@pytest.mark.slow  # the tiny LLaVA program tests/test_vision_language.py exports
+def test_an_image_in_a_chat_is_what_generate_answers_for_it(exported, vlm_checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """An image_url data URL in a chat message, through the official client: the processor's chat template and
+    the program's vision_encoder, the same greedy text as exporters.generate's chat=true with the file; URLs the
+    server would have to fetch, and bytes that are no image, are a 400."""
+    import base64
+    import shutil
+
+    import numpy as np
+    from PIL import Image
+
+    from tests.test_vision_language import PROGRAM
+
+    program = exported("model=hf", f"model.checkpoint={vlm_checkpoint('llava')}", *PROGRAM).pte_path.parent
+    run = tmp_path / "llava"
+    shutil.copytree(program, run)
+    (run / "chat_template.jinja").write_text(LLAVA_TEMPLATE)
+    path = tmp_path / "picture.png"
+    Image.fromarray((np.random.RandomState(0).rand(40, 50, 3) * 255).astype("uint8")).save(path)
+    generator = Generator(run)
+    expected = generator.generate("", SamplingConfig(8, 0.0, 1.0, 0),
+                                  media=generator.with_images("Once upon a time", [str(path)], chat=True)).text
+    url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+    with serving(run, tmp_path / "serve.log") as server:
+        client = server.client()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Once upon a time"}]
+        answer = client.chat.completions.create(model=run.name, messages=[{"role": "user", "content": content}],
+                                                max_tokens=8, temperature=0)
+        assert answer.choices[0].message.content == expected
+        for bad, says in (("https://example.com/cat.png", "fetches nothing"), ("data:image/png;base64,bm90IGFuIGltYWdl",
+                                                                               "cannot be read as an image")):
+            content[0]["image_url"]["url"] = bad
+            with pytest.raises(openai.BadRequestError, match=says):
+                client.chat.completions.create(model=run.name, messages=[{"role": "user", "content": content}])
+
