@@ -186,7 +186,10 @@ def test_a_json_schema_answer_parses_validates_and_is_the_best_allowed_token_eac
     (b'{"model": "M", "prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"name": "x", '
      b'"schema": {"type": "objekt"}}}}', 400, "the JSON schema cannot be used: Invalid type: objekt"),
     (b'{"model": "M", "prompt": "a", "response_format": {"type": "xml"}}', 400, "one of 'text', 'json_object'"),
-    (b'{"model": "M", "prompt": "a", "tools": [{"type": "function"}]}', 400, "tool calls are not available"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+     b'{"name": "f"}}]}', 400, "tool_choice=auto (the default with tools)"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+     b'{"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}', 400, "naming one of the tools (f)"),
     (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}]}', 400, "without a chat template"),
 ])
 def test_a_bad_request_is_one_json_error_and_the_server_goes_on(tiny_server, body: bytes, status: int,  # type: ignore[no-untyped-def]
@@ -321,6 +324,11 @@ def test_an_adapter_is_a_model_and_the_base_comes_back(exported, tiny_checkpoint
 LLAVA_TEMPLATE = ("{% for m in messages %}{{ m['role'].upper() }}: {% for c in m['content'] %}{% if c['type'] == "
                   "'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
                   "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+# A chat template that gives tools (by name: the tiny program's cache is 128 tokens) and earlier calls to the model.
+TOOLS_TEMPLATE = ("{% if tools %}TOOLS: {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"
+                  "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}{% for call in m.get('tool_calls') "
+                  "or [] %}CALL {{ call['function']['name'] }}{% endfor %}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 @pytest.mark.slow  # the tiny LLaVA program tests/test_vision_language.py exports
@@ -358,3 +366,58 @@ def test_an_image_in_a_chat_is_what_generate_answers_for_it(exported, vlm_checkp
             with pytest.raises(openai.BadRequestError, match=says):
                 client.chat.completions.create(model=run.name, messages=[{"role": "user", "content": content}])
 
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["c", "f"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.slow  # the default tiny program, with a chat template that writes the tools
+def test_tools_are_called_with_arguments_that_validate(exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """tools through the official client: a named function and tool_choice=required are calls whose arguments
+    validate against their function's parameters, streamed or not; the template is given the tools; a next turn with
+    the call and its result answers in text with tool_choice=none; tool_choice=auto is refused with what works."""
+    import shutil
+
+    import jsonschema
+
+    run = tmp_path / "tools"
+    shutil.copytree(exported().pte_path.parent, run)
+    (run / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    with serving(run, tmp_path / "serve.log") as server:
+        check_tool_calls(server.client(), run.name, jsonschema)
+
+
+def check_tool_calls(client, model: str, jsonschema) -> None:  # type: ignore[no-untyped-def]
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    ask = dict(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=80, temperature=0,
+               tools=[WEATHER, CLOCK])
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}}, **ask)
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), schemas["get_weather"])
+    plain = client.chat.completions.create(model=model, messages=ask["messages"], max_tokens=4, temperature=0)
+    assert named.usage.prompt_tokens > plain.usage.prompt_tokens  # the template was given the tools
+    streamed = list(client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                                   stream=True, **ask))
+    deltas = [d for c in streamed if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_weather", call.function.arguments)]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    # One call (parallel_tool_calls=false): the tiny random model would add calls to the list until its budget ends.
+    required = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **ask).choices[0]
+    assert required.finish_reason == "tool_calls" and len(required.message.tool_calls) == 1
+    for made in required.message.tool_calls:
+        jsonschema.validate(json.loads(made.function.arguments), schemas[made.function.name])
+    turn = [*ask["messages"], {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "12 degrees, cloudy"}]
+    answer = client.chat.completions.create(**{**ask, "messages": turn}, tool_choice="none").choices[0]
+    assert isinstance(answer.message.content, str) and answer.message.tool_calls is None
+    with pytest.raises(openai.BadRequestError, match="tool_choice=auto"):
+        client.chat.completions.create(**ask)

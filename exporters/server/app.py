@@ -24,6 +24,7 @@ from exporters.server.engine import Answer, Cancelled, Engine, Job, random_seed
 from exporters.server.errors import ApiError
 from exporters.server.logprobs import chat_logprobs, completion_logprobs
 from exporters.server.protocol import ChatRequest, CompletionRequest, Sampling, new_id, now, usage
+from exporters.server.tools import ToolCalls, template_message, template_tools
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ def create_app(engine: Engine, limits: Limits, name: str) -> FastAPI:
     async def chat(body: ChatRequest, request: Request) -> Any:
         body.check()  # before the template: what is asked is refused whatever the program has
         if any(m.has_images for m in body.messages) and engine.generator.sees_images:
+            if body.tools:
+                raise ApiError(400, "tools beside images: a chat with images goes through the processor's template, "
+                               "which is given no tools here yet; send them in separate requests.", param="tools")
             conversation, pictures = [], []
             for i, m in enumerate(body.messages):
                 parts, found = m.parts(i)
@@ -69,8 +73,10 @@ def create_app(engine: Engine, limits: Limits, name: str) -> FastAPI:
                 pictures += found
             media = await asyncio.get_running_loop().run_in_executor(None, engine.image_prompt, conversation, pictures)
             return await _complete(engine, limits, body, media, request, name, chat=True)
-        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
-        return await _complete(engine, limits, body, engine.template.render(messages), request, name, chat=True)
+        messages = [template_message(m.role, m.text(i), m.tool_calls, m.tool_call_id)
+                    for i, m in enumerate(body.messages)]
+        prompt = engine.template.render(messages, template_tools(body.tools))
+        return await _complete(engine, limits, body, prompt, request, name, chat=True, tools=body.tool_calls())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -90,8 +96,9 @@ def _authorize(request: Request, api_key: str | None) -> None:
 
 
 async def _complete(engine: Engine, limits: Limits, body: Sampling, prompt: str | MediaPrompt, request: Request,
-                    name: str, chat: bool) -> Any:
-    """``body`` checked (``Sampling.check``) and ``prompt`` rendered by the route (text, or a prompt with images)."""
+                    name: str, chat: bool, tools: ToolCalls | None = None) -> Any:
+    """``body`` checked (``Sampling.check``) and ``prompt`` rendered by the route (text, or a prompt with images);
+    ``tools``: the answer is a tool call, constrained to it."""
     adapter = _adapter(engine, body.model, name)
     wanted = body.most_tokens  # type: ignore[attr-defined]
     if wanted is not None and wanted > limits.max_tokens:
@@ -99,7 +106,7 @@ async def _complete(engine: Engine, limits: Limits, body: Sampling, prompt: str 
                        "(max_tokens= when it was started).", param="max_tokens")
     media = prompt if isinstance(prompt, MediaPrompt) else None
     ids = media.ids if media is not None else engine.prompt_ids(prompt)
-    constrained, schema = body.json_schema()
+    constrained, schema = (True, tools.schema) if tools is not None else body.json_schema()
     constraint = await asyncio.get_running_loop().run_in_executor(None, engine.constraint, schema) \
         if constrained else None
     sampling = SamplingConfig(wanted or limits.max_tokens, body.temperature, body.top_p,
@@ -107,11 +114,12 @@ async def _complete(engine: Engine, limits: Limits, body: Sampling, prompt: str 
     engine.admit()  # released when the job ends, whether or not its client is still there
     job = Job(adapter, ids, sampling, body.stops, top_logprobs=body.wanted_logprobs(), constraint=constraint,
               media=media)
-    reply = _Reply(body.model, chat, engine.token_text)
+    reply = _Reply(body.model, chat, engine.token_text, tools)
     if body.stream:
         pieces: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        job.on_text = lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece)
+        if tools is None:  # a call's JSON is not streamed as text: its tool_calls come whole at the end
+            job.on_text = lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece)
         future = _submit(engine, job, request, lambda: pieces.put_nowait(None))
         return StreamingResponse(_stream(future, pieces, job, reply, body.usage_in_stream),
                                  media_type="text/event-stream")
@@ -159,9 +167,12 @@ async def _stream(future: asyncio.Future, pieces: asyncio.Queue, job: Job, reply
         while (piece := await pieces.get()) is not None:
             yield _event(reply.chunk(piece))
         answer = future.result()
+        calls = reply.calls(answer)
+        if calls:
+            yield _event(reply.chunk(calls=calls))
         # Text is released in pieces that are not tokens (bytes merge, stop strings hold text back): the tokens'
         # log-probabilities come whole with the last chunk, which the client appends as it does any chunk's.
-        yield _event(reply.chunk(finish=answer.finish_reason, logprobs=reply.logprobs(answer)))
+        yield _event(reply.chunk(finish=reply.finish(answer), logprobs=reply.logprobs(answer)))
         if with_usage:
             yield _event(reply.usage_chunk(answer))
         yield "data: [DONE]\n\n"
@@ -180,9 +191,16 @@ def _event(data: dict[str, Any]) -> str:
 class _Reply:
     """OpenAI's response objects for one request."""
 
-    def __init__(self, model: str, chat: bool, text_of: Callable[[int], str]) -> None:
-        self.model, self.chat, self.text_of = model, chat, text_of
+    def __init__(self, model: str, chat: bool, text_of: Callable[[int], str], tools: ToolCalls | None = None) -> None:
+        self.model, self.chat, self.text_of, self.tools = model, chat, text_of, tools
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
+
+    def calls(self, answer: Answer) -> list[dict[str, Any]] | None:
+        """The answer's tool calls, when it is a whole call (one cut by max_tokens stays text, finish_reason length)."""
+        return self.tools.calls(answer.text) if self.tools is not None and answer.finish_reason == "stop" else None
+
+    def finish(self, answer: Answer) -> str:
+        return "tool_calls" if self.calls(answer) else answer.finish_reason
 
     def logprobs(self, answer: Answer) -> dict[str, Any] | None:
         if answer.logprobs is None:
@@ -195,17 +213,22 @@ class _Reply:
         return {"id": self.id, "object": kind + suffix, "created": self.created, "model": self.model}
 
     def whole(self, answer: Answer) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": answer.finish_reason, "logprobs": self.logprobs(answer)}
-        if self.chat:
+        calls = self.calls(answer)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish(answer), "logprobs": self.logprobs(answer)}
+        if self.chat and calls:
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": answer.text}
         else:
             choice["text"] = answer.text
         return {**self._head(), "choices": [choice], "usage": _usage(answer)}
 
     def chunk(self, text: str = "", role: bool = False, finish: str | None = None,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+              logprobs: dict[str, Any] | None = None, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
+            if calls:
+                delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             return {**self._head(".chunk"), "choices": [choice]}
         return {**self._head(), "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}

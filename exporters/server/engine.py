@@ -91,13 +91,13 @@ class ChatTemplate:
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         if self.tokenizer is None:
             raise ApiError(400, "this program was exported without a chat template (chat_template.jinja or "
                            "tokenizer_config.json's chat_template beside it): use /v1/completions with the prompt "
                            "as the model expects it.", code="no_chat_template")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja's own errors: a template that refuses this conversation (roles, order)
             raise ApiError(400, f"the model's chat template refused these messages: {e}", param="messages") from e
 

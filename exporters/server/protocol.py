@@ -16,12 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from exporters.server.errors import ApiError
 from exporters.server.logprobs import MOST_CHAT, MOST_COMPLETIONS
+from exporters.server.tools import Tool, ToolCalls, ToolChoice, tool_calls
 
 #: OpenAI's fields the server refuses for now, with what to do instead; a value that asks nothing (null, false, 0,
 #: n=1) is accepted.
 NOT_YET = {
-    "tools": "tool calls are not available in this server yet",
-    "tool_choice": "tool calls are not available in this server yet",
     "logit_bias": "logit_bias is not applied by this server",
     "presence_penalty": "penalties are not applied by this server; leave presence_penalty at 0",
     "frequency_penalty": "penalties are not applied by this server; leave frequency_penalty at 0",
@@ -54,8 +53,6 @@ class Sampling(BaseModel):
     logprobs: Union[bool, int, None] = None
     top_logprobs: Optional[int] = None
     response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
     logit_bias: Optional[dict[str, float]] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
@@ -133,6 +130,8 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool's result: the call it answers
 
     @property
     def has_images(self) -> bool:
@@ -172,6 +171,18 @@ class Message(BaseModel):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    tools: Optional[list[Tool]] = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: Optional[bool] = None
+
+    def check(self) -> None:
+        super().check()
+        if self.tool_calls() is not None and self.response_format not in (None, {"type": "text"}):
+            raise ApiError(400, "tools with response_format: a forced tool call is constrained to its arguments "
+                           "already; give one of them.", param="response_format")
+
+    def tool_calls(self) -> ToolCalls | None:
+        return tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def wanted_logprobs(self) -> int | None:
         """Chat's shape: ``logprobs`` true or false, ``top_logprobs`` 0 to 20 alternatives beside it."""
@@ -226,7 +237,7 @@ def now() -> int:
     return int(time.time())
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:

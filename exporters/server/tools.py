@@ -1,0 +1,114 @@
+"""Tool calls (OpenAI's ``tools`` and ``tool_choice``): the functions given to the chat template, the call constrained
+to them (``exporters.runtime.constraint``), the answer returned as ``tool_calls``.
+
+As vLLM does for a forced call: ``tool_choice`` naming a function constrains the answer to that function's
+``parameters`` (the arguments object); ``required`` constrains it to a JSON list of one or more calls, each
+``{"name": ..., "arguments": {...}}`` of one of the functions. ``none`` gives the template the tools and constrains
+nothing. ``auto`` (the model choosing between text and a call written in its own syntax, such as Qwen's
+``<tool_call>`` tags, which its tokenizer's decoding drops as special tokens) needs a parser per model and is refused
+with what works instead.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from exporters.server.errors import ApiError
+
+ANY_ARGUMENTS: dict[str, Any] = {"type": "object"}
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: Function
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], dict[str, Any], None]
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """What a request with tools asks of its answer: ``schema`` constrains it; ``name`` is the function it calls when
+    ``tool_choice`` named one (else the answer is a list of calls that name theirs)."""
+
+    schema: dict[str, Any]
+    name: str | None
+
+    def calls(self, text: str) -> list[dict[str, Any]]:
+        """The answer (a complete document of ``schema``) as OpenAI's ``tool_calls``."""
+        answer = json.loads(text)
+        made = [(self.name, answer)] if self.name is not None else [(c["name"], c["arguments"]) for c in answer]
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+                for name, arguments in made]
+
+
+def tool_calls(tools: list[Tool] | None, choice: ToolChoice, parallel: bool | None = None) -> ToolCalls | None:
+    """The constraint ``tools`` and ``tool_choice`` ask for (None: the answer is text), or a 400 saying why not;
+    ``parallel`` false: one call at most (``parallel_tool_calls``)."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise ApiError(400, "tool_choice without tools: give the functions in tools.", param="tool_choice")
+        return None
+    functions = {t.function.name: t.function.parameters or ANY_ARGUMENTS for t in tools}
+    if len(functions) != len(tools):
+        raise ApiError(400, "tools name a function twice: each function once.", param="tools")
+    if choice == "none":
+        return None
+    if choice in (None, "auto"):
+        raise ApiError(400, "tool_choice=auto (the default with tools) lets the model choose between text and a call in "
+                       "its own syntax, which this server does not parse yet: set tool_choice to \"required\" (one or "
+                       "more calls) or to {\"type\": \"function\", \"function\": {\"name\": ...}} (that function), or "
+                       "\"none\".", param="tool_choice", code="unsupported_parameter")
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for name, parameters in functions.items()]
+        most = {"maxItems": 1} if parallel is False else {}
+        return ToolCalls({"type": "array", "items": {"anyOf": calls}, "minItems": 1, **most}, None)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or name not in functions:
+        raise ApiError(400, f"tool_choice={json.dumps(choice)}: \"none\", \"required\", or {{\"type\": \"function\", "
+                       f"\"function\": {{\"name\": ...}}}} naming one of the tools ({', '.join(functions)}).",
+                       param="tool_choice")
+    return ToolCalls(functions[name], name)
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as chat templates read them (OpenAI's shape, as transformers passes it on)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+def template_message(role: str, content: str, calls: list[dict[str, Any]] | None, call_id: str | None) -> dict[str, Any]:
+    """A message as chat templates read it: an assistant's earlier calls with their arguments as objects (OpenAI
+    sends them as JSON text), a tool's result with the id of the call it answers."""
+    message: dict[str, Any] = {"role": role, "content": content}
+    if calls:
+        message["tool_calls"] = [{**call, "function": {**call["function"], "arguments": _arguments(call)}}
+                                 for call in calls]
+    if call_id is not None:
+        message["tool_call_id"] = call_id
+    return message
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    arguments = call.get("function", {}).get("arguments")
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        raise ApiError(400, f"an assistant message's tool call has arguments that are not JSON: {arguments!r}.",
+                       param="messages") from None
