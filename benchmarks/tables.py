@@ -220,13 +220,26 @@ def render_constrained(data: dict[str, Any]) -> str:
         f"| the engine's tokenizer, made once per program | {s['engine_tokenizer_s']:.2f} s |"]) + "\n"
 
 
+def render_serve_peers(data: dict[str, Any]) -> str:
+    """A ``benchmarks.serve_peers`` report: each server's time to first token and decode rates by concurrent clients."""
+    lines = ["| server | clients | time to first token (median) | one request's decode tok/s (median) | "
+             "all clients' tok/s |", "|---|---|---|---|---|"]
+    names = {"ours": f"ours ({data['program']}, {data['quantization']})", "llama-server": f"llama-server ({data['gguf']})"}
+    for server, by_clients in data["servers"].items():
+        for clients, r in by_clients.items():
+            lines.append(f"| {names.get(server, server)} | {clients} | {r['ttft_s'] * 1000:.0f} ms | "
+                         f"{r['decode_tok_s']:.1f} | {r['aggregate_tok_s']:.1f} |")
+    return "\n".join(lines + ["", f"{data['max_tokens']} tokens a request, greedy, streamed; medians of "
+                                   f"{data['repeats']} rounds."]) + "\n"
+
+
 RENDERERS: dict[str, Callable[[Any], str]] = {"serve": render_serve, "suite": render_suite, "export": render_export,
                                               "speculative": render_speculative, "memory": render_memory,
                                               "hybrid": render_hybrid, "adapters": render_adapters,
                                               "vision_quant": render_vision_quant, "speech": render_speech,
                                               "audio_shape": render_audio_shape,
                                               "grammar_engines": render_grammar_engines,
-                                              "constrained": render_constrained}
+                                              "constrained": render_constrained, "serve_peers": render_serve_peers}
 
 
 def regenerate(text: str, root: Path = ROOT) -> tuple[str, list[str]]:
