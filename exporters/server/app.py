@@ -62,6 +62,13 @@ def create_app(engine: Engine, limits: Limits, name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
         body.check()  # before the template: what is asked is refused whatever the program has
+        if any(m.has_audio for m in body.messages):
+            if len(body.messages) != 1 or body.messages[0].role != "user" or body.tools:
+                raise ApiError(400, "a chat with input_audio takes one user message (the recording and the text about "
+                               "it), without tools, for now.", param="messages")
+            data, fmt, text = body.messages[0].recording(0)
+            media = await asyncio.get_running_loop().run_in_executor(None, engine.audio_prompt, data, fmt, text)
+            return await _complete(engine, limits, body, media, request, name, chat=True)
         if any(m.has_images for m in body.messages) and engine.generator.sees_images:
             if body.tools:
                 raise ApiError(400, "tools beside images: a chat with images goes through the processor's template, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,9 +19,11 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from exporters.errors import UserError
-from exporters.manifest import MANIFEST_FILE
+from exporters.manifest import MANIFEST_FILE, Manifest
+from exporters.program.audio import AUDIO_METHOD
 from exporters.runtime.constraint import Constraint
 from exporters.runtime.generator import Generator, SamplingConfig, chat_template
+from exporters.runtime.heard import audio_entry
 from exporters.runtime.images import check_sees_images, conversation_prompt, open_picture
 from exporters.runtime.media import MediaPrompt
 from exporters.server.errors import ApiError
@@ -117,6 +120,8 @@ class Engine:
         self.models = generator.adapters  # read once: a swappable program's are files, listed at every request else
         self._processor = None  # a vision-language program's, loaded at its first request with images
         self._processor_lock = threading.Lock()
+        folder = generator.pte.parent
+        self._audio = audio_entry(Manifest.read(folder)) if (folder / MANIFEST_FILE).is_file() else None
 
     def admit(self) -> None:
         """Take a place in the queue, or refuse with 429."""
@@ -157,6 +162,21 @@ class Engine:
         except UserError as e:
             raise ApiError(400, str(e), param="messages") from None
         return made
+
+    def audio_prompt(self, data: bytes, fmt: str, text: str) -> MediaPrompt:
+        """One user turn of ``text`` about a recording (``fmt`` bytes) for an audio-language program, through the
+        preprocessor saved with it and the model's user turn (as ``exporters.generate audio=... chat=true``)."""
+        if AUDIO_METHOD not in self.generator.program.method_names:
+            raise ApiError(400, "an input_audio content part: this program takes no audio (recordings go to an "
+                           "audio-language program).", param="messages", code="unsupported_content")
+        with tempfile.TemporaryDirectory(prefix="input_audio") as folder:
+            path = Path(folder) / f"recording.{fmt}"
+            path.write_bytes(data)
+            try:
+                return self.generator.with_audio(text, str(path), chat=True, entry=self._audio)
+            except UserError as e:
+                raise ApiError(400, str(e).replace(f"audio={path}", "input_audio").replace(str(path), "input_audio"),
+                               param="messages") from None
 
     def constraint(self, schema: dict[str, Any] | None) -> Constraint:
         """The grammar of ``schema`` (None: any JSON object) for one answer; a schema the engine cannot use is a 400.

@@ -18,6 +18,9 @@ from exporters.server.errors import ApiError
 from exporters.server.logprobs import MOST_CHAT, MOST_COMPLETIONS
 from exporters.server.tools import Tool, ToolCalls, ToolChoice, tool_calls
 
+#: The recordings input_audio takes (what libsndfile reads).
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
+
 #: OpenAI's fields the server refuses for now, with what to do instead; a value that asks nothing (null, false, 0,
 #: n=1) is accepted.
 NOT_YET = {
@@ -109,6 +112,7 @@ class ContentPart(BaseModel):
     type: str
     text: Optional[str] = None
     image_url: Optional[dict[str, Any]] = None
+    input_audio: Optional[dict[str, Any]] = None
 
     def picture(self, where: str) -> bytes:
         """An ``image_url`` part's bytes: a ``data:`` URL (base64); the server fetches nothing."""
@@ -137,6 +141,30 @@ class Message(BaseModel):
     def has_images(self) -> bool:
         return isinstance(self.content, list) and any(part.type == "image_url" for part in self.content)
 
+    @property
+    def has_audio(self) -> bool:
+        return isinstance(self.content, list) and any(part.type == "input_audio" for part in self.content)
+
+    def recording(self, index: int) -> tuple[bytes, str, str]:
+        """The one ``input_audio`` part's bytes and format, and the text beside it."""
+        where = f"messages[{index}].content"
+        audio = [part for part in self.content or [] if isinstance(part, ContentPart) and part.type == "input_audio"]
+        if len(audio) != 1:
+            raise ApiError(400, f"{where}: {len(audio)} input_audio parts; a prompt takes one recording.", param=where)
+        given = audio[0].input_audio or {}
+        fmt = given.get("format")
+        if fmt not in AUDIO_FORMATS:
+            raise ApiError(400, f"{where}: input_audio.format={fmt!r}: one of {', '.join(AUDIO_FORMATS)}.", param=where)
+        try:
+            data = base64.b64decode(str(given.get("data", "")), validate=True)
+        except ValueError:
+            raise ApiError(400, f"{where}: input_audio.data is not base64.", param=where) from None
+        others = [part.type for part in self.content if part.type not in ("input_audio", "text")]  # type: ignore[union-attr]
+        if others:
+            raise ApiError(400, f"{where}: a {others[0]} part beside the recording: a prompt takes one kind of media.",
+                           param=where, code="unsupported_content")
+        return data, fmt, "".join(part.text or "" for part in self.content if part.type == "text")  # type: ignore[union-attr]
+
     def text(self, index: int) -> str:
         """The message's text; a part that is not text (an image, audio) is refused with what takes it."""
         if self.content is None or isinstance(self.content, str):
@@ -144,7 +172,9 @@ class Message(BaseModel):
         for part in self.content:
             if part.type != "text":
                 what = ("this program takes text only (images go to a vision-language program)"
-                        if part.type == "image_url" else "this server takes text and image_url parts")
+                        if part.type == "image_url" else "this program takes no audio (recordings go to an "
+                        "audio-language program)" if part.type == "input_audio" else
+                        "this server takes text, image_url and input_audio parts")
                 raise ApiError(400, f"messages[{index}]: a content part of type {part.type!r}: {what}.",
                                param=f"messages[{index}].content", code="unsupported_content")
         return "".join(part.text or "" for part in self.content)
