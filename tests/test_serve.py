@@ -324,8 +324,10 @@ def test_an_adapter_is_a_model_and_the_base_comes_back(exported, tiny_checkpoint
 LLAVA_TEMPLATE = ("{% for m in messages %}{{ m['role'].upper() }}: {% for c in m['content'] %}{% if c['type'] == "
                   "'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
                   "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
-# A chat template that gives tools (by name: the tiny program's cache is 128 tokens) and earlier calls to the model.
-TOOLS_TEMPLATE = ("{% if tools %}TOOLS: {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"
+# A chat template that gives tools (by name: the tiny program's cache is 128 tokens) and earlier calls to the model,
+# and names Hermes' <tool_call> tags (so tool_choice=auto reads calls written between them).
+TOOLS_TEMPLATE = ("{% if tools %}TOOLS: {{ tools | map(attribute='function.name') | join(',') }}; call in "
+                  "<tool_call></tool_call>\n{% endif %}"
                   "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}{% for call in m.get('tool_calls') "
                   "or [] %}CALL {{ call['function']['name'] }}{% endfor %}\n{% endfor %}"
                   "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -380,7 +382,7 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
 def test_tools_are_called_with_arguments_that_validate(exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """tools through the official client: a named function and tool_choice=required are calls whose arguments
     validate against their function's parameters, streamed or not; the template is given the tools; a next turn with
-    the call and its result answers in text with tool_choice=none; tool_choice=auto is refused with what works."""
+    the call and its result answers in text with tool_choice=none; tool_choice=auto answers text or valid calls."""
     import shutil
 
     import jsonschema
@@ -419,8 +421,11 @@ def check_tool_calls(client, model: str, jsonschema) -> None:  # type: ignore[no
             {"role": "tool", "tool_call_id": call.id, "content": "12 degrees, cloudy"}]
     answer = client.chat.completions.create(**{**ask, "messages": turn}, tool_choice="none").choices[0]
     assert isinstance(answer.message.content, str) and answer.message.tool_calls is None
-    with pytest.raises(openai.BadRequestError, match="tool_choice=auto"):
-        client.chat.completions.create(**ask)
+    # auto: text, calls between the template's tags, or both; whatever the tiny model writes, each call validates.
+    chosen = client.chat.completions.create(**ask).choices[0]
+    for made in chosen.message.tool_calls or []:
+        jsonschema.validate(json.loads(made.function.arguments), schemas[made.function.name])
+    assert chosen.finish_reason == "tool_calls" if chosen.message.tool_calls else isinstance(chosen.message.content, str)
 
 
 @pytest.mark.slow  # the tiny Voxtral program tests/test_audio_language.py exports
@@ -460,3 +465,37 @@ def test_a_recording_in_a_chat_is_what_generate_answers_for_it(exported, alm_che
             ask(VALIDATION_RECORDING, "aiff")
         with pytest.raises(openai.BadRequestError, match="input_audio is 31.0 s long"):
             ask(long)
+
+
+def test_auto_tool_calls_are_constrained_from_their_opening_tag_and_read_back(tiny_checkpoint: Path) -> None:
+    """tool_choice=auto with Hermes' tags (text on the tiny tokenizer; Qwen2.5's single added tokens take the other
+    branch of Grammars.tagged): text and a valid call are allowed, a call with arguments outside its schema is not;
+    the answer's calls are read back with the text around them. A template that names no tags this server reads is
+    refused with what works."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from exporters.runtime.constraint import Grammars
+    from exporters.server.errors import ApiError
+    from exporters.server.tools import HERMES, Tool, tool_calls
+
+    tools = [Tool(**WEATHER), Tool(**CLOCK)]
+    auto = tool_calls(tools, "auto", tags=HERMES)
+    with pytest.raises(ApiError, match="names none this server reads"):
+        tool_calls(tools, None, tags=None)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    content, calls = auto.split("Let me look." + call)
+    assert content == "Let me look." and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                          for c in calls] == [("get_weather", {"city": "Paris", "unit": "c"})]
+    assert auto.split("No call here.") == ("No call here.", [])
+    tokenizer_file = tiny_checkpoint / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    for text, allowed in (("Let me look." + call, True), ("Just text.", True), (call.replace("Paris", "Oslo"), False)):
+        constraint = Grammars(tokenizer_file, None, {2}).tagged(auto.schema, *HERMES)
+        ok = True
+        for token in tokenizer.encode(text, add_special_tokens=False).ids:
+            if constraint.allow(torch.zeros(1, constraint.bitmask.size * 32))[0, token] != 0:
+                ok = False
+                break
+            constraint.consume(token)
+        assert ok == allowed, text

@@ -89,6 +89,33 @@ class Grammars:
                                                                     defaults=JSON_OPTIONS)
         except ValueError as e:
             raise UserError(f"the JSON schema is not a JSON object: {e}") from None
+        return self._constraint(grammar)
+
+    def tagged(self, schema: dict[str, Any], opening: str, closing: str) -> Constraint:
+        """Free text in which any ``opening`` ... ``closing`` span holds a JSON document valid against ``schema``
+        (a model's own tool-call syntax, e.g. Qwen's ``<tool_call>`` tags): the grammar applies from the moment the
+        model writes ``opening``. Tags that are single tokens of the tokenizer are matched as those tokens."""
+        import llguidance
+
+        document = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+        if self.is_token(opening) and self.is_token(closing):  # an added token: not text the lexer can match
+            call = f'call: TEXT {opening} "\\n" %json {document} "\\n" {closing}'
+        else:
+            call = (f"call_opening[lazy]: TEXT {json.dumps(opening)}\n"
+                    f'call: call_opening "\\n" %json {document} {json.dumps(chr(10) + closing)}')
+        lark = f"%llguidance {{}}\nstart: call* TEXT\nTEXT: /(.|\\n)*/\n{call}\n"
+        return self._constraint(llguidance.LLMatcher.grammar_from_lark(lark))
+
+    def is_token(self, text: str) -> bool:
+        """``text`` is one added token of the tokenizer (as Qwen's ``<tool_call>``)."""
+        if self.tokenizer_json is None:
+            return False
+        added = json.loads(self.tokenizer_json.read_text()).get("added_tokens", [])
+        return any(token.get("content") == text for token in added)
+
+    def _constraint(self, grammar: str) -> Constraint:
+        import llguidance
+
         tokenizer = self._engine_tokenizer()
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():

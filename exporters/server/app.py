@@ -82,8 +82,9 @@ def create_app(engine: Engine, limits: Limits, name: str) -> FastAPI:
             return await _complete(engine, limits, body, media, request, name, chat=True)
         messages = [template_message(m.role, m.text(i), m.tool_calls, m.tool_call_id)
                     for i, m in enumerate(body.messages)]
+        tools = body.tool_calls(engine.template.call_tags)
         prompt = engine.template.render(messages, template_tools(body.tools))
-        return await _complete(engine, limits, body, prompt, request, name, chat=True, tools=body.tool_calls())
+        return await _complete(engine, limits, body, prompt, request, name, chat=True, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -113,9 +114,10 @@ async def _complete(engine: Engine, limits: Limits, body: Sampling, prompt: str 
                        "(max_tokens= when it was started).", param="max_tokens")
     media = prompt if isinstance(prompt, MediaPrompt) else None
     ids = media.ids if media is not None else engine.prompt_ids(prompt)
-    constrained, schema = (True, tools.schema) if tools is not None else body.json_schema()
-    constraint = await asyncio.get_running_loop().run_in_executor(None, engine.constraint, schema) \
-        if constrained else None
+    constrained, schema = body.json_schema()
+    loop = asyncio.get_running_loop()
+    constraint = (await loop.run_in_executor(None, engine.tool_constraint, tools) if tools is not None else
+                  await loop.run_in_executor(None, engine.constraint, schema) if constrained else None)
     sampling = SamplingConfig(wanted or limits.max_tokens, body.temperature, body.top_p,
                               random_seed() if body.seed is None else body.seed)
     engine.admit()  # released when the job ends, whether or not its client is still there
@@ -174,7 +176,9 @@ async def _stream(future: asyncio.Future, pieces: asyncio.Queue, job: Job, reply
         while (piece := await pieces.get()) is not None:
             yield _event(reply.chunk(piece))
         answer = future.result()
-        calls = reply.calls(answer)
+        content, calls = reply.split(answer) if reply.tools is not None else (None, [])
+        if content:  # held back while a call could still come (tools): the text around the calls
+            yield _event(reply.chunk(content))
         if calls:
             yield _event(reply.chunk(calls=calls))
         # Text is released in pieces that are not tokens (bytes merge, stop strings hold text back): the tokens'
@@ -200,14 +204,19 @@ class _Reply:
 
     def __init__(self, model: str, chat: bool, text_of: Callable[[int], str], tools: ToolCalls | None = None) -> None:
         self.model, self.chat, self.text_of, self.tools = model, chat, text_of, tools
+        self._split: tuple[str | None, list[dict[str, Any]]] | None = None
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
 
-    def calls(self, answer: Answer) -> list[dict[str, Any]] | None:
-        """The answer's tool calls, when it is a whole call (one cut by max_tokens stays text, finish_reason length)."""
-        return self.tools.calls(answer.text) if self.tools is not None and answer.finish_reason == "stop" else None
+    def split(self, answer: Answer) -> tuple[str | None, list[dict[str, Any]]]:
+        """The answer's content and tool calls (none unless it ended by itself: one cut by max_tokens stays text,
+        finish_reason length). Computed once: a call's id is made here."""
+        if self._split is None:  # one reply is one answer
+            whole = self.tools is not None and answer.finish_reason == "stop"
+            self._split = self.tools.split(answer.text) if whole and self.tools else (answer.text, [])
+        return self._split
 
     def finish(self, answer: Answer) -> str:
-        return "tool_calls" if self.calls(answer) else answer.finish_reason
+        return "tool_calls" if self.split(answer)[1] else answer.finish_reason
 
     def logprobs(self, answer: Answer) -> dict[str, Any] | None:
         if answer.logprobs is None:
@@ -220,10 +229,10 @@ class _Reply:
         return {"id": self.id, "object": kind + suffix, "created": self.created, "model": self.model}
 
     def whole(self, answer: Answer) -> dict[str, Any]:
-        calls = self.calls(answer)
+        content, calls = self.split(answer)
         choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish(answer), "logprobs": self.logprobs(answer)}
         if self.chat and calls:
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
         elif self.chat:
             choice["message"] = {"role": "assistant", "content": answer.text}
         else:

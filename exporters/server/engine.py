@@ -29,6 +29,7 @@ from exporters.runtime.media import MediaPrompt
 from exporters.server.errors import ApiError
 from exporters.server.logprobs import Recorder, TokenLogprob
 from exporters.server.stops import StopText
+from exporters.server.tools import HERMES, ToolCalls
 from models.vision import load_processor
 
 
@@ -93,6 +94,12 @@ class ChatTemplate:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+    @property
+    def call_tags(self) -> tuple[str, str] | None:
+        """How the template has the model write a tool call in its text (Hermes' tags), or None."""
+        source = getattr(self.tokenizer, "chat_template", None) or ""
+        return HERMES if isinstance(source, str) and HERMES[0] in source else None
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         if self.tokenizer is None:
@@ -180,11 +187,19 @@ class Engine:
 
     def constraint(self, schema: dict[str, Any] | None) -> Constraint:
         """The grammar of ``schema`` (None: any JSON object) for one answer; a schema the engine cannot use is a 400.
-        The engine's tokenizer is made at the first (about 0.5 s for a 49k vocabulary)."""
+        The engine's tokenizer is made at the first (about 0.3 s for a 49k vocabulary)."""
         try:
             return self.generator.grammars.json_schema(schema)
         except UserError as e:
             raise ApiError(400, f"response_format: {e}", param="response_format", code="invalid_schema") from None
+
+    def tool_constraint(self, tools: ToolCalls) -> Constraint:
+        """The grammar of a tool call: the whole answer, or (``tool_choice=auto``) each call the model opens."""
+        grammars = self.generator.grammars
+        try:
+            return grammars.tagged(tools.schema, *tools.tags) if tools.tags else grammars.json_schema(tools.schema)
+        except UserError as e:
+            raise ApiError(400, f"tools: {e}", param="tools", code="invalid_schema") from None
 
     def run(self, job: Job) -> Answer:
         """Generate for ``job`` (in the worker thread: the only one that touches the program)."""

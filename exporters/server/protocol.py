@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from exporters.server.errors import ApiError
 from exporters.server.logprobs import MOST_CHAT, MOST_COMPLETIONS
-from exporters.server.tools import Tool, ToolCalls, ToolChoice, tool_calls
+from exporters.server.tools import HERMES, Tool, ToolCalls, ToolChoice, tool_calls
 
 #: The recordings input_audio takes (what libsndfile reads).
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
@@ -208,11 +208,12 @@ class ChatRequest(Sampling):
     def check(self) -> None:
         super().check()
         if self.tool_calls() is not None and self.response_format not in (None, {"type": "text"}):
-            raise ApiError(400, "tools with response_format: a forced tool call is constrained to its arguments "
-                           "already; give one of them.", param="response_format")
+            raise ApiError(400, "tools with response_format: a tool call is constrained to its arguments already; "
+                           "give one of them.", param="response_format")
 
-    def tool_calls(self) -> ToolCalls | None:
-        return tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls)
+    def tool_calls(self, tags: tuple[str, str] | None = HERMES) -> ToolCalls | None:
+        """What the tools ask of the answer, the model writing calls between ``tags`` (its template's syntax)."""
+        return tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls, tags)
 
     def wanted_logprobs(self) -> int | None:
         """Chat's shape: ``logprobs`` true or false, ``top_logprobs`` 0 to 20 alternatives beside it."""

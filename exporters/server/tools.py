@@ -4,14 +4,15 @@ to them (``exporters.runtime.constraint``), the answer returned as ``tool_calls`
 As vLLM does for a forced call: ``tool_choice`` naming a function constrains the answer to that function's
 ``parameters`` (the arguments object); ``required`` constrains it to a JSON list of one or more calls, each
 ``{"name": ..., "arguments": {...}}`` of one of the functions. ``none`` gives the template the tools and constrains
-nothing. ``auto`` (the model choosing between text and a call written in its own syntax, such as Qwen's
-``<tool_call>`` tags, which its tokenizer's decoding drops as special tokens) needs a parser per model and is refused
-with what works instead.
+nothing. ``auto`` (OpenAI's default) lets the model write text and calls in its own syntax, read from its chat
+template: Hermes' ``<tool_call>`` tags (Qwen2.5 and the templates that copy it), each call constrained from the moment
+the model opens the tag; a template that names no syntax this module reads is refused with what works instead.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
@@ -40,26 +41,44 @@ class Tool(BaseModel):
 ToolChoice = Union[Literal["none", "auto", "required"], dict[str, Any], None]
 
 
+#: Hermes-style calls (Qwen2.5, Hermes and the templates that copy them): ``<tool_call>\n{"name": ..., "arguments":
+#: ...}\n</tool_call>`` in the text, recognised by the template naming the tag.
+HERMES = ("<tool_call>", "</tool_call>")
+
+
 @dataclass(frozen=True)
 class ToolCalls:
-    """What a request with tools asks of its answer: ``schema`` constrains it; ``name`` is the function it calls when
-    ``tool_choice`` named one (else the answer is a list of calls that name theirs)."""
+    """What a request with tools asks of its answer: ``schema`` constrains it (a call's arguments when ``name`` is
+    the function ``tool_choice`` named; else a list of ``{"name", "arguments"}`` calls, or, with ``tags``, each call
+    the model writes between those tags in its text, for ``tool_choice=auto``)."""
 
     schema: dict[str, Any]
-    name: str | None
+    name: str | None = None
+    tags: tuple[str, str] | None = None
 
-    def calls(self, text: str) -> list[dict[str, Any]]:
-        """The answer (a complete document of ``schema``) as OpenAI's ``tool_calls``."""
+    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """The answer (complete: its grammar ended it) as OpenAI's ``content`` and ``tool_calls``."""
+        if self.tags is not None:
+            found = re.compile(re.escape(self.tags[0]) + r"\n(.*?)\n" + re.escape(self.tags[1]), re.DOTALL)
+            made = [json.loads(body) for body in found.findall(text)]
+            rest = found.sub("", text).strip()
+            return (rest or None) if made else text, _calls([(c["name"], c["arguments"]) for c in made])
         answer = json.loads(text)
         made = [(self.name, answer)] if self.name is not None else [(c["name"], c["arguments"]) for c in answer]
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-                for name, arguments in made]
+        return None, _calls(made)
 
 
-def tool_calls(tools: list[Tool] | None, choice: ToolChoice, parallel: bool | None = None) -> ToolCalls | None:
+def _calls(made: list[tuple[str | None, Any]]) -> list[dict[str, Any]]:
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            for name, arguments in made]
+
+
+def tool_calls(tools: list[Tool] | None, choice: ToolChoice, parallel: bool | None = None,
+               tags: tuple[str, str] | None = HERMES) -> ToolCalls | None:
     """The constraint ``tools`` and ``tool_choice`` ask for (None: the answer is text), or a 400 saying why not;
-    ``parallel`` false: one call at most (``parallel_tool_calls``)."""
+    ``parallel`` false: one call at most (``parallel_tool_calls``); ``tags``: how the model writes a call in its
+    text (its chat template's syntax), None when the template names none."""
     if not tools:
         if choice not in (None, "none"):
             raise ApiError(400, "tool_choice without tools: give the functions in tools.", param="tool_choice")
@@ -69,23 +88,25 @@ def tool_calls(tools: list[Tool] | None, choice: ToolChoice, parallel: bool | No
         raise ApiError(400, "tools name a function twice: each function once.", param="tools")
     if choice == "none":
         return None
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
+              "required": ["name", "arguments"], "additionalProperties": False} for name, parameters in functions.items()]
     if choice in (None, "auto"):
-        raise ApiError(400, "tool_choice=auto (the default with tools) lets the model choose between text and a call in "
-                       "its own syntax, which this server does not parse yet: set tool_choice to \"required\" (one or "
-                       "more calls) or to {\"type\": \"function\", \"function\": {\"name\": ...}} (that function), or "
-                       "\"none\".", param="tool_choice", code="unsupported_parameter")
+        if tags is None:
+            raise ApiError(400, "tool_choice=auto (the default with tools) lets the model choose between text and a call "
+                           "in its own syntax, and this program's chat template names none this server reads (Hermes' "
+                           "<tool_call> tags): set tool_choice to \"required\" (one or more calls) or to {\"type\": "
+                           "\"function\", \"function\": {\"name\": ...}} (that function), or \"none\".",
+                           param="tool_choice", code="unsupported_parameter")
+        return ToolCalls({"anyOf": calls}, tags=tags)
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for name, parameters in functions.items()]
         most = {"maxItems": 1} if parallel is False else {}
-        return ToolCalls({"type": "array", "items": {"anyOf": calls}, "minItems": 1, **most}, None)
+        return ToolCalls({"type": "array", "items": {"anyOf": calls}, "minItems": 1, **most})
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in functions:
         raise ApiError(400, f"tool_choice={json.dumps(choice)}: \"none\", \"required\", or {{\"type\": \"function\", "
                        f"\"function\": {{\"name\": ...}}}} naming one of the tools ({', '.join(functions)}).",
                        param="tool_choice")
-    return ToolCalls(functions[name], name)
+    return ToolCalls(functions[name], name=name)
 
 
 def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
