@@ -405,6 +405,9 @@ def check_tool_calls(client, model: str, jsonschema) -> None:  # type: ignore[no
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), schemas["get_weather"])
+    cut = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                         stop=['"unit"'], **ask).choices[0]  # a stop string cuts the call: text
+    assert cut.finish_reason == "stop" and cut.message.tool_calls is None and cut.message.content.startswith('{"city"')
     plain = client.chat.completions.create(model=model, messages=ask["messages"], max_tokens=4, temperature=0)
     assert named.usage.prompt_tokens > plain.usage.prompt_tokens  # the template was given the tools
     streamed = list(client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},

@@ -57,7 +57,14 @@ class ToolCalls:
     tags: tuple[str, str] | None = None
 
     def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """The answer (complete: its grammar ended it) as OpenAI's ``content`` and ``tool_calls``."""
+        """The answer (ended, not cut by max_tokens) as OpenAI's ``content`` and ``tool_calls``; a call a stop string
+        cut short stays text."""
+        try:
+            return self._split(text)
+        except (ValueError, KeyError, TypeError):
+            return text, []
+
+    def _split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if self.tags is not None:
             found = re.compile(re.escape(self.tags[0]) + r"\n(.*?)\n" + re.escape(self.tags[1]), re.DOTALL)
             made = [json.loads(body) for body in found.findall(text)]
