@@ -86,7 +86,7 @@ class TextStream:
         return piece
 
 
-def tokenizer_for(pte: Path, tokenizer: str | None) -> TextTokenizer:
+def tokenizer_file(pte: Path, tokenizer: str | None) -> Path:
     """``tokenizer`` if given, else the tokenizer.json / tokenizer.model next to the program."""
     path = Path(tokenizer) if tokenizer else find_tokenizer(pte.parent)
     if path is None or not path.is_file():
@@ -94,6 +94,10 @@ def tokenizer_for(pte: Path, tokenizer: str | None) -> TextTokenizer:
             f"no tokenizer {'at ' + str(path) if path else 'next to ' + str(pte)}: pass "
             "tokenizer=/path/to/tokenizer.json (or a SentencePiece tokenizer.model)."
         )
+    return path
+
+
+def tokenizer_for(path: Path) -> TextTokenizer:
     try:
         return load_tokenizer(path)
     except ModelError as e:
@@ -138,8 +142,8 @@ class Generator:
         self.program = LoadedProgram(self.pte, data_files_beside(
             self.pte, None if every_adapter else [adapter] if adapter else []))
         self.slots = Slots(self.program, self.pte.parent) if is_swappable(self.program) else None
-        self.tokenizer = tokenizer_for(self.pte, tokenizer)
-        self.tokenizer_file = Path(tokenizer) if tokenizer else find_tokenizer(self.pte.parent)
+        self.tokenizer_file = tokenizer_file(self.pte, tokenizer)
+        self.tokenizer = tokenizer_for(self.tokenizer_file)
         names = self.program.method_names
         self.max_context_len = program_context_len(self.program)
         # export.attention_sink: the cache is a ring, so prompts and generation may run past its length.
@@ -197,7 +201,7 @@ class Generator:
         """Constraints for this program's tokenizer and vocabulary (a JSON schema: :meth:`Grammars.json_schema`)."""
         if self._grammars is None:
             vocab = self.program.constant("get_vocab_size") if "get_vocab_size" in self.program.method_names else None
-            json_file = self.tokenizer_file if self.tokenizer_file and self.tokenizer_file.suffix == ".json" else None
+            json_file = self.tokenizer_file if self.tokenizer_file.suffix == ".json" else None
             self._grammars = Grammars(json_file, vocab, self.eos_ids)
         return self._grammars
 
