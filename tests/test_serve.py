@@ -108,8 +108,8 @@ def test_log_probabilities_are_the_programs_own(tiny_server) -> None:  # type: i
 
 
 # Schemas of benchmarks/data/json_schemas.json whose every value is bounded (enums, booleans, integers in a range,
-# strings of a most length, patterns): the tiny random model's answer ends within its token budget. A number without
-# bounds can go on in digits until the budget ends, as with any engine.
+# strings of a most length, patterns): the tiny random model's answer ends within its token budget. A string without
+# maxLength can go on until the budget ends (numbers are bounded by the engine: tests/test_constraint.py).
 BOUNDED = ("person", "task", "keywords", "color", "rating")
 
 
@@ -502,3 +502,36 @@ def test_auto_tool_calls_are_constrained_from_their_opening_tag_and_read_back(ti
                 break
             constraint.consume(token)
         assert ok == allowed, text
+
+
+@pytest.mark.extended  # the whole SmolLM2 exported (about 4 minutes); the truncated one above runs the same code
+def test_the_real_smollm2_answers_every_schema_and_calls_tools(smollm2: Path, exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The real SmolLM2-135M-Instruct (all 30 layers, 8da4w) through the official client: a chat answer is
+    exporters.generate's, every one of benchmarks/data/json_schemas.json's 20 schemas is answered with JSON that ends by
+    itself and validates, and tools are called with arguments that validate (a Hermes-style template)."""
+    import shutil
+
+    import jsonschema
+
+    from benchmarks.grammar_engines import SCHEMAS
+
+    result = exported("model=llama", f"model.checkpoint={smollm2}", "quant=8da4w", "export.max_seq_len=512",
+                      "validate=false")
+    run = tmp_path / "smollm2"
+    shutil.copytree(result.pte_path.parent, run)
+    prompt = "What is the capital of France?"
+    expected = Generator(run).generate(chat_prompt(run / "model.pte", prompt), SamplingConfig(16, 0.0, 1.0, 0)).text
+    with serving(run, tmp_path / "serve.log") as server:
+        client = server.client()
+        answer = client.chat.completions.create(model=run.name, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=16, temperature=0)
+        assert answer.choices[0].message.content == expected
+        for case in json.loads(SCHEMAS.read_text()):
+            got = client.chat.completions.create(
+                model=run.name, messages=[{"role": "user", "content": case["prompt"] + " Answer in JSON."}],
+                max_tokens=200, temperature=0, response_format=as_format(case)).choices[0]
+            assert got.finish_reason == "stop", (case["name"], got.message.content)
+            jsonschema.validate(json.loads(got.message.content), case["schema"])
+    (run / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    with serving(run, tmp_path / "serve-tools.log") as server:
+        check_tool_calls(server.client(), run.name, jsonschema)

@@ -22,7 +22,41 @@ from exporters.errors import UserError
 #: The JSON the engine writes: json.dumps' separators, no other whitespace (a small model let loose on whitespace
 #: can write newlines until its token budget ends).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+#: Numbers a schema leaves unbounded are written with at most 15 integral digits and 9 decimals (no exponent): a
+#: small model can write digits until its budget ends (``0.8333...``), and JSON has no bound of its own. Bounds are
+#: added only where the schema sets none, so every answer still validates against the schema as given.
+NUMBER_LIMIT = 10**15 - 1
+DECIMALS = 1e-9
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+#: Any JSON object (``response_format={"type": "json_object"}``), its numbers bounded as above.
+ANY_OBJECT: dict[str, Any] = {
+    "$defs": {"value": {"anyOf": [{"type": "number"}, {"type": "string"}, {"type": "boolean"}, {"type": "null"},
+                                  {"type": "array", "items": {"$ref": "#/$defs/value"}},
+                                  {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}},
+    "type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """``schema`` with every ``number``/``integer`` it leaves unbounded given :data:`NUMBER_LIMIT` (and numbers
+    :data:`DECIMALS`); a bound the schema sets is kept. A new structure: the caller's schema is not changed."""
+    if isinstance(schema, list):
+        return [bounded_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in DATA_KEYWORDS else bounded_numbers(value) for key, value in schema.items()}
+    kinds = out.get("type")  # a dict here is a property named "type" in a properties map
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+    if not kinds & {"number", "integer"}:
+        return out
+    low, high = out.get("minimum", out.get("exclusiveMinimum")), out.get("maximum", out.get("exclusiveMaximum"))
+    if low is None and (high is None or high > -NUMBER_LIMIT):
+        out["minimum"] = -NUMBER_LIMIT
+    if high is None and (low is None or low < NUMBER_LIMIT):
+        out["maximum"] = NUMBER_LIMIT
+    if "number" in kinds and "multipleOf" not in out:
+        out["multipleOf"] = DECIMALS
+    return out
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
@@ -82,13 +116,13 @@ class Grammars:
             return self._tokenizer
 
     def json_schema(self, schema: dict[str, Any] | None) -> Constraint:
-        """A constraint to a JSON document valid against ``schema`` (None: any JSON object). An invalid or
-        unsupported schema is a UserError with the engine's reason."""
+        """A constraint to a JSON document valid against ``schema`` (None: any JSON object), its unbounded numbers
+        bounded (:func:`bounded_numbers`). An invalid or unsupported schema is a UserError with the engine's reason."""
         import llguidance
 
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(ANY_OBJECT if schema is None else schema),
-                                                                    defaults=JSON_OPTIONS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(bounded_numbers(ANY_OBJECT if schema is None else schema)), defaults=JSON_OPTIONS)
         except ValueError as e:
             raise UserError(f"the JSON schema is not a JSON object: {e}") from None
         return self._constraint(grammar)
@@ -99,7 +133,7 @@ class Grammars:
         model writes ``opening``. Tags that are single tokens of the tokenizer are matched as those tokens."""
         import llguidance
 
-        document = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+        document = json.dumps({**bounded_numbers(schema), "x-guidance": JSON_OPTIONS})
         self._engine_tokenizer()  # reads the added tokens too
         if {opening, closing} <= self._added:  # added tokens: not text the lexer can match
             call = f'call: TEXT {opening} "\\n" %json {document} "\\n" {closing}'

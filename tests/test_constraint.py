@@ -1,0 +1,60 @@
+"""The grammar engine's side of constrained decoding, on the tiny tokenizer (no program): what a schema lets a model
+write. The answers themselves are tested through the server and exporters.generate (test_serve, test_generate_cli)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from exporters.runtime.constraint import NUMBER_LIMIT, Grammars, bounded_numbers
+
+
+def writes(constraint, tokenizer, text: str) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the grammar lets ``text`` be written token by token, and the document is then complete."""
+    for token in tokenizer.encode(text, add_special_tokens=False).ids:
+        if constraint.allow(torch.zeros(1, constraint.bitmask.size * 32))[0, token] != 0:
+            return False
+        constraint.consume(token)
+    return constraint.matcher.is_accepting()
+
+
+@pytest.mark.parametrize("schema, text, allowed", [
+    ({"type": "number"}, "0.833333333", True),
+    ({"type": "number"}, "0.8333333333", False),  # a tenth decimal: the digits a small model runs on with
+    ({"type": "integer"}, str(NUMBER_LIMIT), True),
+    ({"type": "integer"}, str(NUMBER_LIMIT + 1), False),
+    ({"type": "integer", "maximum": 10**17}, str(10**17), True),  # the schema's own bound is kept
+    ({"type": "number", "multipleOf": 0.5}, "-2.5", True),
+    ({"type": "array", "items": {"type": "number"}}, "[1, 2.25, -3]", True),
+    (None, '{"a": [1, {"b": null}], "c": 0.5}', True),  # json_object
+    (None, '{"a": 10000000000000000}', False),
+])
+def test_numbers_a_schema_leaves_unbounded_end(tiny_checkpoint: Path, schema, text: str, allowed: bool) -> None:  # type: ignore[no-untyped-def]
+    """A number the schema does not bound has at most 15 integral digits and 9 decimals, so digits cannot run to the
+    token budget; what the schema bounds keeps its bounds, and what the grammar allows validates against the schema as
+    the client gave it."""
+    from tokenizers import Tokenizer
+
+    tokenizer_file = tiny_checkpoint / "tokenizer.json"
+    constraint = Grammars(tokenizer_file, None, {2}).json_schema(schema)
+    assert writes(constraint, Tokenizer.from_file(str(tokenizer_file)), text) == allowed
+    if allowed and schema is not None:
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_bounding_leaves_the_clients_schema_and_its_values_alone() -> None:
+    schema = {"type": "object", "properties": {"type": {"type": "number"}, "n": {"type": ["integer", "null"],
+                                                                                   "minimum": 5}},
+              "enum": [{"type": "number"}], "default": {"type": "integer"}}
+    given = json.dumps(schema)
+    bounded = bounded_numbers(schema)
+    assert json.dumps(schema) == given
+    assert bounded["properties"]["type"] == {"type": "number", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT,
+                                             "multipleOf": 1e-9}
+    assert bounded["properties"]["n"] == {"type": ["integer", "null"], "minimum": 5, "maximum": NUMBER_LIMIT}
+    assert bounded["enum"] == schema["enum"] and bounded["default"] == schema["default"]
+    assert bounded_numbers({"type": "integer", "minimum": 10**17}) == {"type": "integer", "minimum": 10**17}
