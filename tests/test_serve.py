@@ -201,6 +201,34 @@ def test_a_bad_request_is_one_json_error_and_the_server_goes_on(tiny_server, bod
     assert server.raw("/completions", json.dumps({"model": run.name, "prompt": "a", "max_tokens": 2}).encode())[0] == 200
 
 
+def test_curl_gets_an_answer_a_stream_and_an_error(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    """The curl command a user types (docs/serving.md): the answer generate gives, the stream as server-sent events
+    ending in [DONE], and a malformed body as one JSON error with its status."""
+    import shutil
+    import subprocess
+
+    from benchmarks.server_process import KEY
+
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    server, run = tiny_server
+
+    def curl(body: str) -> str:
+        return subprocess.run(["curl", "-sN", "-w", "\n%{http_code}", f"{server.url}/completions", "-H",
+                               "Content-Type: application/json", "-H", f"Authorization: Bearer {KEY}", "-d", body],
+                              capture_output=True, text=True, timeout=60, check=True).stdout
+
+    ask = {"model": run.name, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    body, code = curl(json.dumps(ask)).rsplit("\n", 1)
+    assert code == "200" and json.loads(body)["choices"][0]["text"] == greedy(run, "Once upon a time", 12)
+    stream, code = curl(json.dumps({**ask, "stream": True})).rsplit("\n", 1)
+    events = [line.removeprefix("data: ") for line in stream.splitlines() if line.startswith("data: ")]
+    assert code == "200" and events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == greedy(run, "Once upon a time", 12)
+    error, code = curl('{"model": ').rsplit("\n", 1)
+    assert code == "400" and "not valid JSON" in json.loads(error)["error"]["message"]
+
+
 def test_the_api_key_is_required_when_set(tiny_server) -> None:  # type: ignore[no-untyped-def]
     server, run = tiny_server
     code, _, answer = server.raw("/models", key="wrong")
