@@ -150,6 +150,11 @@ class DecoderArgs:
     # token, from a table of per_layer_vocab rows and a projection of the token's embedding. 0: none.
     per_layer_input: int = 0
     per_layer_vocab: int = 0
+    # M-RoPE (Qwen2.5-VL, Qwen3-VL): per rotary frequency, the position stream (0 temporal, 1 height, 2 width) its
+    # angle reads. Empty: plain RoPE. A text token's three positions are equal; an image's tokens take their grid's.
+    mrope_axes: tuple[int, ...] = ()
+    # Qwen3-VL's deepstack: an image's features from as many vision layers, added after decoder layers 0, 1, ...
+    deepstack: int = 0
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -205,6 +210,23 @@ class DecoderArgs:
         unknown = {r for r in self.layer_rope if r is not None} - {name for name, _ in self.rope}
         if unknown:
             raise ValueError(f"layers use RoPE tables {sorted(unknown)} that are not defined")
+        if self.mrope_axes:
+            tables = {len(table.inv_freq) for _, table in self.rope}
+            if tables != {len(self.mrope_axes)} or not set(self.mrope_axes) <= {0, 1, 2}:
+                raise ValueError(f"mrope_axes needs one stream (0, 1 or 2) per rotary frequency ({sorted(tables)})")
+            if self.attention_sink or any(w is not None for w in self.layer_window):
+                raise ValueError("M-RoPE positions are kept per cache slot: a ring cache (attention sink or sliding "
+                                 "window) is not supported with them")
+        if self.deepstack >= self.num_hidden_layers:
+            raise ValueError(f"deepstack={self.deepstack} needs as many decoder layers")
+
+    @property
+    def embedding_width(self) -> int:
+        """Channels of the embeddings ``text_decoder`` takes: the hidden size; for M-RoPE, then the deepstack
+        features and an image position's three (is_image, row, column), so one call carries what an image needs."""
+        if not self.mrope_axes:
+            return self.hidden_size
+        return self.hidden_size * (1 + self.deepstack) + len(IMAGE_CHANNELS)
 
     def for_layer(self, i: int) -> DecoderArgs:
         """These arguments with layer ``i``'s head size, kv heads and MLP width as the model-wide ones: what its
@@ -291,6 +313,10 @@ class RMSNorm(nn.Module):
 
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for the new tokens, or None: no RoPE
+
+
+#: The last channels of a wide embedding (M-RoPE): 1 for an image token, and its row and column on the merged grid.
+IMAGE_CHANNELS = ("is_image", "row", "column")
 
 
 class LayerInputs(NamedTuple):
@@ -702,6 +728,12 @@ class CausalLM(nn.Module):
             self.register_buffer(f"rope_sin_{name}", torch.empty(0), persistent=False)
             self.register_buffer(f"rope_inv_freq_{name}", torch.empty(0), persistent=False)
         self.register_buffer("cache_positions", torch.empty(0, dtype=torch.int64), persistent=False)
+        if args.mrope_axes:
+            # State: per cache slot, the next text position after it (its largest M-RoPE position + 1): where the
+            # next call's positions start, shared by every method as the KV cache is, and right after any rewind.
+            self.register_buffer("next_rope", torch.empty(0, dtype=torch.int64), persistent=False)
+            # Constant one-hot [3, rot_dim]: which stream each rotary dimension reads.
+            self.register_buffer("mrope_select", torch.empty(0), persistent=False)
         self.embed_scale = in_each_dtype(args.embed_scale or 1.0)
         self.per_layer_scale = in_each_dtype(args.per_layer_input**0.5)  # Gemma 4's per-layer table: sqrt(width)
         if self.model.norm.weight.device.type != "meta":
@@ -749,6 +781,10 @@ class CausalLM(nn.Module):
             setattr(self, f"rope_sin_{name}", emb.sin() * table.attention_scaling)
             setattr(self, f"rope_inv_freq_{name}", torch.tensor(table.inv_freq, dtype=torch.float32, device=device))
         self.cache_positions = torch.arange(max(g.slots for g in a.layer_geometry), device=device)
+        if a.mrope_axes:
+            self.next_rope = torch.zeros(a.max_context_len, dtype=torch.int64, device=device)
+            axes = torch.tensor(a.mrope_axes * 2, device=device)  # cos/sin repeat the frequencies twice
+            self.mrope_select = (axes[None, :] == torch.arange(3, device=device)[:, None]).float()
         dtype = self.activation_dtype()
         rot_dims = {name: 2 * len(table.inv_freq) for name, table in a.rope}
         for layer, rope in zip(self.model.layers, a.layer_rope):
@@ -819,13 +855,55 @@ class CausalLM(nn.Module):
         """The last layer's hidden states [1, T, hidden], normed as the head reads them."""
         return self.model.norm(rotated(self.norm_rotation, h))
 
-    def layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> list[LayerInputs]:
+    def split_embeddings(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """A wide embedding [1, T, embedding_width] (M-RoPE) as the hidden states [1, T, hidden], the deepstack
+        features added after the first layers, and the image channels [T, 3] (:data:`IMAGE_CHANNELS`)."""
+        d = self.args.hidden_size
+        parts = x.split([d] * (1 + self.args.deepstack) + [len(IMAGE_CHANNELS)], dim=-1)
+        return parts[0], list(parts[1:-1]), parts[-1][0]
+
+    def wide(self, h: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [1, T, hidden] as ``text_decoder`` takes them: zeros in the deepstack and image channels."""
+        extra = self.args.embedding_width - self.args.hidden_size
+        return torch.cat([h, h.new_zeros(h.shape[0], h.shape[1], extra)], dim=-1) if extra else h
+
+    def rope_positions(self, positions: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
+        """M-RoPE's three position streams [3, T] of a call writing cache ``positions`` [T], and the next text
+        position after each recorded in ``next_rope``. A call continues from the position its slot before recorded
+        (from 0 at slot 0): text at consecutive positions on every stream; an image (``image`` [T, 3], its tokens in
+        raster order) at that start on the first stream and start + its row and column on the others, so the text
+        after it starts at start + max(rows, columns), as transformers' ``get_rope_index`` places it."""
+        steps = positions - positions[:1]
+        start = positions[:1]
+        before = self.next_rope.index_select(0, (start - 1).clamp(min=0))
+        base = torch.where(start > 0, before, torch.zeros_like(before))
+        if image is None:
+            streams = (base + steps).expand(3, -1)
+        else:
+            is_image = image[:, 0] > 0.5
+            grid = image[:, 1:].to(torch.int64)
+            streams = base + torch.stack([torch.where(is_image, torch.zeros_like(steps), steps),
+                                          torch.where(is_image, grid[:, 0], steps),
+                                          torch.where(is_image, grid[:, 1], steps)])
+        self.next_rope.index_copy_(0, positions, streams.amax(dim=0) + 1)
+        return streams
+
+    def layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype,
+                     rope_positions: torch.Tensor | None = None) -> list[LayerInputs]:
         """What each layer takes besides the hidden states, for tokens at ``positions`` [T]: its RoPE (cos, sin),
         its additive mask over its cache's slots, and the slots the tokens go to; computed once per distinct table
-        and cache geometry."""
+        and cache geometry. ``rope_positions``: M-RoPE's streams [3, T] (:meth:`rope_positions`); None: ``positions``
+        on every stream (text from the start of the cache: layer-by-layer runs)."""
         a = self.args
         ropes: dict[str | None, Rope] = {None: None}
         for name, table in a.rope:  # [T, 1, rot_dim]: broadcasts over heads
+            if a.mrope_axes:  # each rotary dimension's angle from its stream's position: the table looked up 3x
+                streams = positions.expand(3, -1) if rope_positions is None else rope_positions
+                select = self.mrope_select[:, None, None, :]  # [3, 1, 1, rot_dim] over [3, T, 1, rot_dim]
+                cos = (getattr(self, f"rope_cos_{name}")[streams].unsqueeze(2) * select).sum(0)
+                sin = (getattr(self, f"rope_sin_{name}")[streams].unsqueeze(2) * select).sum(0)
+                ropes[name] = (cos.to(dtype), sin.to(dtype))
+                continue
             if a.attention_sink:  # positions outgrow any table: computed as transformers computes them
                 freqs = positions.float()[:, None] * getattr(self, f"rope_inv_freq_{name}")[None, :]
                 emb = torch.cat((freqs, freqs), dim=-1)
@@ -863,7 +941,7 @@ class CausalLM(nn.Module):
         :meth:`logits_of_every_position` says) for ``tokens`` [1, T], or their embeddings [1, T, hidden] (a
         vision-language prompt's), placed at ``input_pos``.."""
         if self.embeddings_out:
-            return self.token_embeddings(tokens)
+            return self.wide(self.token_embeddings(tokens))
         assert input_pos is not None, "the decoder needs the position of the first token"
         if full_logits is None:
             full_logits = self.every_position
@@ -874,10 +952,18 @@ class CausalLM(nn.Module):
             out = [self(tokens[:, i:i + call], input_pos + i, full_logits) for i in range(0, seq_len, call)]
             return torch.cat(out, dim=1) if full_logits else out[-1]
         positions = input_pos[0] + torch.arange(seq_len, dtype=torch.int64)
+        deep: list[torch.Tensor] = []
+        image = None
+        if self.args.mrope_axes and tokens.is_floating_point():  # a wide embedding: an image's, or text's
+            tokens, deep, image = self.split_embeddings(tokens)
         h = self.embed(tokens)
         per_layer = self.per_layer_inputs(tokens, h)
-        for layer, inputs, extra in zip(self.model.layers, self.layer_inputs(positions, h.dtype), per_layer):
+        streams = self.rope_positions(positions, image) if self.args.mrope_axes else None
+        layer_inputs = self.layer_inputs(positions, h.dtype, streams)
+        for i, (layer, inputs, extra) in enumerate(zip(self.model.layers, layer_inputs, per_layer)):
             h = layer(h, inputs.rope, positions, inputs.mask, inputs.slots, extra)
+            if i < len(deep):  # Qwen3-VL: an image's features from vision layer i (zeros for text)
+                h = h + deep[i]
         h = self.final_norm(h)
         if not full_logits:  # the last token's hidden state [1, hidden]
             # A view when T is a static 1 (decode), which XNNPACK delegates; it has no select, so a
@@ -902,6 +988,8 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             if layer.holds_state:
                 layer.state()[1].reset()
+        if self.args.mrope_axes:
+            self.next_rope.zero_()
 
     def attention_layers(self) -> list[DecoderLayer]:
         """The attention layers that keep a KV cache (not those reading another layer's, Gemma 4)."""
@@ -916,8 +1004,9 @@ class CausalLM(nn.Module):
     def state_buffers(self) -> list[str]:
         """Names of every buffer of the state methods share: the KV caches' (codes, and scales when quantized) and
         the recurrent mixers' (their last inputs, Gated DeltaNet's matrices)."""
-        return [f"model.layers.{i}.{path}.{name}" for i, layer in enumerate(self.model.layers) if layer.holds_state
-                for path, held in [layer.state()] for name, _ in held.named_buffers()]
+        held = [f"model.layers.{i}.{path}.{name}" for i, layer in enumerate(self.model.layers) if layer.holds_state
+                for path, state in [layer.state()] for name, _ in state.named_buffers()]
+        return held + (["next_rope"] if self.args.mrope_axes else [])
 
     def recurrent_state_bytes(self) -> int:
         """Bytes of the state that is not a KV cache (a constant, whatever the context): short convolutions' inputs,

@@ -372,6 +372,32 @@ def lfm2(cfg: Any, max_context_len: int) -> dict[str, Any]:
     }
 
 
+def _mrope_axes(cfg: Any, interleaved: bool) -> tuple[int, ...]:
+    """M-RoPE's stream per rotary frequency from ``mrope_section`` (temporal, height, width counts): Qwen2.5-VL gives
+    each stream a contiguous run of frequencies, Qwen3-VL interleaves them (T H W T H W ..., the rest temporal), as
+    transformers' ``recomposition_frequencies`` of each composes cos and sin."""
+    sections = list(cfg.rope_parameters["mrope_section"])
+    if not interleaved:
+        return tuple(axis for axis, count in enumerate(sections) for _ in range(count))
+    return tuple(1 if i % 3 == 1 and i < 3 * sections[1] else 2 if i % 3 == 2 and i < 3 * sections[2] else 0
+                 for i in range(sum(sections)))
+
+
+@register_family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", model_type="qwen2_5_vl_text")
+def qwen2_5_vl(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Qwen2.5-VL's text decoder: Qwen2 (biases on q, k, v) with M-RoPE in contiguous sections."""
+    return {"qkv_bias": True, **_default_rope(cfg, max_context_len), "mrope_axes": _mrope_axes(cfg, False)}
+
+
+@register_family("qwen3_vl", "Qwen3VLForConditionalGeneration", model_type="qwen3_vl_text")
+def qwen3_vl(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """Qwen3-VL's text decoder: Qwen3 (q/k norms) with interleaved M-RoPE and deepstack: an image's features from
+    several vision layers added after the first decoder layers (``deepstack_layers``, set from the vision config by
+    ``models.multimodal.language_config``)."""
+    return {"qk_norm": True, **_llama_biases(cfg), **_default_rope(cfg, max_context_len),
+            "mrope_axes": _mrope_axes(cfg, True), "deepstack": int(getattr(cfg, "deepstack_layers", 0))}
+
+
 QWEN3_5_MIXERS = {"full_attention": Mixer.attention, "linear_attention": Mixer.gated_delta}
 
 

@@ -46,6 +46,9 @@ def language_config(hf_config: Any) -> Any:
     tie = getattr(hf_config, "tie_word_embeddings", None)
     if tie is not None:
         text.tie_word_embeddings = bool(tie)
+    vision = getattr(hf_config, "vision_config", None)
+    if getattr(vision, "deepstack_visual_indexes", None):  # Qwen3-VL: how many vision layers feed the decoder
+        text.deepstack_layers = len(vision.deepstack_visual_indexes)
     return text
 
 

@@ -89,6 +89,10 @@ VISION_LANGUAGE: tuple[VisionLanguage, ...] = (
     # Every Qwen3.5 on the hub is this class; its ViT (2D rotary patches, M-RoPE positions in the decoder) is not built,
     # so its text decoder exports alone, as transformers' Qwen3_5ForCausalLM loads it from the same files.
     VisionLanguage("qwen3_5", ("Qwen3_5ForConditionalGeneration",), ("model.visual.",), None),
+    # Qwen2.5-VL and Qwen3-VL: M-RoPE decoders (models.decoder: the positions of an image's tokens kept in the program).
+    # Their ViTs are not built yet (issue 64), so their text decoders export alone.
+    VisionLanguage("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("model.visual.", "visual."), None),
+    VisionLanguage("qwen3_vl", ("Qwen3VLForConditionalGeneration",), ("model.visual.", "visual."), None),
     # Gemma 4 ships as this class (image and audio towers beside the decoder); its towers are not built yet (issue 64),
     # so its text decoder exports alone, as transformers' Gemma4ForCausalLM computes it.
     VisionLanguage("gemma4", ("Gemma4ForConditionalGeneration",),

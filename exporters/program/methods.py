@@ -54,12 +54,13 @@ class MethodSpec:
     @property
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """Example inputs of a method that takes tokens (:meth:`inputs_for` is every method's)."""
-        assert self.takes == "tokens", f"{self.kind} takes {self.takes}: use inputs_for(hidden_size, dtype)"
+        assert self.takes == "tokens", f"{self.kind} takes {self.takes}: use inputs_for(width, dtype)"
         return self.inputs_for(0, torch.float32)
 
-    def inputs_for(self, hidden_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def inputs_for(self, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Example inputs for ``torch.export``: a dynamic method's have 2 tokens (1 would let torch.export specialise
-        the dimension to a constant); embeddings are ``hidden_size`` wide in the decoder's activation ``dtype``."""
+        the dimension to a constant); embeddings are ``width`` wide (the decoder's ``embedding_width``) in its
+        activation ``dtype``."""
         if self.takes == "pixels":
             return (torch.zeros(1, 3, self.image_size, self.image_size),)
         if self.takes == "features":
@@ -67,7 +68,7 @@ class MethodSpec:
         n = min(2, self.max_tokens) if self.dynamic else self.max_tokens
         position = torch.tensor([0], dtype=torch.int64)
         if self.takes == "embeddings":
-            return torch.zeros(1, n, hidden_size, dtype=dtype), position
+            return torch.zeros(1, n, width, dtype=dtype), position
         tokens = torch.zeros(1, n, dtype=torch.int64)
         return (tokens,) if self.gives == "embeddings" else (tokens, position)
 

@@ -60,7 +60,7 @@ class CaptureStage(Stage):
             every = model.logits_of_every_position() if spec.full_logits else contextlib.nullcontext()
             embeds = (model.returns_token_embeddings() if ours and spec.gives == "embeddings"
                       else contextlib.nullcontext())
-            inputs = spec.inputs_for(model.args.hidden_size, model.activation_dtype())
+            inputs = spec.inputs_for(model.args.embedding_width, model.activation_dtype())
             with torch.no_grad(), active_adapter(model, adapter_of[name]), every, embeds:
                 return torch.export.export(module, inputs, dynamic_shapes=spec.dynamic_shapes, strict=False)
 
