@@ -223,7 +223,7 @@ class DecoderArgs:
     @property
     def embedding_width(self) -> int:
         """Channels of the embeddings ``text_decoder`` takes: the hidden size; for M-RoPE, then the deepstack
-        features and an image position's three (is_image, row, column), so one call carries what an image needs."""
+        features and an image position's three (:data:`IMAGE_CHANNELS`), so any call carries what an image needs."""
         if not self.mrope_axes:
             return self.hidden_size
         return self.hidden_size * (1 + self.deepstack) + len(IMAGE_CHANNELS)
@@ -315,8 +315,9 @@ class RMSNorm(nn.Module):
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for the new tokens, or None: no RoPE
 
 
-#: The last channels of a wide embedding (M-RoPE): 1 for an image token, and its row and column on the merged grid.
-IMAGE_CHANNELS = ("is_image", "row", "column")
+#: The last channels of a wide embedding (M-RoPE): for an image's token, 1 + its index in the image (row by row) and the
+#: image's rows and columns of positions; zeros for text.
+IMAGE_CHANNELS = ("place", "rows", "columns")
 
 
 class LayerInputs(NamedTuple):
@@ -729,9 +730,10 @@ class CausalLM(nn.Module):
             self.register_buffer(f"rope_inv_freq_{name}", torch.empty(0), persistent=False)
         self.register_buffer("cache_positions", torch.empty(0, dtype=torch.int64), persistent=False)
         if args.mrope_axes:
-            # State: per cache slot, the next text position after it (its largest M-RoPE position + 1): where the
-            # next call's positions start, shared by every method as the KV cache is, and right after any rewind.
-            self.register_buffer("next_rope", torch.empty(0, dtype=torch.int64), persistent=False)
+            # State: per cache slot, how far the M-RoPE position of the token after it is from its slot (images
+            # take fewer positions than tokens): where the next call continues, shared by every method as the KV
+            # cache is, and right after any rewind.
+            self.register_buffer("rope_offset", torch.empty(0, dtype=torch.int64), persistent=False)
             # Constant one-hot [3, rot_dim]: which stream each rotary dimension reads.
             self.register_buffer("mrope_select", torch.empty(0), persistent=False)
         self.embed_scale = in_each_dtype(args.embed_scale or 1.0)
@@ -782,7 +784,7 @@ class CausalLM(nn.Module):
             setattr(self, f"rope_inv_freq_{name}", torch.tensor(table.inv_freq, dtype=torch.float32, device=device))
         self.cache_positions = torch.arange(max(g.slots for g in a.layer_geometry), device=device)
         if a.mrope_axes:
-            self.next_rope = torch.zeros(a.max_context_len, dtype=torch.int64, device=device)
+            self.rope_offset = torch.zeros(a.max_context_len, dtype=torch.int64, device=device)
             axes = torch.tensor(a.mrope_axes * 2, device=device)  # cos/sin repeat the frequencies twice
             self.mrope_select = (axes[None, :] == torch.arange(3, device=device)[:, None]).float()
         dtype = self.activation_dtype()
@@ -868,24 +870,30 @@ class CausalLM(nn.Module):
         return torch.cat([h, h.new_zeros(h.shape[0], h.shape[1], extra)], dim=-1) if extra else h
 
     def rope_positions(self, positions: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
-        """M-RoPE's three position streams [3, T] of a call writing cache ``positions`` [T], and the next text
-        position after each recorded in ``next_rope``. A call continues from the position its slot before recorded
-        (from 0 at slot 0): text at consecutive positions on every stream; an image (``image`` [T, 3], its tokens in
-        raster order) at that start on the first stream and start + its row and column on the others, so the text
-        after it starts at start + max(rows, columns), as transformers' ``get_rope_index`` places it."""
-        steps = positions - positions[:1]
+        """M-RoPE's three position streams [3, T] for a call writing cache ``positions`` [T] (``image``: its tokens'
+        :data:`IMAGE_CHANNELS` [T, 3], None for text alone), as transformers' ``get_rope_index`` places them: text at
+        its slot plus the offset so far on every stream; an image's token at its image's first position on the first
+        stream and that plus its row (column) on the others; after an image of h x w positions the offset grows by
+        max(h, w) - h * w. The offset after each slot is kept in ``rope_offset``, so calls of any split (text and
+        images together or apart, an image over two calls) continue where the slot before left off (0 at slot 0)."""
         start = positions[:1]
-        before = self.next_rope.index_select(0, (start - 1).clamp(min=0))
+        before = self.rope_offset.index_select(0, (start - 1).clamp(min=0))
         base = torch.where(start > 0, before, torch.zeros_like(before))
         if image is None:
-            streams = (base + steps).expand(3, -1)
+            jump = torch.zeros_like(positions)
+            offset = base.expand_as(positions)
+            streams = (positions + offset).expand(3, -1)
         else:
-            is_image = image[:, 0] > 0.5
-            grid = image[:, 1:].to(torch.int64)
-            streams = base + torch.stack([torch.where(is_image, torch.zeros_like(steps), steps),
-                                          torch.where(is_image, grid[:, 0], steps),
-                                          torch.where(is_image, grid[:, 1], steps)])
-        self.next_rope.index_copy_(0, positions, streams.amax(dim=0) + 1)
+            meta = image.to(torch.int64)
+            is_image = meta[:, 0] > 0
+            place, rows, cols = (meta[:, 0] - 1).clamp(min=0), meta[:, 1], meta[:, 2].clamp(min=1)
+            area = rows * cols
+            jump = torch.where(is_image & (place + 1 == area), torch.maximum(rows, cols) - area, torch.zeros_like(area))
+            offset = base + jump.cumsum(0) - jump  # the offset before each token
+            first = positions - place + offset  # an image token's image's first position; text's own
+            streams = torch.stack([first, first + torch.where(is_image, place // cols, torch.zeros_like(place)),
+                                   first + torch.where(is_image, place % cols, torch.zeros_like(place))])
+        self.rope_offset.index_copy_(0, positions, offset + jump)
         return streams
 
     def layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype,
@@ -989,7 +997,7 @@ class CausalLM(nn.Module):
             if layer.holds_state:
                 layer.state()[1].reset()
         if self.args.mrope_axes:
-            self.next_rope.zero_()
+            self.rope_offset.zero_()
 
     def attention_layers(self) -> list[DecoderLayer]:
         """The attention layers that keep a KV cache (not those reading another layer's, Gemma 4)."""
@@ -1006,7 +1014,7 @@ class CausalLM(nn.Module):
         the recurrent mixers' (their last inputs, Gated DeltaNet's matrices)."""
         held = [f"model.layers.{i}.{path}.{name}" for i, layer in enumerate(self.model.layers) if layer.holds_state
                 for path, state in [layer.state()] for name, _ in state.named_buffers()]
-        return held + (["next_rope"] if self.args.mrope_axes else [])
+        return held + (["rope_offset"] if self.args.mrope_axes else [])
 
     def recurrent_state_bytes(self) -> int:
         """Bytes of the state that is not a KV cache (a constant, whatever the context): short convolutions' inputs,

@@ -105,9 +105,62 @@ def _lfm2_vl() -> tuple[Any, Any]:
     return config, Lfm2VlProcessor(images, tok)
 
 
+QWEN_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_start_token": "<|vision_start|>",
+               "vision_end_token": "<|vision_end|>"}
+
+
+def _qwen_processor(base: str, tok: Any, side: int, patch: int) -> Any:
+    import transformers
+
+    from models.qwen_vl_images import QwenVlSquareImages, images_only
+
+    images = QwenVlSquareImages(patch_size=patch, merge_size=2, temporal_patch_size=2,
+                                size={"shortest_edge": side * side, "longest_edge": side * side})
+    return images_only(getattr(transformers, base))(images, tok)
+
+
+def _qwen_ids(tok: Any) -> dict[str, int]:
+    return {"image_token_id": tok.image_token_id, "video_token_id": tok.video_token_id,
+            "vision_start_token_id": tok.vision_start_token_id, "vision_end_token_id": tok.vision_end_token_id}
+
+
+def _qwen2_5_vl() -> tuple[Any, Any]:
+    """Windows of one merged position (28 px), so the windowed blocks mask something; the second block attends over
+    the whole image; contiguous M-RoPE sections."""
+    from transformers import Qwen2_5_VLConfig
+
+    tok = tiny_tokenizer(QWEN_TOKENS)
+    config = Qwen2_5_VLConfig(
+        vision_config={"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+                       "patch_size": 14, "spatial_merge_size": 2, "window_size": 28, "fullatt_block_indexes": [1]},
+        text_config={**TEXT_ARCH, "vocab_size": len(tok), "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}},
+        **_qwen_ids(tok), architectures=["Qwen2_5_VLForConditionalGeneration"])
+    return config, _qwen_processor("Qwen2_5_VLProcessor", tok, 56, 14)
+
+
+def _qwen3_vl() -> tuple[Any, Any]:
+    """A 3 x 3 position table resampled to the 4 x 4 patches; deepstack from the first block into the first decoder
+    layer; interleaved M-RoPE sections."""
+    from transformers import Qwen3VLConfig
+
+    tok = tiny_tokenizer(QWEN_TOKENS)
+    config = Qwen3VLConfig(
+        vision_config={"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+                       "patch_size": 16, "spatial_merge_size": 2, "num_position_embeddings": 9,
+                       "deepstack_visual_indexes": [0]},
+        text_config={**TEXT_ARCH, "head_dim": 16, "vocab_size": len(tok), "bos_token_id": BOS_ID,
+                     "eos_token_id": EOS_ID,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                                         "mrope_interleaved": True}},
+        **_qwen_ids(tok), architectures=["Qwen3VLForConditionalGeneration"])
+    return config, _qwen_processor("Qwen3VLProcessor", tok, 64, 16)
+
+
 #: family (``models.vision.VisionLanguage.name``) -> its tiny config and processor.
 TINY_VLM: dict[str, Callable[[], tuple[Any, Any]]] = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3,
-                                                      "lfm2_vl": _lfm2_vl}
+                                                      "lfm2_vl": _lfm2_vl, "qwen2_5_vl": _qwen2_5_vl,
+                                                      "qwen3_vl": _qwen3_vl}
 
 
 def write_tiny_vlm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, train_steps: int = 100) -> Path:

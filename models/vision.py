@@ -71,6 +71,37 @@ def _lfm2_vl_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
         raise ModelError(f"the processor's {e}. Set max_image_tokens in processor_config.json to a square.") from None
 
 
+#: S for a Qwen-VL checkpoint whose processor takes a range of sizes (the hub's), rounded down to patch x merge.
+QWEN_VL_SIDE = 448
+
+
+def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
+    """One square of S x S pixels: patches of p, merged m x m into one position each, (S / (p m))^2 positions. S is
+    the processor's when its size fixes one square; a random-weight shape (no processor) takes 448 (rounded)."""
+    from models.qwen_vl_images import fixed_side
+
+    vc = cfg.vision_config
+    unit = vc.patch_size * vc.spatial_merge_size
+    side = fixed_side(processor, unit)
+    if side is None:
+        if processor:
+            raise ModelError(f"the processor takes images of {processor.get('size')} pixels and a program takes one "
+                             f"size: set preprocessor_config.json's size to shortest_edge = longest_edge = S * S for the "
+                             f"side S the program should take (a multiple of {unit}, e.g. {QWEN_VL_SIDE // unit * unit} "
+                             f"for {(QWEN_VL_SIDE // unit) ** 2} positions per image).")
+        side = QWEN_VL_SIDE // unit * unit
+    return side, (side // unit) ** 2
+
+
+def _qwen_vl_processor(processor_class: str) -> Callable[[Path], Any]:
+    def load(folder: Path) -> Any:
+        from models.qwen_vl_images import qwen_vl_processor  # transformers' PIL image processors: only for Qwen-VL
+
+        return qwen_vl_processor(folder, processor_class)
+
+    return load
+
+
 def _lfm2_vl_processor(folder: Path) -> Any:
     from models.lfm2_vl_images import lfm2_vl_processor  # transformers' PIL image processors: only for LFM2-VL
 
@@ -89,10 +120,11 @@ VISION_LANGUAGE: tuple[VisionLanguage, ...] = (
     # Every Qwen3.5 on the hub is this class; its ViT (2D rotary patches, M-RoPE positions in the decoder) is not built,
     # so its text decoder exports alone, as transformers' Qwen3_5ForCausalLM loads it from the same files.
     VisionLanguage("qwen3_5", ("Qwen3_5ForConditionalGeneration",), ("model.visual.",), None),
-    # Qwen2.5-VL and Qwen3-VL: M-RoPE decoders (models.decoder: the positions of an image's tokens kept in the program).
-    # Their ViTs are not built yet (issue 64), so their text decoders export alone.
-    VisionLanguage("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("model.visual.", "visual."), None),
-    VisionLanguage("qwen3_vl", ("Qwen3VLForConditionalGeneration",), ("model.visual.", "visual."), None),
+    # Qwen2.5-VL and Qwen3-VL: one square image (models.vision_encoder), M-RoPE decoders whose image positions the
+    # program keeps (models.decoder), so the stock runner's one start position suffices.
+    VisionLanguage("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("model.visual.", "visual."),
+                   _qwen_vl_geometry),
+    VisionLanguage("qwen3_vl", ("Qwen3VLForConditionalGeneration",), ("model.visual.", "visual."), _qwen_vl_geometry),
     # Gemma 4 ships as this class (image and audio towers beside the decoder); its towers are not built yet (issue 64),
     # so its text decoder exports alone, as transformers' Gemma4ForCausalLM computes it.
     VisionLanguage("gemma4", ("Gemma4ForConditionalGeneration",),
@@ -101,7 +133,9 @@ VISION_LANGUAGE: tuple[VisionLanguage, ...] = (
 
 
 # Processors (by the class their saved files name) that transformers cannot load here, and what we load instead.
-OWN_PROCESSORS: dict[str, Callable[[Path], Any]] = {"Lfm2VlProcessor": _lfm2_vl_processor}
+OWN_PROCESSORS: dict[str, Callable[[Path], Any]] = {
+    "Lfm2VlProcessor": _lfm2_vl_processor, "Qwen2_5_VLProcessor": _qwen_vl_processor("Qwen2_5_VLProcessor"),
+    "Qwen3VLProcessor": _qwen_vl_processor("Qwen3VLProcessor")}
 
 
 def load_processor(folder: Path) -> Any:

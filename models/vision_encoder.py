@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.decoder import mean_last
 from models.errors import ModelError
 from models.towers import delegated_norms, load_parts, meta_model, quiet_transformers, randomized_zeros
 from models.vision import geometry_of, vision_language_of
@@ -127,13 +128,181 @@ class Lfm2VlVision(VisionEncoder):
         return self.projector(h.reshape(1, self.grid, self.grid, -1)).reshape(1, self.tokens, -1)
 
 
+# --- Qwen2.5-VL and Qwen3-VL -----------------------------------------------------------------------------------------
+# transformers runs these towers on the processor's flattened patch rows of any grid, deriving positions, attention
+# windows and the position-table resampling from the grid at run time (``.tolist()``, ``repeat_interleave``,
+# ``argsort``): nothing ``torch.export`` can keep. At one image size all of that is a constant, computed here once by
+# transformers' own functions (``transformers.vision_utils``); the blocks' weights run through plain ops. The image
+# ``[1, 3, S, S]`` is cut into patches by a convolution whose weight is the tower's 3-D patch weight summed over its
+# two frames (a still image is its own two frames), and the patches are put in the order the processor writes them
+# (2 x 2 merge blocks, row by row). The output is the wide embedding the M-RoPE decoder takes
+# (``models.decoder.DecoderArgs.embedding_width``): the merged features, then Qwen3-VL's deepstack features, then each
+# token's place in the image and the image's rows and columns of positions (``models.decoder.IMAGE_CHANNELS``), from
+# which the decoder places the image's M-RoPE positions.
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb_vision`` on one of q/k [1, S, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Qwen2.5-VL's vision RMSNorm through a mean XNNPACK delegates (``mean_last``)."""
+    return norm.weight * (x * torch.rsqrt(mean_last(x * x) + norm.variance_epsilon))
+
+
+def _split_qkv(attn: nn.Module) -> None:
+    """The fused ``qkv`` projection as ``q_proj``, ``k_proj``, ``v_proj`` (its rows, moved): three matrix products and
+    no split of their output, which XNNPACK would leave to the portable kernels between partitions."""
+    qkv = attn.qkv
+    width = qkv.out_features // 3
+    for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        proj = nn.Linear(qkv.in_features, width, bias=qkv.bias is not None, device=qkv.weight.device,
+                         dtype=qkv.weight.dtype)
+        with torch.no_grad():
+            proj.weight.copy_(qkv.weight[i * width:(i + 1) * width])
+            if qkv.bias is not None:
+                proj.bias.copy_(qkv.bias[i * width:(i + 1) * width])
+        setattr(attn, name, proj)
+    del attn.qkv
+
+
+class QwenVisionBase(VisionEncoder):
+    """What both towers share: the patch convolution, constant rotary tables, the blocks' attention, the image
+    channels. ``features`` is the family's."""
+
+    def __init__(self, config: Any, geometry: tuple[int, int], tower: nn.Module, projector: None = None) -> None:
+        """``projector``: none (the tower holds its merger); taken as every family's encoder is built."""
+        from transformers.vision_utils import get_vision_position_ids
+
+        super().__init__(config, geometry)
+        vc = config.vision_config
+        self.patch, self.merge = vc.patch_size, vc.spatial_merge_size
+        self.grid = self.image_size // self.patch  # patches per side
+        self.heads = vc.num_heads
+        conv3d = tower.patch_embed.proj
+        width = conv3d.out_channels
+        self.patch_embedding = nn.Conv2d(conv3d.in_channels, width, self.patch, stride=self.patch,
+                                         bias=conv3d.bias is not None)
+        with torch.no_grad():
+            self.patch_embedding.weight.copy_(conv3d.weight.sum(2))
+            if conv3d.bias is not None:
+                self.patch_embedding.bias.copy_(conv3d.bias)
+        self.grid_thw = torch.tensor([[1, self.grid, self.grid]])
+        with torch.no_grad():
+            cos, sin = tower.rotary_pos_emb(torch.zeros(1), get_vision_position_ids(self.grid_thw, self.merge))
+        self.register_buffer("rope_cos", cos[None, :, None, :].float(), persistent=False)  # [1, P, 1, head_dim]
+        self.register_buffer("rope_sin", sin[None, :, None, :].float(), persistent=False)
+        side = self.grid // self.merge
+        channels = torch.stack([torch.arange(1, side * side + 1).float(), torch.full((side * side,), float(side)),
+                                torch.full((side * side,), float(side))], dim=-1)
+        self.register_buffer("image_channels", channels[None], persistent=False)  # [1, N, 3]: models.decoder's
+        self.blocks = tower.blocks
+        for block in self.blocks:
+            _split_qkv(block.attn)
+
+    def patches(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[1, 3, S, S] -> [1, P, width] in the processor's order: merge blocks row by row, each block's patches row
+        by row."""
+        g, m = self.grid, self.merge
+        x = self.patch_embedding(pixels).reshape(-1, g // m, m, g // m, m)  # [width, blocks, m, blocks, m]
+        return x.permute(1, 3, 2, 4, 0).reshape(1, g * g, -1)
+
+    def attend(self, attn: nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """A block's attention over the image's patches [1, P, width] (``mask``: Qwen2.5-VL's windows)."""
+        p = x.shape[1]
+        q, k, v = (proj(x).reshape(1, p, self.heads, -1) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = _rotate(q, self.rope_cos, self.rope_sin), _rotate(k, self.rope_cos, self.rope_sin)
+        # As transformers' eager attention computes it: matmuls and a softmax XNNPACK takes (torch's SDPA decomposes
+        # into masked ops that end the partition).
+        scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1) * attn.scaling
+        if mask is not None:
+            scores = scores + mask
+        out = torch.softmax(scores, dim=-1) @ v.transpose(1, 2)
+        return attn.proj(out.transpose(1, 2).reshape(1, p, -1))
+
+    def merged(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, P, width] -> [1, N, 4 * width]: each merge block's patches side by side."""
+        return x.reshape(1, self.tokens, -1)
+
+
+class Qwen3VlVision(QwenVisionBase):
+    """Qwen3-VL: a learned position table resampled to the grid (a constant), LayerNorm blocks attending over the
+    whole image, the merger, and a deepstack merger after each of ``deepstack_visual_indexes``' blocks."""
+
+    def __init__(self, config: Any, geometry: tuple[int, int], tower: nn.Module, projector: None = None) -> None:
+        from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+        super().__init__(config, geometry, tower)
+        with torch.no_grad():
+            indices, weights = get_vision_interpolation_indices_and_weights(
+                self.grid_thw, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+                align_corners=tower.interpolation_align_corners, spatial_merge_size=self.merge)
+            positions = (tower.pos_embed(indices) * weights[:, :, None]).sum(1)
+        self.register_buffer("positions", positions[None].float(), persistent=False)
+        self.merger = tower.merger
+        self.deepstack_at = list(tower.deepstack_visual_indexes)
+        self.deepstack_mergers = tower.deepstack_merger_list
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.patches(pixels) + self.positions
+        deep = []
+        for i, block in enumerate(self.blocks):
+            x = x + self.attend(block.attn, block.norm1(x), None)
+            x = x + block.mlp(block.norm2(x))
+            if i in self.deepstack_at:  # normed after the merge (use_postshuffle_norm)
+                merger = self.deepstack_mergers[self.deepstack_at.index(i)]
+                deep.append(self._project(merger, merger.norm(self.merged(x))))
+        out = self._project(self.merger, self.merged(self.merger.norm(x)))
+        return torch.cat([out, *deep, self.image_channels], dim=-1)
+
+    @staticmethod
+    def _project(merger: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return merger.linear_fc2(merger.act_fn(merger.linear_fc1(x)))
+
+
+class Qwen25VlVision(QwenVisionBase):
+    """Qwen2.5-VL: RMSNorm blocks with gated MLPs; all but ``fullatt_block_indexes`` attend within windows of
+    ``window_size`` pixels (transformers permutes the patches window by window and back; here each patch attends to
+    its own window's through a constant mask, the same sums in the processor's order); the merger."""
+
+    def __init__(self, config: Any, geometry: tuple[int, int], tower: nn.Module, projector: None = None) -> None:
+        from transformers.vision_utils import get_vision_window_index
+
+        super().__init__(config, geometry, tower)
+        vc = config.vision_config
+        order, bounds = get_vision_window_index(self.grid_thw, spatial_merge_size=self.merge,
+                                                window_size=vc.window_size, patch_size=self.patch)
+        unit = self.merge**2
+        window = torch.empty(self.tokens, dtype=torch.int64)  # each merged token's window
+        for w, (start, end) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+            window[order[start // unit:end // unit]] = w
+        window = window.repeat_interleave(unit)  # each patch's
+        mask = torch.zeros(window.numel(), window.numel())
+        mask.masked_fill_(window[:, None] != window[None, :], float("-inf"))
+        self.register_buffer("window_mask", mask, persistent=False)
+        self.full_attention = set(vc.fullatt_block_indexes)
+        self.merger = tower.merger
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.patches(pixels)
+        for i, block in enumerate(self.blocks):
+            mask = None if i in self.full_attention else self.window_mask
+            x = x + self.attend(block.attn, _rms_norm(block.norm1, x), mask)
+            x = x + block.mlp(_rms_norm(block.norm2, x))
+        out = self.merger.mlp(self.merged(_rms_norm(self.merger.ln_q, x)))
+        return torch.cat([out, self.image_channels], dim=-1)
+
+
 ENCODERS: dict[str, type[VisionEncoder]] = {"llava": LlavaVision, "gemma3": Gemma3Vision, "idefics3": Idefics3Vision,
-                                            "lfm2_vl": Lfm2VlVision}
+                            "lfm2_vl": Lfm2VlVision, "qwen2_5_vl": Qwen25VlVision, "qwen3_vl": Qwen3VlVision}
 
 
-def _parts(model: Any) -> tuple[nn.Module, nn.Module]:
-    """A transformers vision-language model's vision tower and projector (connector)."""
+def _parts(model: Any) -> tuple[nn.Module, nn.Module | None]:
+    """A transformers vision-language model's vision tower and projector (connector); Qwen-VL's tower holds its
+    merger (no projector)."""
     inner = model.model
+    if hasattr(inner, "visual"):  # Qwen2.5-VL, Qwen3-VL
+        return inner.visual, None
     if hasattr(inner, "vision_model"):  # Idefics3, SmolVLM
         return inner.vision_model, inner.connector
     return inner.vision_tower, inner.multi_modal_projector
@@ -143,7 +312,7 @@ def _parts(model: Any) -> tuple[nn.Module, nn.Module]:
 # older ``vision_tower.vision_model.*``, transformers 5's ``model.vision_tower.*`` (saved back as ``vision_tower.*``),
 # Idefics3's ``model.vision_model.*`` and ``model.connector.*``.
 PART_PREFIXES: dict[str, tuple[str, ...]] = {
-    "tower": ("model.vision_tower.", "vision_tower.", "model.vision_model."),
+    "tower": ("model.vision_tower.", "vision_tower.", "model.vision_model.", "model.visual.", "visual."),
     "projector": ("model.multi_modal_projector.", "multi_modal_projector.", "model.connector.")}
 NESTED = "vision_model."  # CLIP's and SigLIP's layers are under it in some layouts and not in others
 
@@ -156,24 +325,25 @@ def load_vision_encoder(path: str, hf_config: Any, geometry: tuple[int, int] | N
     family = vision_language_of(hf_config)
     assert family is not None, "a vision-language checkpoint"
     tower, projector = _new_parts(hf_config)
-    load_parts(path, {"tower": tower, "projector": projector}, PART_PREFIXES, NESTED)
+    parts = {"tower": tower} if projector is None else {"tower": tower, "projector": projector}
+    load_parts(path, parts, PART_PREFIXES, NESTED)
     geometry = geometry or geometry_of(hf_config, path)
     return delegated_norms(ENCODERS[family.name](hf_config, geometry, tower, projector)).eval()
 
 
-def _new_parts(hf_config: Any) -> tuple[nn.Module, nn.Module]:
+def _new_parts(hf_config: Any) -> tuple[nn.Module, nn.Module | None]:
     """The vision tower and projector of ``hf_config``'s architecture in fp32 with transformers' initialization, built
     alone: the whole model is only laid out on the meta device to find their classes."""
     hf_config._attn_implementation = "eager"
     tower, projector = _parts(meta_model(hf_config))
     with quiet_transformers():
-        return type(tower)(hf_config.vision_config), type(projector)(hf_config)
+        return type(tower)(hf_config.vision_config), None if projector is None else type(projector)(hf_config)
 
 
 def vision_parameters(hf_config: Any) -> int:
     """The vision tower's and projector's parameters (all of the tower's layers: an upper bound for LLaVA, which reads
     fewer), counted on the meta device: nothing allocated."""
-    return sum(p.numel() for part in _parts(meta_model(hf_config)) for p in part.parameters())
+    return sum(p.numel() for part in _parts(meta_model(hf_config)) if part is not None for p in part.parameters())
 
 
 def random_vision_encoder(hf_config: Any, seed: int = 0, geometry: tuple[int, int] | None = None) -> VisionEncoder:
@@ -183,6 +353,6 @@ def random_vision_encoder(hf_config: Any, seed: int = 0, geometry: tuple[int, in
     assert family is not None, "a vision-language config"
     torch.manual_seed(seed)
     parts = _new_parts(hf_config)
-    randomized_zeros(parts)  # Gemma 3's projector starts at zero: random images would all embed to nothing
+    randomized_zeros(tuple(part for part in parts if part is not None))  # Gemma 3's projector starts at zero: random images would all embed to nothing
     geometry = geometry or geometry_of(hf_config, None)
     return delegated_norms(ENCODERS[family.name](hf_config, geometry, *parts)).eval()

@@ -33,7 +33,12 @@ NEW_TOKENS = 8
 # graphs to lower: the suite's time), named as apps that share memory arenas name them.
 PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=32")
 # Where the prompt's image goes: the processor expands this into the image's tokens (Gemma 3's begin-of-image token).
-IMAGE_MARK = {"llava": "<image>", "gemma3": "<start_of_image>", "idefics3": "<image>", "lfm2_vl": "<image>"}
+IMAGE_MARK = {"llava": "<image>", "gemma3": "<start_of_image>", "idefics3": "<image>", "lfm2_vl": "<image>",
+              "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+              "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+# Families whose program takes one square: a picture of another shape is stretched to it (docs/vision.md).
+STRETCHED = ("lfm2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN_VL = ("qwen2_5_vl", "qwen3_vl")
 
 
 def picture():  # type: ignore[no-untyped-def]
@@ -57,6 +62,15 @@ def processed(ckpt: Path, family: str):  # type: ignore[no-untyped-def]
 
 def transformers_features(ref, family: str, pixels: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """transformers' image features of one ``[1, 3, S, S]`` image, given as each family's processor writes it."""
+    if family in QWEN_VL:  # the processor's rows; Qwen3-VL's deepstack features beside the merged ones
+        from models.qwen_vl_images import QwenVlSquareImages
+
+        vc = ref.config.vision_config
+        rows, grid_h, grid_w = QwenVlSquareImages().patchify(pixels[0].numpy(), vc.patch_size, vc.spatial_merge_size,
+                                                             vc.temporal_patch_size)
+        out = ref.model.get_image_features(torch.from_numpy(rows.copy()), torch.tensor([[1, grid_h, grid_w]]))
+        return torch.cat([out.pooler_output[0], *(f[0] if isinstance(f, (list, tuple)) else f
+                                                  for f in getattr(out, "deepstack_features", None) or [])], dim=-1)
     if family == "lfm2_vl":  # SigLIP2 NaFlex: patch rows (channel fastest), the grid, a mask of real patches
         patch = ref.config.vision_config.patch_size
         grid = pixels.shape[-1] // patch
@@ -82,8 +96,8 @@ def test_the_text_decoder_of_a_vision_language_checkpoint_matches_transformers(v
         torch.testing.assert_close(ours(tokens, torch.tensor([0]), full_logits=True), expected, atol=1e-4, rtol=0)
         # The embeddings path (what text_decoder takes) computes the same.
         ours.reset_cache()
-        torch.testing.assert_close(ours(ours.token_embeddings(tokens), torch.tensor([0])), expected[:, -1], atol=1e-4,
-                                   rtol=0)
+        torch.testing.assert_close(ours(ours.wide(ours.token_embeddings(tokens)), torch.tensor([0])), expected[:, -1],
+                                   atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -95,8 +109,10 @@ def test_the_vision_encoder_computes_transformers_image_features(vlm_checkpoint,
     with torch.no_grad():
         ours = encoder(pixels)
         features = transformers_features(ref, family, pixels)
-    assert ours.shape == (1, TINY_IMAGE_TOKENS, ref.config.text_config.hidden_size)
-    torch.testing.assert_close(ours, features.reshape(ours.shape), atol=1e-5, rtol=0)
+    width = build_model(open_checkpoint(ckpt), 32).args.embedding_width  # Qwen-VL's: wide (models.decoder)
+    assert ours.shape == (1, TINY_IMAGE_TOKENS, width)
+    features = features.reshape(1, TINY_IMAGE_TOKENS, -1)
+    torch.testing.assert_close(ours[..., :features.shape[-1]], features, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family,layout", [("gemma3", "vision_tower.vision_model."),  # google/gemma-3-*
@@ -201,7 +217,7 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     assert made.ids == inputs["input_ids"][0].tolist()
     # LFM2-VL's program takes one square: a 50 x 40 picture is stretched to it, and the console says so.
     stretched = f"is 50x40; the program takes {vision.image_size}x{vision.image_size} images: stretched to it"
-    assert (stretched in caplog.text) == (family == "lfm2_vl")
+    assert (stretched in caplog.text) == (family in STRETCHED)
     assert generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), media=made).text == expected
     # A release bundle carries the processor and says how an app feeds an image.
     bundle, _ = make_bundle(run, tmp_path / "release")

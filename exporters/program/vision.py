@@ -51,25 +51,46 @@ def preprocessing(folder: Path) -> dict[str, Any]:
                                            "do_image_splitting") if key in settings}
 
 
-# Families whose processor writes patch rows (SigLIP2 NaFlex) where vision_encoder takes pixels: program_pixels.
-PATCH_ROW_FAMILIES = ("lfm2_vl",)
+# Families whose processor writes patch rows (SigLIP2 NaFlex, Qwen-VL) where vision_encoder takes pixels: program_pixels.
+PATCH_ROW_FAMILIES = ("lfm2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN_MERGE = 2  # every Qwen-VL processor merges 2 x 2 patches into one position (its merge_size)
+
+
+def _unrefused(rows: int, cols: int, patch: int, size: int) -> None:
+    if (rows * patch, cols * patch) != (size, size):
+        raise UserError(f"the processor made a {rows * patch}x{cols * patch} image and the program's vision_encoder "
+                        f"takes {size}x{size} (get_image_size): the processor files beside the program are not "
+                        "the ones it was exported with. Export again, or restore the run folder's processor files.")
+
+
+def _qwen_pixels(processed: Any, size: int) -> torch.Tensor:
+    """Qwen-VL's rows ``[n * P, 3 * 2 * p^2]`` (each image's merge blocks row by row, each patch's two identical frames)
+    folded back into ``[n, 3, S, S]``."""
+    pixels, grids = processed["pixel_values"], processed["image_grid_thw"].tolist()
+    patch = int(math.isqrt(pixels.shape[-1] // 6))
+    for _, rows, cols in grids:
+        _unrefused(rows, cols, patch, size)
+    merge = QWEN_MERGE
+    blocks = size // patch // merge
+    return (pixels.reshape(-1, blocks, blocks, merge, merge, 3, 2, patch, patch)[:, :, :, :, :, :, 0]
+            .permute(0, 5, 1, 3, 6, 2, 4, 7).reshape(-1, 3, size, size).contiguous())
 
 
 def program_pixels(processed: Any, size: int) -> torch.Tensor:
     """The images of a processor's output as ``vision_encoder`` takes them, ``[n, 3, S, S]``. A NaFlex processor
-    (LFM2-VL's SigLIP2) writes patch rows ``[n, P, 3 p^2]`` with each image's patch grid: one whole S x S image
-    each is folded back into pixels; an image of any other grid cannot be fed to the program, and is refused."""
+    (LFM2-VL's SigLIP2) writes patch rows ``[n, P, 3 p^2]`` with each image's patch grid, Qwen-VL's ``[n * P, 6 p^2]``
+    with ``image_grid_thw``: one whole S x S image each is folded back into pixels; an image of any other grid cannot
+    be fed to the program, and is refused."""
     pixels = processed["pixel_values"]
+    if "image_grid_thw" in processed:
+        return _qwen_pixels(processed, size)
     if "spatial_shapes" not in processed:
         return pixels.reshape(-1, *pixels.shape[-3:])
     grids, mask = processed["spatial_shapes"].tolist(), processed["pixel_attention_mask"]
     patch = int(math.isqrt(pixels.shape[-1] // 3))
     side = size // patch
     for rows, cols in grids:
-        if (rows, cols) != (side, side) or not bool(mask.all()):
-            raise UserError(f"the processor made a {rows * patch}x{cols * patch} image and the program's vision_encoder "
-                            f"takes {size}x{size} (get_image_size): the processor files beside the program are not "
-                            "the ones it was exported with. Export again, or restore the run folder's processor files.")
+        _unrefused(rows if bool(mask.all()) else 0, cols, patch, size)
     return (pixels.reshape(-1, side, side, patch, patch, 3).permute(0, 5, 1, 3, 2, 4)
             .reshape(-1, 3, size, size).contiguous())
 
