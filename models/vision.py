@@ -86,7 +86,8 @@ def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
     if side is None:
         if processor:
             raise ModelError(f"the processor takes images of {processor.get('size')} pixels and a program takes one "
-                             f"size: set preprocessor_config.json's size to shortest_edge = longest_edge = S * S for the "
+                             "size: in the checkpoint's processor file (processor_config.json or "
+                             "preprocessor_config.json) set its size to shortest_edge = longest_edge = S * S for the "
                              f"side S the program should take (a multiple of {unit}, e.g. {QWEN_VL_SIDE // unit * unit} "
                              f"for {(QWEN_VL_SIDE // unit) ** 2} positions per image).")
         side = QWEN_VL_SIDE // unit * unit

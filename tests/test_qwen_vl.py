@@ -1,0 +1,111 @@
+"""Qwen2.5-VL and Qwen3-VL: M-RoPE positions and deepstack features in our decoder against transformers, for every way
+a prompt's text and image can be split into calls; what a program of one square image refuses. The programs
+themselves (vision encoder parity, the stock MultimodalRunner's greedy tokens, exporters.generate) are
+tests/test_vision_language.py's, which runs these families with the others."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from exporters.export import checked_config
+from exporters.errors import UserError
+from exporters.program.vision import program_pixels
+from models.checkpoint import build_model, open_checkpoint
+from models.decoder import DecoderArgs, RopeTable
+from models.errors import ModelError
+from tests.helpers import compose_config, transformers_model
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+TEXT_BEFORE, TEXT_AFTER = [10, 11], [12, 13, 14]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_image_of_any_grid_gets_transformers_positions_however_the_prompt_is_split_into_calls(vlm_checkpoint,
+                                                                                                family: str) -> None:
+    """Text, an image of a 3 x 2 merged grid (not square: rows and columns cannot be swapped unseen), text: the logits
+    of every position equal transformers' one forward (its get_rope_index; Qwen3-VL's deepstack at the image's
+    positions) when the runner's three calls feed it, when one call does, when the image is cut between two calls; then
+    a decoded token by id; and text alone."""
+    ckpt = vlm_checkpoint(family)
+    ref = transformers_model(ckpt)
+    ours = build_model(open_checkpoint(ckpt), 32).eval()
+    config = ref.config
+    vc = config.vision_config
+    rows, cols = 3, 2  # merged positions; the patch grid is twice each
+    n = rows * cols
+    pixels = torch.randn(4 * n, 3 * vc.temporal_patch_size * vc.patch_size**2, generator=torch.Generator().manual_seed(0))
+    grid = torch.tensor([[1, 2 * rows, 2 * cols]])
+    ids = torch.tensor([[*TEXT_BEFORE, config.vision_start_token_id, *[config.image_token_id] * n,
+                         config.vision_end_token_id, *TEXT_AFTER]])
+    with torch.no_grad():
+        expected = ref(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
+                       mm_token_type_ids=(ids == config.image_token_id).int()).logits[0]
+        features = ref.model.get_image_features(pixels, grid)
+        deep = [f[0] if isinstance(f, (list, tuple)) else f for f in getattr(features, "deepstack_features", None) or []]
+        place = torch.arange(1, n + 1, dtype=torch.float32)
+        channels = torch.stack([place, torch.full_like(place, rows), torch.full_like(place, cols)], dim=-1)
+        image = torch.cat([features.pooler_output[0], *deep, channels], dim=-1)[None]
+        assert image.shape[-1] == ours.args.embedding_width
+        with ours.returns_token_embeddings():
+            before, after = ours(ids[:, :3]), ours(ids[:, 3 + n:])
+        splits = {"the runner's three calls": [before, image, after], "one call": [torch.cat([before, image, after], 1)],
+                  "an image over two calls": [torch.cat([before, image[:, :2]], 1), torch.cat([image[:, 2:], after], 1)]}
+        for how, calls in splits.items():
+            ours.reset_cache()
+            logits, start = [], 0
+            for call in calls:
+                logits.append(ours(call, torch.tensor([start]), True)[0])
+                start += call.shape[1]
+            torch.testing.assert_close(torch.cat(logits), expected, atol=1e-5, rtol=0, msg=how)
+        token = int(expected[-1].argmax())
+        longer = torch.cat([ids, torch.tensor([[token]])], 1)
+        after_one = ref(input_ids=longer, pixel_values=pixels, image_grid_thw=grid,
+                        mm_token_type_ids=(longer == config.image_token_id).int()).logits[0, -1]
+        torch.testing.assert_close(ours(torch.tensor([[token]]), torch.tensor([ids.shape[1]]))[0], after_one,
+                                   atol=1e-5, rtol=0)
+        text = torch.tensor([[5, 6, 7, 8, 9]])
+        ours.reset_cache()
+        torch.testing.assert_close(ours(text, torch.tensor([0]), True), ref(input_ids=text).logits, atol=1e-5, rtol=0)
+
+
+def test_qwen_vl_rows_fold_back_into_the_pixels_they_were_cut_from(vlm_checkpoint) -> None:
+    """The processor's patch rows of one S x S image become the [1, 3, S, S] vision_encoder takes, exactly; rows of
+    another grid are refused by name."""
+    from models.vision import load_processor
+
+    processor = load_processor(vlm_checkpoint("qwen3_vl")).image_processor
+    pixels = torch.rand(1, 3, 64, 64)
+    rows, grid_h, grid_w = processor.patchify(pixels[0].numpy(), 16, 2, 2)
+    made = {"pixel_values": torch.from_numpy(rows.copy()), "image_grid_thw": torch.tensor([[1, grid_h, grid_w]])}
+    assert torch.equal(program_pixels(made, 64), pixels)
+    made["image_grid_thw"] = torch.tensor([[1, 2, 8]])
+    with pytest.raises(UserError, match="made a 32x128 image and the program's vision_encoder takes 64x64"):
+        program_pixels(made, 64)
+
+
+def test_a_processor_taking_a_range_of_sizes_is_refused_with_the_size_to_set(vlm_checkpoint, tmp_path: Path) -> None:
+    """The hub's Qwen-VL processors take any size between min and max pixels; a program takes one square."""
+    ckpt = shutil.copytree(vlm_checkpoint("qwen2_5_vl"), tmp_path / "ckpt")
+    saved = json.loads((ckpt / "processor_config.json").read_text())
+    saved["image_processor"]["size"] = {"shortest_edge": 3136, "longest_edge": 12845056}
+    (ckpt / "processor_config.json").write_text(json.dumps(saved))
+    with pytest.raises(ModelError, match="shortest_edge = longest_edge = S \\* S .*a multiple of 28, e.g. 448"):
+        checked_config(compose_config("model=hf", f"model.checkpoint={ckpt}", "export.max_seq_len=32"))
+
+
+def test_m_rope_refuses_ring_caches() -> None:
+    """Positions are kept per cache slot: a ring (attention sink, sliding window) would reuse slots."""
+    table = RopeTable((1.0, 0.5))
+    shape = dict(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=4, rope=(("default", table),), mrope_axes=(0, 1),
+                 max_context_len=32, call_tokens=8)
+    DecoderArgs(**shape)
+    with pytest.raises(ValueError, match="ring cache"):
+        DecoderArgs(**shape, attention_sink=4)
+    with pytest.raises(ValueError, match="one stream"):
+        DecoderArgs(**{**shape, "mrope_axes": (0, 1, 2)})
