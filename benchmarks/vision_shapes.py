@@ -80,8 +80,52 @@ def lfm2_vl_1_6b() -> Any:
     return _lfm2_vl("lfm2-1.2b", 1152, 4304, 27, 16)
 
 
+QWEN_VL_TOKENS = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+                  "vision_end_token_id": 151653}
+
+
+def qwen3_vl_2b() -> Any:
+    """Qwen3-VL-2B-Instruct: a ViT 1024 wide x 24 layers (patches of 16, a learned 48 x 48 position table, deepstack
+    from layers 5, 11, 17), a Qwen3 decoder 2048 wide x 28 layers with interleaved M-RoPE. The values are the
+    published config.json's (as ExecuTorch's Arm test pins them: backends/arm/test/models/Qwen3_VL). Without processor
+    files the program takes 448 x 448 images: 196 positions."""
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config={"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+                     "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+                     "max_position_embeddings": 262144, "tie_word_embeddings": True, "bos_token_id": 151643,
+                     "eos_token_id": 151645,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000, "mrope_section": [24, 20, 20],
+                                         "mrope_interleaved": True}},
+        vision_config={"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16,
+                       "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "num_position_embeddings": 2304, "deepstack_visual_indexes": [5, 11, 17],
+                       "hidden_act": "gelu_pytorch_tanh"},
+        tie_word_embeddings=True, architectures=["Qwen3VLForConditionalGeneration"], **QWEN_VL_TOKENS)
+
+
+def qwen2_5_vl_3b() -> Any:
+    """Qwen2.5-VL-3B-Instruct: a ViT 1280 wide x 32 layers (patches of 14, windows of 112 px but in layers 7, 15,
+    23, 31), a Qwen2 decoder 2048 wide x 36 layers with M-RoPE sections. Without processor files the program takes
+    448 x 448 images: 256 positions."""
+    from transformers import Qwen2_5_VLConfig
+
+    return Qwen2_5_VLConfig(
+        text_config={"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+                     "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+                     "max_position_embeddings": 128000, "tie_word_embeddings": True, "bos_token_id": 151643,
+                     "eos_token_id": 151645,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}},
+        vision_config={"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                       "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu"},
+        tie_word_embeddings=True, architectures=["Qwen2_5_VLForConditionalGeneration"], **QWEN_VL_TOKENS)
+
+
 SHAPES: dict[str, Callable[[], Any]] = {"smolvlm-256m": smolvlm_256m, "gemma3-4b": gemma3_4b,
-                                        "lfm2-vl-450m": lfm2_vl_450m, "lfm2-vl-1.6b": lfm2_vl_1_6b}
+                                        "lfm2-vl-450m": lfm2_vl_450m, "lfm2-vl-1.6b": lfm2_vl_1_6b,
+                                        "qwen3-vl-2b": qwen3_vl_2b, "qwen2.5-vl-3b": qwen2_5_vl_3b}
 
 
 def write_shape(name: str, out: Path) -> Path:
