@@ -3,8 +3,8 @@
 Built from transformers' own modules (the vision tower and the projector of the checkpoint's architecture), so it
 computes what transformers computes; each family's wrapper only makes the path exportable and what ExecuTorch's
 MultimodalRunner feeds: one image ``[1, 3, S, S]`` of the processor's normalized float pixels in, ``[1, N, hidden]``
-out, N positions the runner gives the image in the text decoder. Parity with ``get_image_features``:
-tests/test_vision_language.py.
+out (Qwen-VL: wider, what its M-RoPE decoder takes), N positions the runner gives the image in the text decoder.
+Parity with ``get_image_features``: tests/test_vision_language.py.
 """
 
 from __future__ import annotations
