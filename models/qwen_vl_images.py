@@ -21,18 +21,6 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from models.processor_files import processor_settings
 
 
-def fixed_side(settings: dict[str, Any], multiple: int) -> int | None:
-    """S of a Qwen-VL processor whose ``size`` fixes one square of S * S pixels (a multiple of ``multiple``: patch
-    times merge); None when it takes a range (the hub's) or its count is no such square."""
-    size = settings.get("size") or {}
-    low = settings.get("min_pixels", size.get("shortest_edge"))
-    high = settings.get("max_pixels", size.get("longest_edge"))
-    if low is None or low != high:
-        return None
-    side = math.isqrt(int(high))
-    return side if side * side == int(high) and side % multiple == 0 else None
-
-
 class QwenVlSquareImages(Qwen2VLImageProcessorPil):
     """Every picture resized to S x S, then rescaled, normalized and cut into rows as transformers does."""
 

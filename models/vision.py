@@ -8,6 +8,7 @@ as from a text checkpoint, this module says which architectures these are and wh
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -71,6 +72,18 @@ def _lfm2_vl_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
         raise ModelError(f"the processor's {e}. Set max_image_tokens in processor_config.json to a square.") from None
 
 
+def fixed_side(settings: dict[str, Any], multiple: int) -> int | None:
+    """S of a Qwen-VL processor whose ``size`` fixes one square of S * S pixels (a multiple of ``multiple``: patch
+    times merge); None when it takes a range (the hub's) or its count is no such square."""
+    size = settings.get("size") or {}
+    low = settings.get("min_pixels", size.get("shortest_edge"))
+    high = settings.get("max_pixels", size.get("longest_edge"))
+    if low is None or low != high:
+        return None
+    side = math.isqrt(int(high))
+    return side if side * side == int(high) and side % multiple == 0 else None
+
+
 #: S for a Qwen-VL checkpoint whose processor takes a range of sizes (the hub's), rounded down to patch x merge.
 QWEN_VL_SIDE = 448
 
@@ -78,8 +91,6 @@ QWEN_VL_SIDE = 448
 def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
     """One square of S x S pixels: patches of p, merged m x m into one position each, (S / (p m))^2 positions. S is
     the processor's when its size fixes one square; a random-weight shape (no processor) takes 448 (rounded)."""
-    from models.qwen_vl_images import fixed_side
-
     vc = cfg.vision_config
     unit = vc.patch_size * vc.spatial_merge_size
     side = fixed_side(processor, unit)
