@@ -405,13 +405,15 @@ QWEN3_5_MIXERS = {"full_attention": Mixer.attention, "linear_attention": Mixer.g
 def qwen3_5(cfg: Any, max_context_len: int) -> dict[str, Any]:
     """Qwen3.5 dense text models: Gated DeltaNet layers (a recurrent state per head) with every few layers a gated
     attention (q_proj also gives a sigmoid gate on the output), partial RoPE, norms scaling by ``1 + w``. Its M-RoPE
-    sections coincide for text, whose three position ids are equal: plain RoPE over the rotated dims."""
+    sections (interleaved, as Qwen3-VL's) coincide for text, whose three position ids are equal: plain RoPE over the
+    rotated dims for a text checkpoint, M-RoPE where the checkpoint sees images (``sees_images``)."""
     shape = GatedDeltaShape(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                             cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
     return {
         "qk_norm": True, "unit_offset_norm": True, "attn_output_gate": True, **_llama_biases(cfg),
         **_default_rope(cfg, max_context_len), "layer_mixer": _mixers(cfg, "Qwen3.5", QWEN3_5_MIXERS),
         "gated_delta": shape,
+        "mrope_axes": _mrope_axes(cfg, True) if getattr(cfg, "sees_images", False) else (),
     }
 
 

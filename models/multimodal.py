@@ -47,6 +47,7 @@ def language_config(hf_config: Any) -> Any:
     if tie is not None:
         text.tie_word_embeddings = bool(tie)
     vision = getattr(hf_config, "vision_config", None)
+    text.sees_images = vision is not None  # Qwen3.5: M-RoPE positions only where images can come
     if getattr(vision, "deepstack_visual_indexes", None):  # Qwen3-VL: how many vision layers feed the decoder
         text.deepstack_layers = len(vision.deepstack_visual_indexes)
     return text

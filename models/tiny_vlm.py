@@ -157,10 +157,29 @@ def _qwen3_vl() -> tuple[Any, Any]:
     return config, _qwen_processor("Qwen3VLProcessor", tok, 64, 16)
 
 
+def _qwen3_5() -> tuple[Any, Any]:
+    """Qwen3-VL's tower without deepstack beside a hybrid decoder: a Gated DeltaNet layer then a gated attention
+    layer with partial, interleaved M-RoPE."""
+    from transformers import Qwen3_5Config
+
+    tok = tiny_tokenizer(QWEN_TOKENS)
+    config = Qwen3_5Config(
+        vision_config={"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+                       "patch_size": 16, "spatial_merge_size": 2, "num_position_embeddings": 9},
+        text_config={**TEXT_ARCH, "head_dim": 16, "vocab_size": len(tok), "bos_token_id": BOS_ID,
+                     "eos_token_id": EOS_ID, "layer_types": ["linear_attention", "full_attention"],
+                     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                     "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                         "mrope_section": [2, 1, 1], "mrope_interleaved": True}},
+        **_qwen_ids(tok), architectures=["Qwen3_5ForConditionalGeneration"])
+    return config, _qwen_processor("Qwen3VLProcessor", tok, 64, 16)
+
+
 #: family (``models.vision.VisionLanguage.name``) -> its tiny config and processor.
 TINY_VLM: dict[str, Callable[[], tuple[Any, Any]]] = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3,
                                                       "lfm2_vl": _lfm2_vl, "qwen2_5_vl": _qwen2_5_vl,
-                                                      "qwen3_vl": _qwen3_vl}
+                                                      "qwen3_vl": _qwen3_vl, "qwen3_5": _qwen3_5}
 
 
 def write_tiny_vlm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, train_steps: int = 100) -> Path:

@@ -129,9 +129,8 @@ VISION_LANGUAGE: tuple[VisionLanguage, ...] = (
                    ("model.vision_model.", "model.connector."), _idefics3_geometry),
     # LFM2-VL: SigLIP2 (NaFlex) beside an LFM2 decoder; one square image per picture (no tiles).
     VisionLanguage("lfm2_vl", ("Lfm2VlForConditionalGeneration",), _TOWER_AND_PROJECTOR, _lfm2_vl_geometry),
-    # Every Qwen3.5 on the hub is this class; its ViT (2D rotary patches, M-RoPE positions in the decoder) is not built,
-    # so its text decoder exports alone, as transformers' Qwen3_5ForCausalLM loads it from the same files.
-    VisionLanguage("qwen3_5", ("Qwen3_5ForConditionalGeneration",), ("model.visual.",), None),
+    # Every Qwen3.5 on the hub is this class: Qwen3-VL's tower (without deepstack) beside the hybrid decoder.
+    VisionLanguage("qwen3_5", ("Qwen3_5ForConditionalGeneration",), ("model.visual.",), _qwen_vl_geometry),
     # Qwen2.5-VL and Qwen3-VL: one square image (models.vision_encoder), M-RoPE decoders whose image positions the
     # program keeps (models.decoder), so the stock runner's one start position suffices.
     VisionLanguage("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("model.visual.", "visual."),

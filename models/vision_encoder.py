@@ -226,8 +226,9 @@ class QwenVisionBase(VisionEncoder):
 
 
 class Qwen3VlVision(QwenVisionBase):
-    """Qwen3-VL: a learned position table resampled to the grid (a constant), LayerNorm blocks attending over the
-    whole image, the merger, and a deepstack merger after each of ``deepstack_visual_indexes``' blocks."""
+    """Qwen3-VL (and Qwen3.5, without deepstack): a learned position table resampled to the grid (a constant),
+    LayerNorm blocks attending over the whole image, the merger, and a deepstack merger after each of
+    ``deepstack_visual_indexes``' blocks."""
 
     def __init__(self, config: Any, geometry: tuple[int, int], tower: nn.Module, projector: None = None) -> None:
         from transformers.vision_utils import get_vision_interpolation_indices_and_weights
@@ -240,8 +241,8 @@ class Qwen3VlVision(QwenVisionBase):
             positions = (tower.pos_embed(indices) * weights[:, :, None]).sum(1)
         self.register_buffer("positions", positions[None].float(), persistent=False)
         self.merger = tower.merger
-        self.deepstack_at = list(tower.deepstack_visual_indexes)
-        self.deepstack_mergers = tower.deepstack_merger_list
+        self.deepstack_at = list(getattr(tower, "deepstack_visual_indexes", []))  # Qwen3.5's tower has none
+        self.deepstack_mergers = getattr(tower, "deepstack_merger_list", nn.ModuleList())
 
     def features(self, pixels: torch.Tensor) -> torch.Tensor:
         x = self.patches(pixels) + self.positions
@@ -294,7 +295,8 @@ class Qwen25VlVision(QwenVisionBase):
 
 
 ENCODERS: dict[str, type[VisionEncoder]] = {"llava": LlavaVision, "gemma3": Gemma3Vision, "idefics3": Idefics3Vision,
-                            "lfm2_vl": Lfm2VlVision, "qwen2_5_vl": Qwen25VlVision, "qwen3_vl": Qwen3VlVision}
+                            "lfm2_vl": Lfm2VlVision, "qwen2_5_vl": Qwen25VlVision, "qwen3_vl": Qwen3VlVision,
+                                               "qwen3_5": Qwen3VlVision}
 
 
 def _parts(model: Any) -> tuple[nn.Module, nn.Module | None]:

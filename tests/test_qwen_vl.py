@@ -20,7 +20,7 @@ from models.decoder import DecoderArgs, RopeTable
 from models.errors import ModelError
 from tests.helpers import compose_config, transformers_model
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 TEXT_BEFORE, TEXT_AFTER = [10, 11], [12, 13, 14]
 
 

@@ -35,10 +35,11 @@ PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len
 # Where the prompt's image goes: the processor expands this into the image's tokens (Gemma 3's begin-of-image token).
 IMAGE_MARK = {"llava": "<image>", "gemma3": "<start_of_image>", "idefics3": "<image>", "lfm2_vl": "<image>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-              "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+              "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+              "qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>"}
 # Families whose program takes one square: a picture of another shape is stretched to it (docs/vision.md).
-STRETCHED = ("lfm2_vl", "qwen2_5_vl", "qwen3_vl")
-QWEN_VL = ("qwen2_5_vl", "qwen3_vl")
+STRETCHED = ("lfm2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+QWEN_VL = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 def picture():  # type: ignore[no-untyped-def]
@@ -148,11 +149,16 @@ def test_the_vision_tower_is_read_alone_from_each_layout_checkpoints_have(vlm_ch
         load_vision_encoder(str(moved), config)
 
 
-@pytest.mark.slow
 # LLaVA's program runs through exporters.generate (two images in one prompt, below) in the full run; through the stock
 # MultimodalRunner with -m extended, for the full run's time. Idefics3's too: its SigLIP layers are Gemma 3's (and
-# LFM2-VL's SigLIP2), its connector a reshape and a linear, its eager parity a fast test.
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.extended) if f in ("llava", "idefics3") else f
+# LFM2-VL's SigLIP2), its connector a reshape and a linear, its eager parity a fast test. Qwen2.5-VL's and Qwen3.5's
+# programs run the kernels Qwen3-VL's does (the M-RoPE positions through the runner) and LFM2-VL's (a hybrid decoder);
+# their towers and positions are fast tests here and in tests/test_qwen_vl.py.
+RUNNER_EXTENDED = ("llava", "idefics3", "qwen2_5_vl", "qwen3_5")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.extended) if f in RUNNER_EXTENDED else f
                                     for f in FAMILIES])
 def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_checkpoint, family: str, tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
