@@ -176,8 +176,8 @@ def test_a_hybrid_checkpoint_that_does_not_fit_is_named(tmp_path: Path, family_c
 
 def test_a_qwen3_5_checkpoint_as_the_hub_ships_it_exports_its_text_decoder(tmp_path: Path) -> None:
     """Every Qwen3.5 on the hub is Qwen3_5ForConditionalGeneration with a multi-token-prediction head (``mtp.*``) beside
-    the text decoder: ``model=hf`` plans a text program, the decoder loads as transformers' Qwen3_5ForCausalLM loads it
-    (the ViT and the head left out) and gives the whole model's logits on text."""
+    the text decoder: ``model=hf`` plans the decoder beside its vision encoder (docs/vision.md), the decoder loads
+    without the ViT's tensors and the head and gives the whole model's logits on text."""
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
@@ -198,12 +198,12 @@ def test_a_qwen3_5_checkpoint_as_the_hub_ships_it_exports_its_text_decoder(tmp_p
     weights["mtp.fc.weight"] = torch.randn(64, 128)  # what the hub's checkpoints add; transformers skips it
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
 
-    cfg = compose_config("model=hf", f"model.checkpoint={folder}", "backend=portable", "quant=fp32")
-    assert [c.name for c in plan_export(cfg).components] == ["decoder"], "a text program"
+    # Without processor files the image is 448 px: 784 positions of patches of 8, which one text_decoder call takes.
+    cfg = compose_config("model=hf", f"model.checkpoint={folder}", "backend=portable", "quant=fp32",
+                         "export.max_seq_len=800")
+    assert [c.name for c in plan_export(cfg).components] == ["decoder", "vision"]
     ckpt = open_checkpoint(folder)
-    assert family_of_config(ckpt.hf_config).name == "qwen3_5"
-    assert text_only(ckpt.hf_config) == ("text decoder only (Qwen3_5ForConditionalGeneration's vision encoder is not "
-                                         "exported yet)")
+    assert family_of_config(ckpt.hf_config).name == "qwen3_5" and text_only(ckpt.hf_config) is None
     ours = build_model(ckpt, MAX_SEQ_LEN)
     tokens = torch.randint(0, 380, (1, 20), generator=torch.Generator().manual_seed(2))
     assert_matches_transformers(ref, ours, tokens, prefill_len=11)
