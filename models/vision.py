@@ -28,6 +28,9 @@ class VisionLanguage:
     # positions it takes in the decoder; None for a family whose vision encoder is not built yet: its checkpoint
     # exports its text decoder alone.
     geometry: Callable[[Any, dict[str, Any]], tuple[int, int]] | None
+    # The processor takes any size in a range (Qwen-VL's least and most pixels) and the program one square, which
+    # model.image_size may choose (the run's processor files are written with it); else the size is the processor's.
+    size_chosen: bool = False
 
     def image_token_id(self, hf_config: Any) -> int:
         """The token each image position takes in a prompt (the config's, not the processor's: Gemma 3's processor
@@ -88,19 +91,25 @@ def fixed_side(settings: dict[str, Any], multiple: int) -> int | None:
 QWEN_VL_SIDE = 448
 
 
-def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
+def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any], image_size: int | None = None) -> tuple[int, int]:
     """One square of S x S pixels: patches of p, merged m x m into one position each, (S / (p m))^2 positions. S is
-    the processor's when its size fixes one square; a random-weight shape (no processor) takes 448 (rounded)."""
+    ``image_size`` (model.image_size) when given, else the processor's when its size fixes one square; a random-weight
+    shape (no processor) takes 448 (rounded)."""
     vc = cfg.vision_config
     unit = vc.patch_size * vc.spatial_merge_size
+    example = f"e.g. model.image_size={QWEN_VL_SIDE // unit * unit} for {(QWEN_VL_SIDE // unit) ** 2} positions per image"
+    if image_size is not None:
+        if image_size <= 0 or image_size % unit:
+            raise ModelError(f"model.image_size={image_size}: this checkpoint's images are cut into patches of "
+                             f"{vc.patch_size} merged {vc.spatial_merge_size} x {vc.spatial_merge_size}, so the side "
+                             f"must be a multiple of {unit} ({example}).")
+        return image_size, (image_size // unit) ** 2
     side = fixed_side(processor, unit)
     if side is None:
         if processor:
             raise ModelError(f"the processor takes images of {processor.get('size')} pixels and a program takes one "
-                             "size: in the checkpoint's processor file (processor_config.json or "
-                             "preprocessor_config.json) set its size to shortest_edge = longest_edge = S * S for the "
-                             f"side S the program should take (a multiple of {unit}, e.g. {QWEN_VL_SIDE // unit * unit} "
-                             f"for {(QWEN_VL_SIDE // unit) ** 2} positions per image).")
+                             f"size: set model.image_size to the side S of the square the program takes, a multiple "
+                             f"of {unit} ({example}); the run's processor files are written with it.")
         side = QWEN_VL_SIDE // unit * unit
     return side, (side // unit) ** 2
 
@@ -130,12 +139,14 @@ VISION_LANGUAGE: tuple[VisionLanguage, ...] = (
     # LFM2-VL: SigLIP2 (NaFlex) beside an LFM2 decoder; one square image per picture (no tiles).
     VisionLanguage("lfm2_vl", ("Lfm2VlForConditionalGeneration",), _TOWER_AND_PROJECTOR, _lfm2_vl_geometry),
     # Every Qwen3.5 on the hub is this class: Qwen3-VL's tower (without deepstack) beside the hybrid decoder.
-    VisionLanguage("qwen3_5", ("Qwen3_5ForConditionalGeneration",), ("model.visual.",), _qwen_vl_geometry),
+    VisionLanguage("qwen3_5", ("Qwen3_5ForConditionalGeneration",), ("model.visual.",), _qwen_vl_geometry,
+                   size_chosen=True),
     # Qwen2.5-VL and Qwen3-VL: one square image (models.vision_encoder), M-RoPE decoders whose image positions the
     # program keeps (models.decoder), so the stock runner's one start position suffices.
     VisionLanguage("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("model.visual.", "visual."),
-                   _qwen_vl_geometry),
-    VisionLanguage("qwen3_vl", ("Qwen3VLForConditionalGeneration",), ("model.visual.", "visual."), _qwen_vl_geometry),
+                   _qwen_vl_geometry, size_chosen=True),
+    VisionLanguage("qwen3_vl", ("Qwen3VLForConditionalGeneration",), ("model.visual.", "visual."), _qwen_vl_geometry,
+                   size_chosen=True),
     # Gemma 4 ships as this class (image and audio towers beside the decoder); its towers are not built yet (issue 64),
     # so its text decoder exports alone, as transformers' Gemma4ForCausalLM computes it.
     VisionLanguage("gemma4", ("Gemma4ForConditionalGeneration",),
@@ -162,11 +173,20 @@ def load_processor(folder: Path) -> Any:
     return AutoProcessor.from_pretrained(str(folder), local_files_only=True)
 
 
-def geometry_of(hf_config: Any, folder: str | Path | None) -> tuple[int, int]:
-    """(S, N) of a vision-language checkpoint: its config, and the processor's files in ``folder`` (if any)."""
+def geometry_of(hf_config: Any, folder: str | Path | None, image_size: int | None = None) -> tuple[int, int]:
+    """(S, N) of a vision-language checkpoint: its config, and the processor's files in ``folder`` (if any);
+    ``image_size`` (model.image_size) chooses S where the processor takes a range of sizes."""
     family = vision_language_of(hf_config)
     assert family is not None and family.geometry is not None, "a vision-language config whose encoder is built"
-    return family.geometry(hf_config, processor_settings(Path(folder)) if folder is not None else {})
+    processor = processor_settings(Path(folder)) if folder is not None else {}
+    if family.size_chosen:
+        return family.geometry(hf_config, processor, image_size)  # type: ignore[call-arg]
+    side, tokens = family.geometry(hf_config, processor)
+    if image_size is not None and image_size != side:
+        raise ModelError(f"model.image_size={image_size}: {hf_config.architectures[0]}'s images are {side} x {side} "
+                         "(its processor and config fix them); model.image_size chooses the size for Qwen-VL "
+                         "checkpoints, whose processors take a range. Leave it unset.")
+    return side, tokens
 
 
 def vision_language_of(hf_config: Any) -> VisionLanguage | None:

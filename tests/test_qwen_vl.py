@@ -88,13 +88,14 @@ def test_qwen_vl_rows_fold_back_into_the_pixels_they_were_cut_from(vlm_checkpoin
         program_pixels(made, 64)
 
 
-def test_a_processor_taking_a_range_of_sizes_is_refused_with_the_size_to_set(vlm_checkpoint, tmp_path: Path) -> None:
-    """The hub's Qwen-VL processors take any size between min and max pixels; a program takes one square."""
+def test_a_processor_taking_a_range_of_sizes_asks_for_model_image_size(vlm_checkpoint, tmp_path: Path) -> None:
+    """The hub's Qwen-VL processors take any size between min and max pixels; a program takes one square: without
+    model.image_size, refused with the value to set."""
     ckpt = shutil.copytree(vlm_checkpoint("qwen2_5_vl"), tmp_path / "ckpt")
     saved = json.loads((ckpt / "processor_config.json").read_text())
     saved["image_processor"]["size"] = {"shortest_edge": 3136, "longest_edge": 12845056}
     (ckpt / "processor_config.json").write_text(json.dumps(saved))
-    with pytest.raises(ModelError, match="shortest_edge = longest_edge = S \\* S .*a multiple of 28, e.g. 448"):
+    with pytest.raises(ModelError, match="set model.image_size to the side S .* a multiple of 28 .e.g. model.image_size=448"):
         checked_config(compose_config("model=hf", f"model.checkpoint={ckpt}", "export.max_seq_len=32"))
 
 
@@ -109,3 +110,41 @@ def test_m_rope_refuses_ring_caches() -> None:
         DecoderArgs(**shape, attention_sink=4)
     with pytest.raises(ValueError, match="one stream"):
         DecoderArgs(**{**shape, "mrope_axes": (0, 1, 2)})
+
+
+def test_model_image_size_chooses_the_square_and_sizes_the_run_s_processor(vlm_checkpoint, tmp_path: Path) -> None:
+    """model.image_size sets S for a Qwen-VL checkpoint (the hub's processors take a range): the plan's geometry, the
+    processor files the run keeps (least = most pixels = S * S), from which the processor makes that grid. A side
+    that is no multiple of patch x merge, a size for a family whose processor fixes it, or one for a text checkpoint
+    is refused before any weight is read."""
+    from exporters.components.resolve import plan_export
+    from exporters.components.vision import processor_files_sized
+    from models.vision import load_processor
+
+    ckpt = shutil.copytree(vlm_checkpoint("qwen3_vl"), tmp_path / "ckpt")
+    saved = json.loads((ckpt / "processor_config.json").read_text())
+    saved["image_processor"]["size"] = {"shortest_edge": 3136, "longest_edge": 12845056}  # the hub's range
+    (ckpt / "processor_config.json").write_text(json.dumps(saved))
+    plan = plan_export(compose_config("model=hf", f"model.checkpoint={ckpt}", "model.image_size=96",
+                                      "export.max_seq_len=32"))
+    geometry = plan.component("vision").build.geometry
+    assert (geometry.image_size, geometry.tokens) == (96, 9)
+    run = tmp_path / "run"
+    run.mkdir()
+    for final, staged in processor_files_sized(ckpt, 96, run).items():
+        staged.rename(final)
+    shutil.copy(ckpt / "tokenizer.json", run)
+    shutil.copy(ckpt / "tokenizer_config.json", run)
+    sized = json.loads((run / "processor_config.json").read_text())["image_processor"]["size"]
+    assert sized == {"shortest_edge": 96 * 96, "longest_edge": 96 * 96}
+    from PIL import Image
+
+    made = load_processor(run)(images=Image.new("RGB", (50, 40)), text="<|image_pad|>", return_tensors="pt")
+    assert made["image_grid_thw"].tolist() == [[1, 6, 6]] and tuple(program_pixels(made, 96).shape) == (1, 3, 96, 96)
+    for overrides, says in ((["model.image_size=100"], "multiple of 32"),
+                            ([f"model.checkpoint={vlm_checkpoint('llava')}", "model.image_size=64"],
+                             "LlavaForConditionalGeneration's images are 28 x 28")):
+        with pytest.raises(ModelError, match=says):
+            checked_config(compose_config("model=hf", f"model.checkpoint={ckpt}", *overrides, "export.max_seq_len=32"))
+    with pytest.raises(UserError, match="model.checkpoint is a text model"):
+        checked_config(compose_config("model.image_size=64"))

@@ -12,6 +12,7 @@ quantizes it apart (``exporters.quant.vision``); validation runs an image and an
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from exporters.config import ExportConfig, ModelConfig, Source
 from exporters.context.artifacts import summary
 from exporters.errors import UserError, check_choice
 from exporters.manifest import ComponentEntry, Manifest, VisionEntry
+from exporters.output.files import private_path
 from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
 from exporters.plan.footprint import Footprint, encoder_footprint
 from exporters.program.methods import (MULTIMODAL_METHODS, MethodTable, check_encoder_unbuilt,
@@ -76,7 +78,7 @@ def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
     family = vision_language_of(hf_config)
     if family is None or family.geometry is None or getattr(hf_config, "vision_config", None) is None:
         return None  # text only (models.vision.text_only), or an incomplete config: load names what is missing
-    size, tokens = geometry_of(hf_config, path)
+    size, tokens = geometry_of(hf_config, path, model.image_size)
     return VisionGeometry(family.name, size, tokens, family.image_token_id(hf_config))
 
 
@@ -107,6 +109,9 @@ class Vision(Kind):
         """What a vision-language export cannot do, refused before any weight is read."""
         geometry = vision_geometry(cfg.model)
         check_choice("quant.vision", cfg.quant.vision, [AUTO, *VISION_SCHEMES], "Fix quant.vision.")
+        if geometry is None and cfg.model.image_size is not None:
+            raise UserError(f"model.image_size={cfg.model.image_size} sizes a vision-language checkpoint's images, and "
+                            "model.checkpoint is a text model. Leave model.image_size unset.")
         if geometry is None:
             if cfg.quant.vision != AUTO:
                 raise UserError(f"quant.vision={cfg.quant.vision} quantizes a vision-language checkpoint's image encoder, "
@@ -166,11 +171,17 @@ class Vision(Kind):
         return [f"the image path: {', '.join(check.failures)}"] if check is not None and not check.passed else []
 
     def finalize(self, part: Part, ctx: ExportContext, written: WrittenProgram, pte: Path) -> Finalized:
+        """Its manifest entry; for a processor that takes a range of sizes (Qwen-VL), its files as the run keeps
+        them, sized to the program's one square."""
         encoder = written.components[part.name]
+        geometry = part.component.build.geometry
+        family = next(v for v in VISION_LANGUAGE if v.name == geometry.family)
+        staged = (processor_files_sized(ctx.record(part.name).checkpoint.path, geometry.image_size, pte.parent)
+                  if family.size_chosen else {})
         return Finalized(ComponentEntry(
             kind=str(part.component.kind), methods=list(written.methods.of_component(part.name)), adapters=[],
             checkpoint=str(ctx.record(part.name).checkpoint.path), parameters=sum(p.numel() for p in encoder.parameters()),
-            state=[], vision=self.entry(part, ctx)))
+            state=[], vision=self.entry(part, ctx)), staged=staged)
 
     def entry(self, part: Part, ctx: ExportContext) -> VisionEntry:
         """The manifest's record of the encoder: what an app does to a picture, and how the image path was checked."""
@@ -204,6 +215,25 @@ class Vision(Kind):
         # The manifest's own form of it (Manifest.to_dict is asdict for components), without serializing it all again.
         return Bundled(readme=bundle_readme(entry.vision), files=list(PROCESSOR_FILES),
                        fields={"vision": dataclasses.asdict(entry.vision)})
+
+
+def processor_files_sized(folder: Path, side: int, out_dir: Path) -> dict[Path, Path]:
+    """``folder``'s processor files with their ``size`` fixed to one ``side`` x ``side`` square (least and most pixels
+    both its area), written under private names beside the program: final path -> that name (finalize renames them
+    into place with the program, instead of the checkpoint's copies)."""
+    staged: dict[Path, Path] = {}
+    for name in PROCESSOR_FILES:
+        source = folder / name
+        if not source.is_file():
+            continue
+        saved = json.loads(source.read_text())
+        fields = saved.get("image_processor", saved)  # processor_config.json nests it; preprocessor_config.json not
+        fields["size"] = {"shortest_edge": side * side, "longest_edge": side * side}
+        for older in ("min_pixels", "max_pixels"):
+            fields.pop(older, None)
+        staged[out_dir / name] = private_path(out_dir / name, "staged")
+        staged[out_dir / name].write_text(json.dumps(saved, indent=2) + "\n")
+    return staged
 
 
 def bundle_readme(v: VisionEntry) -> str:

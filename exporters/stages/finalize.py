@@ -64,9 +64,9 @@ def failures(plan: ExportPlan, ctx: ExportContext) -> list[str]:
 
 def stage_files(sources: list[Path], out_dir: Path, staged: dict[Path, Path]) -> None:
     """The tokenizer's files copied beside the program under private names (final path -> that name, in
-    ``staged``)."""
+    ``staged``); a file a part already staged (a processor file it rewrote) is kept as the part wrote it."""
     for src in sources:
-        if src.parent.resolve() != out_dir.resolve():
+        if out_dir / src.name not in staged and src.parent.resolve() != out_dir.resolve():
             staged[out_dir / src.name] = private_path(out_dir / src.name, "staged")
             shutil.copy2(src, staged[out_dir / src.name])
 
