@@ -150,8 +150,9 @@ class DecoderArgs:
     # token, from a table of per_layer_vocab rows and a projection of the token's embedding. 0: none.
     per_layer_input: int = 0
     per_layer_vocab: int = 0
-    # M-RoPE (Qwen2.5-VL, Qwen3-VL): per rotary frequency, the position stream (0 temporal, 1 height, 2 width) its
-    # angle reads. Empty: plain RoPE. A text token's three positions are equal; an image's tokens take their grid's.
+    # M-RoPE (Qwen2.5-VL, Qwen3-VL, Qwen3.5 with images): per rotary frequency, the position stream (0 temporal,
+    # 1 height, 2 width) its angle reads. Empty: plain RoPE. A text token's three positions are equal; an image's tokens
+    # take their grid's.
     mrope_axes: tuple[int, ...] = ()
     # Qwen3-VL's deepstack: an image's features from as many vision layers, added after decoder layers 0, 1, ...
     deepstack: int = 0
