@@ -148,3 +148,7 @@ def test_model_image_size_chooses_the_square_and_sizes_the_run_s_processor(vlm_c
             checked_config(compose_config("model=hf", f"model.checkpoint={ckpt}", *overrides, "export.max_seq_len=32"))
     with pytest.raises(UserError, match="model.checkpoint is a text model"):
         checked_config(compose_config("model.image_size=64"))
+    # bf16 holds whole numbers to 256: an image's places (1 + index) must stay exact in the decoder's input.
+    with pytest.raises(UserError, match="quant.dtype=bf16 holds whole numbers exactly only up to 256"):
+        checked_config(compose_config("model=hf", f"model.checkpoint={ckpt}", "model.image_size=544", "quant=bf16",
+                                      "export.max_seq_len=320"))

@@ -96,6 +96,10 @@ class VisionBuild(FolderBuild):
         return load_vision_encoder(str(checkpoint.path), checkpoint.hf_config, geometry)
 
 
+# The largest whole number each half-precision dtype holds exactly (its significand): an M-RoPE image's channels
+# (models.decoder.IMAGE_CHANNELS) travel in the decoder's activation dtype.
+EXACT_INTEGERS = {"bf16": 256, "fp16": 2048}
+
 # Peak RSS the vision encoder adds to an export, per byte of its fp32 weights: measured on SmolVLM-256M's shape
 # (docs/vision.md; 3215 MB measured against 1819 MB estimated for the decoder alone, over 374 MB of fp32 encoder
 # weights: the eager encoder, its captured and lowered graphs, the program's copy at validation).
@@ -118,6 +122,13 @@ class Vision(Kind):
                                 "and model.checkpoint is a text model. Leave quant.vision unset.")
             return
         what = f"{cfg.model.checkpoint} sees images ({geometry.family}, {geometry.tokens} positions per image)"
+        exact = EXACT_INTEGERS.get(str(cfg.quant.dtype))
+        family = next(v for v in VISION_LANGUAGE if v.name == geometry.family)
+        if family.size_chosen and exact is not None and geometry.tokens > exact:
+            raise UserError(f"{what}, and quant.dtype={cfg.quant.dtype} holds whole numbers exactly only up to {exact}: "
+                            "each image token carries its place in the image to the decoder (docs/vision.md), which "
+                            f"would be rounded. Use a smaller model.image_size (at most {exact} positions) or "
+                            "quant.dtype=fp32.")
         check_runner_feeds(cfg, lengths, what, geometry.tokens, "an image")
         check_encoder_unbuilt(cfg, what, "image", "a vision-language")
 
