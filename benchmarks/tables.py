@@ -14,7 +14,8 @@ Each renderer takes one tool's JSON: ``suite`` the test suite's durations (``pyt
 ``benchmarks.llama_cpp`` report, ``memory`` a ``benchmarks.memory_estimate`` report, ``hybrid`` the rows
 ``benchmarks.hybrid --results`` keeps, ``adapters`` a ``benchmarks.adapters`` report, ``vision_quant`` the rows
 ``benchmarks.vision_quant --results`` writes, ``serve`` a ``benchmarks.serve`` report, ``speech`` a
-``benchmarks.speech`` report, ``audio_shape`` a ``benchmarks.audio_language`` report. Keep the JSON files in
+``benchmarks.speech`` report, ``audio_shape`` a ``benchmarks.audio_language`` report, ``vision_shape`` a
+``benchmarks.vision --report`` report. Keep the JSON files in
 ``docs/results/``: they are the measurement, the table is a view of it. A new table is a renderer in
 :data:`RENDERERS` and a region in a doc.
 """
@@ -191,6 +192,21 @@ def render_audio_shape(data: dict[str, Any]) -> str:
         "Stages (s): " + ", ".join(f"{k} {v:.0f}" for k, v in stages.items()) + "."]) + "\n"
 
 
+def render_vision_shape(data: dict[str, Any]) -> str:
+    """A ``benchmarks.vision --report`` report: one published shape's export cost and its image path's speed."""
+    r, stages = data["runtime"], data["stages_s"]
+    return "\n".join([
+        f"{data['shape']} (random weights), `{' '.join(data['settings'])}`:", "",
+        "| export s | peak RSS MB | estimated MB | program MB | RSS after load MB | vision_encoder, one image | "
+        "prompt with the image | decode |", "|---|---|---|---|---|---|---|---|",
+        f"| {data['wall_s']:.0f} | {data['peak_rss_mb']} | {data['estimated_peak_rss_mb']:.0f} | "
+        f"{data['program_mb']:.1f} | {r['rss_after_load_mb']:.0f} | {r['image_encode_ms'] / 1e3:.1f} s "
+        f"({r['image_size']} px, {r['image_positions']} positions) | {r['prompt_tokens']} tokens at "
+        f"{r['prompt_with_image_tok_s']} tok/s | {r['decode_tok_s']} tok/s |", "",
+        "Stages (s): " + ", ".join(f"{k} {v:.0f}" for k, v in stages.items()) + ". Delegated partitions: "
+        + ", ".join(f"`{k}` {v}" for k, v in data["partitions"].items()) + "."]) + "\n"
+
+
 def render_grammar_engines(data: dict[str, Any]) -> str:
     """A ``benchmarks.grammar_engines`` report: each engine's cost on one tokenizer and the 20 schemas."""
     lines = [f"{data['schemas']} schemas, the {data['tokenizer']} tokenizer ({data['vocab']} tokens):", "",
@@ -237,7 +253,7 @@ RENDERERS: dict[str, Callable[[Any], str]] = {"serve": render_serve, "suite": re
                                               "speculative": render_speculative, "memory": render_memory,
                                               "hybrid": render_hybrid, "adapters": render_adapters,
                                               "vision_quant": render_vision_quant, "speech": render_speech,
-                                              "audio_shape": render_audio_shape,
+                                              "audio_shape": render_audio_shape, "vision_shape": render_vision_shape,
                                               "grammar_engines": render_grammar_engines,
                                               "constrained": render_constrained, "serve_peers": render_serve_peers}
 

@@ -13,6 +13,8 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,8 +74,32 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=16, help="text tokens before the image, and after it")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--report", type=Path, help="also write the export's cost (its manifest) with these numbers "
+                                                    "here, as the vision_shape table of docs reads it")
+    parser.add_argument("--shape", help="the shape's name in the report (benchmarks.vision_shapes)")
     args = parser.parse_args()
-    print(json.dumps(measure(args.program, args.text_tokens, args.steps, args.repeats)))
+    runtime = measure(args.program, args.text_tokens, args.steps, args.repeats)
+    print(json.dumps(runtime))
+    if args.report is not None:
+        args.report.write_text(json.dumps(report(args.program, args.shape, runtime), indent=2) + "\n")
+
+
+def report(program: str, shape: str | None, runtime: dict[str, float]) -> dict[str, Any]:
+    """The export's cost from the run's manifest (wall, peak and estimate, program size, stages, its settings) beside
+    the runtime's numbers."""
+    run = resolve_program(program).parent
+    m = json.loads((run / "manifest.json").read_text())
+    r = m["resources"]
+    vision = m["components"]["vision"]["vision"]
+    quant = m["config"]["quant"]
+    settings = [f"quant={quant['name']}", f"quant.vision={quant['vision']}",
+                f"export.max_seq_len={m['config']['export']['max_seq_len']}"]
+    return {"shape": shape or run.name, "settings": settings, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"],
+            "estimated_peak_rss_mb": r["estimated_peak_rss_mb"],
+            "program_mb": round(m["program"]["size_bytes"] / 1e6, 1), "stages_s": m["timings_s"],
+            "partitions": {name: method["delegated_partitions"] for name, method in m["methods"].items()},
+            "validation": {"passed": m["validation"]["passed"], "encoder_cosine": vision["check"]["cosine"]},
+            "runtime": runtime}
 
 
 if __name__ == "__main__":
