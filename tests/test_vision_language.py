@@ -153,8 +153,10 @@ def test_the_vision_tower_is_read_alone_from_each_layout_checkpoints_have(vlm_ch
 # MultimodalRunner with -m extended, for the full run's time. Idefics3's too: its SigLIP layers are Gemma 3's (and
 # LFM2-VL's SigLIP2), its connector a reshape and a linear, its eager parity a fast test. Qwen2.5-VL's and Qwen3.5's
 # programs run the kernels Qwen3-VL's does (the M-RoPE positions through the runner) and LFM2-VL's (a hybrid decoder);
-# their towers and positions are fast tests here and in tests/test_qwen_vl.py.
-RUNNER_EXTENDED = ("llava", "idefics3", "qwen2_5_vl", "qwen3_5")
+# their towers and positions are fast tests here and in tests/test_qwen_vl.py. Gemma 3's (SigLIP, a pooled projector,
+# its decoder) runs kernels LFM2-VL's tower and tests/test_families.py's Gemma 3 programs run: extended since Qwen-VL
+# joined the full run (the cut it brought).
+RUNNER_EXTENDED = ("llava", "idefics3", "gemma3", "qwen2_5_vl", "qwen3_5")
 
 
 @pytest.mark.slow
