@@ -258,8 +258,9 @@ def gemma4(cfg: Any, max_context_len: int) -> dict[str, Any]:
     head size and kv heads per layer type, partial "proportional" RoPE on full-attention layers, per-layer embeddings
     (PLE), a stored scalar per layer, and the last layers reading an earlier layer's cache (KV sharing) with twice the
     MLP width."""
-    if getattr(cfg, "use_bidirectional_attention", None):
-        raise ModelError("this Gemma 4 config uses bidirectional attention, not a causal LM's.")
+    if getattr(cfg, "use_bidirectional_attention", None) == "all":  # "vision": only within an image's tokens
+        raise ModelError("this Gemma 4 config uses bidirectional attention everywhere "
+                         "(use_bidirectional_attention=all), not a causal LM's.")
     if getattr(cfg, "enable_moe_block", False):
         raise ModelError("this Gemma 4 config has mixture-of-experts layers (enable_moe_block), which this exporter "
                          "does not implement. The dense models (E2B, E4B, 31B) export.")

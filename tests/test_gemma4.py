@@ -89,6 +89,24 @@ def test_mixture_of_experts_layers_are_refused(family_checkpoint, tmp_path: Path
         build_model(open_checkpoint(ckpt), MAX_SEQ_LEN)
 
 
+def test_bidirectional_attention_within_images_keeps_text_causal(family_checkpoint, tmp_path: Path) -> None:
+    """use_bidirectional_attention="vision" (the larger Gemma 4 configs) attends both ways only within an image's tokens:
+    the text decoder is transformers' causal one and exports; "all" is not a causal LM and is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import assert_matches_transformers
+
+    ckpt = copy_checkpoint(family_checkpoint("gemma4"), tmp_path / "vision",
+                           config={"use_bidirectional_attention": "vision"})
+    ref = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ours = build_model(open_checkpoint(ckpt), MAX_SEQ_LEN)
+    tokens = torch.randint(3, 380, (1, 10), generator=torch.Generator().manual_seed(1))
+    assert_matches_transformers(ref, ours, tokens, prefill_len=6)
+    every = copy_checkpoint(family_checkpoint("gemma4"), tmp_path / "all", config={"use_bidirectional_attention": "all"})
+    with pytest.raises(ModelError, match="bidirectional attention everywhere"):
+        build_model(open_checkpoint(every), MAX_SEQ_LEN)
+
+
 @pytest.mark.parametrize("overrides,says", [
     (["quant=8da4w_calibrated"], r"quant.algorithm=gptq run the decoder one layer at a time.*KV sharing.*hqq"),
     (["quant=8da4w", "quant.size_budget=1.05"], r"quant.size_budget run the decoder one layer at a time"),
