@@ -97,7 +97,8 @@ def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any], image_size: int | Non
     shape (no processor) takes 448 (rounded)."""
     vc = cfg.vision_config
     unit = vc.patch_size * vc.spatial_merge_size
-    example = f"e.g. model.image_size={QWEN_VL_SIDE // unit * unit} for {(QWEN_VL_SIDE // unit) ** 2} positions per image"
+    default = QWEN_VL_SIDE // unit * unit
+    example = f"e.g. model.image_size={default} for {(default // unit) ** 2} positions per image"
     if image_size is not None:
         if image_size <= 0 or image_size % unit:
             raise ModelError(f"model.image_size={image_size}: this checkpoint's images are cut into patches of "
@@ -110,7 +111,7 @@ def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any], image_size: int | Non
             raise ModelError(f"the processor takes images of {processor.get('size')} pixels and a program takes one "
                              f"size: set model.image_size to the side S of the square the program takes, a multiple "
                              f"of {unit} ({example}); the run's processor files are written with it.")
-        side = QWEN_VL_SIDE // unit * unit
+        side = default
     return side, (side // unit) ** 2
 
 

@@ -355,6 +355,7 @@ def random_vision_encoder(hf_config: Any, seed: int = 0, geometry: tuple[int, in
     assert family is not None, "a vision-language config"
     torch.manual_seed(seed)
     parts = _new_parts(hf_config)
-    randomized_zeros(tuple(part for part in parts if part is not None))  # Gemma 3's projector starts at zero: random images would all embed to nothing
+    # Gemma 3's projector starts at zero: random images would all embed to nothing
+    randomized_zeros(tuple(part for part in parts if part is not None))
     geometry = geometry or geometry_of(hf_config, None)
     return delegated_norms(ENCODERS[family.name](hf_config, geometry, *parts)).eval()

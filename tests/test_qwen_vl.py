@@ -38,7 +38,8 @@ def test_an_image_of_any_grid_gets_transformers_positions_however_the_prompt_is_
     vc = config.vision_config
     rows, cols = 3, 2  # merged positions; the patch grid is twice each
     n = rows * cols
-    pixels = torch.randn(4 * n, 3 * vc.temporal_patch_size * vc.patch_size**2, generator=torch.Generator().manual_seed(0))
+    row = 3 * vc.temporal_patch_size * vc.patch_size**2  # one patch's two frames, as the processor writes them
+    pixels = torch.randn(4 * n, row, generator=torch.Generator().manual_seed(0))
     grid = torch.tensor([[1, 2 * rows, 2 * cols]])
     ids = torch.tensor([[*TEXT_BEFORE, config.vision_start_token_id, *[config.image_token_id] * n,
                          config.vision_end_token_id, *TEXT_AFTER]])
@@ -46,15 +47,18 @@ def test_an_image_of_any_grid_gets_transformers_positions_however_the_prompt_is_
         expected = ref(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
                        mm_token_type_ids=(ids == config.image_token_id).int()).logits[0]
         features = ref.model.get_image_features(pixels, grid)
-        deep = [f[0] if isinstance(f, (list, tuple)) else f for f in getattr(features, "deepstack_features", None) or []]
+        deep = [f[0] if isinstance(f, (list, tuple)) else f
+                for f in getattr(features, "deepstack_features", None) or []]
         place = torch.arange(1, n + 1, dtype=torch.float32)
         channels = torch.stack([place, torch.full_like(place, rows), torch.full_like(place, cols)], dim=-1)
         image = torch.cat([features.pooler_output[0], *deep, channels], dim=-1)[None]
         assert image.shape[-1] == ours.args.embedding_width
         with ours.returns_token_embeddings():
             before, after = ours(ids[:, :3]), ours(ids[:, 3 + n:])
-        splits = {"the runner's three calls": [before, image, after], "one call": [torch.cat([before, image, after], 1)],
-                  "an image over two calls": [torch.cat([before, image[:, :2]], 1), torch.cat([image[:, 2:], after], 1)]}
+        splits = {"the runner's three calls": [before, image, after],
+                  "one call": [torch.cat([before, image, after], 1)],
+                  "an image over two calls": [torch.cat([before, image[:, :2]], 1),
+                                              torch.cat([image[:, 2:], after], 1)]}
         for how, calls in splits.items():
             ours.reset_cache()
             logits, start = [], 0
@@ -95,7 +99,7 @@ def test_a_processor_taking_a_range_of_sizes_asks_for_model_image_size(vlm_check
     saved = json.loads((ckpt / "processor_config.json").read_text())
     saved["image_processor"]["size"] = {"shortest_edge": 3136, "longest_edge": 12845056}
     (ckpt / "processor_config.json").write_text(json.dumps(saved))
-    with pytest.raises(ModelError, match="set model.image_size to the side S .* a multiple of 28 .e.g. model.image_size=448"):
+    with pytest.raises(ModelError, match="set model.image_size to the side S .* multiple of 28 .e.g. model.image_size=448"):
         checked_config(compose_config("model=hf", f"model.checkpoint={ckpt}", "export.max_seq_len=32"))
 
 
