@@ -91,10 +91,11 @@ def fixed_side(settings: dict[str, Any], multiple: int) -> int | None:
 QWEN_VL_SIDE = 448
 
 
-def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any], image_size: int | None = None) -> tuple[int, int]:
+def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any], image_size: int | None = None) -> tuple[int, int] | None:
     """One square of S x S pixels: patches of p, merged m x m into one position each, (S / (p m))^2 positions. S is
     ``image_size`` (model.image_size) when given, else the processor's when its size fixes one square; a random-weight
-    shape (no processor) takes 448 (rounded)."""
+    shape (no processor) takes 448 (rounded). None: the processor takes a range of sizes and none was chosen, so the
+    text decoder exports alone (:func:`text_only` says how to export the image path)."""
     vc = cfg.vision_config
     unit = vc.patch_size * vc.spatial_merge_size
     default = QWEN_VL_SIDE // unit * unit
@@ -108,11 +109,19 @@ def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any], image_size: int | Non
     side = fixed_side(processor, unit)
     if side is None:
         if processor:
-            raise ModelError(f"the processor takes images of {processor.get('size')} pixels and a program takes one "
-                             f"size: set model.image_size to the side S of the square the program takes, a multiple "
-                             f"of {unit} ({example}); the run's processor files are written with it.")
+            return None
         side = default
     return side, (side // unit) ** 2
+
+
+def size_to_choose(hf_config: Any) -> str:
+    """How to export the image path of a checkpoint whose processor takes a range of sizes."""
+    vc = hf_config.vision_config
+    unit = vc.patch_size * vc.spatial_merge_size
+    default = QWEN_VL_SIDE // unit * unit
+    return (f"its processor takes images of any size in a range and a program takes one square: "
+            f"model.image_size=S exports the image path (S a multiple of {unit}, e.g. {default} for "
+            f"{(default // unit) ** 2} positions per image)")
 
 
 def _qwen_vl_processor(processor_class: str) -> Callable[[Path], Any]:
@@ -174,9 +183,10 @@ def load_processor(folder: Path) -> Any:
     return AutoProcessor.from_pretrained(str(folder), local_files_only=True)
 
 
-def geometry_of(hf_config: Any, folder: str | Path | None, image_size: int | None = None) -> tuple[int, int]:
+def geometry_of(hf_config: Any, folder: str | Path | None, image_size: int | None = None) -> tuple[int, int] | None:
     """(S, N) of a vision-language checkpoint: its config, and the processor's files in ``folder`` (if any);
-    ``image_size`` (model.image_size) chooses S where the processor takes a range of sizes."""
+    ``image_size`` (model.image_size) chooses S where the processor takes a range of sizes (None: it takes a range
+    and none was chosen: the text decoder exports alone)."""
     family = vision_language_of(hf_config)
     assert family is not None and family.geometry is not None, "a vision-language config whose encoder is built"
     processor = processor_settings(Path(folder)) if folder is not None else {}
@@ -196,9 +206,14 @@ def vision_language_of(hf_config: Any) -> VisionLanguage | None:
     return next((v for v in VISION_LANGUAGE for arch in archs if arch in v.architectures), None)
 
 
-def text_only(hf_config: Any) -> str | None:
-    """What the console says of a vision-language checkpoint whose vision encoder is not exported; None otherwise."""
+def text_only(hf_config: Any, folder: str | Path | None = None, image_size: int | None = None) -> str | None:
+    """What the console says of a vision-language checkpoint whose vision encoder is not exported (not built, or its
+    image size not chosen: ``folder``'s processor, ``image_size``); None otherwise."""
     family = vision_language_of(hf_config)
-    if family is None or family.geometry is not None:
+    if family is None:
         return None
-    return f"text decoder only ({hf_config.architectures[0]}'s vision encoder is not exported yet)"
+    if family.geometry is None:
+        return f"text decoder only ({hf_config.architectures[0]}'s vision encoder is not exported yet)"
+    if family.size_chosen and geometry_of(hf_config, folder, image_size) is None:
+        return f"text decoder only ({size_to_choose(hf_config)})"
+    return None

@@ -17,7 +17,7 @@ from torch import nn
 from models.decoder import mean_last
 from models.errors import ModelError
 from models.towers import delegated_norms, load_parts, meta_model, quiet_transformers, randomized_zeros
-from models.vision import geometry_of, vision_language_of
+from models.vision import geometry_of, size_to_choose, vision_language_of
 
 
 class VisionEncoder(nn.Module):
@@ -330,6 +330,8 @@ def load_vision_encoder(path: str, hf_config: Any, geometry: tuple[int, int] | N
     parts = {"tower": tower} if projector is None else {"tower": tower, "projector": projector}
     load_parts(path, parts, PART_PREFIXES, NESTED)
     geometry = geometry or geometry_of(hf_config, path)
+    if geometry is None:
+        raise ModelError(f"{path}: {size_to_choose(hf_config)}; pass geometry=(S, N)")
     return delegated_norms(ENCODERS[family.name](hf_config, geometry, tower, projector)).eval()
 
 
@@ -358,4 +360,5 @@ def random_vision_encoder(hf_config: Any, seed: int = 0, geometry: tuple[int, in
     # Gemma 3's projector starts at zero: random images would all embed to nothing
     randomized_zeros(tuple(part for part in parts if part is not None))
     geometry = geometry or geometry_of(hf_config, None)
+    assert geometry is not None, "without processor files every built family has a size"
     return delegated_norms(ENCODERS[family.name](hf_config, geometry, *parts)).eval()

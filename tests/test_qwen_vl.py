@@ -92,15 +92,23 @@ def test_qwen_vl_rows_fold_back_into_the_pixels_they_were_cut_from(vlm_checkpoin
         program_pixels(made, 64)
 
 
-def test_a_processor_taking_a_range_of_sizes_asks_for_model_image_size(vlm_checkpoint, tmp_path: Path) -> None:
-    """The hub's Qwen-VL processors take any size between min and max pixels; a program takes one square: without
-    model.image_size, refused with the value to set."""
+def test_a_processor_taking_a_range_of_sizes_exports_text_alone_and_says_how_to_get_images(vlm_checkpoint,
+                                                                                          tmp_path: Path) -> None:
+    """The hub's Qwen-VL (and every Qwen3.5) processors take any size between min and max pixels; a program takes one
+    square. Without model.image_size the text decoder is planned alone (a hub Qwen3.5's text export works as before)
+    and the console's line says which setting exports the image path."""
+    from exporters.components.resolve import plan_export
+    from models.vision import text_only
+
     ckpt = shutil.copytree(vlm_checkpoint("qwen2_5_vl"), tmp_path / "ckpt")
     saved = json.loads((ckpt / "processor_config.json").read_text())
-    saved["image_processor"]["size"] = {"shortest_edge": 3136, "longest_edge": 12845056}
+    del saved["image_processor"]["size"]
+    saved["image_processor"].update(min_pixels=3136, max_pixels=12845056)  # the hub's older form
     (ckpt / "processor_config.json").write_text(json.dumps(saved))
-    with pytest.raises(ModelError, match="set model.image_size to the side S .* multiple of 28 .e.g. model.image_size=448"):
-        checked_config(compose_config("model=hf", f"model.checkpoint={ckpt}", "export.max_seq_len=32"))
+    plan = plan_export(compose_config("model=hf", f"model.checkpoint={ckpt}", "export.max_seq_len=32"))
+    assert [c.name for c in plan.components] == ["decoder"]
+    said = text_only(open_checkpoint(ckpt).hf_config, ckpt)
+    assert said is not None and "model.image_size=S exports the image path (S a multiple of 28, e.g. 448" in said
 
 
 def test_m_rope_refuses_ring_caches() -> None:

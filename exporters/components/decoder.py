@@ -94,7 +94,8 @@ class Decoder(LanguageModel):
         record = ctx.record(part.name)
         if stage == "load":
             hf_config = record.checkpoint.hf_config
-            family, alone = family_of_config(hf_config), text_only(hf_config)
+            family = family_of_config(hf_config)
+            alone = text_only(hf_config, record.checkpoint.path, ctx.config.model.image_size)
             return (f"{family.name if family else 'unknown'} family, {summary(models[part.name])}"
                     + (f"; {alone}" if alone else ""))
         if stage == "quantize":

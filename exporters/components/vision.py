@@ -66,19 +66,28 @@ class VisionRecord:
     check: VisionCheck | None = None  # validate: the image path in the program against eager
 
 
+def is_vision_language(model: ModelConfig) -> bool:
+    """``model.checkpoint`` is a vision-language checkpoint (built or not)."""
+    if model.source != Source.hf or model.checkpoint is None:
+        return False
+    archs = saved_architectures(Path(model.checkpoint).expanduser())
+    return any(arch in v.architectures for v in VISION_LANGUAGE for arch in archs)
+
+
 def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
     """The vision encoder ``model.checkpoint`` holds (with ``model.random_init``, of its shape), from its
     ``config.json``; None for a text checkpoint (or a GGUF file, a tiny model: text only)."""
-    if model.source != Source.hf or model.checkpoint is None:
+    if not is_vision_language(model):
         return None
-    path = Path(model.checkpoint).expanduser()
-    if not any(arch in v.architectures for v in VISION_LANGUAGE for arch in saved_architectures(path)):
-        return None
+    path = Path(str(model.checkpoint)).expanduser()
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     family = vision_language_of(hf_config)
     if family is None or family.geometry is None or getattr(hf_config, "vision_config", None) is None:
         return None  # text only (models.vision.text_only), or an incomplete config: load names what is missing
-    size, tokens = geometry_of(hf_config, path, model.image_size)
+    geometry = geometry_of(hf_config, path, model.image_size)
+    if geometry is None:
+        return None  # its processor takes a range of sizes and model.image_size chose none: text only
+    size, tokens = geometry
     return VisionGeometry(family.name, size, tokens, family.image_token_id(hf_config))
 
 
@@ -114,8 +123,10 @@ class Vision(Kind):
         geometry = vision_geometry(cfg.model)
         check_choice("quant.vision", cfg.quant.vision, [AUTO, *VISION_SCHEMES], "Fix quant.vision.")
         if geometry is None and cfg.model.image_size is not None:
+            what = ("its vision encoder is not exported yet" if is_vision_language(cfg.model) else
+                    "model.checkpoint is a text model")
             raise UserError(f"model.image_size={cfg.model.image_size} sizes a vision-language checkpoint's images, and "
-                            "model.checkpoint is a text model. Leave model.image_size unset.")
+                            f"{what}. Leave model.image_size unset.")
         if geometry is None:
             if cfg.quant.vision != AUTO:
                 raise UserError(f"quant.vision={cfg.quant.vision} quantizes a vision-language checkpoint's image encoder, "
