@@ -219,8 +219,20 @@ class Vision(Kind):
                            prompt_marker=prompt_marker(load_processor(checkpoint.path)) if has_processor(checkpoint.path)
                            else None,
                            input=f"float32 [1, 3, {size}, {size}]: one RGB image, channels first, normalized",
-                           preprocessing=preprocessing(checkpoint.path), quantization=record.quantization or "fp32",
+                           preprocessing=self.preprocessing(part, checkpoint.path),
+                           quantization=record.quantization or "fp32",
                            check=record.check)
+
+    @staticmethod
+    def preprocessing(part: Part, folder: Path) -> dict[str, Any]:
+        """The processor's steps (:func:`exporters.program.vision.preprocessing`), with the size the program takes
+        where the run's processor files were sized to it (Qwen-VL: :func:`processor_files_sized`)."""
+        steps = preprocessing(folder)
+        geometry = part.component.build.geometry
+        if next(v for v in VISION_LANGUAGE if v.name == geometry.family).size_chosen:
+            area = geometry.image_size**2
+            steps["size"] = {"shortest_edge": area, "longest_edge": area}
+        return steps
 
     def describe(self, stage: str, part: Part, ctx: ExportContext, models: dict[str, Any]) -> str:
         if stage == "load":
@@ -263,7 +275,7 @@ def bundle_readme(v: VisionEntry) -> str:
     p = v.preprocessing
     processor = ("the processor files here do exactly this: `AutoProcessor.from_pretrained(<this folder>)`"
                  if v.family not in PATCH_ROW_FAMILIES else
-                 "the processor files here are LFM2-VL's, whose transformers processor keeps the picture's aspect "
+                 "the processor files here are this family's, whose transformers processor keeps the picture's aspect "
                  "ratio and writes patch rows: `models.vision.load_processor(<this folder>)` of llm-exporters makes "
                  "one square, and `exporters.program.vision.program_pixels` folds its rows into these pixels")
     return f"""## Images

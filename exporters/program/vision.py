@@ -52,11 +52,15 @@ def preprocessing(folder: Path) -> dict[str, Any]:
 
 
 # Families whose processor writes patch rows (SigLIP2 NaFlex, Qwen-VL) where vision_encoder takes pixels: program_pixels.
-PATCH_ROW_FAMILIES = ("lfm2_vl", "qwen2_5_vl", "qwen3_vl")
+PATCH_ROW_FAMILIES = ("lfm2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 QWEN_MERGE = 2  # every Qwen-VL processor merges 2 x 2 patches into one position (its merge_size)
 
 
-def _unrefused(rows: int, cols: int, patch: int, size: int) -> None:
+def _unrefused(rows: int, cols: int, patch: int, size: int, padded: bool = False) -> None:
+    if padded:
+        raise UserError(f"the processor padded an image's patches and the program's vision_encoder takes one whole "
+                        f"{size}x{size} image (get_image_size): the processor files beside the program are not the "
+                        "ones it was exported with. Export again, or restore the run folder's processor files.")
     if (rows * patch, cols * patch) != (size, size):
         raise UserError(f"the processor made a {rows * patch}x{cols * patch} image and the program's vision_encoder "
                         f"takes {size}x{size} (get_image_size): the processor files beside the program are not "
@@ -90,7 +94,7 @@ def program_pixels(processed: Any, size: int) -> torch.Tensor:
     patch = int(math.isqrt(pixels.shape[-1] // 3))
     side = size // patch
     for rows, cols in grids:
-        _unrefused(rows if bool(mask.all()) else 0, cols, patch, size)
+        _unrefused(rows, cols, patch, size, padded=not bool(mask.all()))
     return (pixels.reshape(-1, side, side, patch, patch, 3).permute(0, 5, 1, 3, 2, 4)
             .reshape(-1, 3, size, size).contiguous())
 
