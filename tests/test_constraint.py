@@ -47,14 +47,27 @@ def test_numbers_a_schema_leaves_unbounded_end(tiny_checkpoint: Path, schema, te
 
 
 def test_bounding_leaves_the_clients_schema_and_its_values_alone() -> None:
-    schema = {"type": "object", "properties": {"type": {"type": "number"}, "n": {"type": ["integer", "null"],
-                                                                                   "minimum": 5}},
-              "enum": [{"type": "number"}], "default": {"type": "integer"}}
+    """Bounds go where a schema leaves numbers open, found by the keywords that hold schemas (so properties named
+    "type" or "default" are schemas and get them, while values under "default" or "enum" are data); a schema listing
+    its values, or bounded on both sides, keeps what it says."""
+    number = {"type": "number", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT, "multipleOf": 1e-9}
+    schema = {"type": "object", "properties": {"type": {"type": "number"}, "default": {"type": "number"},
+                                               "n": {"type": ["integer", "null"], "minimum": 5},
+                                               "pick": {"type": "integer", "enum": [10**16, 3]},
+                                               "pi": {"type": "number", "const": 3.14159265358979},
+                                               "tiny": {"type": "number", "exclusiveMinimum": 0,
+                                                        "exclusiveMaximum": 1e-10}},
+              "$defs": {"x": {"type": "array", "items": {"type": "number"}}},
+              "anyOf": [{"type": "number"}], "default": {"type": "integer"}}
     given = json.dumps(schema)
     bounded = bounded_numbers(schema)
     assert json.dumps(schema) == given
-    assert bounded["properties"]["type"] == {"type": "number", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT,
-                                             "multipleOf": 1e-9}
-    assert bounded["properties"]["n"] == {"type": ["integer", "null"], "minimum": 5, "maximum": NUMBER_LIMIT}
-    assert bounded["enum"] == schema["enum"] and bounded["default"] == schema["default"]
+    props = bounded["properties"]
+    assert props["type"] == number and props["default"] == number and bounded["anyOf"] == [number]
+    assert bounded["$defs"]["x"]["items"] == number
+    assert props["n"] == {"type": ["integer", "null"], "minimum": 5, "maximum": NUMBER_LIMIT}
+    assert props["pick"] == schema["properties"]["pick"] and props["pi"] == schema["properties"]["pi"]
+    assert props["tiny"] == schema["properties"]["tiny"]  # too narrow a range for multiples of 1e-9
+    assert bounded_numbers({"type": "number", "minimum": 0, "maximum": 1})["multipleOf"] == 1e-9  # 0.8333... ends
+    assert bounded["default"] == schema["default"]
     assert bounded_numbers({"type": "integer", "minimum": 10**17}) == {"type": "integer", "minimum": 10**17}

@@ -28,7 +28,11 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 #: added only where the schema sets none, so every answer still validates against the schema as given.
 NUMBER_LIMIT = 10**15 - 1
 DECIMALS = 1e-9
-DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+# Where a JSON schema keeps other schemas: keyword -> a map of them, a list of them, or one.
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+SCHEMA_LISTS = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
+SCHEMA_ONE = frozenset({"items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
+                        "propertyNames", "unevaluatedItems", "unevaluatedProperties"})
 #: Any JSON object (``response_format={"type": "json_object"}``), its numbers bounded as above.
 ANY_OBJECT: dict[str, Any] = {
     "$defs": {"value": {"anyOf": [{"type": "number"}, {"type": "string"}, {"type": "boolean"}, {"type": "null"},
@@ -39,23 +43,31 @@ ANY_OBJECT: dict[str, Any] = {
 
 def bounded_numbers(schema: Any) -> Any:
     """``schema`` with every ``number``/``integer`` it leaves unbounded given :data:`NUMBER_LIMIT` (and numbers
-    :data:`DECIMALS`); a bound the schema sets is kept. A new structure: the caller's schema is not changed."""
-    if isinstance(schema, list):
-        return [bounded_numbers(item) for item in schema]
+    :data:`DECIMALS`, unless their range is too narrow for it); a bound the schema sets is kept, and a schema that
+    lists its values (``enum``, ``const``) is left as it is. A new structure: the caller's schema is not changed."""
     if not isinstance(schema, dict):
         return schema
-    out = {key: value if key in DATA_KEYWORDS else bounded_numbers(value) for key, value in schema.items()}
-    kinds = out.get("type")  # a dict here is a property named "type" in a properties map
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: bounded_numbers(sub) for name, sub in value.items()}
+        elif key in SCHEMA_LISTS and isinstance(value, list) or key == "items" and isinstance(value, list):
+            out[key] = [bounded_numbers(sub) for sub in value]
+        elif key in SCHEMA_ONE:
+            out[key] = bounded_numbers(value)
+    kinds = out.get("type")
     kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
-    if not kinds & {"number", "integer"}:
+    if not kinds & {"number", "integer"} or "enum" in out or "const" in out:
         return out
     low, high = out.get("minimum", out.get("exclusiveMinimum")), out.get("maximum", out.get("exclusiveMaximum"))
+    # Decimals run on inside a bounded range too (a confidence in [0, 1]: 0.8333...); a range too narrow for many
+    # multiples of DECIMALS keeps its own.
+    if "number" in kinds and "multipleOf" not in out and (low is None or high is None or high - low >= 1e3 * DECIMALS):
+        out["multipleOf"] = DECIMALS
     if low is None and (high is None or high > -NUMBER_LIMIT):
         out["minimum"] = -NUMBER_LIMIT
     if high is None and (low is None or low < NUMBER_LIMIT):
         out["maximum"] = NUMBER_LIMIT
-    if "number" in kinds and "multipleOf" not in out:
-        out["multipleOf"] = DECIMALS
     return out
 
 
