@@ -387,7 +387,8 @@ def _mrope_axes(cfg: Any, interleaved: bool) -> tuple[int, ...]:
 @register_family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", model_type="qwen2_5_vl_text")
 def qwen2_5_vl(cfg: Any, max_context_len: int) -> dict[str, Any]:
     """Qwen2.5-VL's text decoder: Qwen2 (biases on q, k, v) with M-RoPE in contiguous sections."""
-    return {"qkv_bias": True, **_default_rope(cfg, max_context_len), "mrope_axes": _mrope_axes(cfg, False)}
+    return {"qkv_bias": True, **_default_rope(cfg, max_context_len), "mrope_axes": _mrope_axes(cfg, False),
+            "layer_window": _windows_by_layer_type(cfg)}  # a sliding window is refused with M-RoPE, by name
 
 
 @register_family("qwen3_vl", "Qwen3VLForConditionalGeneration", model_type="qwen3_vl_text")

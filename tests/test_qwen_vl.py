@@ -72,9 +72,59 @@ def test_an_image_of_any_grid_gets_transformers_positions_however_the_prompt_is_
                         mm_token_type_ids=(longer == config.image_token_id).int()).logits[0, -1]
         torch.testing.assert_close(ours(torch.tensor([[token]]), torch.tensor([ids.shape[1]]))[0], after_one,
                                    atol=1e-5, rtol=0)
+        if not ours.args.hybrid:  # a rewind: the text after the image again at the same slots (a regenerated turn);
+            # a hybrid's recurrent state cannot go back, with images or without (docs/hybrid.md)
+            ours(after, torch.tensor([3 + n]), True)
+            torch.testing.assert_close(ours(after, torch.tensor([3 + n]), True)[0], expected[3 + n:], atol=1e-5,
+                                       rtol=0)
         text = torch.tensor([[5, 6, 7, 8, 9]])
         ours.reset_cache()
         torch.testing.assert_close(ours(text, torch.tensor([0]), True), ref(input_ids=text).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_images_of_other_shapes_in_one_call_get_transformers_positions(vlm_checkpoint, family: str) -> None:
+    """Text, a 3 x 2 image, text, a 2 x 3 image, text in one call, then in two calls cut inside the second image: each
+    image's offset adds up as transformers' get_rope_index places the second after the first."""
+    ckpt = vlm_checkpoint(family)
+    ref = transformers_model(ckpt)
+    ours = build_model(open_checkpoint(ckpt), 48).eval()
+    config, vc = ref.config, ref.config.vision_config
+    row = 3 * vc.temporal_patch_size * vc.patch_size**2
+    grids = [(3, 2), (2, 3)]
+    pixels = torch.randn(sum(4 * r * c for r, c in grids), row, generator=torch.Generator().manual_seed(1))
+    image_ids = [[config.vision_start_token_id, *[config.image_token_id] * (r * c), config.vision_end_token_id]
+                 for r, c in grids]
+    ids = torch.tensor([[10, 11, *image_ids[0], 12, *image_ids[1], 13, 14]])
+    thw = torch.tensor([[1, 2 * r, 2 * c] for r, c in grids])
+    with torch.no_grad():
+        expected = ref(input_ids=ids, pixel_values=pixels, image_grid_thw=thw,
+                       mm_token_type_ids=(ids == config.image_token_id).int()).logits[0]
+        features = ref.model.get_image_features(pixels, thw)
+        merged = list(features.pooler_output)
+        deep = [list(f) for f in getattr(features, "deepstack_features", None) or []]
+        rows = []
+        with ours.returns_token_embeddings():
+            text = ours(ids)[0]  # every token's own embedding; image positions replaced below
+        k = 0
+        for t, token in enumerate(ids[0].tolist()):
+            if token != config.image_token_id:
+                rows.append(text[t])
+                continue
+            image = 0 if k < grids[0][0] * grids[0][1] else 1
+            place = k - (0 if image == 0 else grids[0][0] * grids[0][1])
+            r, c = grids[image]
+            channels = torch.tensor([place + 1.0, float(r), float(c)])
+            rows.append(torch.cat([merged[image][place], *(d[image][place] for d in deep), channels]))
+            k += 1
+        wide = torch.stack(rows)[None]
+        ours.reset_cache()
+        torch.testing.assert_close(ours(wide, torch.tensor([0]), True)[0], expected, atol=1e-5, rtol=0)
+        cut = 2 + 1 + 6 + 1 + 1 + 1 + 3  # inside the second image
+        ours.reset_cache()
+        first = ours(wide[:, :cut], torch.tensor([0]), True)[0]
+        second = ours(wide[:, cut:], torch.tensor([cut]), True)[0]
+        torch.testing.assert_close(torch.cat([first, second]), expected, atol=1e-5, rtol=0)
 
 
 def test_qwen_vl_rows_fold_back_into_the_pixels_they_were_cut_from(vlm_checkpoint) -> None:
@@ -120,6 +170,8 @@ def test_m_rope_refuses_ring_caches() -> None:
     DecoderArgs(**shape)
     with pytest.raises(ValueError, match="ring cache"):
         DecoderArgs(**shape, attention_sink=4)
+    with pytest.raises(ValueError, match="ring cache"):
+        DecoderArgs(**shape, layer_window=(4, None))
     with pytest.raises(ValueError, match="one stream"):
         DecoderArgs(**{**shape, "mrope_axes": (0, 1, 2)})
 

@@ -114,6 +114,11 @@ def test_the_vision_encoder_computes_transformers_image_features(vlm_checkpoint,
     assert ours.shape == (1, TINY_IMAGE_TOKENS, width)
     features = features.reshape(1, TINY_IMAGE_TOKENS, -1)
     torch.testing.assert_close(ours[..., :features.shape[-1]], features, atol=1e-5, rtol=0)
+    if family in QWEN_VL:  # the image channels the decoder places M-RoPE positions by: place, rows, columns
+        side = int(TINY_IMAGE_TOKENS**0.5)
+        place = torch.arange(1, TINY_IMAGE_TOKENS + 1, dtype=torch.float32)
+        assert torch.equal(ours[0, :, -3:], torch.stack([place, torch.full_like(place, side),
+                                                         torch.full_like(place, side)], dim=-1))
 
 
 @pytest.mark.parametrize("family,layout", [("gemma3", "vision_tower.vision_model."),  # google/gemma-3-*
