@@ -278,6 +278,8 @@ def bundle_readme(v: VisionEntry) -> str:
                  "the processor files here are this family's, whose transformers processor keeps the picture's aspect "
                  "ratio and writes patch rows: `models.vision.load_processor(<this folder>)` of llm-exporters makes "
                  "one square, and `exporters.program.vision.program_pixels` folds its rows into these pixels")
+    rows = (": replace the processor's patch rows by `program_pixels(inputs, " + str(v.image_size) + ")`"
+            if v.family in PATCH_ROW_FAMILIES else "")
     return f"""## Images
 
 `vision_encoder` takes one image as float32 `[1, 3, {v.image_size}, {v.image_size}]`: resize the picture to
@@ -291,7 +293,7 @@ embeddings, which `text_decoder` takes at the next {v.tokens_per_image} position
   `Image` (the float CHW pixels above), text; it calls the three methods in order and then decodes.
 - Python: `executorch.extension.llm.runner.MultimodalRunner("<program>", "tokenizer.json")` and
   `generate_hf(runner, inputs=processor(images=..., text=...), image_token_id={v.image_token_id})` (its
-  `pixel_values` as above).
+  `pixel_values` as above{rows}).
 - `python -m exporters.generate <this folder> prompt="... {v.prompt_marker} ..." image=<file>` (the processor turns
   `{v.prompt_marker}` into the image's tokens).
 
