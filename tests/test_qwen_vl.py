@@ -216,3 +216,26 @@ def test_model_image_size_chooses_the_square_and_sizes_the_run_s_processor(vlm_c
     with pytest.raises(UserError, match="quant.dtype=bf16 holds whole numbers exactly only up to 256"):
         checked_config(compose_config("model=hf", f"model.checkpoint={ckpt}", "model.image_size=544", "quant=bf16",
                                       "export.max_seq_len=320"))
+
+
+def test_qwen2_5_vl_windows_of_several_positions_and_padded_ones_are_transformers(vlm_checkpoint) -> None:
+    """The tiny checkpoint's windows hold one merged position each; here 56 px windows on an 84 px image (3 x 3
+    positions: windows of 2 x 2, 2 x 1, 1 x 2 and 1 x 1, three of them padded in transformers' window order) give the
+    tower's output transformers gives."""
+    from models.qwen_vl_images import QwenVlSquareImages
+    from models.vision_encoder import load_vision_encoder
+
+    ckpt = vlm_checkpoint("qwen2_5_vl")
+    config = open_checkpoint(ckpt).hf_config
+    config.vision_config.window_size = 56
+    encoder = load_vision_encoder(str(ckpt), config, geometry=(84, 9))
+    ref = transformers_model(ckpt)
+    ref.model.visual.window_size = ref.config.vision_config.window_size = 56
+    pixels = torch.rand(1, 3, 84, 84, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    rows, grid_h, grid_w = QwenVlSquareImages().patchify(pixels[0].numpy(), 14, 2, 2)
+    with torch.no_grad():
+        expected = ref.model.get_image_features(torch.from_numpy(rows.copy()),
+                                                torch.tensor([[1, grid_h, grid_w]])).pooler_output[0]
+        ours = encoder(pixels)[0, :, :expected.shape[-1]]
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+    assert (encoder.window_mask == 0).sum() < encoder.window_mask.numel()  # the windows mask something
