@@ -148,7 +148,7 @@ def render_serve(data: dict[str, Any]) -> str:
         f"({data['second_over_first']:.3f}x the first's) |",
         f"| greedy answers token for token those of `exporters.generate` | "
         f"{'yes' if data['greedy_as_generate'] else 'NO'} |",
-        f"", f"Medians of {data['repeats']} runs."]) + "\n"
+        "", f"Medians of {data['repeats']} runs."]) + "\n"
 
 
 def render_speech(data: dict[str, Any]) -> str:
