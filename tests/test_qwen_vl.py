@@ -195,7 +195,7 @@ def test_model_image_size_chooses_the_square_and_sizes_the_run_s_processor(vlm_c
     assert (geometry.image_size, geometry.tokens) == (96, 9)
     run = tmp_path / "run"
     run.mkdir()
-    for final, staged in processor_files_sized(ckpt, 96, run).items():
+    for final, staged in processor_files_sized(ckpt, geometry, run).items():
         staged.rename(final)
     shutil.copy(ckpt / "tokenizer.json", run)
     shutil.copy(ckpt / "tokenizer_config.json", run)

@@ -289,7 +289,7 @@ class City(pydantic.BaseModel):
 def test_chat_completions_apply_the_bundled_template(real_exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     run = real_exported("quant=fp32").pte_path.parent
     prompt = "What is the capital of France?"
-    expected = Generator(run).generate(chat_prompt(run / "model.pte", prompt), SamplingConfig(12, 0.0, 1.0, 0)).text
+    expected = greedy(run, chat_prompt(run / "model.pte", prompt), 12)
     with serving(run, tmp_path / "serve.log") as server:
         client = server.client()
         answer = client.chat.completions.create(model=run.name, messages=[{"role": "user", "content": prompt}],
@@ -548,7 +548,7 @@ def test_the_real_smollm2_answers_every_schema_and_calls_tools(smollm2: Path, ex
     run = tmp_path / "smollm2"
     shutil.copytree(result.pte_path.parent, run)
     prompt = "What is the capital of France?"
-    expected = Generator(run).generate(chat_prompt(run / "model.pte", prompt), SamplingConfig(16, 0.0, 1.0, 0)).text
+    expected = greedy(run, chat_prompt(run / "model.pte", prompt), 16)
     with serving(run, tmp_path / "serve.log") as server:
         client = server.client()
         answer = client.chat.completions.create(model=run.name, messages=[{"role": "user", "content": prompt}],

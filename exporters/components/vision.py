@@ -88,7 +88,7 @@ def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
     if geometry is None:
         return None  # its processor takes a range of sizes and model.image_size chose none: text only
     size, tokens = geometry
-    return VisionGeometry(family.name, size, tokens, family.image_token_id(hf_config))
+    return VisionGeometry(family.name, size, tokens, family.image_token_id(hf_config), family.size_chosen)
 
 
 @dataclass(frozen=True)
@@ -134,8 +134,7 @@ class Vision(Kind):
             return
         what = f"{cfg.model.checkpoint} sees images ({geometry.family}, {geometry.tokens} positions per image)"
         exact = EXACT_INTEGERS.get(str(cfg.quant.dtype))
-        family = next(v for v in VISION_LANGUAGE if v.name == geometry.family)
-        if family.size_chosen and exact is not None and geometry.tokens > exact:
+        if geometry.size_chosen and exact is not None and geometry.tokens > exact:
             raise UserError(f"{what}, and quant.dtype={cfg.quant.dtype} holds whole numbers exactly only up to {exact}: "
                             "each image token carries its place in the image to the decoder (docs/vision.md), which "
                             f"would be rounded. Use a smaller model.image_size (at most {exact} positions) or "
@@ -197,9 +196,8 @@ class Vision(Kind):
         them, sized to the program's one square."""
         encoder = written.components[part.name]
         geometry = part.component.build.geometry
-        family = next(v for v in VISION_LANGUAGE if v.name == geometry.family)
-        staged = (processor_files_sized(ctx.record(part.name).checkpoint.path, geometry.image_size, pte.parent)
-                  if family.size_chosen else {})
+        staged = (processor_files_sized(ctx.record(part.name).checkpoint.path, geometry, pte.parent)
+                  if geometry.size_chosen else {})
         return Finalized(ComponentEntry(
             kind=str(part.component.kind), methods=list(written.methods.of_component(part.name)), adapters=[],
             checkpoint=str(ctx.record(part.name).checkpoint.path), parameters=sum(p.numel() for p in encoder.parameters()),
@@ -229,9 +227,8 @@ class Vision(Kind):
         where the run's processor files were sized to it (Qwen-VL: :func:`processor_files_sized`)."""
         steps = preprocessing(folder)
         geometry = part.component.build.geometry
-        if next(v for v in VISION_LANGUAGE if v.name == geometry.family).size_chosen:
-            area = geometry.image_size**2
-            steps["size"] = {"shortest_edge": area, "longest_edge": area}
+        if geometry.size_chosen:
+            steps["size"] = geometry.sized()
         return steps
 
     def describe(self, stage: str, part: Part, ctx: ExportContext, models: dict[str, Any]) -> str:
@@ -251,10 +248,10 @@ class Vision(Kind):
                        fields={"vision": dataclasses.asdict(entry.vision)})
 
 
-def processor_files_sized(folder: Path, side: int, out_dir: Path) -> dict[Path, Path]:
-    """``folder``'s processor files with their ``size`` fixed to one ``side`` x ``side`` square (least and most pixels
-    both its area), written under private names beside the program: final path -> that name (finalize renames them
-    into place with the program, instead of the checkpoint's copies)."""
+def processor_files_sized(folder: Path, geometry: VisionGeometry, out_dir: Path) -> dict[Path, Path]:
+    """``folder``'s processor files with their ``size`` fixed to the program's one square (``geometry.sized``),
+    written under private names beside the program: final path -> that name (finalize renames them into place with
+    the program, instead of the checkpoint's copies)."""
     staged: dict[Path, Path] = {}
     for name in PROCESSOR_FILES:
         source = folder / name
@@ -262,7 +259,7 @@ def processor_files_sized(folder: Path, side: int, out_dir: Path) -> dict[Path, 
             continue
         saved = json.loads(source.read_text())
         fields = saved.get("image_processor", saved)  # processor_config.json nests it; preprocessor_config.json not
-        fields["size"] = {"shortest_edge": side * side, "longest_edge": side * side}
+        fields["size"] = geometry.sized()
         for older in ("min_pixels", "max_pixels"):
             fields.pop(older, None)
         staged[out_dir / name] = private_path(out_dir / name, "staged")

@@ -32,6 +32,13 @@ class VisionGeometry:
     image_size: int  # S: every image is resized to S x S by the processor
     tokens: int  # N: embedding positions per image in the text decoder
     image_token_id: int  # the token each image position takes in a prompt (the config's)
+    # The processor takes a range of sizes and the program S (Qwen-VL): the run's processor files are sized to it.
+    size_chosen: bool = False
+
+    def sized(self) -> dict[str, int]:
+        """The processor's ``size`` for the program's one square: least and most pixels both its area."""
+        area = self.image_size**2
+        return {"shortest_edge": area, "longest_edge": area}
 
 
 def vision_spec(geometry: VisionGeometry) -> MethodSpec:
