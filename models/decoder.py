@@ -156,6 +156,11 @@ class DecoderArgs:
     mrope_axes: tuple[int, ...] = ()
     # Qwen3-VL's deepstack: an image's features from as many vision layers, added after decoder layers 0, 1, ...
     deepstack: int = 0
+    # Gemma 4 with images: an embedding carries its token's id (:data:`ID_DIGITS`), which the per-layer embeddings look
+    # up; an image's, audio's or video's token (``placeholder_ids``) looks up ``pad_token_id``'s row, as transformers.
+    id_channels: bool = False
+    placeholder_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -220,14 +225,23 @@ class DecoderArgs:
                                  "window) is not supported with them")
         if self.deepstack >= self.num_hidden_layers:
             raise ValueError(f"deepstack={self.deepstack} needs as many decoder layers")
+        if self.id_channels and not self.per_layer_input:
+            raise ValueError("id_channels carry token ids to the per-layer embeddings, which this model has none of")
 
     @property
     def embedding_width(self) -> int:
         """Channels of the embeddings ``text_decoder`` takes: the hidden size; for M-RoPE, then the deepstack
-        features and an image position's three (:data:`IMAGE_CHANNELS`), so any call carries what an image needs."""
-        if not self.mrope_axes:
-            return self.hidden_size
-        return self.hidden_size * (1 + self.deepstack) + len(IMAGE_CHANNELS)
+        features and an image position's three (:data:`IMAGE_CHANNELS`), so any call carries what an image needs;
+        with ``id_channels``, then the token's id (:data:`ID_DIGITS`)."""
+        width = self.hidden_size * (1 + self.deepstack)
+        if self.mrope_axes:
+            width += len(IMAGE_CHANNELS)
+        return width + (ID_DIGITS if self.id_channels else 0)
+
+    @property
+    def wide_embeddings(self) -> bool:
+        """``text_decoder`` takes more than the hidden states (:attr:`embedding_width`)."""
+        return self.embedding_width != self.hidden_size
 
     def for_layer(self, i: int) -> DecoderArgs:
         """These arguments with layer ``i``'s head size, kv heads and MLP width as the model-wide ones: what its
@@ -319,6 +333,31 @@ Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for the new tokens
 #: The last channels of a wide embedding (M-RoPE): for an image's token, 1 + its index in the image (row by row) and the
 #: image's rows and columns of positions; zeros for text.
 IMAGE_CHANNELS = ("place", "rows", "columns")
+
+#: A token id in a wide embedding (Gemma 4 with images): base-256 digits, least significant first, each exact in
+#: bf16 and fp16 (whole numbers to 256 and 2048) where one channel of a 262144-token vocabulary's ids would be rounded.
+ID_DIGITS, ID_BASE = 3, 256
+
+
+def id_digits(ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Token ids [..., T] as their :data:`ID_DIGITS` channels [..., T, 3] in ``dtype``."""
+    places = ID_BASE ** torch.arange(ID_DIGITS, device=ids.device)
+    return torch.div(ids.unsqueeze(-1), places, rounding_mode="floor").remainder(ID_BASE).to(dtype)
+
+
+def ids_of_digits(digits: torch.Tensor) -> torch.Tensor:
+    """The token ids [1, T] of their digit channels [1, T, 3] (whole numbers in any float dtype: exact)."""
+    d = digits.to(torch.int64)
+    return d[..., 0] + d[..., 1] * ID_BASE + d[..., 2] * (ID_BASE * ID_BASE)
+
+
+class WideEmbedding(NamedTuple):
+    """The parts of a wide embedding (:attr:`DecoderArgs.embedding_width`)."""
+
+    states: torch.Tensor  # the hidden states [1, T, hidden]
+    deep: list[torch.Tensor]  # Qwen3-VL's deepstack features, added after the first layers
+    image: torch.Tensor | None  # M-RoPE's image channels [T, 3] (IMAGE_CHANNELS)
+    ids: torch.Tensor | None  # the token ids [1, T] (id_channels)
 
 
 class LayerInputs(NamedTuple):
@@ -845,8 +884,8 @@ class CausalLM(nn.Module):
         if not a.per_layer_input:
             return [None] * a.num_hidden_layers
         if tokens.is_floating_point():
-            raise ValueError("per-layer embeddings (Gemma 4) are looked up by token id; this model cannot take "
-                             "embeddings as its input yet")
+            raise ValueError("per-layer embeddings (Gemma 4) are looked up by token id; this model takes embeddings "
+                             "only with the ids beside them (DecoderArgs.id_channels)")
         m = self.model
         shape = (1, -1, a.num_hidden_layers, a.per_layer_input)
         own = (m.embed_tokens_per_layer(tokens) * self.per_layer_scale[h.dtype]).view(shape)
@@ -858,17 +897,31 @@ class CausalLM(nn.Module):
         """The last layer's hidden states [1, T, hidden], normed as the head reads them."""
         return self.model.norm(rotated(self.norm_rotation, h))
 
-    def split_embeddings(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """A wide embedding [1, T, embedding_width] (M-RoPE) as the hidden states [1, T, hidden], the deepstack
-        features added after the first layers, and the image channels [T, 3] (:data:`IMAGE_CHANNELS`)."""
-        d = self.args.hidden_size
-        parts = x.split([d] * (1 + self.args.deepstack) + [len(IMAGE_CHANNELS)], dim=-1)
-        return parts[0], list(parts[1:-1]), parts[-1][0]
+    def split_embeddings(self, x: torch.Tensor) -> WideEmbedding:
+        """A wide embedding [1, T, embedding_width] as its parts (:class:`WideEmbedding`)."""
+        a = self.args
+        sizes = [a.hidden_size] * (1 + a.deepstack) + [len(IMAGE_CHANNELS)] * bool(a.mrope_axes)
+        parts = list(x.split(sizes + [ID_DIGITS] * a.id_channels, dim=-1))
+        ids = ids_of_digits(parts.pop()) if a.id_channels else None
+        image = parts.pop()[0] if a.mrope_axes else None
+        return WideEmbedding(parts[0], parts[1:], image, ids)
 
-    def wide(self, h: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [1, T, hidden] as ``text_decoder`` takes them: zeros in the deepstack and image channels."""
-        extra = self.args.embedding_width - self.args.hidden_size
-        return torch.cat([h, h.new_zeros(h.shape[0], h.shape[1], extra)], dim=-1) if extra else h
+    def text_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What ``token_embedding`` gives for ``tokens`` [1, T]: their embeddings [1, T, embedding_width], with zeros
+        in the deepstack and image channels and, with ``id_channels``, the tokens' ids."""
+        h = self.token_embeddings(tokens)
+        a = self.args
+        zeros = a.embedding_width - a.hidden_size - (ID_DIGITS if a.id_channels else 0)
+        parts = [h] + ([h.new_zeros(h.shape[0], h.shape[1], zeros)] if zeros else [])
+        parts += [id_digits(tokens, h.dtype)] if a.id_channels else []
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else h
+
+    def placeholders_as_pad(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` with every image, audio or video token as the pad token: the per-layer table row transformers
+        looks up for them (Gemma 4)."""
+        for placeholder in self.args.placeholder_ids:
+            ids = torch.where(ids == placeholder, self.args.pad_token_id, ids)
+        return ids
 
     def rope_positions(self, positions: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         """M-RoPE's three position streams [3, T] for a call writing cache ``positions`` [T] (``image``: its tokens'
@@ -950,7 +1003,7 @@ class CausalLM(nn.Module):
         :meth:`logits_of_every_position` says) for ``tokens`` [1, T], or their embeddings [1, T, hidden] (a
         vision-language prompt's), placed at ``input_pos``.."""
         if self.embeddings_out:
-            return self.wide(self.token_embeddings(tokens))
+            return self.text_embeddings(tokens)
         assert input_pos is not None, "the decoder needs the position of the first token"
         if full_logits is None:
             full_logits = self.every_position
@@ -962,11 +1015,12 @@ class CausalLM(nn.Module):
             return torch.cat(out, dim=1) if full_logits else out[-1]
         positions = input_pos[0] + torch.arange(seq_len, dtype=torch.int64)
         deep: list[torch.Tensor] = []
-        image = None
-        if self.args.mrope_axes and tokens.is_floating_point():  # a wide embedding: an image's, or text's
-            tokens, deep, image = self.split_embeddings(tokens)
+        image, ids = None, tokens
+        if self.args.wide_embeddings and tokens.is_floating_point():  # a wide embedding: an image's, or text's
+            tokens, deep, image, digits = self.split_embeddings(tokens)
+            ids = tokens if digits is None else self.placeholders_as_pad(digits)
         h = self.embed(tokens)
-        per_layer = self.per_layer_inputs(tokens, h)
+        per_layer = self.per_layer_inputs(ids, h)
         streams = self.rope_positions(positions, image) if self.args.mrope_axes else None
         layer_inputs = self.layer_inputs(positions, h.dtype, streams)
         for i, (layer, inputs, extra) in enumerate(zip(self.model.layers, layer_inputs, per_layer)):

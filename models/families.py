@@ -284,7 +284,21 @@ def gemma4(cfg: Any, max_context_len: int) -> dict[str, Any]:
         "per_layer_vocab": cfg.vocab_size_per_layer_input if cfg.hidden_size_per_layer_input else 0,
         "rope": tuple((t, rope_table(cfg.per_layer_config[t], layer_type=t)) for t in sorted(set(types))),
         "layer_rope": tuple(types), "layer_window": _windows_by_layer_type(cfg),
+        **_gemma4_media(cfg),
     }
+
+
+def _gemma4_media(cfg: Any) -> dict[str, Any]:
+    """Beside an image encoder (``sees_images``, set by ``models.multimodal.language_config``), the embeddings
+    ``text_decoder`` takes carry their token ids: the per-layer embeddings look them up, an image's tokens as the
+    pad token (``placeholder_ids``, the multimodal config's image, audio and video token ids)."""
+    if not getattr(cfg, "sees_images", False):
+        return {}
+    if cfg.pad_token_id is None:
+        raise ModelError("this Gemma 4 config has no pad_token_id, whose per-layer embedding an image's tokens take "
+                         "(transformers' Gemma4Model): the checkpoint's config.json is incomplete.")
+    return {"id_channels": True, "placeholder_ids": tuple(getattr(cfg, "placeholder_ids", ())),
+            "pad_token_id": int(cfg.pad_token_id)}
 
 
 @register_family("smollm3", "SmolLM3ForCausalLM", model_type="smollm3")

@@ -50,6 +50,9 @@ def language_config(hf_config: Any) -> Any:
     text.sees_images = vision is not None  # Qwen3.5: M-RoPE positions only where images can come
     if getattr(vision, "deepstack_visual_indexes", None):  # Qwen3-VL: how many vision layers feed the decoder
         text.deepstack_layers = len(vision.deepstack_visual_indexes)
+    # Gemma 4: the tokens whose per-layer embedding is the pad token's (the encoders' placeholders)
+    text.placeholder_ids = tuple(int(i) for i in (getattr(hf_config, f"{media}_token_id", None)
+                                                  for media in ("image", "audio", "video")) if i is not None)
     return text
 
 

@@ -176,10 +176,67 @@ def _qwen3_5() -> tuple[Any, Any]:
     return config, _qwen_processor("Qwen3VLProcessor", tok, 64, 16)
 
 
+GEMMA4_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                 "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+
+
+def _gemma4() -> tuple[Any, Any]:
+    """Four layers, the last two reading the first two's caches (KV sharing), per-layer embeddings, soft-capped
+    logits; a tower of 2 layers (one kv head for two query heads, clipped linears, standardized output) on 6 x 6
+    patches of 8 px pooled 3 x 3 into 4 positions. The processor is built first: it adds ``<|video|>`` to the
+    tokenizer (transformers' Gemma4Processor does), and every id the config names must be in the vocabulary."""
+    from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
+
+    from models.gemma4_images import Gemma4SquareImages, images_only
+
+    tok = tiny_tokenizer(GEMMA4_TOKENS)
+    images = Gemma4SquareImages(patch_size=8, pooling_kernel_size=3, max_soft_tokens=70,
+                                size={"height": 48, "width": 48})
+    processor = images_only()(images, tok)
+    text = Gemma4TextConfig(
+        **{**TEXT_ARCH, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32, vocab_size=len(tok),
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=len(tok), sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        final_logit_softcapping=10.0, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=tok.pad_token_id)
+    vision = Gemma4VisionConfig(**{**VISION_ARCH, "num_key_value_heads": 1}, head_dim=16, patch_size=8,
+                                pooling_kernel_size=3, position_embedding_size=16, standardize=True,
+                                use_clipped_linears=True)
+    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                          image_token_id=tok.image_token_id, boi_token_id=tok.convert_tokens_to_ids(tok.boi_token),
+                          eoi_token_id=tok.convert_tokens_to_ids(tok.eoi_token),
+                          audio_token_id=tok.audio_token_id, video_token_id=processor.video_token_id,
+                          architectures=["Gemma4ForConditionalGeneration"])
+    return config, processor
+
+
+def _gemma4_untrained(model: Any) -> None:
+    """What transformers initializes to a constant, and what the text fitting never touches, drawn at random: else a
+    parity test could not tell a position, a standardization, a layer scalar, a clamp or the pad token's per-layer
+    row (what an image's tokens look up) read wrong from one left out."""
+    with torch.no_grad():
+        tower = model.model.vision_tower
+        tower.patch_embedder.position_embedding_table.normal_(0.0, 0.5)
+        tower.std_bias.normal_(0.0, 0.5)
+        tower.std_scale.uniform_(0.5, 2.0)
+        for name, buffer in tower.named_buffers():
+            if name.endswith(("input_min", "output_min")):
+                buffer.fill_(-3.0)
+            elif name.endswith(("input_max", "output_max")):
+                buffer.fill_(3.0)
+        for layer in model.model.language_model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+        table = model.model.language_model.embed_tokens_per_layer.weight
+        table[model.config.text_config.pad_token_id].normal_(0.0, 0.5)
+
+
+#: family -> what its tiny checkpoint draws at random after the text is fitted (see _gemma4_untrained).
+UNTRAINED: dict[str, Callable[[Any], None]] = {"gemma4": _gemma4_untrained}
+
 #: family (``models.vision.VisionLanguage.name``) -> its tiny config and processor.
 TINY_VLM: dict[str, Callable[[], tuple[Any, Any]]] = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3,
                                                       "lfm2_vl": _lfm2_vl, "qwen2_5_vl": _qwen2_5_vl,
-                                                      "qwen3_vl": _qwen3_vl, "qwen3_5": _qwen3_5}
+                                                      "qwen3_vl": _qwen3_vl, "qwen3_5": _qwen3_5,
+                                                      "gemma4": _gemma4}
 
 
 def write_tiny_vlm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, train_steps: int = 100) -> Path:
@@ -192,13 +249,14 @@ def write_tiny_vlm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, t
 
 def _build(out: Path, family: str, seed: int, train_steps: int) -> Path:
     config, processor = TINY_VLM[family]()
-    return save_multimodal(out, config, processor.tokenizer, [processor], seed, train_steps)
+    return save_multimodal(out, config, processor.tokenizer, [processor], seed, train_steps, UNTRAINED.get(family))
 
 
-def save_multimodal(out: Path, config: Any, tokenizer: Any, beside: list[Any], seed: int, train_steps: int) -> Path:
-    """transformers' model of ``config`` with seeded random weights, its text side fitted to the corpus, saved in
-    ``out`` with ``beside`` (a processor, a tokenizer, a feature extractor) and ``generation_config.json``: every tiny
-    multimodal checkpoint (here and in ``models.tiny_alm``)."""
+def save_multimodal(out: Path, config: Any, tokenizer: Any, beside: list[Any], seed: int, train_steps: int,
+                    untrained: Callable[[Any], None] | None = None) -> Path:
+    """transformers' model of ``config`` with seeded random weights, its text side fitted to the corpus (then
+    ``untrained`` applied to it), saved in ``out`` with ``beside`` (a processor, a tokenizer, a feature extractor) and
+    ``generation_config.json``: every tiny multimodal checkpoint (here and in ``models.tiny_alm``)."""
     import transformers
     from transformers import GenerationConfig
 
@@ -211,6 +269,8 @@ def save_multimodal(out: Path, config: Any, tokenizer: Any, beside: list[Any], s
                 p.normal_(0.0, 0.05)
     if train_steps:
         fit_to_corpus(model, tokenizer(CORPUS)["input_ids"], train_steps, seed)
+    if untrained is not None:
+        untrained(model)
     out.mkdir(parents=True, exist_ok=True)
     model.eval().save_pretrained(out)
     for files in beside:

@@ -28,9 +28,17 @@ class VisionLanguage:
     # positions it takes in the decoder; None for a family whose vision encoder is not built yet: its checkpoint
     # exports its text decoder alone.
     geometry: Callable[[Any, dict[str, Any]], tuple[int, int]] | None
-    # The processor takes any size in a range (Qwen-VL's least and most pixels) and the program one square, which
-    # model.image_size may choose (the run's processor files are written with it); else the size is the processor's.
+    # The processor takes any size in a range (Qwen-VL's least and most pixels, Gemma 4's token budget) and the
+    # program one square, which model.image_size may choose (the run's processor files are written with it); else the
+    # size is the processor's.
     size_chosen: bool = False
+    # S -> the processor's ``size`` field for one S x S square (size_chosen): Qwen-VL's least and most pixels.
+    sized: Callable[[int], dict[str, int]] = lambda side: {"shortest_edge": side * side, "longest_edge": side * side}
+    # Each image token's place in its image travels in the embedding (Qwen-VL's M-RoPE channels), which a half-precision
+    # dtype holds exactly only up to a count (exporters.components.vision).
+    places_in_embedding: bool = False
+    # config -> why this config's images are not exported (its text decoder is), or None.
+    refuses_images: Callable[[Any], str | None] = lambda cfg: None
 
     def image_token_id(self, hf_config: Any) -> int:
         """The token each image position takes in a prompt (the config's, not the processor's: Gemma 3's processor
@@ -114,6 +122,40 @@ def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any], image_size: int | Non
     return side, (side // unit) ** 2
 
 
+def _gemma4_geometry(cfg: Any, processor: dict[str, Any], image_size: int | None = None) -> tuple[int, int]:
+    """One square of S x S pixels: patches of p pooled k x k into one position each, (S / (k p))^2 positions. S is
+    ``image_size`` (model.image_size) when given, else the processor's saved square (a run's files), else the largest
+    square within its ``max_soft_tokens`` (the hub's 280: 768 px, 256 positions)."""
+    from models.gemma4_images import square_side  # transformers' PIL image processors: only for Gemma 4
+
+    vc = cfg.vision_config
+    for key, ours in (("patch_size", vc.patch_size), ("pooling_kernel_size", vc.pooling_kernel_size)):
+        theirs = processor.get(key, ours)
+        if theirs != ours:
+            raise ModelError(f"the processor's {key}={theirs} and config.json's {ours} disagree: the processor files "
+                             "are not this checkpoint's. Copy the checkpoint's own processor_config.json beside it.")
+    unit = vc.patch_size * vc.pooling_kernel_size
+    if image_size is not None:
+        if image_size <= 0 or image_size % unit:
+            raise ModelError(f"model.image_size={image_size}: this checkpoint's images are cut into patches of "
+                             f"{vc.patch_size} pooled {vc.pooling_kernel_size} x {vc.pooling_kernel_size}, so the side "
+                             f"must be a multiple of {unit} (e.g. model.image_size={16 * unit} for 256 positions per "
+                             "image).")
+        side = image_size
+    else:
+        saved = processor.get("size") or {}
+        side = saved.get("height") or square_side(int(processor.get("max_soft_tokens", 280)), vc.patch_size,
+                                                  vc.pooling_kernel_size)
+    return side, (side // unit) ** 2
+
+
+def _gemma4_images_refused(cfg: Any) -> str | None:
+    if getattr(cfg.text_config, "use_bidirectional_attention", None) == "vision":
+        return ("its sliding-window layers attend both ways within an image's tokens "
+                "(use_bidirectional_attention=vision), which the program does not do yet")
+    return None
+
+
 def size_to_choose(hf_config: Any) -> str:
     """How to export the image path of a checkpoint whose processor takes a range of sizes."""
     vc = hf_config.vision_config
@@ -133,6 +175,12 @@ def _qwen_vl_processor(processor_class: str) -> Callable[[Path], Any]:
     return load
 
 
+def _gemma4_processor(folder: Path) -> Any:
+    from models.gemma4_images import gemma4_processor  # transformers' PIL image processors: only for Gemma 4
+
+    return gemma4_processor(folder)
+
+
 def _lfm2_vl_processor(folder: Path) -> Any:
     from models.lfm2_vl_images import lfm2_vl_processor  # transformers' PIL image processors: only for LFM2-VL
 
@@ -150,23 +198,26 @@ VISION_LANGUAGE: tuple[VisionLanguage, ...] = (
     VisionLanguage("lfm2_vl", ("Lfm2VlForConditionalGeneration",), _TOWER_AND_PROJECTOR, _lfm2_vl_geometry),
     # Every Qwen3.5 on the hub is this class: Qwen3-VL's tower (without deepstack) beside the hybrid decoder.
     VisionLanguage("qwen3_5", ("Qwen3_5ForConditionalGeneration",), ("model.visual.",), _qwen_vl_geometry,
-                   size_chosen=True),
+                   size_chosen=True, places_in_embedding=True),
     # Qwen2.5-VL and Qwen3-VL: one square image (models.vision_encoder), M-RoPE decoders whose image positions the
     # program keeps (models.decoder), so the stock runner's one start position suffices.
     VisionLanguage("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("model.visual.", "visual."),
-                   _qwen_vl_geometry, size_chosen=True),
+                   _qwen_vl_geometry, size_chosen=True, places_in_embedding=True),
     VisionLanguage("qwen3_vl", ("Qwen3VLForConditionalGeneration",), ("model.visual.", "visual."), _qwen_vl_geometry,
-                   size_chosen=True),
-    # Gemma 4 ships as this class (image and audio towers beside the decoder); its towers are not built yet (issue 64),
-    # so its text decoder exports alone, as transformers' Gemma4ForCausalLM computes it.
+                   size_chosen=True, places_in_embedding=True),
+    # Gemma 4 ships as this class (image and audio towers beside the decoder): one square image
+    # (models.vision_encoder), whose tokens carry their id to the per-layer embeddings (models.decoder); the audio
+    # tower is not exported (issue 64).
     VisionLanguage("gemma4", ("Gemma4ForConditionalGeneration",),
-                   ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio."), None),
+                   ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio."),
+                   _gemma4_geometry, size_chosen=True, sized=lambda side: {"height": side, "width": side},
+                   refuses_images=_gemma4_images_refused),
 )
 
 
 # Processors (by the class their saved files name) that transformers cannot load here, and what we load instead.
 OWN_PROCESSORS: dict[str, Callable[[Path], Any]] = {
-    "Lfm2VlProcessor": _lfm2_vl_processor, "Qwen2_5_VLProcessor": _qwen_vl_processor("Qwen2_5_VLProcessor"),
+    "Lfm2VlProcessor": _lfm2_vl_processor, "Gemma4Processor": _gemma4_processor, "Qwen2_5_VLProcessor": _qwen_vl_processor("Qwen2_5_VLProcessor"),
     "Qwen3VLProcessor": _qwen_vl_processor("Qwen3VLProcessor")}
 
 
@@ -189,6 +240,8 @@ def geometry_of(hf_config: Any, folder: str | Path | None, image_size: int | Non
     and none was chosen: the text decoder exports alone)."""
     family = vision_language_of(hf_config)
     assert family is not None and family.geometry is not None, "a vision-language config whose encoder is built"
+    if family.refuses_images(hf_config) is not None:
+        return None
     processor = processor_settings(Path(folder)) if folder is not None else {}
     if family.size_chosen:
         return family.geometry(hf_config, processor, image_size)  # type: ignore[call-arg]
@@ -214,6 +267,9 @@ def text_only(hf_config: Any, folder: str | Path | None = None, image_size: int 
         return None
     if family.geometry is None:
         return f"text decoder only ({hf_config.architectures[0]}'s vision encoder is not exported yet)"
+    refused = family.refuses_images(hf_config)
+    if refused is not None:
+        return f"text decoder only ({refused})"
     if family.size_chosen and geometry_of(hf_config, folder, image_size) is None:
         return f"text decoder only ({size_to_choose(hf_config)})"
     return None

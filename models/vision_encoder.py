@@ -9,15 +9,16 @@ Parity with ``get_image_features``: tests/test_vision_language.py.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from models.decoder import mean_last
+from models.decoder import id_digits, mean_last
 from models.errors import ModelError
 from models.towers import delegated_norms, load_parts, meta_model, quiet_transformers, randomized_zeros
-from models.vision import geometry_of, size_to_choose, vision_language_of
+from models.vision import geometry_of, text_only, vision_language_of
 
 
 class VisionEncoder(nn.Module):
@@ -294,9 +295,128 @@ class Qwen25VlVision(QwenVisionBase):
         return torch.cat([out, self.image_channels], dim=-1)
 
 
+def _clip_bounds(clippable: nn.Module) -> tuple[float, float, float, float]:
+    """A ``Gemma4ClippableLinear``'s input and output bounds as numbers, read once: inside a capture its stored
+    tensors are inputs, not numbers."""
+    names = ("input_min", "input_max", "output_min", "output_max")
+    if not clippable.use_clipped_linears:
+        return (-math.inf, math.inf, -math.inf, math.inf)
+    low, high, out_low, out_high = (float(getattr(clippable, name)) for name in names)
+    return low, high, out_low, out_high
+
+
+def _kv_heads_repeated(attn: nn.Module, groups: int) -> None:
+    """Grouped-query attention as plain multi-head: each key and value head's projection rows repeated for the query
+    heads that read it (their norms have one weight for every head), the same sums without a repeat of k and v per
+    image, which XNNPACK would leave to the portable kernels between partitions."""
+    for proj in (attn.k_proj, attn.v_proj):
+        linear = proj.linear
+        rows = linear.weight.view(-1, attn.head_dim, linear.in_features).repeat_interleave(groups, dim=0)
+        wider = nn.Linear(linear.in_features, rows.shape[0] * attn.head_dim, bias=False)
+        with torch.no_grad():
+            wider.weight.copy_(rows.reshape(-1, linear.in_features))
+        proj.linear = wider
+
+
+class Gemma4Vision(VisionEncoder):
+    """Gemma 4's tower on one whole S x S image, then ``embed_vision``. transformers runs it on the processor's patch
+    rows with each row's (x, y) position, padded to the token budget, pooling by a one-hot matrix of the positions and
+    stripping the padding by a boolean index (nothing ``torch.export`` keeps). For one whole image every position is a
+    constant: the learned x and y position embeddings summed, the 2-D rotary tables, and pooling as k x k averages
+    of the grid. The patch linear takes ``2 x - 1`` of the rows (the pixels in [0, 1]); as a stride-p convolution it
+    takes the ``[1, 3, S, S]`` image (the rows' layout, channel fastest, folded into the kernel). The output carries
+    the image token's id beside the features (``models.decoder.ID_DIGITS``): the per-layer embeddings look it up."""
+
+    def __init__(self, config: Any, geometry: tuple[int, int], tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__(config, geometry)
+        vc = config.vision_config
+        p, self.pool = vc.patch_size, vc.pooling_kernel_size
+        self.grid = self.image_size // p  # patches per side
+        linear = tower.patch_embedder.input_proj
+        self.patch_embedding = nn.Conv2d(3, linear.out_features, p, stride=p, bias=False)
+        with torch.no_grad():
+            self.patch_embedding.weight.copy_(linear.weight.view(linear.out_features, p, p, 3).permute(0, 3, 1, 2))
+            table = tower.patch_embedder.position_embedding_table  # [2, side, D]: x then y
+            g = self.grid
+            positions = (table[0][:g][None, :, :] + table[1][:g][:, None, :]).reshape(1, g * g, -1)  # rows of y
+            xs, ys = torch.meshgrid(torch.arange(g), torch.arange(g), indexing="xy")
+            cos, sin = tower.encoder.rotary_emb(positions, torch.stack([xs, ys], -1).reshape(1, g * g, 2))
+        self.register_buffer("positions", positions.float(), persistent=False)
+        self.register_buffer("rope_cos", cos[:, :, None, :].float(), persistent=False)  # [1, P, 1, head_dim]
+        self.register_buffer("rope_sin", sin[:, :, None, :].float(), persistent=False)
+        self.layers = tower.encoder.layers
+        for module in self.layers.modules():
+            if hasattr(module, "use_clipped_linears"):
+                module.bounds = _clip_bounds(module)
+        self.heads = vc.num_attention_heads
+        if vc.num_key_value_heads != self.heads:
+            for layer in self.layers:
+                _kv_heads_repeated(layer.self_attn, self.heads // vc.num_key_value_heads)
+        self.root_width = vc.hidden_size**0.5
+        self.standardize = bool(vc.standardize)
+        if self.standardize:
+            self.register_buffer("std_bias", tower.std_bias.detach().float().clone(), persistent=False)
+            self.register_buffer("std_scale", tower.std_scale.detach().float().clone(), persistent=False)
+        self.projector = projector
+        token = torch.tensor([[int(config.image_token_id)]] * self.tokens).T  # [1, N]
+        self.register_buffer("token_ids", id_digits(token, torch.float32), persistent=False)  # [1, N, 3]
+
+    @staticmethod
+    def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's RMSNorm (``Gemma4RMSNorm``, fp32 here) through a mean XNNPACK delegates (``mean_last``)."""
+        out = x * torch.rsqrt(mean_last(x * x) + norm.eps)
+        return out * norm.weight if norm.with_scale else out
+
+    @staticmethod
+    def _linear(clippable: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``Gemma4ClippableLinear`` with its clamps as constants (:func:`_clip_bounds`: one op XNNPACK takes, where
+        clamping by tensors is not), none where it clamps nothing."""
+        low, high, out_low, out_high = clippable.bounds
+        if (low, high) != (-math.inf, math.inf):
+            x = x.clamp(low, high)
+        x = clippable.linear(x)
+        return x if (out_low, out_high) == (-math.inf, math.inf) else x.clamp(out_low, out_high)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """2-D axial RoPE on q or k [1, P, heads, head_dim]: the first half of each head turned by x, the second by
+        y, each half by rotating its own halves (transformers' ``apply_multidimensional_rope``)."""
+        q = x.shape[-1] // 4  # slices, which XNNPACK takes (a split it does not)
+        turned = torch.cat([-x[..., q:2 * q], x[..., :q], -x[..., 3 * q:], x[..., 2 * q:3 * q]], dim=-1)
+        return x * self.rope_cos + turned * self.rope_sin
+
+    def _attend(self, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Bidirectional attention over the image's patches [1, P, width], scaled by 1 (q and k are normed)."""
+        n = x.shape[1]
+        q, k, v = (self._linear(proj, x).reshape(1, n, self.heads, -1)
+                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k, v = self._rotate(self._norm(attn.q_norm, q)), self._rotate(self._norm(attn.k_norm, k)), self._norm(attn.v_norm, v)
+        scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1)
+        out = torch.softmax(scores, dim=-1) @ v.transpose(1, 2)  # [1, heads, P, head_dim]
+        return self._linear(attn.o_proj, out.transpose(1, 2).reshape(1, n, -1))
+
+    def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(mlp.down_proj, mlp.act_fn(self._linear(mlp.gate_proj, x)) * self._linear(mlp.up_proj, x))
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        h = self.patch_embedding(2 * pixels - 1).flatten(2).transpose(1, 2) + self.positions
+        for layer in self.layers:
+            h = h + self._norm(layer.post_attention_layernorm, self._attend(layer.self_attn,
+                                                                            self._norm(layer.input_layernorm, h)))
+            h = h + self._norm(layer.post_feedforward_layernorm, self._mlp(layer.mlp,
+                                                                           self._norm(layer.pre_feedforward_layernorm, h)))
+        g = self.grid
+        grid = h.transpose(1, 2).reshape(1, -1, g, g)  # [1, D, rows, columns]
+        pooled = torch.nn.functional.avg_pool2d(grid, self.pool).flatten(2).transpose(1, 2) * self.root_width
+        if self.standardize:
+            pooled = (pooled - self.std_bias) * self.std_scale
+        embed = self.projector  # embed_vision: an unweighted RMSNorm, then a linear to the decoder's width
+        out = embed.embedding_projection(self._norm(embed.embedding_pre_projection_norm, pooled))
+        return torch.cat([out, self.token_ids.to(out.dtype)], dim=-1)
+
+
 ENCODERS: dict[str, type[VisionEncoder]] = {"llava": LlavaVision, "gemma3": Gemma3Vision, "idefics3": Idefics3Vision,
                             "lfm2_vl": Lfm2VlVision, "qwen2_5_vl": Qwen25VlVision, "qwen3_vl": Qwen3VlVision,
-                                               "qwen3_5": Qwen3VlVision}
+                                               "qwen3_5": Qwen3VlVision, "gemma4": Gemma4Vision}
 
 
 def _parts(model: Any) -> tuple[nn.Module, nn.Module | None]:
@@ -307,6 +427,8 @@ def _parts(model: Any) -> tuple[nn.Module, nn.Module | None]:
         return inner.visual, None
     if hasattr(inner, "vision_model"):  # Idefics3, SmolVLM
         return inner.vision_model, inner.connector
+    if hasattr(inner, "embed_vision"):  # Gemma 4
+        return inner.vision_tower, inner.embed_vision
     return inner.vision_tower, inner.multi_modal_projector
 
 
@@ -315,7 +437,7 @@ def _parts(model: Any) -> tuple[nn.Module, nn.Module | None]:
 # Idefics3's ``model.vision_model.*`` and ``model.connector.*``.
 PART_PREFIXES: dict[str, tuple[str, ...]] = {
     "tower": ("model.vision_tower.", "vision_tower.", "model.vision_model.", "model.visual.", "visual."),
-    "projector": ("model.multi_modal_projector.", "multi_modal_projector.", "model.connector.")}
+    "projector": ("model.multi_modal_projector.", "multi_modal_projector.", "model.connector.", "model.embed_vision.")}
 NESTED = "vision_model."  # CLIP's and SigLIP's layers are under it in some layouts and not in others
 
 
@@ -331,7 +453,7 @@ def load_vision_encoder(path: str, hf_config: Any, geometry: tuple[int, int] | N
     load_parts(path, parts, PART_PREFIXES, NESTED)
     geometry = geometry or geometry_of(hf_config, path)
     if geometry is None:
-        raise ModelError(f"{path}: {size_to_choose(hf_config)}; pass geometry=(S, N)")
+        raise ModelError(f"{path}: {text_only(hf_config, path)}; its image encoder is not built")
     return delegated_norms(ENCODERS[family.name](hf_config, geometry, tower, projector)).eval()
 
 
@@ -341,6 +463,8 @@ def _new_parts(hf_config: Any) -> tuple[nn.Module, nn.Module | None]:
     hf_config._attn_implementation = "eager"
     tower, projector = _parts(meta_model(hf_config))
     with quiet_transformers():
+        if projector is not None and type(projector).__name__ == "Gemma4MultimodalEmbedder":
+            return type(tower)(hf_config.vision_config), type(projector)(hf_config.vision_config, hf_config.text_config)
         return type(tower)(hf_config.vision_config), None if projector is None else type(projector)(hf_config)
 
 

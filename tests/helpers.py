@@ -36,6 +36,35 @@ def assert_matches_transformers(ref, ours, tokens: torch.Tensor, prefill_len: in
                                        msg=lambda m, pos=pos: f"decode step at position {pos}: {m}")
 
 
+def assert_every_split_matches(ours, calls_by_split: dict[str, list[torch.Tensor]], expected: torch.Tensor,  # type: ignore[no-untyped-def]
+                               atol: float = 1e-5) -> None:
+    """For each way a prompt's embeddings are split into calls (name -> the calls, in order), our decoder's logits of
+    every position, call after call from an empty cache, equal ``expected`` [T, V] (transformers' one forward)."""
+    for how, calls in calls_by_split.items():
+        ours.reset_cache()
+        logits, start = [], 0
+        for call in calls:
+            logits.append(ours(call, torch.tensor([start]), True)[0])
+            start += call.shape[1]
+        torch.testing.assert_close(torch.cat(logits), expected, atol=atol, rtol=0, msg=how)
+
+
+def sized_run(ckpt: Path, run: Path, *overrides: str) -> Any:
+    """The vision geometry the plan of ``ckpt`` with ``overrides`` decides (model.image_size), and ``run`` made as an
+    export leaves it: the processor files sized to that square, the tokenizer beside them."""
+    from exporters.components.resolve import plan_export
+    from exporters.components.vision import processor_files_sized
+
+    geometry = plan_export(compose_config("model=hf", f"model.checkpoint={ckpt}", *overrides)).component(
+        "vision").build.geometry
+    run.mkdir()
+    for final, staged in processor_files_sized(ckpt, geometry, run).items():
+        staged.rename(final)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ckpt / name, run)
+    return geometry
+
+
 def transformers_model(ckpt: Path):  # type: ignore[no-untyped-def]
     """The checkpoint as transformers loads it, by its config's architecture (fp32, eager attention): the reference a
     multimodal program is compared with."""

@@ -18,7 +18,7 @@ from exporters.program.vision import program_pixels
 from models.checkpoint import build_model, open_checkpoint
 from models.decoder import DecoderArgs, RopeTable
 from models.errors import ModelError
-from tests.helpers import compose_config, transformers_model
+from tests.helpers import assert_every_split_matches, compose_config, sized_run, transformers_model
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 TEXT_BEFORE, TEXT_AFTER = [10, 11], [12, 13, 14]
@@ -59,13 +59,7 @@ def test_an_image_of_any_grid_gets_transformers_positions_however_the_prompt_is_
                   "one call": [torch.cat([before, image, after], 1)],
                   "an image over two calls": [torch.cat([before, image[:, :2]], 1),
                                               torch.cat([image[:, 2:], after], 1)]}
-        for how, calls in splits.items():
-            ours.reset_cache()
-            logits, start = [], 0
-            for call in calls:
-                logits.append(ours(call, torch.tensor([start]), True)[0])
-                start += call.shape[1]
-            torch.testing.assert_close(torch.cat(logits), expected, atol=1e-5, rtol=0, msg=how)
+        assert_every_split_matches(ours, splits, expected)
         token = int(expected[-1].argmax())
         longer = torch.cat([ids, torch.tensor([[token]])], 1)
         after_one = ref(input_ids=longer, pixel_values=pixels, image_grid_thw=grid,
@@ -181,24 +175,15 @@ def test_model_image_size_chooses_the_square_and_sizes_the_run_s_processor(vlm_c
     processor files the run keeps (least = most pixels = S * S), from which the processor makes that grid. A side
     that is no multiple of patch x merge, a size for a family whose processor fixes it, or one for a text checkpoint
     is refused before any weight is read."""
-    from exporters.components.resolve import plan_export
-    from exporters.components.vision import processor_files_sized
     from models.vision import load_processor
 
     ckpt = shutil.copytree(vlm_checkpoint("qwen3_vl"), tmp_path / "ckpt")
     saved = json.loads((ckpt / "processor_config.json").read_text())
     saved["image_processor"]["size"] = {"shortest_edge": 3136, "longest_edge": 12845056}  # the hub's range
     (ckpt / "processor_config.json").write_text(json.dumps(saved))
-    plan = plan_export(compose_config("model=hf", f"model.checkpoint={ckpt}", "model.image_size=96",
-                                      "export.max_seq_len=32"))
-    geometry = plan.component("vision").build.geometry
-    assert (geometry.image_size, geometry.tokens) == (96, 9)
     run = tmp_path / "run"
-    run.mkdir()
-    for final, staged in processor_files_sized(ckpt, geometry, run).items():
-        staged.rename(final)
-    shutil.copy(ckpt / "tokenizer.json", run)
-    shutil.copy(ckpt / "tokenizer_config.json", run)
+    geometry = sized_run(ckpt, run, "model.image_size=96", "export.max_seq_len=32")
+    assert (geometry.image_size, geometry.tokens) == (96, 9)
     sized = json.loads((run / "processor_config.json").read_text())["image_processor"]["size"]
     assert sized == {"shortest_edge": 96 * 96, "longest_edge": 96 * 96}
     from PIL import Image

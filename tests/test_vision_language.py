@@ -1,4 +1,4 @@
-"""Vision-language checkpoints (LLaVA, Gemma 3, Idefics3 / SmolVLM, LFM2-VL): tiny ones built by transformers' own
+"""Vision-language checkpoints (LLaVA, Gemma 3, Idefics3 / SmolVLM, LFM2-VL, Qwen-VL, Gemma 4): tiny ones built by transformers' own
 classes.
 
 Fast: each family's text decoder and vision encoder against transformers eagerly; every refusal at the config
@@ -22,6 +22,7 @@ from exporters.program.vision import IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, V
 from exporters.release.bundle import make_bundle
 from exporters.runtime.generator import Generator, SamplingConfig
 from models.checkpoint import build_model, open_checkpoint
+from models.decoder import id_digits
 from models.tiny_vlm import IMAGE_TOKENS as TINY_IMAGE_TOKENS
 from models.tiny_vlm import TINY_VLM
 from models.vision_encoder import load_vision_encoder
@@ -36,9 +37,9 @@ PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len
 IMAGE_MARK = {"llava": "<image>", "gemma3": "<start_of_image>", "idefics3": "<image>", "lfm2_vl": "<image>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
               "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-              "qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>"}
+              "qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>", "gemma4": "<|image|>"}
 # Families whose program takes one square: a picture of another shape is stretched to it (docs/vision.md).
-STRETCHED = ("lfm2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+STRETCHED = ("lfm2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma4")
 QWEN_VL = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
@@ -72,6 +73,13 @@ def transformers_features(ref, family: str, pixels: torch.Tensor) -> torch.Tenso
         out = ref.model.get_image_features(torch.from_numpy(rows.copy()), torch.tensor([[1, grid_h, grid_w]]))
         return torch.cat([out.pooler_output[0], *(f[0] if isinstance(f, (list, tuple)) else f
                                                   for f in getattr(out, "deepstack_features", None) or [])], dim=-1)
+    if family == "gemma4":  # patch rows (channel fastest) and each row's (x, y)
+        patch = ref.config.vision_config.patch_size
+        grid = pixels.shape[-1] // patch
+        rows = pixels.reshape(1, 3, grid, patch, grid, patch).permute(0, 2, 4, 3, 5, 1).reshape(1, grid**2, -1)
+        xs, ys = torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy")
+        features = ref.model.get_image_features(rows, torch.stack([xs, ys], -1).reshape(1, -1, 2)).pooler_output
+        return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
     if family == "lfm2_vl":  # SigLIP2 NaFlex: patch rows (channel fastest), the grid, a mask of real patches
         patch = ref.config.vision_config.patch_size
         grid = pixels.shape[-1] // patch
@@ -97,7 +105,7 @@ def test_the_text_decoder_of_a_vision_language_checkpoint_matches_transformers(v
         torch.testing.assert_close(ours(tokens, torch.tensor([0]), full_logits=True), expected, atol=1e-4, rtol=0)
         # The embeddings path (what text_decoder takes) computes the same.
         ours.reset_cache()
-        torch.testing.assert_close(ours(ours.wide(ours.token_embeddings(tokens)), torch.tensor([0])), expected[:, -1],
+        torch.testing.assert_close(ours(ours.text_embeddings(tokens), torch.tensor([0])), expected[:, -1],
                                    atol=1e-4, rtol=0)
 
 
@@ -114,6 +122,10 @@ def test_the_vision_encoder_computes_transformers_image_features(vlm_checkpoint,
     assert ours.shape == (1, TINY_IMAGE_TOKENS, width)
     features = features.reshape(1, TINY_IMAGE_TOKENS, -1)
     torch.testing.assert_close(ours[..., :features.shape[-1]], features, atol=1e-5, rtol=0)
+    if family == "gemma4":  # the image token's id, which the decoder's per-layer embeddings look up (as pad)
+        digits = ours[0, :, -3:]
+        assert torch.equal(digits, id_digits(torch.full((TINY_IMAGE_TOKENS,), ref.config.image_token_id),
+                                             torch.float32))
     if family in QWEN_VL:  # the image channels the decoder places M-RoPE positions by: place, rows, columns
         side = int(TINY_IMAGE_TOKENS**0.5)
         place = torch.arange(1, TINY_IMAGE_TOKENS + 1, dtype=torch.float32)

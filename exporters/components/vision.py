@@ -88,7 +88,9 @@ def vision_geometry(model: ModelConfig) -> VisionGeometry | None:
     if geometry is None:
         return None  # its processor takes a range of sizes and model.image_size chose none: text only
     size, tokens = geometry
-    return VisionGeometry(family.name, size, tokens, family.image_token_id(hf_config), family.size_chosen)
+    return VisionGeometry(family.name, size, tokens, family.image_token_id(hf_config), family.size_chosen,
+                          tuple(family.sized(size).items()) if family.size_chosen else (),
+                          family.places_in_embedding)
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,7 @@ class Vision(Kind):
             return
         what = f"{cfg.model.checkpoint} sees images ({geometry.family}, {geometry.tokens} positions per image)"
         exact = EXACT_INTEGERS.get(str(cfg.quant.dtype))
-        if geometry.size_chosen and exact is not None and geometry.tokens > exact:
+        if geometry.places_in_embedding and exact is not None and geometry.tokens > exact:
             raise UserError(f"{what}, and quant.dtype={cfg.quant.dtype} holds whole numbers exactly only up to {exact}: "
                             "each image token carries its place in the image to the decoder (docs/vision.md), which "
                             f"would be rounded. Use a smaller model.image_size (at most {exact} positions) or "
@@ -260,7 +262,7 @@ def processor_files_sized(folder: Path, geometry: VisionGeometry, out_dir: Path)
         saved = json.loads(source.read_text())
         fields = saved.get("image_processor", saved)  # processor_config.json nests it; preprocessor_config.json not
         fields["size"] = geometry.sized()
-        for older in ("min_pixels", "max_pixels"):
+        for older in ("min_pixels", "max_pixels"):  # Qwen-VL's older names of its size
             fields.pop(older, None)
         staged[out_dir / name] = private_path(out_dir / name, "staged")
         staged[out_dir / name].write_text(json.dumps(saved, indent=2) + "\n")

@@ -189,10 +189,11 @@ class ModelConfig:
     seed: int = 0
     # Architecture fields set over config.json's (or, with random_init and no checkpoint, the whole architecture).
     arch: ArchOverrides = field(default_factory=ArchOverrides)
-    # The side S of the one square image a vision-language program takes, for Qwen2.5-VL, Qwen3-VL and Qwen3.5, whose
-    # processors take any size in a range: a multiple of the patch size x 2 (28 or 32); the run's processor files are
-    # written with it. null = the processor's, when it fixes one square (448 for a random-weight shape). Other
-    # families' processors fix it (a different value is refused).
+    # The side S of the one square image a vision-language program takes, for Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Gemma 4,
+    # whose processors take any size in a range: a multiple of the patch size x 2 (28 or 32; Gemma 4: x 3, 48); the
+    # run's processor files are written with it. null = the processor's, when it fixes one square (448 for a
+    # random-weight Qwen shape; Gemma 4: the largest square within its token budget, 768 at 280). Other families'
+    # processors fix it (a different value is refused).
     image_size: Optional[int] = None
     # LoRA adapters as PEFT saves them (a folder with adapter_config.json + adapter_model.safetensors), by name:
     # "+model.adapters={chat: /path/a, summary: /path/b}" (with +: no model option lists adapters). Each adds the base's methods with the adapter applied,

@@ -32,13 +32,16 @@ class VisionGeometry:
     image_size: int  # S: every image is resized to S x S by the processor
     tokens: int  # N: embedding positions per image in the text decoder
     image_token_id: int  # the token each image position takes in a prompt (the config's)
-    # The processor takes a range of sizes and the program S (Qwen-VL): the run's processor files are sized to it.
+    # The processor takes a range of sizes and the program S (Qwen-VL, Gemma 4): the run's processor files are sized
+    # to it, their ``size`` field set to these items (models.vision.VisionLanguage.sized).
     size_chosen: bool = False
+    size_field: tuple[tuple[str, int], ...] = ()
+    # Each image token's place travels in the embedding (Qwen-VL's M-RoPE channels): a count a dtype must hold exactly.
+    places_in_embedding: bool = False
 
     def sized(self) -> dict[str, int]:
-        """The processor's ``size`` for the program's one square: least and most pixels both its area."""
-        area = self.image_size**2
-        return {"shortest_edge": area, "longest_edge": area}
+        """The processor's ``size`` for the program's one square (Qwen-VL: least and most pixels both its area)."""
+        return dict(self.size_field)
 
 
 def vision_spec(geometry: VisionGeometry) -> MethodSpec:
@@ -59,7 +62,7 @@ def preprocessing(folder: Path) -> dict[str, Any]:
 
 
 # Families whose processor writes patch rows (SigLIP2 NaFlex, Qwen-VL) where vision_encoder takes pixels: program_pixels.
-PATCH_ROW_FAMILIES = ("lfm2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+PATCH_ROW_FAMILIES = ("lfm2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma4")
 QWEN_MERGE = 2  # every Qwen-VL processor merges 2 x 2 patches into one position (its merge_size)
 
 
@@ -87,14 +90,31 @@ def _qwen_pixels(processed: Any, size: int) -> torch.Tensor:
             .permute(0, 5, 1, 3, 6, 2, 4, 7).reshape(-1, 3, size, size).contiguous())
 
 
+def _gemma4_pixels(processed: Any, size: int) -> torch.Tensor:
+    """Gemma 4's rows ``[n, rows, 3 p^2]`` (each patch's pixels row by row, channel fastest; the image's patches row by
+    row, then padding rows at position (-1, -1)) folded back into ``[n, 3, S, S]``."""
+    pixels, positions = processed["pixel_values"], processed["image_position_ids"]
+    patch = int(math.isqrt(pixels.shape[-1] // 3))
+    images = []
+    for rows, where in zip(pixels, positions):
+        kept = rows[(where >= 0).all(-1)]
+        cols, lines = (int(where[..., i].max()) + 1 for i in (0, 1))
+        _unrefused(lines, cols, patch, size)
+        side = size // patch
+        images.append(kept.reshape(side, side, patch, patch, 3).permute(4, 0, 2, 1, 3).reshape(3, size, size))
+    return torch.stack(images).contiguous()
+
+
 def program_pixels(processed: Any, size: int) -> torch.Tensor:
     """The images of a processor's output as ``vision_encoder`` takes them, ``[n, 3, S, S]``. A NaFlex processor
     (LFM2-VL's SigLIP2) writes patch rows ``[n, P, 3 p^2]`` with each image's patch grid, Qwen-VL's ``[n * P, 6 p^2]``
-    with ``image_grid_thw``: one whole S x S image each is folded back into pixels; an image of any other grid cannot
-    be fed to the program, and is refused."""
+    with ``image_grid_thw``, Gemma 4's ``[n, rows, 3 p^2]`` with each row's position: one whole S x S image each is
+    folded back into pixels; an image of any other grid cannot be fed to the program, and is refused."""
     pixels = processed["pixel_values"]
     if "image_grid_thw" in processed:
         return _qwen_pixels(processed, size)
+    if "image_position_ids" in processed:
+        return _gemma4_pixels(processed, size)
     if "spatial_shapes" not in processed:
         return pixels.reshape(-1, *pixels.shape[-3:])
     grids, mask = processed["spatial_shapes"].tolist(), processed["pixel_attention_mask"]
@@ -111,8 +131,15 @@ def has_processor(folder: Path) -> bool:
     return any((folder / name).is_file() for name in PROCESSOR_FILES)
 
 
+# Processors whose prompts mark an image with its begin-of-image token (which they expand), not the image token.
+MARKED_BY_BOI = ("Gemma3Processor",)
+
+
 def prompt_marker(processor: Any) -> str:
-    """What a prompt writes where an image goes: Gemma 3's begin-of-image token, else the image token."""
-    return getattr(processor, "boi_token", None) or processor.image_token
+    """What a prompt writes where an image goes: Gemma 3's begin-of-image token, else the image token (Gemma 4's
+    ``<|image|>``)."""
+    if type(processor).__name__ in MARKED_BY_BOI:
+        return processor.boi_token
+    return processor.image_token
 
 

@@ -58,8 +58,8 @@ def image_prompt(program: Any, folder: Path, prompt: str, images: list[str], cha
 def check_sees_images(program: Any) -> None:
     if VISION_METHOD not in program.method_names:
         raise UserError(f"image= needs a vision-language program, and {program.path} has no {VISION_METHOD} method: "
-                        "export a vision-language checkpoint (LLaVA, Gemma 3, SmolVLM / Idefics3, LFM2-VL), or leave image "
-                        "out.")
+                        "export a vision-language checkpoint (LLaVA, Gemma 3, SmolVLM / Idefics3, LFM2-VL, Qwen-VL, "
+                        "Gemma 4), or leave image out.")
 
 
 def conversation_prompt(program: Any, processor: Any, folder: Path, messages: list[dict[str, Any]],

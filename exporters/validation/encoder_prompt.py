@@ -54,8 +54,8 @@ def _eager_prompt(model: CausalLM, embedded: torch.Tensor, before: torch.Tensor,
     """The eager decoder's logits [1 + GREEDY_STEPS, V] on text, the encoder's embeddings, text and then ``tokens``
     (None: its own greedy choices), and the tokens it was given or chose. Resets the caches before and after."""
     model.reset_cache()
-    embeddings = torch.cat([model.wide(model.token_embeddings(before)), embedded.to(model.activation_dtype()),
-                            model.wide(model.token_embeddings(after))], dim=1)
+    embeddings = torch.cat([model.text_embeddings(before), embedded.to(model.activation_dtype()),
+                            model.text_embeddings(after)], dim=1)
     logits = [model(embeddings, torch.tensor([0])).float().reshape(1, -1)]
     chosen, position = [], embeddings.shape[1]
     for step in range(GREEDY_STEPS):

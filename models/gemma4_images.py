@@ -1,0 +1,85 @@
+"""Gemma 4's processor for a program of one fixed square image, without torchvision.
+
+transformers' ``Gemma4Processor`` insists on a video processor (torchvision, not installable beside the CPU torch
+this project pins) and an audio feature extractor. Images need neither: :func:`images_only` takes an image
+processor and a tokenizer alone, expanding ``<|image|>`` into the image's tokens as it does.
+:class:`Gemma4SquareImages` is transformers' PIL ``Gemma4ImageProcessorPil`` with every picture resized to the
+program's S x S (its ``size``; without one, the largest square within the processor's ``max_soft_tokens``): its
+patch rows are one whole S x S grid (then padding rows, as transformers pads them), which
+``exporters.program.vision.program_pixels`` folds back into the ``[1, 3, S, S]`` the program takes. A picture of
+another aspect ratio is stretched, where transformers would keep its ratio (docs/vision.md).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers.image_transforms import resize
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+from models.processor_files import processor_settings
+
+
+def square_side(max_soft_tokens: int, patch_size: int, pooling_kernel_size: int) -> int:
+    """The largest square whose pooled positions fit ``max_soft_tokens`` (280 at 16 px patches pooled 3 x 3: 768)."""
+    return math.isqrt(max_soft_tokens) * pooling_kernel_size * patch_size
+
+
+class Gemma4SquareImages(Gemma4ImageProcessorPil):
+    """Every picture resized to S x S, then rescaled and cut into rows as transformers does."""
+
+    stretches_to_square = True  # read by exporters.runtime.images without importing this module
+
+    def side(self) -> int:
+        size = getattr(self, "size", None) or {}
+        height = size.get("height") if isinstance(size, dict) else getattr(size, "height", None)
+        return int(height) if height else square_side(self.max_soft_tokens, self.patch_size, self.pooling_kernel_size)
+
+    def aspect_ratio_preserving_resize(self, image: np.ndarray, patch_size: int, max_patches: int,
+                                       pooling_kernel_size: int, resample: Any) -> np.ndarray:
+        s = self.side()
+        return image if tuple(image.shape[-2:]) == (s, s) else resize(image, size=(s, s), resample=resample)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Saved as transformers' own class saves."""
+        fields = super().to_dict()
+        fields["image_processor_type"] = "Gemma4ImageProcessor"
+        return fields
+
+
+def images_only() -> type:
+    """transformers' ``Gemma4Processor`` taking an image processor and a tokenizer, no audio or video processor."""
+    from transformers import Gemma4Processor
+    from transformers.processing_utils import ProcessorMixin
+
+    class _NoneAllowed(ProcessorMixin):
+        """ProcessorMixin refuses a None feature extractor or video processor; Gemma4Processor passes both on."""
+
+        def __init__(self, *args: Any, feature_extractor: Any = None, video_processor: Any = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.feature_extractor = self.video_processor = None
+
+    class ImagesOnly(Gemma4Processor, _NoneAllowed):
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None,
+                     **kwargs: Any) -> None:
+            Gemma4Processor.__init__(self, None, image_processor, tokenizer, None, chat_template=chat_template,
+                                     **kwargs)
+
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = "Gemma4Processor"  # saved under transformers' own name
+    return ImagesOnly
+
+
+def gemma4_processor(folder: Path) -> Any:
+    """The processor saved in ``folder`` (a checkpoint or a run), for images and text."""
+    from transformers import AutoTokenizer
+
+    settings = {k: v for k, v in processor_settings(folder).items()
+                if k not in ("image_processor_type", "processor_class")}
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    template = Path(folder) / "chat_template.jinja"
+    chat_template = template.read_text() if template.is_file() else None
+    return images_only()(Gemma4SquareImages(**settings), tokenizer, chat_template=chat_template)
