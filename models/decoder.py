@@ -717,7 +717,8 @@ class DecoderLayer(nn.Module):
         if per_layer is not None:
             gated = self.per_layer_act(self.per_layer_input_gate(x)) * per_layer
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-        return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
+        # Gemma 4's scalar in the activation dtype, as transformers stores it (a bf16 model's is bf16)
+        return x * self.layer_scalar.to(x.dtype) if hasattr(self, "layer_scalar") else x
 
 
 class DecoderBody(nn.Module):

@@ -131,3 +131,24 @@ def test_the_tiny_source_writes_a_tiny_gemma4(tmp_path: Path) -> None:
     config = json.loads((ckpt.path / "config.json").read_text())
     assert config["vocab_size_per_layer_input"] == config["vocab_size"] and config["hidden_size_per_layer_input"] == 16
     assert build_model(ckpt, MAX_SEQ_LEN).parameter_count() < 300_000
+
+
+def test_a_bf16_model_computes_in_bf16_as_transformers_does(family_checkpoint, tmp_path: Path) -> None:
+    """quant=bf16: the stored layer scalars are applied in the activation dtype (transformers stores them in the
+    model's), so the hidden states stay bf16 through every layer; the logits are transformers' bf16 model's within
+    bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from exporters.export import run_stages
+
+    ckpt = family_checkpoint("gemma4")
+    eager, _ = run_stages(compose_config("model=gemma4", f"model.checkpoint={ckpt}", "quant=bf16",
+                                         f"export.max_seq_len={MAX_SEQ_LEN}", "validate=false"),
+                          tmp_path / "run", stop_after="quantize")
+    tokens = torch.randint(3, 380, (1, 8), generator=torch.Generator().manual_seed(2))
+    ref = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ours = eager.model(tokens, torch.tensor([0]), full_logits=True)
+        assert ours.dtype == torch.bfloat16
+        # logits up to about 8 (soft-capped at 10), bf16's step there 0.0625: 0.06 apart here
+        torch.testing.assert_close(ours.float(), ref(input_ids=tokens).logits.float(), atol=0.15, rtol=0)
