@@ -363,9 +363,11 @@ class Gemma4Vision(VisionEncoder):
 
     @staticmethod
     def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Gemma 4's RMSNorm (``Gemma4RMSNorm``, fp32 here) through a mean XNNPACK delegates (``mean_last``)."""
-        out = x * torch.rsqrt(mean_last(x * x) + norm.eps)
-        return out * norm.weight if norm.with_scale else out
+        """Gemma 4's RMSNorm (``Gemma4RMSNorm``: in fp32, then cast back, as transformers computes it in an fp16
+        tower) through a mean XNNPACK delegates (``mean_last``)."""
+        f = x.float()
+        out = f * torch.rsqrt(mean_last(f * f) + norm.eps)
+        return (out * norm.weight.float() if norm.with_scale else out).to(x.dtype)
 
     @staticmethod
     def _linear(clippable: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -389,7 +391,8 @@ class Gemma4Vision(VisionEncoder):
         n = x.shape[1]
         q, k, v = (self._linear(proj, x).reshape(1, n, self.heads, -1)
                    for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-        q, k, v = self._rotate(self._norm(attn.q_norm, q)), self._rotate(self._norm(attn.k_norm, k)), self._norm(attn.v_norm, v)
+        q, k = self._rotate(self._norm(attn.q_norm, q)), self._rotate(self._norm(attn.k_norm, k))
+        v = self._norm(attn.v_norm, v)
         scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1)
         out = torch.softmax(scores, dim=-1) @ v.transpose(1, 2)  # [1, heads, P, head_dim]
         return self._linear(attn.o_proj, out.transpose(1, 2).reshape(1, n, -1))
@@ -405,12 +408,13 @@ class Gemma4Vision(VisionEncoder):
             h = h + self._norm(layer.post_feedforward_layernorm, self._mlp(layer.mlp,
                                                                            self._norm(layer.pre_feedforward_layernorm, h)))
         g = self.grid
-        grid = h.transpose(1, 2).reshape(1, -1, g, g)  # [1, D, rows, columns]
+        grid = h.float().transpose(1, 2).reshape(1, -1, g, g)  # [1, D, rows, columns]
+        # Pooled, scaled and standardized in fp32 (the scale can pass fp16's range), as transformers does
         pooled = torch.nn.functional.avg_pool2d(grid, self.pool).flatten(2).transpose(1, 2) * self.root_width
         if self.standardize:
             pooled = (pooled - self.std_bias) * self.std_scale
         embed = self.projector  # embed_vision: an unweighted RMSNorm, then a linear to the decoder's width
-        out = embed.embedding_projection(self._norm(embed.embedding_pre_projection_norm, pooled))
+        out = embed.embedding_projection(self._norm(embed.embedding_pre_projection_norm, pooled.to(h.dtype)))
         return torch.cat([out, self.token_ids.to(out.dtype)], dim=-1)
 
 
