@@ -28,15 +28,27 @@ def square_side(max_soft_tokens: int, patch_size: int, pooling_kernel_size: int)
     return math.isqrt(max_soft_tokens) * pooling_kernel_size * patch_size
 
 
+def program_side(size: Any, max_soft_tokens: int, patch_size: int, pooling_kernel_size: int) -> int:
+    """S of the program's square: the processor's ``size`` where it is a square of whole pooled cells (a run's files,
+    written by ``exporters.components.vision.processor_files_sized``), else the largest square within its budget.
+    transformers' own processor ignores ``size``, and some published copies carry a stale one (224 x 224, SigLIP's):
+    read as S it would cut no whole cells, so it is not."""
+    height = size.get("height") if isinstance(size, dict) else getattr(size, "height", None)
+    width = size.get("width") if isinstance(size, dict) else getattr(size, "width", None)
+    unit = patch_size * pooling_kernel_size
+    if height and height == width and height % unit == 0:
+        return int(height)
+    return square_side(max_soft_tokens, patch_size, pooling_kernel_size)
+
+
 class Gemma4SquareImages(Gemma4ImageProcessorPil):
     """Every picture resized to S x S, then rescaled and cut into rows as transformers does."""
 
     stretches_to_square = True  # read by exporters.runtime.images without importing this module
 
     def side(self) -> int:
-        size = getattr(self, "size", None) or {}
-        height = size.get("height") if isinstance(size, dict) else getattr(size, "height", None)
-        return int(height) if height else square_side(self.max_soft_tokens, self.patch_size, self.pooling_kernel_size)
+        return program_side(getattr(self, "size", None), self.max_soft_tokens, self.patch_size,
+                            self.pooling_kernel_size)
 
     def aspect_ratio_preserving_resize(self, image: np.ndarray, patch_size: int, max_patches: int,
                                        pooling_kernel_size: int, resample: Any) -> np.ndarray:

@@ -124,9 +124,10 @@ def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any], image_size: int | Non
 
 def _gemma4_geometry(cfg: Any, processor: dict[str, Any], image_size: int | None = None) -> tuple[int, int]:
     """One square of S x S pixels: patches of p pooled k x k into one position each, (S / (k p))^2 positions. S is
-    ``image_size`` (model.image_size) when given, else the processor's saved square (a run's files), else the largest
-    square within its ``max_soft_tokens`` (the hub's 280: 768 px, 256 positions)."""
-    from models.gemma4_images import square_side  # transformers' PIL image processors: only for Gemma 4
+    ``image_size`` (model.image_size) when given, else the processor's saved square (a run's files; a stale ``size``
+    of no whole cells is ignored, as transformers ignores it), else the largest square within its ``max_soft_tokens``
+    (the hub's 280: 768 px, 256 positions)."""
+    from models.gemma4_images import program_side  # transformers' PIL image processors: only for Gemma 4
 
     vc = cfg.vision_config
     for key, ours in (("patch_size", vc.patch_size), ("pooling_kernel_size", vc.pooling_kernel_size)):
@@ -143,9 +144,8 @@ def _gemma4_geometry(cfg: Any, processor: dict[str, Any], image_size: int | None
                              "image).")
         side = image_size
     else:
-        saved = processor.get("size") or {}
-        side = saved.get("height") or square_side(int(processor.get("max_soft_tokens", 280)), vc.patch_size,
-                                                  vc.pooling_kernel_size)
+        side = program_side(processor.get("size"), int(processor.get("max_soft_tokens", 280)), vc.patch_size,
+                            vc.pooling_kernel_size)
     return side, (side // unit) ** 2
 
 

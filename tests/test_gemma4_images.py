@@ -83,16 +83,16 @@ def test_token_ids_travel_exactly_in_every_activation_dtype() -> None:
         assert torch.equal(ids_of_digits(digits), ids)
 
 
-def _budgeted(tmp_path: Path, max_soft_tokens: int) -> Path:
+def _budgeted(tmp_path: Path, max_soft_tokens: int, **fields: object) -> Path:
     """A folder with a hub-shaped Gemma 4 config (16 px patches pooled 3 x 3) and a processor of that budget."""
     from transformers import Gemma4Config, Gemma4VisionConfig
 
-    folder = tmp_path / str(max_soft_tokens)
+    folder = tmp_path / f"processor-{len(list(tmp_path.iterdir()))}"
     folder.mkdir()
     Gemma4Config(vision_config=Gemma4VisionConfig(),
                  architectures=["Gemma4ForConditionalGeneration"]).save_pretrained(folder)
     (folder / "processor_config.json").write_text(json.dumps({
-        "image_processor": {"patch_size": 16, "pooling_kernel_size": 3, "max_soft_tokens": max_soft_tokens},
+        "image_processor": {"patch_size": 16, "pooling_kernel_size": 3, "max_soft_tokens": max_soft_tokens, **fields},
         "processor_class": "Gemma4Processor"}))
     return folder
 
@@ -109,6 +109,11 @@ def test_the_processor_budget_sets_the_square_and_model_image_size_another(tmp_p
         config = AutoConfig.from_pretrained(folder)
         assert geometry_of(config, folder) == (side, (side // 48) ** 2)
     assert geometry_of(config, folder, 480) == (480, 100)
+    # A published copy's stale size (SigLIP's 224 x 224, which transformers' processor ignores) cuts no whole cells:
+    # ignored, as transformers ignores it; a run's own square is read.
+    stale = _budgeted(tmp_path, 280, size={"height": 224, "width": 224})
+    assert geometry_of(config, stale) == (768, 256)
+    assert geometry_of(config, _budgeted(tmp_path, 280, size={"height": 480, "width": 480})) == (480, 100)
     with pytest.raises(ModelError, match=r"model.image_size=500: .* must be a multiple of 48"):
         geometry_of(config, folder, 500)
 
