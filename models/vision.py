@@ -217,7 +217,8 @@ VISION_LANGUAGE: tuple[VisionLanguage, ...] = (
 
 # Processors (by the class their saved files name) that transformers cannot load here, and what we load instead.
 OWN_PROCESSORS: dict[str, Callable[[Path], Any]] = {
-    "Lfm2VlProcessor": _lfm2_vl_processor, "Gemma4Processor": _gemma4_processor, "Qwen2_5_VLProcessor": _qwen_vl_processor("Qwen2_5_VLProcessor"),
+    "Lfm2VlProcessor": _lfm2_vl_processor, "Gemma4Processor": _gemma4_processor,
+    "Qwen2_5_VLProcessor": _qwen_vl_processor("Qwen2_5_VLProcessor"),
     "Qwen3VLProcessor": _qwen_vl_processor("Qwen3VLProcessor")}
 
 
