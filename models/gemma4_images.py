@@ -20,7 +20,7 @@ import numpy as np
 from transformers.image_transforms import resize
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-from models.processor_files import processor_settings
+from models.processor_files import saved_processor_parts
 
 
 def square_side(max_soft_tokens: int, patch_size: int, pooling_kernel_size: int) -> int:
@@ -87,11 +87,5 @@ def images_only() -> type:
 
 def gemma4_processor(folder: Path) -> Any:
     """The processor saved in ``folder`` (a checkpoint or a run), for images and text."""
-    from transformers import AutoTokenizer
-
-    settings = {k: v for k, v in processor_settings(folder).items()
-                if k not in ("image_processor_type", "processor_class")}
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    template = Path(folder) / "chat_template.jinja"
-    chat_template = template.read_text() if template.is_file() else None
+    settings, tokenizer, chat_template = saved_processor_parts(folder)
     return images_only()(Gemma4SquareImages(**settings), tokenizer, chat_template=chat_template)

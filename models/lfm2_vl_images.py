@@ -12,7 +12,6 @@ one shape; a picture of another aspect ratio is stretched, which LFM2-VL was not
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from transformers.image_utils import SizeDict
 from transformers.models.siglip2.image_processing_pil_siglip2 import (Siglip2ImageProcessorKwargs,
                                                                       Siglip2ImageProcessorPil)
 
-from models.processor_files import processor_settings
+from models.processor_files import saved_processor_parts
 
 # LFM2-VL's processor fields and their defaults (Lfm2VlImageProcessor's in transformers 5.23): kept as saved, read
 # for N (max_image_tokens), p (encoder_patch_size) and f (downsample_factor); the tiling ones do nothing here.
@@ -100,12 +99,7 @@ class Lfm2VlSquareImages(Siglip2ImageProcessorPil):
 def lfm2_vl_processor(folder: Path) -> Any:
     """``Lfm2VlProcessor`` of the checkpoint ``folder`` (its tokenizer, image tokens and chat template) with
     :class:`Lfm2VlSquareImages` in place of the torchvision image processor."""
-    from transformers import AutoTokenizer, Lfm2VlProcessor
+    from transformers import Lfm2VlProcessor
 
-    settings = processor_settings(folder)
-    template = folder / "chat_template.jinja"
-    chat_template = template.read_text() if template.is_file() else None
-    if chat_template is None and (folder / "processor_config.json").is_file():
-        chat_template = json.loads((folder / "processor_config.json").read_text()).get("chat_template")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    settings, tokenizer, chat_template = saved_processor_parts(folder)
     return Lfm2VlProcessor(Lfm2VlSquareImages(**settings), tokenizer, chat_template=chat_template)

@@ -31,3 +31,18 @@ def saved_architectures(folder: Path) -> list[str]:
     except (OSError, json.JSONDecodeError):
         return []
 
+
+def saved_processor_parts(folder: Path) -> tuple[dict[str, Any], Any, str | None]:
+    """What a processor we assemble ourselves (``models.*_images``) is made of: the image processor's fields (not
+    the class names the files record), the tokenizer, and the chat template (``chat_template.jinja``, else
+    ``processor_config.json``'s; None without one)."""
+    from transformers import AutoTokenizer  # only where a processor is built
+
+    folder = Path(folder)
+    settings = {k: v for k, v in processor_settings(folder).items()
+                if k not in ("image_processor_type", "processor_class")}
+    template = folder / "chat_template.jinja"
+    chat_template = template.read_text() if template.is_file() else None
+    if chat_template is None and (folder / "processor_config.json").is_file():
+        chat_template = json.loads((folder / "processor_config.json").read_text()).get("chat_template")
+    return settings, AutoTokenizer.from_pretrained(str(folder), local_files_only=True), chat_template

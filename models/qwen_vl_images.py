@@ -18,7 +18,7 @@ from typing import Any
 from transformers.image_utils import SizeDict
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from models.processor_files import processor_settings
+from models.processor_files import saved_processor_parts
 
 
 class QwenVlSquareImages(Qwen2VLImageProcessorPil):
@@ -58,12 +58,7 @@ def images_only(base: type) -> type:
 def qwen_vl_processor(folder: Path, processor_class: str) -> Any:
     """The processor saved in ``folder`` (a checkpoint or a run), for images and text."""
     import transformers
-    from transformers import AutoTokenizer
 
-    settings = {k: v for k, v in processor_settings(folder).items()
-                if k not in ("image_processor_type", "processor_class")}
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    template = Path(folder) / "chat_template.jinja"
-    chat_template = template.read_text() if template.is_file() else None
+    settings, tokenizer, chat_template = saved_processor_parts(folder)
     return images_only(getattr(transformers, processor_class))(QwenVlSquareImages(**settings), tokenizer,
                                                                chat_template=chat_template)

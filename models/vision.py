@@ -66,17 +66,32 @@ def _idefics3_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
     return cfg.vision_config.image_size, _patches(cfg.vision_config) // cfg.scale_factor**2
 
 
+def _check_processor_agrees(processor: dict[str, Any], ours: dict[str, int], defaults: dict[str, int]) -> None:
+    """The processor's fields (``defaults`` where it sets none) equal config.json's ``ours``, or the files are not
+    this checkpoint's."""
+    for key, value in ours.items():
+        theirs = processor.get(key, defaults[key])
+        if theirs != value:
+            raise ModelError(f"the processor's {key}={theirs} and config.json's {value} disagree: the processor files "
+                             "are not this checkpoint's. Copy the checkpoint's own processor_config.json beside it.")
+
+
+def _chosen_side(image_size: int, unit: int, cut: str, example: str) -> int:
+    """model.image_size as S when it is a positive multiple of ``unit`` (``cut``: how the checkpoint cuts images)."""
+    if image_size <= 0 or image_size % unit:
+        raise ModelError(f"model.image_size={image_size}: this checkpoint's images are cut into patches of {cut}, so "
+                         f"the side must be a multiple of {unit} ({example}).")
+    return image_size
+
+
 def _lfm2_vl_geometry(cfg: Any, processor: dict[str, Any]) -> tuple[int, int]:
     """One square image of ``max_image_tokens`` positions (SigLIP2's patches, pixel-unshuffled by
     ``downsample_factor``): the processor's token budget fixes the side, as its tiles are squares."""
     # transformers' PIL image processors (SigLIP2's): loaded only when an LFM2-VL checkpoint is read.
     from models.lfm2_vl_images import LFM2_VL_DEFAULTS, square_side
 
-    for key, ours in (("encoder_patch_size", cfg.vision_config.patch_size), ("downsample_factor", cfg.downsample_factor)):
-        theirs = processor.get(key, LFM2_VL_DEFAULTS[key])
-        if theirs != ours:
-            raise ModelError(f"the processor's {key}={theirs} and config.json's {ours} disagree: the processor files "
-                             "are not this checkpoint's. Copy the checkpoint's own processor_config.json beside it.")
+    _check_processor_agrees(processor, {"encoder_patch_size": cfg.vision_config.patch_size,
+                                        "downsample_factor": cfg.downsample_factor}, LFM2_VL_DEFAULTS)
     try:
         return square_side(processor)
     except ValueError as e:
@@ -109,11 +124,9 @@ def _qwen_vl_geometry(cfg: Any, processor: dict[str, Any], image_size: int | Non
     default = QWEN_VL_SIDE // unit * unit
     example = f"e.g. model.image_size={default} for {(default // unit) ** 2} positions per image"
     if image_size is not None:
-        if image_size <= 0 or image_size % unit:
-            raise ModelError(f"model.image_size={image_size}: this checkpoint's images are cut into patches of "
-                             f"{vc.patch_size} merged {vc.spatial_merge_size} x {vc.spatial_merge_size}, so the side "
-                             f"must be a multiple of {unit} ({example}).")
-        return image_size, (image_size // unit) ** 2
+        side = _chosen_side(image_size, unit, f"{vc.patch_size} merged {vc.spatial_merge_size} x "
+                            f"{vc.spatial_merge_size}", example)
+        return side, (side // unit) ** 2
     side = fixed_side(processor, unit)
     if side is None:
         if processor:
@@ -130,19 +143,12 @@ def _gemma4_geometry(cfg: Any, processor: dict[str, Any], image_size: int | None
     from models.gemma4_images import program_side  # transformers' PIL image processors: only for Gemma 4
 
     vc = cfg.vision_config
-    for key, ours in (("patch_size", vc.patch_size), ("pooling_kernel_size", vc.pooling_kernel_size)):
-        theirs = processor.get(key, ours)
-        if theirs != ours:
-            raise ModelError(f"the processor's {key}={theirs} and config.json's {ours} disagree: the processor files "
-                             "are not this checkpoint's. Copy the checkpoint's own processor_config.json beside it.")
+    ours = {"patch_size": vc.patch_size, "pooling_kernel_size": vc.pooling_kernel_size}
+    _check_processor_agrees(processor, ours, ours)
     unit = vc.patch_size * vc.pooling_kernel_size
     if image_size is not None:
-        if image_size <= 0 or image_size % unit:
-            raise ModelError(f"model.image_size={image_size}: this checkpoint's images are cut into patches of "
-                             f"{vc.patch_size} pooled {vc.pooling_kernel_size} x {vc.pooling_kernel_size}, so the side "
-                             f"must be a multiple of {unit} (e.g. model.image_size={16 * unit} for 256 positions per "
-                             "image).")
-        side = image_size
+        side = _chosen_side(image_size, unit, f"{vc.patch_size} pooled {vc.pooling_kernel_size} x "
+                            f"{vc.pooling_kernel_size}", f"e.g. model.image_size={16 * unit} for 256 positions per image")
     else:
         side = program_side(processor.get("size"), int(processor.get("max_soft_tokens", 280)), vc.patch_size,
                             vc.pooling_kernel_size)
