@@ -88,7 +88,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelError(f"{path}: cannot be read as JSON ({e}). Re-download or re-save the checkpoint.") from e
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files_of(path: Path) -> list[Path]:
+    """The safetensors files of the checkpoint folder ``path`` (its index's shards, else every *.safetensors)."""
     index = path / WEIGHTS_INDEX
     if index.exists():
         weight_map = _read_json(index).get("weight_map")
@@ -146,7 +147,7 @@ def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoin
     return Checkpoint(
         path=path,
         hf_config=hf_config,
-        weight_files=_weight_files(path) if need_weights else [],
+        weight_files=weight_files_of(path) if need_weights else [],
         tokenizer_files=[path / n for n in TOKENIZER_SIDE_FILES if (path / n).exists()],
         generation_config_file=gen_file if gen_file.exists() else None,
         bos_id=None if bos is None else int(bos),
@@ -173,7 +174,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = None, random_init: bool = False,
                 seed: int = 0, attention: str = "aten", kv_dtype: str = "fp32", attention_sink: int = 0,
-                call_tokens: int | None = None, device: str = "cpu") -> CausalLM:
+                call_tokens: int | None = None, keeps_final_hidden: bool = False, device: str = "cpu") -> CausalLM:
     """The decoder for ``ckpt``'s architecture, with its weights in their stored dtype (or seeded random ones in bf16);
     on ``device="meta"``, its shapes alone (nothing read or allocated).
 
@@ -181,7 +182,8 @@ def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = 
     compute (soft-capping, sliding windows shorter than the context) gets the ATen attention, and the
     choice is logged and visible in ``model.args.attention``. ``kv_dtype`` (``models.decoder.KV_CACHES``) other
     than fp32 needs those kernels, and is refused for such a model. ``attention_sink`` and ``call_tokens`` shape the
-    caches (``models.kv_cache.CacheGeometry``).
+    caches (``models.kv_cache.CacheGeometry``). ``keeps_final_hidden``: each position's final hidden state kept, for
+    Gemma 4's assistant (``models.gemma4_drafter``).
     """
     args = decoder_args(ckpt.hf_config, max_context_len, source=str(ckpt.path / "config.json"), family=family)
     blockers = args.custom_ops_blockers()
@@ -197,7 +199,7 @@ def build_model(ckpt: Checkpoint, max_context_len: int, *, family: str | None = 
         attention = "aten"
     try:
         args = dataclasses.replace(args, attention=attention, kv_dtype=kv_dtype, attention_sink=attention_sink,
-                                   call_tokens=call_tokens)
+                                   call_tokens=call_tokens, keeps_final_hidden=keeps_final_hidden)
     except ValueError as e:
         raise ModelError(f"{ckpt.path}: {e}") from e
     if device == "meta" or not random_init:
@@ -223,21 +225,24 @@ def stored_bytes(ckpt: Checkpoint, model: CausalLM) -> int:
     return model.parameter_count() * RANDOM_INIT_DTYPE.itemsize
 
 
-def load_weights(model: CausalLM, files: list[Path], rename: Callable[[str], str | None] = lambda name: name) -> None:
+def load_weights(model: CausalLM, files: list[Path], rename: Callable[[str], str | None] = lambda name: name,
+                 integers: frozenset[str] = frozenset()) -> None:
     """Stream tensors file by file into a meta-device model, checking names and shapes. ``rename``: the model's name
-    for a checkpoint tensor, None for one another component reads (a vision-language checkpoint's vision tower)."""
+    for a checkpoint tensor, None for one another component reads (a vision-language checkpoint's vision tower);
+    ``integers``: the model's integer tensors (an index, such as Gemma 4's assistant's token order)."""
     tied = model.args.tie_word_embeddings
     expected = {name: tuple(p.shape) for name, p in model.state_dict(keep_vars=True).items()
                 if not (tied and name == "lm_head.weight")}  # shared with the embedding
     loaded = read_tensors(files, expected, rename, skip=lambda name: name.endswith(IGNORED_TENSOR_SUFFIXES)
-                          or (tied and name == "lm_head.weight"))
+                          or (tied and name == "lm_head.weight"), integers=integers)
     model.load_state_dict(loaded, strict=False, assign=True)
     if tied:
         model.tie_weights()
 
 
 def read_tensors(files: list[Path], expected: dict[str, tuple[int, ...]], rename: Callable[[str], str | None],
-                 skip: Callable[[str], bool] = lambda name: False) -> dict[str, torch.Tensor]:
+                 skip: Callable[[str], bool] = lambda name: False,
+                 integers: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """The tensors of ``files`` under ``rename``'s names, each of ``expected``'s shape, every expected one present
     and no other (``rename`` None: another component's tensor; ``skip``: recomputed ones), finite; read lazily, so
     only these tensors are read."""
@@ -261,7 +266,10 @@ def read_tensors(files: list[Path], expected: dict[str, tuple[int, ...]], rename
                             f"{file}: tensor {stored} has shape {tuple(tensor.shape)}, but config.json implies "
                             f"{expected[name]}. The weights and config.json come from different models."
                         )
-                    if not tensor.is_floating_point():
+                    if tensor.is_floating_point() == (name in integers):
+                        if name in integers:
+                            raise ModelError(f"{file}: tensor {stored} is {tensor.dtype}, where an integer index is "
+                                             "expected. The checkpoint is damaged or of another architecture.")
                         raise ModelError(
                             f"{file}: tensor {stored} is {tensor.dtype}; this loader reads floating-point weights. "
                             "Pre-quantized checkpoints (GPTQ, AWQ, bitsandbytes) are not supported: export from the "

@@ -161,6 +161,12 @@ class DecoderArgs:
     id_channels: bool = False
     placeholder_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    # Gemma 4's assistant (models.gemma4_drafter): every layer attends over another model's cache (its target's), so
+    # none has k/v projections or a cache of its own; the drafter binds them.
+    reads_other_caches: bool = False
+    # Gemma 4 with its assistant: each position's final normed hidden state is kept (``CausalLM.final_hidden``), the
+    # state the assistant starts its proposals from.
+    keeps_final_hidden: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -225,6 +231,9 @@ class DecoderArgs:
                                  "window) is not supported with them")
         if self.deepstack >= self.num_hidden_layers:
             raise ValueError(f"deepstack={self.deepstack} needs as many decoder layers")
+        if self.keeps_final_hidden and self.attention_sink:
+            raise ValueError("final hidden states are kept by position, up to max_context_len: an attention sink's "
+                             "endless positions have no place in them")
         if self.id_channels and not self.per_layer_input:
             raise ValueError("id_channels carry token ids to the per-layer embeddings, which this model has none of")
 
@@ -382,7 +391,7 @@ class Attention(nn.Module):
         super().__init__()
         self.args = args
         self.layer = layer
-        self.shares_cache = args.layer_kv_source[layer] is not None
+        self.shares_cache = args.layer_kv_source[layer] is not None or args.reads_other_caches
         self.k_is_v = args.layer_k_is_v[layer]
         h, kv, d = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         if args.fused_qkv:
@@ -765,6 +774,8 @@ class CausalLM(nn.Module):
         self.norm_rotation: Rotation | None = None
         if args.tie_word_embeddings:
             self.tie_weights()
+        if args.keeps_final_hidden:  # state: [max_context_len, hidden], by position (linear: no ring, no sink)
+            self.register_buffer("final_hidden", torch.empty(0), persistent=False)
         for name, _ in args.rope:
             self.register_buffer(f"rope_cos_{name}", torch.empty(0), persistent=False)
             self.register_buffer(f"rope_sin_{name}", torch.empty(0), persistent=False)
@@ -829,6 +840,8 @@ class CausalLM(nn.Module):
             axes = torch.tensor(a.mrope_axes * 2, device=device)  # cos/sin repeat the frequencies twice
             self.mrope_select = (axes[None, :] == torch.arange(3, device=device)[:, None]).float()
         dtype = self.activation_dtype()
+        if a.keeps_final_hidden:
+            self.final_hidden = torch.zeros(a.max_context_len, a.hidden_size, dtype=dtype, device=device)
         rot_dims = {name: 2 * len(table.inv_freq) for name, table in a.rope}
         for layer, rope in zip(self.model.layers, a.layer_rope):
             if layer.mixer != Mixer.attention:
@@ -1029,6 +1042,8 @@ class CausalLM(nn.Module):
             if i < len(deep):  # Qwen3-VL: an image's features from vision layer i (zeros for text)
                 h = h + deep[i]
         h = self.final_norm(h)
+        if self.args.keeps_final_hidden:
+            self.final_hidden.index_copy_(0, positions, h[0])
         if not full_logits:  # the last token's hidden state [1, hidden]
             # A view when T is a static 1 (decode), which XNNPACK delegates; it has no select, so a
             # dynamic-length method keeps one portable op here.
@@ -1054,6 +1069,8 @@ class CausalLM(nn.Module):
                 layer.state()[1].reset()
         if self.args.mrope_axes:
             self.rope_offset.zero_()
+        if self.args.keeps_final_hidden:
+            self.final_hidden.zero_()
 
     def attention_layers(self) -> list[DecoderLayer]:
         """The attention layers that keep a KV cache (not those reading another layer's, Gemma 4)."""
@@ -1070,7 +1087,8 @@ class CausalLM(nn.Module):
         the recurrent mixers' (their last inputs, Gated DeltaNet's matrices)."""
         held = [f"model.layers.{i}.{path}.{name}" for i, layer in enumerate(self.model.layers) if layer.holds_state
                 for path, state in [layer.state()] for name, _ in state.named_buffers()]
-        return held + (["rope_offset"] if self.args.mrope_axes else [])
+        return (held + (["rope_offset"] if self.args.mrope_axes else [])
+                + (["final_hidden"] if self.args.keeps_final_hidden else []))
 
     def recurrent_state_bytes(self) -> int:
         """Bytes of the state that is not a KV cache (a constant, whatever the context): short convolutions' inputs,

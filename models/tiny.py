@@ -214,3 +214,46 @@ def _train_tiny_checkpoint(out_dir: Path, arch: dict[str, Any] | None, seed: int
         f'"tokenizer_class": "{tokenizer_class}", "model_max_length": 2048}}\n'
     )
     return out
+
+
+def write_tiny_gemma4_assistant(out_dir: str | Path, target: str | Path, seed: int = 0, hidden_size: int = 32,
+                                ordered: bool = False) -> Path:
+    """A random Gemma 4 assistant (``models.gemma4_drafter``) for the Gemma 4 checkpoint ``target``: one layer of each
+    of the target's layer types with the target's head sizes and kv heads, ``hidden_size`` wide, written by
+    transformers itself. ``ordered``: with the centroid head (``use_ordered_embeddings``, 4 clusters, 2 kept), its
+    token order a seeded permutation; its clusters the divisor of the vocabulary nearest 8 (a prime vocabulary's
+    clusters are single tokens). Random weights propose nothing the target accepts often: parity and cost only."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    from models.gemma4_drafter import assistant_buildable
+
+    t = json.loads((Path(target) / "config.json").read_text())
+    t = t.get("text_config", t)  # as stored: transformers' config object refuses per-layer fields read model-wide
+    kinds = list(dict.fromkeys(t["layer_types"]))
+    copied = ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "attention_k_eq_v",
+              "sliding_window", "rope_parameters", "final_logit_softcapping", "rms_norm_eps")
+    # Each layer's head size and kv heads: those of the target's first layer of its type (stored per layer).
+    per_layer = {str(i): t.get("per_layer_config", {}).get(str(t["layer_types"].index(kind)), {})
+                 for i, kind in enumerate(kinds)}
+    text = {"model_type": "gemma4_text", "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": len(kinds), "layer_types": kinds, "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": 0, "tie_word_embeddings": True, **{k: t[k] for k in copied if k in t},
+            "per_layer_config": {i: c for i, c in per_layer.items() if c}}
+    vocab = t["vocab_size"]
+    centroids = min((d for d in range(2, vocab + 1) if vocab % d == 0), key=lambda d: abs(d - 8))
+    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=t["hidden_size"],
+                                   use_ordered_embeddings=ordered, num_centroids=centroids,
+                                   centroid_intermediate_top_k=2,
+                                   architectures=["Gemma4AssistantForCausalLM"])
+    torch.manual_seed(seed)
+    with assistant_buildable():
+        model = Gemma4AssistantForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.uniform_(0.5, 1.5)
+        if ordered:
+            model.masked_embedding.token_ordering.copy_(torch.randperm(t["vocab_size"]))
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out
