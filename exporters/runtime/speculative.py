@@ -11,8 +11,8 @@ from ``p`` without ``d``), so every token is distributed as the target's.
 
 Proposers: ``lookup`` (prompt-lookup decoding: the tokens that followed the latest earlier occurrence of the text's
 last n-gram) needs no second model; ``draft`` runs the program's draft model (``draft_prefill``,
-``draft_decode_one_token``) greedily, K tokens ahead. Both propose deterministically, so the rule above is exact
-for either.
+``draft_decode_one_token``) greedily, K tokens ahead, or Gemma 4's assistant (one call, K tokens, from the
+target's own state). All propose deterministically, so the rule above is exact for each.
 """
 
 from __future__ import annotations
@@ -125,6 +125,22 @@ class DraftProposer:
             proposals.append(self._best(self.driver.decode_one_token(proposals[-1], len(ids) + j)))
         self.fed = ids + proposals[:-1]
         return proposals
+
+
+class AssistantProposer:
+    """Gemma 4's assistant in the program (``models.gemma4_drafter``): one call of its method proposes up to K tokens
+    from the last token and its position alone. It keeps no state of its own (it reads the target's caches and final
+    hidden states, rolled back by position as the target's are), so nothing is fed to catch up."""
+
+    name = "draft"
+
+    def __init__(self, driver: Driver, method: str) -> None:
+        self.driver, self.method = driver, method
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        found = self.driver.program.run(self.method, torch.tensor([ids[-1:]], dtype=torch.int64),
+                                        torch.tensor([len(ids) - 1]))[0]
+        return [int(t) for t in found.reshape(-1)[:k]]
 
 
 @dataclass

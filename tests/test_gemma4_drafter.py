@@ -1,0 +1,120 @@
+"""Gemma 4's assistant (the "MTP drafter", models.gemma4_drafter) against transformers' own, on tiny checkpoints:
+the same logits and proposals inside and past the sliding window, with and without the centroid head; proposals
+from any state speculation leaves the target in equal those from a clean prompt; the pair refused when the assistant
+was made for another target.
+
+transformers 5.23 cannot build its assistant without ``models.gemma4_drafter.assistant_buildable`` (see there)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from exporters.runtime.driver import Driver, MethodRoles
+from exporters.runtime.sampling import SamplingConfig
+from exporters.runtime.speculative import AssistantProposer, Speculation, Stops, continue_text
+from models.checkpoint import build_model, open_checkpoint
+from models.decoder import CausalLM
+from models.errors import ModelError
+from models.gemma4_drafter import Gemma4Drafter, assistant_buildable, load_drafter
+from models.tiny import write_tiny_gemma4_assistant
+
+CONTEXT = 64
+WINDOW = 6  # tests/family_cases.py's Gemma 4: prompts of 5 and 12 tokens are inside and past it
+
+
+def pair(family_checkpoint, folder: Path, ordered: bool = False) -> tuple[CausalLM, Gemma4Drafter]:  # type: ignore[no-untyped-def]
+    target = build_model(open_checkpoint(family_checkpoint("gemma4")), CONTEXT, keeps_final_hidden=True)
+    write_tiny_gemma4_assistant(folder, family_checkpoint("gemma4"), ordered=ordered)
+    return target, load_drafter(folder, target)
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["lm_head", "centroids"])
+def test_the_assistant_proposes_what_transformers_assistant_proposes(family_checkpoint, tmp_path: Path,
+                                                                     ordered: bool) -> None:
+    """transformers' candidate loop (``Gemma4AssistantCandidateGenerator``) after a prompt: the target's scaled
+    embedding of the last token beside its last hidden state, then the assistant's own projected state, at one
+    position. Ours reads the same from the target's caches and kept final hidden states."""
+    from transformers import AutoModelForCausalLM, Gemma4AssistantForCausalLM
+
+    target, drafter = pair(family_checkpoint, tmp_path, ordered)
+    reference = AutoModelForCausalLM.from_pretrained(family_checkpoint("gemma4"), attn_implementation="eager").eval()
+    with assistant_buildable():
+        assistant = Gemma4AssistantForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    for length in (5, 2 * WINDOW):
+        ids = torch.randint(3, 397, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            out = reference(input_ids=ids, output_hidden_states=True, return_shared_kv_states=True)
+            target.reset_cache()
+            target(ids, torch.tensor([0]))
+            torch.testing.assert_close(target.final_hidden[:length], out.hidden_states[-1][0], atol=1e-5, rtol=0)
+            first = token = out.logits[0, -1].argmax().view(1, 1)
+            theirs, hidden, ours = [], out.hidden_states[-1][:, -1:], None
+            for _ in range(3):
+                step = assistant(inputs_embeds=torch.cat([reference.get_input_embeddings()(token), hidden], dim=-1),
+                                 position_ids=torch.tensor([[length]]), shared_kv_states=out.shared_kv_states,
+                                 attention_mask=torch.ones(1, length + 1, dtype=torch.long))
+                logits, ours = drafter.logits_of(target, token, torch.tensor([length]), ours)
+                torch.testing.assert_close(ours, step.last_hidden_state, atol=1e-5, rtol=0)
+                if not ordered:  # the centroid head scores a few tokens; transformers fills the rest with a floor
+                    torch.testing.assert_close(logits[0], step.logits[0, -1], atol=1e-5, rtol=0)
+                token, hidden = step.logits.argmax(-1), step.last_hidden_state
+                theirs.append(int(token))
+            assert drafter.propose(target, first, torch.tensor([length]), 3)[0].tolist() == theirs
+
+
+class EagerPair:
+    """The target's and the assistant's methods as a program runs them (``Driver``'s ``run``), eagerly."""
+
+    def __init__(self, target: CausalLM, drafter: Gemma4Drafter, k: int) -> None:
+        self.target, self.drafter, self.k = target, drafter, k
+
+    @torch.no_grad()
+    def run(self, method: str, tokens: torch.Tensor, input_pos: torch.Tensor) -> list[torch.Tensor]:
+        if method == "draft_propose":
+            return [self.drafter.propose(self.target, tokens, input_pos, self.k)]
+        return [self.target(tokens, input_pos, full_logits=method == "verify")]
+
+
+def test_speculation_with_the_assistant_is_plain_greedy_and_proposes_as_from_a_clean_prompt(family_checkpoint,
+                                                                                           tmp_path: Path) -> None:
+    """Greedy speculative decoding through verify is token for token plain greedy decoding; and every proposal the
+    assistant made from the state speculation left (caches and final hidden states holding rejected proposals past
+    the text) is the proposal it makes after a clean prompt of the same text: it reads nothing it should not."""
+    target, drafter = pair(family_checkpoint, tmp_path)
+    k = 3
+    driver = Driver(EagerPair(target, drafter, k), MethodRoles("prefill", "decode", CONTEXT, False, "verify", k + 1, 1))
+    prompt = torch.randint(3, 397, (1, 9), generator=torch.Generator().manual_seed(1)).tolist()[0]
+    cfg, stops = SamplingConfig(temperature=0.0, max_new_tokens=24), Stops(set(), CONTEXT)
+    target.reset_cache()
+    plain, _, _ = continue_text(driver, prompt, driver.prefill(torch.tensor([prompt])), cfg, stops)
+    proposer = AssistantProposer(driver, "draft_propose")
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = proposer.propose
+    proposer.propose = lambda ids, n: seen.append((list(ids), propose(ids, n))) or seen[-1][1]  # type: ignore[method-assign]
+    target.reset_cache()
+    fast, _, stats = continue_text(driver, prompt, driver.prefill(torch.tensor([prompt])), cfg, stops,
+                                   Speculation(proposer))
+    assert fast == plain and stats is not None and stats.steps >= 4
+    for ids, proposals in seen:
+        target.reset_cache()
+        with torch.no_grad():
+            target(torch.tensor([ids[:-1]]), torch.tensor([0]))
+            clean = drafter.propose(target, torch.tensor([ids[-1:]]), torch.tensor([len(ids) - 1]), k)
+        assert proposals == clean[0, :len(proposals)].tolist(), len(ids)
+    assert any(len(ids) > len(prompt) + WINDOW for ids, _ in seen)  # some proposals past the sliding window
+
+
+def test_an_assistant_made_for_another_target_is_refused(family_checkpoint, tmp_path: Path) -> None:
+    target, _ = pair(family_checkpoint, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["sliding_window"] = WINDOW + 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="reads the target's last sliding_attention layer's cache.*made for another"):
+        load_drafter(tmp_path, target)
+    plain = build_model(open_checkpoint(family_checkpoint("gemma4")), CONTEXT)
+    with pytest.raises(ModelError, match="keeps no final hidden states"):
+        load_drafter(tmp_path, plain)
