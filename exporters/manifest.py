@@ -609,6 +609,24 @@ class AudioCheck(EncoderCheck):
 
 
 @dataclass
+class AssistantCheck:
+    """Gemma 4's assistant's method in the program against the eager assistant over the eager decoder's state: its
+    proposals after prompts of the validation text (each of ``positions`` tokens, then the token at that position)."""
+
+    tokens: int  # proposals per call (draft.tokens)
+    positions: list[int]
+    first_agreement: float  # share of calls whose first proposal is the eager one
+    all_agreement: float  # share of calls whose every proposal is
+    min_first: float  # the tolerance's min_top1, which first_agreement must reach
+    passed: bool
+
+    def describe(self) -> str:
+        return (f"{'passed' if self.passed else 'FAILED'}: first proposal as the eager assistant's after "
+                f"{self.first_agreement:.0%} of {len(self.positions)} prompts (at least {self.min_first:.0%}), every "
+                f"one of {self.tokens} after {self.all_agreement:.0%}")
+
+
+@dataclass
 class VisionEntry:
     """What an app needs to give the program an image (the processor's steps, done before vision_encoder)."""
 
@@ -715,6 +733,7 @@ class ComponentEntry:
     vision: VisionEntry | None = None  # the vision encoder's
     audio: AudioEntry | None = None  # an audio-language model's audio encoder
     speech: SpeechEntry | None = None  # a speech-recognition model's (Whisper)
+    assistant: AssistantCheck | None = None  # Gemma 4's assistant's (its method against the eager assistant)
 
 
 @dataclass

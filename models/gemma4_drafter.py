@@ -197,6 +197,33 @@ class Gemma4Drafter(CausalLM):
         raise TypeError("Gemma4Drafter proposes for a target: call propose(target, token, input_pos, k)")
 
 
+@contextlib.contextmanager
+def proposing(target: CausalLM, drafter: Gemma4Drafter, k: int) -> Iterator[None]:
+    """Within this block ``target(token [1, 1], input_pos [1])`` gives the drafter's ``k`` proposals [1, k]: how the
+    program's method is captured from the target's module, so that it names the target's caches and final hidden
+    states as the target's methods do (ExecuTorch shares a mutable buffer between the methods naming it alike); the
+    drafter's own weights go under ``assistant.``."""
+    target.add_module("assistant", drafter)
+    target.forward = lambda tokens, input_pos: drafter.propose(target, tokens, input_pos, k)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del target.forward
+        del target._modules["assistant"]
+
+
+def is_assistant_folder(path: str | Path) -> bool:
+    """``path`` is a Hugging Face folder whose config.json names Gemma 4's assistant (read as JSON, no transformers)."""
+    import json
+
+    config = Path(path).expanduser() / "config.json"
+    try:
+        found = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    return ARCHITECTURE in (found.get("architectures") or []) or found.get("model_type") == "gemma4_assistant"
+
+
 def drafter_args(hf_config: Any, target: DecoderArgs) -> DecoderArgs:
     """The assistant's decoder arguments: its text config read by the Gemma 4 adapter as a model without KV sharing,
     then every layer reading another model's cache, with the target's cache shape and attention."""

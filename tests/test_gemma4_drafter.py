@@ -91,7 +91,7 @@ def test_speculation_with_the_assistant_is_plain_greedy_and_proposes_as_from_a_c
     cfg, stops = SamplingConfig(temperature=0.0, max_new_tokens=24), Stops(set(), CONTEXT)
     target.reset_cache()
     plain, _, _ = continue_text(driver, prompt, driver.prefill(torch.tensor([prompt])), cfg, stops)
-    proposer = AssistantProposer(driver, "draft_propose")
+    proposer = AssistantProposer(driver.program, "draft_propose")
     seen: list[tuple[list[int], list[int]]] = []
     propose = proposer.propose
     proposer.propose = lambda ids, n: seen.append((list(ids), propose(ids, n))) or seen[-1][1]  # type: ignore[method-assign]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from exporters.components.adapters import Adapters
+from exporters.components.assistant import Assistant
 from exporters.components.audio import Audio
 from exporters.components.decoder import Decoder
 from exporters.components.draft import Draft
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["Basis", "Bundled", "Finalized", "KINDS", "Kind", "Part", "parts"]
 
 #: Every kind by name, in the order the stages visit them.
-KINDS: dict[str, Kind] = {kind.name: kind for kind in (Decoder(), Adapters(), Slots(), Draft(), Vision(), Audio(), Speech())}
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (Decoder(), Adapters(), Slots(), Draft(), Assistant(), Vision(), Audio(),
+                                                   Speech())}
 
 
 def parts(plan: ExportPlan) -> list[Part]:

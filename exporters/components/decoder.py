@@ -9,7 +9,7 @@ components need of it (``verify`` for a draft, ``token_embedding`` and ``text_de
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from exporters.components.kind import Basis, Finalized, Part
 from exporters.components.language_model import LanguageModel, unquantized_nll
@@ -21,7 +21,9 @@ from exporters.program.constants import constant_methods, recorded
 from exporters.program.layouts import LAYOUTS, layout_manifest
 from exporters.program.methods import MethodTable
 from exporters.program.swappable import base_quant, slot_plan
-from exporters.runtime.driver import MethodRoles
+from exporters.program.draft import ASSISTANT_METHOD
+from exporters.runtime.driver import Driver, MethodRoles
+from exporters.runtime.speculative import AssistantProposer, DraftProposer, Proposer
 from exporters.validation.methods import validate_methods
 from models.families import family_of_config
 from models.lora import active_adapter
@@ -37,14 +39,17 @@ if TYPE_CHECKING:
 DECODER = "decoder"  # the component's name; its methods and buffers are unprefixed
 
 
-def proposer_of(ctx: ExportContext, models: dict[str, Any]) -> tuple[MethodRoles, Any] | None:
-    """A draft's methods and the token of each of its logits, when the program holds one: what verify is checked
-    with (speculative greedy decoding against plain)."""
-    draft = next((c for c in ctx.plan.components if c.kind == ComponentKind.draft), None)
-    if draft is None:
+def proposer_of(ctx: ExportContext, models: dict[str, Any]) -> Callable[[Any], Proposer] | None:
+    """How the program's proposer is made from the program, when it holds one (a draft model's methods, or Gemma 4's
+    assistant's): what verify is checked with (speculative greedy decoding against plain)."""
+    found = next((c for c in ctx.plan.components if c.kind in (ComponentKind.draft, ComponentKind.assistant)), None)
+    if found is None:
         return None
-    specs = ctx.plan.methods.of_component(draft.name)
-    return MethodRoles.choose({n: spec.shape for n, spec in specs.items()}), models[draft.name].head_ids
+    if found.kind == ComponentKind.assistant:
+        return lambda program: AssistantProposer(program, ASSISTANT_METHOD)
+    specs = ctx.plan.methods.of_component(found.name)
+    roles, head_ids = MethodRoles.choose({n: spec.shape for n, spec in specs.items()}), models[found.name].head_ids
+    return lambda program: DraftProposer(Driver(program, roles), head_ids)
 
 
 class Decoder(LanguageModel):
@@ -57,7 +62,8 @@ class Decoder(LanguageModel):
         kinds = [*ex.methods, *(k for k in basis.decoder_methods if k not in ex.methods)]
         return Component(
             name=DECODER, kind=ComponentKind.decoder,
-            build=ModelBuild(cfg.model, basis.state, basis.attention),
+            build=ModelBuild(cfg.model, basis.state, basis.attention,
+                             keeps_final_hidden="final_hidden" in basis.decoder_state),
             quant=QuantPlan(base_quant(cfg), ex.tied_embedding, basis.shortcuts),
             # Aliases (forward = prefill) are emitted as renamed plans, a shortcut through the emitter's internals.
             methods=MethodTable.of(kinds, LAYOUTS[ex.layout], basis.lengths, list(cfg.model.adapters),

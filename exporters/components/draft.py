@@ -29,6 +29,7 @@ from exporters.runtime.driver import MethodRoles
 from exporters.runtime.quality import perplexity, read_text
 from exporters.validation.methods import Judged, Scores, judge, predictions, report
 from models.families import family_of_config
+from models.gemma4_drafter import is_assistant_folder
 
 if TYPE_CHECKING:
     from exporters.context import ExportContext
@@ -63,6 +64,8 @@ class Draft(LanguageModel):
                     "(export.methods=[prefill,decode,forward,verify]: prompt-lookup speculation), or leave draft.tokens "
                     "unset.")
             return
+        if is_assistant_folder(draft.checkpoint):  # Gemma 4's assistant: exporters.components.assistant
+            return
         if draft.vocab_text is not None and draft.vocab is None:
             raise UserError(f"draft.vocab_text={draft.vocab_text} without draft.vocab: the text ranks the tokens a "
                             "restricted draft keeps. Give draft.vocab=<how many> (32768 keeps 94% of English and code "
@@ -89,7 +92,7 @@ class Draft(LanguageModel):
 
     def plan(self, cfg: ExportConfig, basis: Basis) -> Component | None:
         draft = cfg.draft
-        if draft.checkpoint is None:
+        if draft.checkpoint is None or is_assistant_folder(draft.checkpoint):
             return None
         model = ModelConfig(name=DRAFT, checkpoint=draft.checkpoint)  # its family from its own config.json
         head = HeadVocabulary(draft.vocab, draft.vocab_text) if draft.vocab is not None else None

@@ -14,6 +14,7 @@ hook                caller
 ``check``           ``exporters.components.resolve.check_config``: its part of the config, before any work
 ``plan``            ``resolve``: its component of the plan (None: not in this export); variants: ``applies``
 ``decoder_methods`` ``resolve``: the method kinds it adds to the decoder (a draft: ``verify``)
+``decoder_state``   ``resolve``: the state it needs the decoder to keep (Gemma 4's assistant: ``final_hidden``)
 ``open``            load, before any weight is read: its checkpoint opened, its shapes checked, its footprint
 ``load``            load: its model built with the weights (or, a variant, attached to the decoder)
 ``baseline``        baseline: the unquantized model scored on what validation will compare
@@ -57,6 +58,8 @@ class Basis:
     shortcuts: bool
     # The method kinds the other components need of the decoder (their decoder_methods), in the order planned.
     decoder_methods: tuple[str, ...] = ()
+    # The state the other components need the decoder to keep beyond its caches (their decoder_state).
+    decoder_state: tuple[str, ...] = ()
 
 
 @dataclass
@@ -122,6 +125,11 @@ class Kind:
 
     def decoder_methods(self, component: Component) -> Sequence[str]:
         """The method kinds the decoder gets because the program holds ``component``."""
+        return ()
+
+    def decoder_state(self, component: Component) -> Sequence[str]:
+        """The state the decoder keeps because the program holds ``component`` (``final_hidden``: each position's
+        final hidden state, which Gemma 4's assistant reads)."""
         return ()
 
     # -- the stages ----------------------------------------------------------------------------------------------

@@ -109,7 +109,9 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
     others = [] if claimed else [c for kind in KINDS.values() if not kind.variant and not kind.main
                                  for c in [kind.plan(cfg, basis)] if c is not None]
     needed = tuple(dict.fromkeys(k for c in others for k in KINDS[c.kind].decoder_methods(c)))
-    decoder = claimed[0] if claimed else decoder_kind.plan(cfg, dataclasses.replace(basis, decoder_methods=needed))
+    state = tuple(dict.fromkeys(s for c in others for s in KINDS[c.kind].decoder_state(c)))
+    decoder = claimed[0] if claimed else decoder_kind.plan(cfg, dataclasses.replace(basis, decoder_methods=needed,
+                                                                                     decoder_state=state))
     assert decoder is not None
     pt2e = cfg.quant.pt2e is not None
     return ExportPlan(

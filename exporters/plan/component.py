@@ -29,6 +29,9 @@ class ComponentKind(Choice):
 
     decoder = "decoder"  # token ids in, logits out, a KV cache: the program's LLM methods
     draft = "draft"  # a smaller decoder with the target's tokenizer proposing tokens for verify (draft.checkpoint)
+    # Gemma 4's assistant (draft.checkpoint=<its folder>): proposes tokens for verify from the decoder's own state
+    # (exporters.components.assistant)
+    assistant = "assistant"
     vision_encoder = "vision_encoder"  # an image in, embeddings for the decoder out; no state
     audio_encoder = "audio_encoder"  # log-mel windows in, embeddings for the decoder out; no state
     # A speech recognizer (Whisper): log-mel features through its encoder, tokens through its text decoder attending to
@@ -90,6 +93,7 @@ class ModelBuild:
     state: StatePlan
     attention: Attention  # a preference: a model the kernel cannot compute gets ATen attention (models.checkpoint)
     head: HeadVocabulary | None = None  # lm_head scores these tokens only (None: every token)
+    keeps_final_hidden: bool = False  # each position's final hidden state kept as state (Gemma 4's assistant reads it)
 
     @property
     def source(self) -> Source:
@@ -106,7 +110,8 @@ class ModelBuild:
         s = self.state
         model = build_model(checkpoint, s.positions, family=self.model.family, random_init=self.model.random_init,
                             seed=self.model.seed, attention=self.attention, kv_dtype=s.kv_dtype,
-                            attention_sink=s.attention_sink, call_tokens=s.call_tokens, device=device)
+                            attention_sink=s.attention_sink, call_tokens=s.call_tokens,
+                            keeps_final_hidden=self.keeps_final_hidden, device=device)
         if self.head is not None:
 
             text = Path(self.head.ranked_by).expanduser() if self.head.ranked_by else None

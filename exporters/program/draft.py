@@ -29,6 +29,9 @@ DRAFT = "draft"  # the component's name: its methods' and buffers' prefix
 DRAFT_KINDS = ("prefill", "decode")  # draft_prefill (the text so far), draft_decode_one_token (each proposal)
 # What a runner looks for: draft_prefill, draft_decode_one_token.
 DRAFT_METHODS = frozenset(adapter_method(DRAFT, LAYOUTS[LayoutName.stock].name_of(kind)) for kind in DRAFT_KINDS)
+# Gemma 4's assistant's one method (exporters.components.assistant): (token int64[1, 1], its position int64[1]) ->
+# the draft.tokens proposals int64[1, K] that follow it, from the decoder's caches and final hidden states.
+ASSISTANT_METHOD = adapter_method(DRAFT, "propose")
 
 
 def _vocabulary(checkpoint: "Checkpoint") -> dict[str, int]:

@@ -19,7 +19,7 @@ from exporters.errors import UserError, check_choice
 from exporters.manifest import AudioEntry, program_in
 from exporters.program.adapters import ADAPTERS_CONSTANT
 from exporters.program.constants import DRAFT_VOCAB
-from exporters.program.draft import DRAFT, DRAFT_METHODS
+from exporters.program.draft import ASSISTANT_METHOD, DRAFT, DRAFT_METHODS
 from exporters.program.vision import VISION_METHOD
 from exporters.program.weights import data_files_beside
 from exporters.runtime.constraint import Constraint, Grammars
@@ -29,8 +29,9 @@ from exporters.runtime.images import image_prompt
 from exporters.runtime.media import MediaPrompt, prefill_parts
 from exporters.runtime.programs import LoadedProgram
 from exporters.runtime.sampling import SamplingConfig, distribution, sample  # noqa: F401 (re-exported)
-from exporters.runtime.speculative import (SPECULATIVE, DraftLength, DraftProposer, LookupProposer, Observers, Proposer,
-                                           Speculation, SpeculationStats, StopReason, Stops, continue_text)
+from exporters.runtime.speculative import (SPECULATIVE, AssistantProposer, DraftLength, DraftProposer, LookupProposer,
+                                           Observers, Proposer, Speculation, SpeculationStats, StopReason, Stops,
+                                           continue_text)
 from exporters.runtime.swap import Slots, is_swappable
 from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE, TextTokenizer, find_tokenizer, load_tokenizer
@@ -229,8 +230,9 @@ class Generator:
 
     @property
     def has_draft(self) -> bool:
-        """The program holds a draft model's methods."""
-        return DRAFT_METHODS <= set(self.program.method_names)
+        """The program holds a draft model's methods, or Gemma 4's assistant's."""
+        names = set(self.program.method_names)
+        return DRAFT_METHODS <= names or ASSISTANT_METHOD in names
 
     def check_speculation(self, speculative: str, draft_tokens: int | None = None) -> None:
         """Refuse a ``speculative`` mode the program cannot run, or ``draft_tokens`` more than its verify checks:
@@ -257,6 +259,8 @@ class Generator:
         if speculative == "lookup":
             return LookupProposer()
         if speculative == "draft" or (speculative == "auto" and self.has_draft and self.driver.roles.verify is not None):
+            if ASSISTANT_METHOD in self.program.method_names:
+                return AssistantProposer(self.program, ASSISTANT_METHOD)
             if self._draft is None:
                 self._draft = Driver.of(self.program, DRAFT)
                 self._draft.load()

@@ -27,7 +27,7 @@ from exporters.runtime.sampling import SamplingConfig, distribution, sample
 
 if TYPE_CHECKING:
     from exporters.runtime.constraint import Constraint
-    from exporters.runtime.driver import Driver
+    from exporters.runtime.driver import Driver, RunsMethods
 
 Speculative = Literal["auto", "draft", "lookup", "none"]
 SPECULATIVE: tuple[str, ...] = ("auto", "draft", "lookup", "none")
@@ -134,11 +134,11 @@ class AssistantProposer:
 
     name = "draft"
 
-    def __init__(self, driver: Driver, method: str) -> None:
-        self.driver, self.method = driver, method
+    def __init__(self, program: RunsMethods, method: str) -> None:
+        self.program, self.method = program, method
 
     def propose(self, ids: list[int], k: int) -> list[int]:
-        found = self.driver.program.run(self.method, torch.tensor([ids[-1:]], dtype=torch.int64),
+        found = self.program.run(self.method, torch.tensor([ids[-1:]], dtype=torch.int64),
                                         torch.tensor([len(ids) - 1]))[0]
         return [int(t) for t in found.reshape(-1)[:k]]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -22,6 +23,7 @@ from exporters.program.methods import MethodSpec
 from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.programs import CapturedPrograms, LoadedProgram
 from exporters.runtime.quality import Agreement, TextWindows, full_sequence, perplexity, window_logits
+from exporters.runtime.speculative import Proposer
 from exporters.validation.speculative import speculative_check
 from exporters.validation.under_test import ProgramUnderTest
 from models.decoder import CausalLM
@@ -222,10 +224,10 @@ def against(reference: list[torch.Tensor], program: list[torch.Tensor]) -> Agree
 
 def validate_methods(model: CausalLM, under: ProgramUnderTest, specs: dict[str, MethodSpec],
                      adapter: str | None = None, unquantized: float | None = None,
-                     proposer: tuple[MethodRoles, torch.Tensor | None] | None = None,
+                     proposer: Callable[[Any], Proposer] | None = None,
                      unquantized_logits: list[torch.Tensor] | None = None) -> ValidationReport:
     """The decoder's methods ``specs`` (with ``adapter`` applied on the eager side) against its eager model, and verify
-    with speculation when they include it (``proposer``: a draft's methods and the token of each of its logits; else
+    with speculation when they include it (``proposer``: makes the program's draft proposer from the program; else
     lookup); ``unquantized``: the unquantized perplexity with that adapter (None: the base's);
     ``unquantized_logits``: the unquantized model's predictions, which the program is compared with too."""
     roles = MethodRoles.choose({name: spec.shape for name, spec in specs.items()})

@@ -8,6 +8,8 @@ were closer than :data:`TIE_FACTOR` times the largest difference between verify'
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from exporters.config import KvDType
@@ -15,7 +17,7 @@ from exporters.manifest import SpeculativeCheck
 from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.quality import Agreement, full_sequence
 from exporters.runtime.sampling import SamplingConfig
-from exporters.runtime.speculative import (DraftProposer, LookupProposer, Observers, Proposer, Speculation, Stops,
+from exporters.runtime.speculative import (LookupProposer, Observers, Proposer, Speculation, Stops,
                                            continue_text, pad_with_last)
 from exporters.validation.under_test import ProgramUnderTest
 from models.decoder import CausalLM
@@ -77,16 +79,15 @@ def verify_drift(driver: Driver, window: torch.Tensor, prompt: int, plain: list[
 
 
 def speculative_check(model: CausalLM, under: ProgramUnderTest, roles: MethodRoles, adapter: str | None = None,
-                      proposer: tuple[MethodRoles, torch.Tensor | None] | None = None) -> SpeculativeCheck:
+                      proposer: Callable[[Any], Proposer] | None = None) -> SpeculativeCheck:
     """verify on the first window after its prompt (:func:`verify_against_eager`); then greedy generation from that
-    prompt with speculation (``proposer``: a draft's methods and the token of each of its logits; else lookup)
+    prompt with speculation (``proposer``: makes the program's draft proposer from the program; else lookup)
     against without, in the program."""
     program, window, prompt = under.program, under.text.windows[0], under.text.prompt_tokens
     driver = Driver(program, roles)
     agreement, noise = verify_against_eager(model, driver, window, prompt, adapter)
     ids, greedy, seen = window[0, :prompt].tolist(), SamplingConfig(max_new_tokens=SPECULATIVE_TOKENS), PlainLogits()
-    speculator: Proposer = (DraftProposer(Driver(program, proposer[0]), proposer[1]) if proposer is not None
-                            else LookupProposer())
+    speculator: Proposer = proposer(program) if proposer is not None else LookupProposer()
     runs = {}
     for speculating in (False, True):
         first = driver.prefill(window[:, :prompt])
