@@ -147,11 +147,12 @@ def test_fp32_program_matches_transformers(exported, family_checkpoint, family: 
     assert len(set(runtime_tokens)) > 1, "a degenerate model would hide cache bugs"
 
 
-# Quantization meets each family's own layers in qwen2 (biases on q, k, v), phi3 (fused qkv and gate_up projections),
-# gemma2 (soft-capped logits) and the hybrids lfm2 and qwen3_5 (their recurrent layers' projections); llama's plain shape is the real SmolLM2's 8da4w program in the full run
-# (tests/test_quant_backends.py), and the others' layers are theirs in fp32 above, so their 8da4w programs run with
-# `pytest -m extended`, kept out of the full run for its time.
-QUANTIZED_IN_FULL_RUN = {"qwen2", "phi3", "gemma2", "lfm2", "qwen3_5"}
+# Quantization meets each family's own layers in qwen2 (biases on q, k, v), phi3 (fused qkv and gate_up projections) and
+# the hybrids lfm2 and qwen3_5 (their recurrent layers' projections); soft-capped final logits in Gemma 4's 8da4w
+# program with its assistant (tests/test_gemma4_drafter.py); llama's plain shape is the real SmolLM2's 8da4w program in
+# the full run (tests/test_quant_backends.py), and the others' layers are theirs in fp32 above, so their 8da4w programs
+# run with `pytest -m extended`, kept out of the full run for its time.
+QUANTIZED_IN_FULL_RUN = {"qwen2", "phi3", "lfm2", "qwen3_5"}
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f in QUANTIZED_IN_FULL_RUN else [pytest.mark.extended])

@@ -118,3 +118,63 @@ def test_an_assistant_made_for_another_target_is_refused(family_checkpoint, tmp_
     plain = build_model(open_checkpoint(family_checkpoint("gemma4")), CONTEXT)
     with pytest.raises(ModelError, match="keeps no final hidden states"):
         load_drafter(tmp_path, plain)
+
+
+@pytest.fixture(scope="session")
+def assistant_folder(family_checkpoint, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    from tests.conftest import shared_folder
+
+    return shared_folder(tmp_path_factory, "gemma4_assistant",
+                         lambda folder: write_tiny_gemma4_assistant(folder, family_checkpoint("gemma4")))
+
+
+def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(exported, family_checkpoint,
+                                                                                assistant_folder: Path) -> None:
+    """draft.checkpoint=<assistant>: the decoder gets verify and keeps its final hidden states; draft_propose reads
+    them and the caches in the runtime, proposing what the eager assistant proposes over the eager decoder's state;
+    exporters.generate speculates with it (speculative=draft, and auto) and writes plain greedy decoding's tokens.
+    8da4w, the assistant's quant too: the full run's quantized Gemma 4 program (its soft-capped logits included)."""
+    from exporters.runtime.generator import Generator
+
+    result = exported("model=gemma4", f"model.checkpoint={family_checkpoint('gemma4')}", "export.methods=[decode]", "export.layout=split",
+                      "export.max_seq_len=32", "quant=8da4w", f"draft.checkpoint={assistant_folder}", "draft.tokens=2")
+    m = result.manifest
+    entry = m.components["draft"]
+    assert entry.kind == "assistant" and entry.methods == ["draft_propose"] and entry.family == "gemma4"
+    assert entry.assistant is not None and entry.assistant.passed and entry.assistant.tokens == 2, entry.assistant
+    assert entry.quantization is not None and entry.quantization.linear is not None
+    assert set(m.methods) == {"decode", "verify"} and m.methods["verify"].tokens[1] == 3
+    check = m.validation.speculative
+    assert check is not None and check.identical and check.proposer == "draft", check
+    generator = Generator(result.pte_path)
+    greedy = SamplingConfig(max_new_tokens=20)
+    plain = generator.generate("Once upon a time", greedy, speculative="none")
+    for speculative in ("draft", "auto"):
+        fast = generator.generate("Once upon a time", greedy, speculative=speculative)
+        assert fast.new_ids == plain.new_ids and fast.speculation is not None and fast.speculation.steps > 0
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["draft.vocab=64"], "draft.vocab=64 with Gemma 4's assistant"),
+    (["export.attention_sink=4", "export.max_context_len=64"], "export.attention_sink=4 with Gemma 4's assistant"),
+    (["draft.quant=8da4w_calibrated"], "calibrated scheme"),
+])
+def test_what_the_assistant_cannot_do_is_refused_before_any_work(assistant_folder: Path, overrides: list[str],
+                                                                  says: str) -> None:
+    from exporters.errors import UserError
+    from exporters.export import checked_config
+    from tests.helpers import compose_config
+
+    with pytest.raises(UserError, match=says):
+        checked_config(compose_config(f"draft.checkpoint={assistant_folder}", *overrides))
+
+
+def test_the_assistant_of_another_family_is_refused_before_any_weight_is_read(assistant_folder: Path,
+                                                                              tmp_path: Path) -> None:
+    from exporters.errors import UserError
+    from exporters.export import run_stages
+    from tests.helpers import compose_config
+
+    with pytest.raises(UserError, match="is Gemma 4's assistant, and the model is llama"):
+        run_stages(compose_config(f"draft.checkpoint={assistant_folder}"), tmp_path)
+    assert not list(tmp_path.glob("*.pte"))
