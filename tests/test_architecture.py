@@ -137,8 +137,8 @@ def test_a_program_is_components_and_todays_is_one_decoder() -> None:
 
 
 def test_each_kind_of_model_is_one_registered_module_and_the_stages_name_none() -> None:
-    """A kind of model (decoder, adapters, slots, draft, vision encoder, speech) is one module of exporters.components
-    implementing the protocol, registered once; the stages loop over the plan's parts and call it, so no stage's code
+    """A kind of model (decoder, adapters, slots, draft, assistant, vision encoder, speech) is one module of
+    exporters.components implementing the protocol, registered once; the stages loop over the plan's parts and call it, so no stage's code
     names a kind (their docstrings may explain what the kinds do)."""
     import io
     import re
@@ -148,7 +148,7 @@ def test_each_kind_of_model_is_one_registered_module_and_the_stages_name_none() 
     from exporters.components.kind import Kind
     from exporters.plan import ComponentKind
 
-    assert list(KINDS) == ["decoder", "adapters", "slots", "draft", "vision_encoder", "audio_encoder", "asr"]
+    assert list(KINDS) == ["decoder", "adapters", "slots", "draft", "assistant", "vision_encoder", "audio_encoder", "asr"]
     assert {k for k, kind in KINDS.items() if not kind.variant} == {str(k) for k in ComponentKind}
     for kind in KINDS.values():
         assert type(kind).__module__ == f"exporters.components.{type(kind).__module__.rsplit('.', 1)[-1]}"

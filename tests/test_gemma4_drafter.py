@@ -158,6 +158,7 @@ def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(e
     (["draft.vocab=64"], "draft.vocab=64 with Gemma 4's assistant"),
     (["export.attention_sink=4", "export.max_context_len=64"], "export.attention_sink=4 with Gemma 4's assistant"),
     (["draft.quant=8da4w_calibrated"], "calibrated scheme"),
+    (["export.max_seq_len=4", "draft.tokens=3"], "draft.tokens=3 with Gemma 4's assistant.*at most 1 .*Lower draft.tokens to 1"),
 ])
 def test_what_the_assistant_cannot_do_is_refused_before_any_work(assistant_folder: Path, overrides: list[str],
                                                                   says: str) -> None:

@@ -90,6 +90,16 @@ class Assistant(Kind):
             raise UserError(f"export.attention_sink={cfg.export.attention_sink} with Gemma 4's assistant: it reads the "
                             "decoder's final hidden state by position, which an endless ring of positions has no place "
                             "for. Leave export.attention_sink at 0, or export without draft.checkpoint.")
+        if draft.tokens > lengths.call_tokens - 2:
+            # Its sliding layers read one position more than the target's window, which a ring cache keeps only while
+            # the last call wrote at most call_tokens - 1 tokens past it (a verify that kept none of K proposals).
+            most = lengths.call_tokens - 2
+            raise UserError(f"draft.tokens={draft.tokens} with Gemma 4's assistant: a call of the decoder takes at most "
+                            f"{lengths.call_tokens} tokens here, and with the assistant draft.tokens may be at most "
+                            f"{most} (its sliding layers read one position beyond the window, which a verify of "
+                            f"{lengths.call_tokens} tokens can overwrite in a ring cache). "
+                            + (f"Lower draft.tokens to {most} or raise export.max_seq_len." if most >= 1
+                               else "Raise export.max_seq_len."))
         if cfg.model.adapters:
             raise UserError("draft.checkpoint (Gemma 4's assistant) with model.adapters: its proposals read the base "
                             "model's state only. Export the adapters without it, or it without adapters.")
