@@ -24,8 +24,10 @@ from typing import Any, Iterator, NamedTuple
 import torch
 from torch import nn
 
+from models.checkpoint import load_weights, weight_files_of
 from models.decoder import CausalLM, DecoderArgs
 from models.errors import ModelError
+from models.families import decoder_args
 
 ARCHITECTURE = "Gemma4AssistantForCausalLM"
 
@@ -227,8 +229,6 @@ def is_assistant_folder(path: str | Path) -> bool:
 def drafter_args(hf_config: Any, target: DecoderArgs) -> DecoderArgs:
     """The assistant's decoder arguments: its text config read by the Gemma 4 adapter as a model without KV sharing,
     then every layer reading another model's cache, with the target's cache shape and attention."""
-    from models.families import decoder_args
-
     text = copy.deepcopy(hf_config.text_config)
     text.num_kv_shared_layers = 0  # the adapter's KV-sharing map would refuse a model that shares every layer
     text.architectures = ["Gemma4ForCausalLM"]
@@ -241,8 +241,6 @@ def drafter_args(hf_config: Any, target: DecoderArgs) -> DecoderArgs:
 def load_drafter(path: str | Path, target: CausalLM) -> Gemma4Drafter:
     """The assistant in ``path`` (a Hugging Face folder), its weights loaded and bound to ``target``'s caches."""
     from transformers import AutoConfig
-
-    from models.checkpoint import weight_files_of, load_weights
 
     folder = Path(path)
     hf_config = AutoConfig.from_pretrained(folder)

@@ -129,10 +129,12 @@ def assistant_folder(family_checkpoint, tmp_path_factory) -> Path:  # type: igno
 
 
 def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(exported, family_checkpoint,
-                                                                                assistant_folder: Path) -> None:
+                                                                                assistant_folder: Path,
+                                                                                tmp_path: Path) -> None:
     """draft.checkpoint=<assistant>: the decoder gets verify and keeps its final hidden states; draft_propose reads
     them and the caches in the runtime, proposing what the eager assistant proposes over the eager decoder's state;
-    exporters.generate speculates with it (speculative=draft, and auto) and writes plain greedy decoding's tokens.
+    exporters.generate speculates with it (speculative=draft, and auto) and writes plain greedy decoding's tokens; a
+    release bundle's README says how an app calls it.
     8da4w, the assistant's quant too: the full run's quantized Gemma 4 program (its soft-capped logits included)."""
     from exporters.runtime.generator import Generator
 
@@ -152,6 +154,10 @@ def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(e
     for speculative in ("draft", "auto"):
         fast = generator.generate("Once upon a time", greedy, speculative=speculative)
         assert fast.new_ids == plain.new_ids and fast.speculation is not None and fast.speculation.steps > 0
+    from exporters.release.bundle import make_bundle
+
+    bundle, _ = make_bundle(result.pte_path.parent, tmp_path / "release")
+    assert "`draft_propose` takes the last token (int64[1, 1])" in (bundle / "README.md").read_text()
 
 
 @pytest.mark.parametrize(("overrides", "says"), [

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from exporters.components.kind import Basis, Finalized, Kind, Part
+from exporters.components.draft import draft_quant
+from exporters.components.kind import Basis, Bundled, Finalized, Kind, Part
 from exporters.config import ExportConfig, ModelConfig
 from exporters.context.artifacts import summary
 from exporters.errors import UserError
-from exporters.manifest import AssistantCheck, ComponentEntry
+from exporters.manifest import AssistantCheck, ComponentEntry, Manifest
 from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
 from exporters.program.draft import ASSISTANT_METHOD, DRAFT
 from exporters.program.methods import MethodTable
@@ -78,8 +79,6 @@ class Assistant(Kind):
         """What the assistant cannot do, before any work (the pair itself is checked when it is bound, at load)."""
         if not _asks_for_it(cfg):
             return
-        from exporters.components.draft import draft_quant
-
         draft = cfg.draft
         for key, value in (("vocab", draft.vocab), ("vocab_text", draft.vocab_text)):
             if value is not None:
@@ -117,8 +116,6 @@ class Assistant(Kind):
     def plan(self, cfg: ExportConfig, basis: Basis) -> Component | None:
         if not _asks_for_it(cfg):
             return None
-        from exporters.components.draft import draft_quant
-
         return Component(name=DRAFT, kind=ComponentKind.assistant,
                          build=AssistantBuild(ModelConfig(name=DRAFT, checkpoint=cfg.draft.checkpoint),
                                               cfg.draft.tokens),
@@ -213,3 +210,19 @@ class Assistant(Kind):
         if stage == "validate" and record.check is not None:
             return f"\n  assistant: {record.check.describe()}"
         return ""
+
+    def bundle(self, m: Manifest) -> Bundled:
+        entry = next((e for e in m.components.values() if e.kind == self.name), None)
+        return Bundled(readme=bundle_readme(entry)) if entry is not None else Bundled()
+
+
+def bundle_readme(entry: ComponentEntry) -> str:
+    """The bundle README's section on the assistant: how an app gets proposals for ``verify``."""
+    quant = entry.quantization.describe() if entry.quantization else "unquantized"
+    k = entry.assistant.tokens if entry.assistant is not None else "K"
+    return ("## Gemma 4's assistant\n\nThe program holds Gemma 4's assistant (" + quant + "), which proposes the tokens "
+            "`verify` checks from the model's own state: `draft_propose` takes the last token (int64[1, 1]) and its "
+            f"position (int64[1]) and returns {k} proposals (int64[1, {k}]) to follow it. It keeps no cache of its own: it "
+            "reads the model's caches and the final hidden states every call of the model keeps, so call it after the "
+            "model has seen every token before the last one (the prompt, or the tokens a verify kept). "
+            "`python -m exporters.generate <folder> prompt=... speculative=draft` does all this.\n\n")
