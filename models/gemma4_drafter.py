@@ -75,8 +75,24 @@ class OrderedHead(nn.Module):
         """The best token [1] of the hidden state ``h`` [1, hidden] under the head's rows ``table`` [vocab, hidden]."""
         chosen = torch.topk(self.centroids(h), self.top_k, dim=-1).indices.view(-1)  # [top_k]
         tokens = self.token_ordering.view(-1, self.per_centroid).index_select(0, chosen).view(-1)
-        scores = (table.index_select(0, tokens) @ h.view(-1, 1)).view(-1)
+        scores = (rows_of(table, tokens).to(h.dtype) @ h.view(-1, 1)).view(-1)
         return tokens.index_select(0, scores.argmax().view(1))
+
+
+def rows_of(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``table``'s ``rows`` as floats. A matrix torchao quantized by groups of a row (``IntxUnpackedToInt8Tensor``: int8
+    codes, a scale and zero point per group) gives its rows from theirs, ``(codes - zero) * scale``, without
+    dequantizing the others (the centroid head reads 4096 of Gemma 4's 262144)."""
+    codes = getattr(table, "qdata", None)
+    if codes is None:
+        return table.index_select(0, rows)
+    if tuple(table.block_size)[0] != 1:
+        raise ValueError(f"the head's matrix is quantized in blocks of {tuple(table.block_size)}: rows cannot be read "
+                         "alone. Quantize it by groups of a row (the 8da4w and 8da8w presets do).")
+    group = table.block_size[1]
+    scale = table.scale.index_select(0, rows).repeat_interleave(group, dim=1)
+    zero = table.zero_point.index_select(0, rows).repeat_interleave(group, dim=1)
+    return (codes.index_select(0, rows).to(scale.dtype) - zero.to(scale.dtype)) * scale
 
 
 class _Attends(NamedTuple):

@@ -66,6 +66,20 @@ def test_the_assistant_proposes_what_transformers_assistant_proposes(family_chec
             assert drafter.propose(target, first, torch.tensor([length]), 3)[0].tolist() == theirs
 
 
+def test_the_centroid_head_reads_a_quantized_heads_rows_as_their_dequantized_values() -> None:
+    """8da4w's head is int4 codes by groups of 32 with a scale and zero point each: the rows the centroid head scores
+    are gathered from those, never the whole matrix dequantized."""
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+
+    from models.gemma4_drafter import rows_of
+
+    head = torch.nn.Linear(64, 300, bias=False)
+    quantize_(head, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+    rows = torch.tensor([5, 0, 299, 17])
+    assert torch.equal(rows_of(head.weight, rows), head.weight.dequantize().index_select(0, rows))
+
+
 class EagerPair:
     """The target's and the assistant's methods as a program runs them (``Driver``'s ``run``), eagerly."""
 
@@ -124,8 +138,9 @@ def test_an_assistant_made_for_another_target_is_refused(family_checkpoint, tmp_
 def assistant_folder(family_checkpoint, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
     from tests.conftest import shared_folder
 
+    """With the centroid head: its top-k and row gathers run in the program (the plain head is an argmax)."""
     return shared_folder(tmp_path_factory, "gemma4_assistant",
-                         lambda folder: write_tiny_gemma4_assistant(folder, family_checkpoint("gemma4")))
+                         lambda folder: write_tiny_gemma4_assistant(folder, family_checkpoint("gemma4"), ordered=True))
 
 
 def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(exported, family_checkpoint,
@@ -135,7 +150,8 @@ def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(e
     them and the caches in the runtime, proposing what the eager assistant proposes over the eager decoder's state;
     exporters.generate speculates with it (speculative=draft, and auto) and writes plain greedy decoding's tokens; a
     release bundle's README says how an app calls it.
-    8da4w, the assistant's quant too: the full run's quantized Gemma 4 program (its soft-capped logits included)."""
+    8da4w, the assistant's quant too (its centroid head reads rows of the quantized head): the full run's quantized
+    Gemma 4 program (its soft-capped logits included)."""
     from exporters.runtime.generator import Generator
 
     result = exported("model=gemma4", f"model.checkpoint={family_checkpoint('gemma4')}", "export.methods=[decode]", "export.layout=split",
