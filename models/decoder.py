@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.casts import cast, fp32
 from models.kv_cache import KV_CACHES, CacheGeometry, CustomOpsKVCache, KVCache
 from models.gated_delta import GatedDeltaNet
 from models.short_conv import ShortConv
@@ -323,17 +324,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.to(torch.float32)
+        h = fp32(x)
         if h.dim() in (3, 4):  # [1, T, dim], or [1, T, heads, head_dim] (Qwen3's and Gemma 3's q/k norms)
             mean_sq = mean_last(h * h)
         else:
             mean_sq = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(mean_sq + self.variance_epsilon)
         if not self.scaled:
-            return h.to(dtype)
+            return cast(h, dtype)
         if self.weight_fp32:
-            return (h * ((1.0 + self.weight.float()) if self.unit_offset else self.weight.float())).to(dtype)
-        return self.weight * h.to(dtype)
+            return cast(h * ((1.0 + fp32(self.weight)) if self.unit_offset else fp32(self.weight)), dtype)
+        return self.weight * cast(h, dtype)
 
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for the new tokens, or None: no RoPE
@@ -489,7 +490,7 @@ class Attention(nn.Module):
         if a.attn_logit_softcap is not None:
             scores = torch.tanh(scores / a.attn_logit_softcap) * a.attn_logit_softcap
         scores = scores.view(1, kv, rep, -1, n) + mask  # [1, kv, rep, T, slots]
-        probs = F.softmax(scores.float(), dim=-1).to(q.dtype).view(1, kv, -1, n)
+        probs = cast(F.softmax(fp32(scores), dim=-1), q.dtype).view(1, kv, -1, n)
         out = torch.matmul(probs, cache.v_cache).view(1, kv, rep, -1, d).permute(0, 3, 1, 2, 4)  # [1, T, kv, rep, d]
         out = out.contiguous().view(1, -1, a.num_attention_heads * d)  # [1, T, heads * d]
         return self.o_proj(self.gated(out, gate))
@@ -529,7 +530,7 @@ class CustomOpsAttention(Attention):
             cache.update(k, v, slots, start_pos)
         # The kernels take fp32; casting around them is cheaper than doing without them.
         out = cache.attend(q, start_pos, None if cache.geometry.plain else mask, self.scale)  # [1, T, heads, d]
-        return self.o_proj(self.gated(out.to(dtype).view(1, -1, a.num_attention_heads * a.head_dim), gate))
+        return self.o_proj(self.gated(cast(out, dtype).view(1, -1, a.num_attention_heads * a.head_dim), gate))
 
 
 ATTENTION: dict[str, type[Attention]] = {"aten": Attention, "custom_ops": CustomOpsAttention}
@@ -554,9 +555,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: to
     """Rotate the first ``cos.shape[-1]`` features of ``x`` [1, T, heads, d] (all unless rotary is partial)."""
     rot_dim = cos.shape[-1]
     if rot_dim == x.shape[-1]:
-        return x * cos + F.linear(x, rotate.to(x.dtype)) * sin
+        return x * cos + F.linear(x, cast(rotate, x.dtype)) * sin
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    return torch.cat((x_rot * cos + F.linear(x_rot, rotate.to(x.dtype)) * sin, x_pass), dim=-1)
+    return torch.cat((x_rot * cos + F.linear(x_rot, cast(rotate, x.dtype)) * sin, x_pass), dim=-1)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -605,11 +606,11 @@ class Rotation(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = len(self.orders)
         if k == 1:
-            return F.linear(x, self.matrix_0.to(x.dtype))
+            return F.linear(x, cast(self.matrix_0, x.dtype))
         y = x.view(-1, *self.orders)
         axes = (0, k, *range(1, k))  # the axis just transformed moves first, the next one comes last
         for i in reversed(range(k)):
-            y = F.linear(y, getattr(self, f"matrix_{i}").to(x.dtype)).permute(axes)
+            y = F.linear(y, cast(getattr(self, f"matrix_{i}"), x.dtype)).permute(axes)
         return y.contiguous().view(1, -1, x.shape[-1])
 
 
@@ -727,7 +728,7 @@ class DecoderLayer(nn.Module):
             gated = self.per_layer_act(self.per_layer_input_gate(x)) * per_layer
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         # Gemma 4's scalar in the activation dtype, as transformers stores it (a bf16 model's is bf16)
-        return x * self.layer_scalar.to(x.dtype) if hasattr(self, "layer_scalar") else x
+        return x * cast(self.layer_scalar, x.dtype) if hasattr(self, "layer_scalar") else x
 
 
 class DecoderBody(nn.Module):
@@ -978,7 +979,7 @@ class CausalLM(nn.Module):
                 select = self.mrope_select[:, None, None, :]  # [3, 1, 1, rot_dim] over [3, T, 1, rot_dim]
                 cos = (getattr(self, f"rope_cos_{name}")[streams].unsqueeze(2) * select).sum(0)
                 sin = (getattr(self, f"rope_sin_{name}")[streams].unsqueeze(2) * select).sum(0)
-                ropes[name] = (cos.to(dtype), sin.to(dtype))
+                ropes[name] = (cast(cos, dtype), cast(sin, dtype))
                 continue
             if a.attention_sink:  # positions outgrow any table: computed as transformers computes them
                 freqs = positions.float()[:, None] * getattr(self, f"rope_inv_freq_{name}")[None, :]
@@ -986,7 +987,7 @@ class CausalLM(nn.Module):
                 cos, sin = emb.cos() * table.attention_scaling, emb.sin() * table.attention_scaling
             else:
                 cos, sin = getattr(self, f"rope_cos_{name}")[positions], getattr(self, f"rope_sin_{name}")[positions]
-            ropes[name] = (cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1))
+            ropes[name] = (cast(cos, dtype).unsqueeze(1), cast(sin, dtype).unsqueeze(1))
         caches = {g: (g.mask(positions, dtype, self.cache_positions[:g.slots]), g.slot_of(positions))
                   for g in dict.fromkeys(a.layer_geometry)}
         return [LayerInputs(ropes[rope], *caches[g]) for rope, g in zip(a.layer_rope, a.layer_geometry)]

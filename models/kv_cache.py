@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.casts import cast, fp32
+
 
 @dataclass(frozen=True)
 class CacheGeometry:
@@ -80,7 +82,7 @@ class CacheGeometry:
             visible = (held >= 0) & (held <= queries)
         if self.window is not None:
             visible = visible & ((held > queries - self.window) | (held < self.sink))
-        return torch.where(visible, 0.0, float("-inf")).to(dtype)
+        return cast(torch.where(visible, 0.0, float("-inf")), dtype)
 
 
 class KVCache(nn.Module):
@@ -106,8 +108,8 @@ class KVCache(nn.Module):
 
     def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, start_pos: Any = None) -> None:
         """Write ``k`` / ``v`` [1, kv_heads, T, head_dim] at ``slots`` [T]."""
-        self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
+        self.k_cache.index_copy_(2, slots, cast(k, self.k_cache.dtype))
+        self.v_cache.index_copy_(2, slots, cast(v, self.v_cache.dtype))
 
     @torch.no_grad()
     def rebuild(self, activations: torch.dtype, device: str | torch.device) -> None:
@@ -153,15 +155,15 @@ class CustomOpsKVCache(KVCache):
 
     def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, start_pos: Any = None) -> None:
         """Write ``k`` / ``v`` [1, T, kv_heads, head_dim]: ``start_pos`` is the first position (a SymInt)."""
-        self.write(k.float(), self.k_cache, slots, start_pos)
-        self.write(v.float(), self.v_cache, slots, start_pos)
+        self.write(fp32(k), self.k_cache, slots, start_pos)
+        self.write(fp32(v), self.v_cache, slots, start_pos)
 
     def attend(self, q: torch.Tensor, start_pos: Any, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Attention of ``q`` [1, T, heads, head_dim] -> fp32, same shape: causal from ``start_pos`` over the filled
         slots, or over every slot with ``mask`` [T, slots] (ring, window)."""
         if mask is None:
-            return torch.ops.llama.custom_sdpa(q.float(), self.k_cache, self.v_cache, start_pos, None, 0.0, True, scale)
-        return torch.ops.llama.custom_sdpa(q.float(), self.k_cache, self.v_cache, 0, mask.float(), 0.0, False, scale)
+            return torch.ops.llama.custom_sdpa(fp32(q), self.k_cache, self.v_cache, start_pos, None, 0.0, True, scale)
+        return torch.ops.llama.custom_sdpa(fp32(q), self.k_cache, self.v_cache, 0, fp32(mask), 0.0, False, scale)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -171,10 +173,10 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed ops)
 
     qd = torch.ops.quantized_decomposed
-    x = x.float()
+    x = fp32(x)
     scales, zero_points = qd.choose_qparams_per_token_asymmetric.default(x, torch.int8)
     codes = qd.quantize_per_token(x, scales, zero_points, -128, 127, torch.int8)
-    return codes, scales.float(), zero_points.to(torch.int8)
+    return codes, fp32(scales), cast(zero_points, torch.int8)
 
 
 class QuantizedKVCache(CustomOpsKVCache):
@@ -206,7 +208,7 @@ class QuantizedKVCache(CustomOpsKVCache):
         codes, scales, zero_points = quantize_per_token(q)
         causal = mask is None
         return torch.ops.llama.custom_quantized_sdpa(
-            codes, self.k_cache, self.v_cache, start_pos if causal else 0, None if causal else mask.float(), 0.0,
+            codes, self.k_cache, self.v_cache, start_pos if causal else 0, None if causal else fp32(mask), 0.0,
             causal, scale, zero_points, scales, self.k_cache_zero_points, self.k_cache_scales,
             self.v_cache_zero_points, self.v_cache_scales)
 
