@@ -162,6 +162,10 @@ class DecoderArgs:
     id_channels: bool = False
     placeholder_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    # Gemma 4 with use_bidirectional_attention=vision: per layer, whether a run of these tokens (an image's, read from the
+    # id channels) attends both ways within the call that carries it (an image comes whole in one call).
+    bidirectional_ids: tuple[int, ...] = ()
+    layer_bidirectional: tuple[bool, ...] = ()
     # Gemma 4's assistant (models.gemma4_drafter): every layer attends over another model's cache (its target's), so
     # none has k/v projections or a cache of its own; the drafter binds them.
     reads_other_caches: bool = False
@@ -182,7 +186,7 @@ class DecoderArgs:
             object.__setattr__(self, "layer_window", (None,) * n)
         for name, default in (("layer_head_dim", self.head_dim), ("layer_kv_heads", self.num_key_value_heads),
                               ("layer_intermediate", self.intermediate_size), ("layer_k_is_v", False),
-                              ("layer_kv_source", None)):
+                              ("layer_kv_source", None), ("layer_bidirectional", False)):
             if not getattr(self, name):
                 object.__setattr__(self, name, (default,) * n)
             if len(getattr(self, name)) != n:
@@ -235,6 +239,8 @@ class DecoderArgs:
         if self.keeps_final_hidden and self.attention_sink:
             raise ValueError("final hidden states are kept by position, up to max_context_len: an attention sink's "
                              "endless positions have no place in them")
+        if self.bidirectional_ids and not self.id_channels:
+            raise ValueError("bidirectional image runs are found by token id, which only id_channels carry")
         if self.id_channels and not self.per_layer_input:
             raise ValueError("id_channels carry token ids to the per-layer embeddings, which this model has none of")
 
@@ -529,7 +535,9 @@ class CustomOpsAttention(Attention):
         if not self.shares_cache:
             cache.update(k, v, slots, start_pos)
         # The kernels take fp32; casting around them is cheaper than doing without them.
-        out = cache.attend(q, start_pos, None if cache.geometry.plain else mask, self.scale)  # [1, T, heads, d]
+        # A plain cache is causal from start_pos (the kernel's own bound), unless an image's tokens see each other
+        causal = cache.geometry.plain and not a.layer_bidirectional[self.layer]
+        out = cache.attend(q, start_pos, None if causal else mask, self.scale)  # [1, T, heads, d]
         return self.o_proj(self.gated(cast(out, dtype).view(1, -1, a.num_attention_heads * a.head_dim), gate))
 
 
@@ -965,8 +973,19 @@ class CausalLM(nn.Module):
         self.rope_offset.index_copy_(0, positions, offset + jump)
         return streams
 
+    def vision_runs(self, ids: torch.Tensor) -> torch.Tensor:
+        """Per token of ``ids`` [1, T], which run of consecutive image (or video) tokens of the call it is in (0, 1,
+        ...), or -1: transformers' ``get_block_sequence_ids_for_mask`` over the call."""
+        ids = ids[0]
+        vision = torch.zeros_like(ids, dtype=torch.bool)
+        for token in self.args.bidirectional_ids:
+            vision = vision | (ids == token)
+        before = torch.cat([torch.zeros_like(vision[:1]), vision[:-1]])
+        runs = torch.cumsum((vision & ~before).to(torch.int64), 0) - 1
+        return torch.where(vision, runs, torch.full_like(runs, -1))
+
     def layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype,
-                     rope_positions: torch.Tensor | None = None) -> list[LayerInputs]:
+                     rope_positions: torch.Tensor | None = None, runs: torch.Tensor | None = None) -> list[LayerInputs]:
         """What each layer takes besides the hidden states, for tokens at ``positions`` [T]: its RoPE (cos, sin),
         its additive mask over its cache's slots, and the slots the tokens go to; computed once per distinct table
         and cache geometry. ``rope_positions``: M-RoPE's streams [3, T] (:meth:`rope_positions`); None: ``positions``
@@ -990,7 +1009,16 @@ class CausalLM(nn.Module):
             ropes[name] = (cast(cos, dtype).unsqueeze(1), cast(sin, dtype).unsqueeze(1))
         caches = {g: (g.mask(positions, dtype, self.cache_positions[:g.slots]), g.slot_of(positions))
                   for g in dict.fromkeys(a.layer_geometry)}
-        return [LayerInputs(ropes[rope], *caches[g]) for rope, g in zip(a.layer_rope, a.layer_geometry)]
+        both_ways = {}
+        if runs is not None:  # a run's tokens see the later ones of the same run too, within the call
+            later = positions[None, :] > positions[:, None]
+            pairs = (runs[:, None] == runs[None, :]) & (runs[:, None] >= 0) & later
+            for g in dict.fromkeys(g for g, b in zip(a.layer_geometry, a.layer_bidirectional) if b):
+                mask, slots = caches[g]
+                seen = torch.zeros_like(mask).index_copy(1, slots, pairs.to(mask.dtype))
+                both_ways[g] = (torch.where(seen > 0, torch.zeros_like(mask), mask), slots)
+        return [LayerInputs(ropes[rope], *(both_ways[g] if b and g in both_ways else caches[g]))
+                for rope, g, b in zip(a.layer_rope, a.layer_geometry, a.layer_bidirectional)]
 
     @contextmanager
     def logits_of_every_position(self) -> Iterator[None]:
@@ -1031,13 +1059,16 @@ class CausalLM(nn.Module):
         positions = input_pos[0] + torch.arange(seq_len, dtype=torch.int64)
         deep: list[torch.Tensor] = []
         image, ids = None, tokens
+        runs = None
         if self.args.wide_embeddings and tokens.is_floating_point():  # a wide embedding: an image's, or text's
             tokens, deep, image, digits = self.split_embeddings(tokens)
             ids = tokens if digits is None else self.placeholders_as_pad(digits)
+            if self.args.bidirectional_ids and digits is not None:
+                runs = self.vision_runs(digits)
         h = self.embed(tokens)
         per_layer = self.per_layer_inputs(ids, h)
         streams = self.rope_positions(positions, image) if self.args.mrope_axes else None
-        layer_inputs = self.layer_inputs(positions, h.dtype, streams)
+        layer_inputs = self.layer_inputs(positions, h.dtype, streams, runs)
         for i, (layer, inputs, extra) in enumerate(zip(self.model.layers, layer_inputs, per_layer)):
             h = layer(h, inputs.rope, positions, inputs.mask, inputs.slots, extra)
             if i < len(deep):  # Qwen3-VL: an image's features from vision layer i (zeros for text)

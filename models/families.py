@@ -297,8 +297,13 @@ def _gemma4_media(cfg: Any) -> dict[str, Any]:
     if cfg.pad_token_id is None:
         raise ModelError("this Gemma 4 config has no pad_token_id, whose per-layer embedding an image's tokens take "
                          "(transformers' Gemma4Model): the checkpoint's config.json is incomplete.")
+    both_ways = getattr(cfg, "use_bidirectional_attention", None) == "vision"
     return {"id_channels": True, "placeholder_ids": tuple(getattr(cfg, "placeholder_ids", ())),
-            "pad_token_id": int(cfg.pad_token_id)}
+            "pad_token_id": int(cfg.pad_token_id),
+            # transformers' create_masks_for_vision_model: sliding layers attend both ways within a run of image (or
+            # video) tokens; full-attention layers stay causal
+            "bidirectional_ids": tuple(getattr(cfg, "vision_ids", ())) if both_ways else (),
+            "layer_bidirectional": tuple(both_ways and t == "sliding_attention" for t in cfg.layer_types)}
 
 
 @register_family("smollm3", "SmolLM3ForCausalLM", model_type="smollm3")

@@ -53,6 +53,10 @@ def language_config(hf_config: Any) -> Any:
     # Gemma 4: the tokens whose per-layer embedding is the pad token's (the encoders' placeholders)
     text.placeholder_ids = tuple(int(i) for i in (getattr(hf_config, f"{media}_token_id", None)
                                                   for media in ("image", "audio", "video")) if i is not None)
+    # Gemma 4 with use_bidirectional_attention=vision: the tokens whose runs attend both ways (transformers'
+    # mm_token_type_ids 1 and 2)
+    text.vision_ids = tuple(int(i) for i in (getattr(hf_config, f"{media}_token_id", None)
+                                             for media in ("image", "video")) if i is not None)
     return text
 
 

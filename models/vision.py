@@ -37,8 +37,6 @@ class VisionLanguage:
     # Each image token's place in its image travels in the embedding (Qwen-VL's M-RoPE channels), which a half-precision
     # dtype holds exactly only up to a count (exporters.components.vision).
     places_in_embedding: bool = False
-    # config -> why this config's images are not exported (its text decoder is), or None.
-    refuses_images: Callable[[Any], str | None] = lambda cfg: None
 
     def image_token_id(self, hf_config: Any) -> int:
         """The token each image position takes in a prompt (the config's, not the processor's: Gemma 3's processor
@@ -155,13 +153,6 @@ def _gemma4_geometry(cfg: Any, processor: dict[str, Any], image_size: int | None
     return side, (side // unit) ** 2
 
 
-def _gemma4_images_refused(cfg: Any) -> str | None:
-    if getattr(cfg.text_config, "use_bidirectional_attention", None) == "vision":
-        return ("its sliding-window layers attend both ways within an image's tokens "
-                "(use_bidirectional_attention=vision), which the program does not do yet")
-    return None
-
-
 def size_to_choose(hf_config: Any) -> str:
     """How to export the image path of a checkpoint whose processor takes a range of sizes."""
     vc = hf_config.vision_config
@@ -216,8 +207,7 @@ VISION_LANGUAGE: tuple[VisionLanguage, ...] = (
     # tower is not exported (issue 64).
     VisionLanguage("gemma4", ("Gemma4ForConditionalGeneration",),
                    ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio."),
-                   _gemma4_geometry, size_chosen=True, sized=lambda side: {"height": side, "width": side},
-                   refuses_images=_gemma4_images_refused),
+                   _gemma4_geometry, size_chosen=True, sized=lambda side: {"height": side, "width": side}),
 )
 
 
@@ -247,8 +237,6 @@ def geometry_of(hf_config: Any, folder: str | Path | None, image_size: int | Non
     and none was chosen: the text decoder exports alone)."""
     family = vision_language_of(hf_config)
     assert family is not None and family.geometry is not None, "a vision-language config whose encoder is built"
-    if family.refuses_images(hf_config) is not None:
-        return None
     processor = processor_settings(Path(folder)) if folder is not None else {}
     if family.size_chosen:
         return family.geometry(hf_config, processor, image_size)  # type: ignore[call-arg]
@@ -274,9 +262,6 @@ def text_only(hf_config: Any, folder: str | Path | None = None, image_size: int 
         return None
     if family.geometry is None:
         return f"text decoder only ({hf_config.architectures[0]}'s vision encoder is not exported yet)"
-    refused = family.refuses_images(hf_config)
-    if refused is not None:
-        return f"text decoder only ({refused})"
     if family.size_chosen and geometry_of(hf_config, folder, image_size) is None:
         return f"text decoder only ({size_to_choose(hf_config)})"
     return None

@@ -155,18 +155,36 @@ def test_rows_with_padding_fold_back_into_the_pixels_and_another_grid_is_refused
         program_pixels(made, 96)
 
 
-def test_a_config_attending_both_ways_within_images_exports_its_text_alone(vlm_checkpoint, tmp_path: Path) -> None:
-    """use_bidirectional_attention="vision" (the larger Gemma 4 configs): within an image's tokens the sliding layers
-    attend both ways, which the program does not do. Its text decoder is planned alone (transformers' text path is
-    causal), and the console's line says why."""
+@pytest.mark.parametrize("attention", ["aten", "custom_ops"])
+def test_a_config_attending_both_ways_within_images_gets_transformers_logits(vlm_checkpoint, tmp_path: Path,
+                                                                            attention: str) -> None:
+    """use_bidirectional_attention="vision" (the larger Gemma 4 configs): within a run of image tokens the sliding
+    layers attend both ways (full-attention layers stay causal), found from the ids the embeddings carry. transformers'
+    logits when the runner's three calls feed the prompt (the image whole in one) and when one call does, with either
+    attention; the causal model's differ, so the test sees the difference. The plan exports the image path."""
     from exporters.components.resolve import plan_export
-    from models.vision import text_only
+    from models.vision import load_processor
 
     ckpt = shutil.copytree(vlm_checkpoint("gemma4"), tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())
     config["text_config"]["use_bidirectional_attention"] = "vision"
     (ckpt / "config.json").write_text(json.dumps(config))
+    ref, ours = transformers_model(ckpt), build_model(open_checkpoint(ckpt), 32, attention=attention).eval()
+    assert ours.args.attention == attention and ours.args.layer_bidirectional == (True, False, True, False)
+    encoder = load_vision_encoder(str(ckpt), ref.config)
+    inputs = load_processor(ckpt)(images=picture(), text="Once upon <|image|> a time", return_tensors="pt")
+    ids = inputs["input_ids"]
+    where = (ids[0] == ref.config.image_token_id).nonzero()[:, 0]
+    first, n = int(where[0]), len(where)
+    given = {k: v for k, v in inputs.items() if k != "num_soft_tokens_per_image"}
+    with torch.no_grad():
+        expected = ref(**given).logits[0]
+        causal = transformers_model(vlm_checkpoint("gemma4"))(**given).logits[0]
+        assert (causal[first:first + n] - expected[first:first + n]).abs().max() > 1e-3
+        image = encoder(program_pixels(inputs, encoder.image_size))
+        with ours.returns_token_embeddings():
+            before, after = ours(ids[:, :first]), ours(ids[:, first + n:])
+        splits = {"the runner's three calls": [before, image, after], "one call": [torch.cat([before, image, after], 1)]}
+        assert_every_split_matches(ours, splits, expected, atol=5e-5)
     plan = plan_export(compose_config("model=hf", f"model.checkpoint={ckpt}", "export.max_seq_len=32"))
-    assert [c.name for c in plan.components] == ["decoder"]
-    said = text_only(open_checkpoint(ckpt).hf_config, ckpt)
-    assert said is not None and "use_bidirectional_attention=vision" in said
+    assert [c.name for c in plan.components] == ["decoder", "vision"]
