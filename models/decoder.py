@@ -974,15 +974,15 @@ class CausalLM(nn.Module):
         return streams
 
     def vision_runs(self, ids: torch.Tensor) -> torch.Tensor:
-        """Per token of ``ids`` [1, T], which run of consecutive image (or video) tokens of the call it is in (0, 1,
-        ...), or -1: transformers' ``get_block_sequence_ids_for_mask`` over the call."""
+        """Per token of ``ids`` [1, T], a key of the run of consecutive image (or video) tokens of the call it is in,
+        or -1: the runs transformers' ``get_block_sequence_ids_for_mask`` numbers, keyed by how many other tokens come
+        before them (equal within a run, different across runs; a shift to find where runs start would fix T)."""
         ids = ids[0]
         vision = torch.zeros_like(ids, dtype=torch.bool)
         for token in self.args.bidirectional_ids:
             vision = vision | (ids == token)
-        before = torch.cat([torch.zeros_like(vision[:1]), vision[:-1]])
-        runs = torch.cumsum((vision & ~before).to(torch.int64), 0) - 1
-        return torch.where(vision, runs, torch.full_like(runs, -1))
+        others_before = torch.cumsum((~vision).to(torch.int64), 0)
+        return torch.where(vision, others_before, torch.full_like(others_before, -1))
 
     def layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype,
                      rope_positions: torch.Tensor | None = None, runs: torch.Tensor | None = None) -> list[LayerInputs]:
