@@ -132,7 +132,8 @@ def log_export_summary(result: Any) -> None:
         f"{', '.join(t['kind'] for t in swap.slots['targets'])}, any PEFT adapter that fits (docs/adapters.md)")
     others = "".join(
         f"\n  {name}: {', '.join(c.methods)}; {c.family or 'unknown'} family, {count(c.parameters or 0)} "
-        f"parameters, {c.quantization.describe() if c.quantization else 'not quantized'}; {_verdict(c.validation)}"
+        f"parameters, {c.quantization.describe() if c.quantization else 'not quantized'}; "
+        f"{c.assistant.describe() if c.assistant is not None else _verdict(c.validation)}"
         for name, c in m.components.items() if c.kind != "decoder" and c.vision is None and c.audio is None) + "".join(
         f"\n  {name}: {', '.join(c.methods)}; {encoder.describe()}, {count(c.parameters or 0)} parameters"
         for name, c in m.components.items() for encoder in (c.vision, c.audio) if encoder is not None)

@@ -55,11 +55,6 @@ def assistant_buildable() -> Iterator[None]:
         Gemma4TextConfig.kv_sharing_modes = stock  # type: ignore[method-assign]
 
 
-def is_gemma4_assistant(hf_config: Any) -> bool:
-    return ARCHITECTURE in (getattr(hf_config, "architectures", None) or []) or \
-        getattr(hf_config, "model_type", None) == "gemma4_assistant"
-
-
 class OrderedHead(nn.Module):
     """The assistant's centroid head (``use_ordered_embeddings``): the hidden state picks ``top_k`` of
     ``centroids`` clusters of the vocabulary (``token_ordering`` lists each cluster's tokens) and only their tokens
@@ -178,10 +173,10 @@ class Gemma4Drafter(CausalLM):
                                   g.slot_of(before)))
         return found
 
-    def first_input(self, target: CausalLM, token: torch.Tensor, p: torch.Tensor,
+    def step_input(self, target: CausalLM, token: torch.Tensor, p: torch.Tensor,
                     hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """The projected input [1, 1, hidden] of ``token`` [1, 1] at ``p``: its target embedding beside ``hidden``
-        [1, 1, backbone] (None: the target's final hidden state at ``p - 1``)."""
+        """A step's projected input [1, 1, hidden]: the target's embedding of ``token`` [1, 1] beside ``hidden``
+        [1, 1, backbone] (None: the target's final hidden state at ``p - 1``, the round's first step)."""
         if hidden is None:
             hidden = target.final_hidden.index_select(0, (p - 1).clamp(min=0)).view(1, 1, -1)
         embedded = target.token_embeddings(token)
@@ -192,14 +187,14 @@ class Gemma4Drafter(CausalLM):
         seen yet (its cache and final hidden states hold the positions before it)."""
         p = input_pos[:1]
         inputs = self.attends(target, p)
-        x = self.first_input(target, token, p)
+        x = self.step_input(target, token, p)
         proposals = []
         for i in range(k):
             h, hidden = self.step(x, inputs)
             token = self.best(h).view(1, 1)
             proposals.append(token)
             if i + 1 < k:
-                x = self.first_input(target, token, p, hidden)
+                x = self.step_input(target, token, p, hidden)
         return torch.cat(proposals, dim=1)
 
     def logits_of(self, target: CausalLM, token: torch.Tensor, input_pos: torch.Tensor,
@@ -208,7 +203,7 @@ class Gemma4Drafter(CausalLM):
         state [1, 1, backbone], from ``token`` and ``hidden`` (None: the target's state before it): what the parity
         tests compare with transformers."""
         p = input_pos[:1]
-        h, projected = self.step(self.first_input(target, token, p, hidden), self.attends(target, p))
+        h, projected = self.step(self.step_input(target, token, p, hidden), self.attends(target, p))
         return self.head(h), projected
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -259,10 +254,10 @@ def load_drafter(path: str | Path, target: CausalLM) -> Gemma4Drafter:
     from transformers import AutoConfig
 
     folder = Path(path)
+    if not is_assistant_folder(folder):
+        raise ModelError(f"{folder}: config.json names no Gemma 4 assistant ({ARCHITECTURE}); give e.g. "
+                         "google/gemma-4-e2b-it-assistant.")
     hf_config = AutoConfig.from_pretrained(folder)
-    if not is_gemma4_assistant(hf_config):
-        raise ModelError(f"{folder}: not a Gemma 4 assistant (config.json's architectures "
-                         f"{getattr(hf_config, 'architectures', None)}); give e.g. google/gemma-4-e2b-it-assistant.")
     args = drafter_args(hf_config, target.args)
     ordered = ({"centroids": hf_config.num_centroids, "top_k": hf_config.centroid_intermediate_top_k}
                if hf_config.use_ordered_embeddings else None)

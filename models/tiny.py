@@ -257,3 +257,29 @@ def write_tiny_gemma4_assistant(out_dir: str | Path, target: str | Path, seed: i
     out = Path(out_dir)
     model.save_pretrained(out)
     return out
+
+
+def write_tiny_gemma4_pair(out_dir: str | Path) -> tuple[Path, Path]:
+    """A tiny Gemma 4 (``target/``, fitted to the corpus, with KV sharing) and a random assistant for it
+    (``assistant/``): what ``draft.checkpoint=<assistant>`` exports beside its target, offline."""
+    out = Path(out_dir)
+    arch = {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "num_kv_shared_layers": 2, "sliding_window": 16}
+    target = write_tiny_checkpoint(out / "target", arch=arch, family="gemma4")
+    return target, write_tiny_gemma4_assistant(out / "assistant", target)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write tiny checkpoints built offline by transformers itself.")
+    parser.add_argument("what", choices=["gemma4-pair"], help="gemma4-pair: a tiny Gemma 4 and a Gemma 4 assistant "
+                                                              "for it, in <out>/target and <out>/assistant")
+    parser.add_argument("out", help="the folder to write")
+    args = parser.parse_args()
+    for folder in write_tiny_gemma4_pair(args.out):
+        print(folder)
+
+
+if __name__ == "__main__":
+    main()

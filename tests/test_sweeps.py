@@ -155,6 +155,9 @@ def test_a_job_killed_with_sigkill_is_a_failed_row_and_the_others_finish(tmp_pat
     assert not (sweep / "0-tiny-fp32-xnnpack" / "model.pte").exists()
 
 
+# The sweeper's own machinery on top of the joblib sweep's jobs (its config composes in tests/test_config.py, in every
+# run): pytest -m extended, as Ray's and submitit's launchers; out of the full run for its time (about 50 s).
+@pytest.mark.extended
 def test_optuna_search_returns_the_smallest_program_within_the_quality_bound(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     # Two trials over two schemes, both fine on the tiny model; Optuna minimizes the .pte size, which needs no

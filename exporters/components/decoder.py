@@ -18,10 +18,10 @@ from exporters.manifest import ComponentEntry, MethodEntry, ModelEntry
 from exporters.plan.component import Component, ComponentKind, ModelBuild, QuantPlan
 from exporters.program.cache import kv_cache_entry
 from exporters.program.constants import constant_methods, recorded
+from exporters.program.draft import ASSISTANT_METHOD
 from exporters.program.layouts import LAYOUTS, layout_manifest
 from exporters.program.methods import MethodTable
 from exporters.program.swappable import base_quant, slot_plan
-from exporters.program.draft import ASSISTANT_METHOD
 from exporters.runtime.driver import Driver, MethodRoles
 from exporters.runtime.speculative import AssistantProposer, DraftProposer, Proposer
 from exporters.validation.methods import validate_methods

@@ -139,7 +139,7 @@ class AssistantProposer:
 
     def propose(self, ids: list[int], k: int) -> list[int]:
         found = self.program.run(self.method, torch.tensor([ids[-1:]], dtype=torch.int64),
-                                        torch.tensor([len(ids) - 1]))[0]
+                                 torch.tensor([len(ids) - 1]))[0]
         return [int(t) for t in found.reshape(-1)[:k]]
 
 
