@@ -17,14 +17,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from exporters.components.draft import draft_quant
 from exporters.components.kind import Basis, Bundled, Finalized, Kind, Part
 from exporters.config import ExportConfig, ModelConfig
 from exporters.context.artifacts import summary
 from exporters.errors import UserError
 from exporters.manifest import AssistantCheck, ComponentEntry, Manifest
 from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
-from exporters.program.draft import ASSISTANT_METHOD, DRAFT
+from exporters.program.draft import ASSISTANT_METHOD, DRAFT, draft_quant
 from exporters.program.methods import MethodTable
 from exporters.program.signatures import signature
 from exporters.quant.apply import quantize_model

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from exporters.components.kind import Basis, Bundled, Finalized, Part
 from exporters.components.language_model import LanguageModel, unquantized_nll
-from exporters.config import DraftConfig, ExportConfig, ModelConfig, QuantConfig, quant_option
+from exporters.config import DraftConfig, ExportConfig, ModelConfig
 from exporters.console import count
 from exporters.context.artifacts import summary
 from exporters.errors import UserError
@@ -22,7 +22,7 @@ from exporters.manifest import ComponentEntry, HeadVocabularyEntry, Manifest
 from exporters.plan.component import Component, ComponentKind, HeadVocabulary, ModelBuild, QuantPlan
 from exporters.plan.footprint import Footprint
 from exporters.program.constants import DRAFT_VOCAB
-from exporters.program.draft import DRAFT, DRAFT_KINDS, check_pair
+from exporters.program.draft import DRAFT, DRAFT_KINDS, check_pair, draft_quant
 from exporters.program.methods import MethodTable
 from exporters.quant.schemes import check_quant
 from exporters.runtime.driver import MethodRoles
@@ -39,10 +39,6 @@ if TYPE_CHECKING:
     from exporters.validation.under_test import ProgramUnderTest
 
 log = logging.getLogger("exporters")
-
-
-def draft_quant(draft: DraftConfig, target: QuantConfig) -> QuantConfig:
-    return quant_option(draft.quant, "draft.quant") if draft.quant is not None else target
 
 
 class Draft(LanguageModel):

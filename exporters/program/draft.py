@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from exporters.config import LayoutName
+from exporters.config import DraftConfig, LayoutName, QuantConfig, quant_option
 from exporters.errors import UserError
 from exporters.program.adapters import adapter_method
 from exporters.program.layouts import LAYOUTS
@@ -32,6 +32,11 @@ DRAFT_METHODS = frozenset(adapter_method(DRAFT, LAYOUTS[LayoutName.stock].name_o
 # Gemma 4's assistant's one method (exporters.components.assistant): (token int64[1, 1], its position int64[1]) ->
 # the draft.tokens proposals int64[1, K] that follow it, from the decoder's caches and final hidden states.
 ASSISTANT_METHOD = adapter_method(DRAFT, "propose")
+
+
+def draft_quant(draft: DraftConfig, target: QuantConfig) -> QuantConfig:
+    """How the draft (or Gemma 4's assistant) is quantized: ``draft.quant``'s preset, else the target's quant."""
+    return quant_option(draft.quant, "draft.quant") if draft.quant is not None else target
 
 
 def _vocabulary(checkpoint: "Checkpoint") -> dict[str, int]:
