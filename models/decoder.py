@@ -991,6 +991,25 @@ class CausalLM(nn.Module):
         and cache geometry. ``rope_positions``: M-RoPE's streams [3, T] (:meth:`rope_positions`); None: ``positions``
         on every stream (text from the start of the cache: layer-by-layer runs)."""
         a = self.args
+        ropes = self.rope_tables(positions, dtype, rope_positions)
+        caches = {g: (g.mask(positions, dtype, self.cache_positions[:g.slots]), g.slot_of(positions))
+                  for g in dict.fromkeys(a.layer_geometry)}
+        both_ways = {}
+        if runs is not None:  # a run's tokens see the later ones of the same run too, within the call
+            later = positions[None, :] > positions[:, None]
+            pairs = (runs[:, None] == runs[None, :]) & (runs[:, None] >= 0) & later
+            for g in dict.fromkeys(g for g, b in zip(a.layer_geometry, a.layer_bidirectional) if b):
+                mask, slots = caches[g]
+                seen = torch.zeros_like(mask).index_copy(1, slots, pairs.to(mask.dtype))
+                both_ways[g] = (torch.where(seen > 0, torch.zeros_like(mask), mask), slots)
+        return [LayerInputs(ropes[rope], *(both_ways[g] if b and g in both_ways else caches[g]))
+                for rope, g, b in zip(a.layer_rope, a.layer_geometry, a.layer_bidirectional)]
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype,
+                    rope_positions: torch.Tensor | None = None) -> dict[str | None, Rope]:
+        """Each RoPE table's (cos, sin) [T, 1, rot_dim] for tokens at ``positions`` [T] (None: no RoPE), as
+        :meth:`layer_inputs` gives the layers; ``rope_positions`` as there."""
+        a = self.args
         ropes: dict[str | None, Rope] = {None: None}
         for name, table in a.rope:  # [T, 1, rot_dim]: broadcasts over heads
             if a.mrope_axes:  # each rotary dimension's angle from its stream's position: the table looked up 3x
@@ -1007,18 +1026,7 @@ class CausalLM(nn.Module):
             else:
                 cos, sin = getattr(self, f"rope_cos_{name}")[positions], getattr(self, f"rope_sin_{name}")[positions]
             ropes[name] = (cast(cos, dtype).unsqueeze(1), cast(sin, dtype).unsqueeze(1))
-        caches = {g: (g.mask(positions, dtype, self.cache_positions[:g.slots]), g.slot_of(positions))
-                  for g in dict.fromkeys(a.layer_geometry)}
-        both_ways = {}
-        if runs is not None:  # a run's tokens see the later ones of the same run too, within the call
-            later = positions[None, :] > positions[:, None]
-            pairs = (runs[:, None] == runs[None, :]) & (runs[:, None] >= 0) & later
-            for g in dict.fromkeys(g for g, b in zip(a.layer_geometry, a.layer_bidirectional) if b):
-                mask, slots = caches[g]
-                seen = torch.zeros_like(mask).index_copy(1, slots, pairs.to(mask.dtype))
-                both_ways[g] = (torch.where(seen > 0, torch.zeros_like(mask), mask), slots)
-        return [LayerInputs(ropes[rope], *(both_ways[g] if b and g in both_ways else caches[g]))
-                for rope, g, b in zip(a.layer_rope, a.layer_geometry, a.layer_bidirectional)]
+        return ropes
 
     @contextmanager
     def logits_of_every_position(self) -> Iterator[None]:

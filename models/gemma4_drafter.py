@@ -164,9 +164,9 @@ class Gemma4Drafter(CausalLM):
         assistant masks sliding layers with ``|q - kv| <= window``)."""
         before = (p - 1).clamp(min=0)
         dtype = self.activation_dtype()
-        ropes = [inputs.rope for inputs in self.layer_inputs(p, dtype)]
+        tables = self.rope_tables(p, dtype)  # the assistant's own RoPE; the masks are the target's caches'
         found = []
-        for rope, owner in zip(ropes, self.owners):
+        for rope, owner in zip((tables[name] for name in self.args.layer_rope), self.owners):
             g = target.args.layer_geometry[owner]
             seen = g if g.window is None else dataclasses.replace(g, window=g.window + 1)
             found.append(_Attends(rope, before, seen.mask(before, dtype, target.cache_positions[:g.slots]),

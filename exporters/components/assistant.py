@@ -172,16 +172,16 @@ class Assistant(Kind):
         driver, window = Driver(under.program, roles), under.text.windows[0]
         last = min(window.shape[1], under.context) - 1
         positions = sorted({max(1, min(last, round(last * share))) for share in CHECKED_AT})
-        first = every = 0
+        first = every = seen = 0  # the prompt grows from one check to the next: each feeds only what is new
+        target.reset_cache()
         for p in positions:
             token, at = window[:, p:p + 1], torch.tensor([p])
-            driver.prefill(window[:, :p])
+            driver.prefill(window[:, seen:p], seen)
             got = under.program.run(ASSISTANT_METHOD, token, at)[0].reshape(-1).tolist()
             with torch.no_grad():
-                target.reset_cache()
-                target(window[:, :p], torch.tensor([0]))
+                target(window[:, seen:p], torch.tensor([seen]))
                 want = drafter.propose(target, token, at, k).reshape(-1).tolist()
-            first, every = first + (got[0] == want[0]), every + (got == want)
+            first, every, seen = first + (got[0] == want[0]), every + (got == want), p
         target.reset_cache()
         n = len(positions)
         record.check = AssistantCheck(tokens=k, positions=positions, first_agreement=round(first / n, 4),
