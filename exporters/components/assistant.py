@@ -211,7 +211,7 @@ class Assistant(Kind):
         return ""
 
     def bundle(self, m: Manifest) -> Bundled:
-        entry = next((e for e in m.components.values() if e.kind == self.name), None)
+        entry = self.entry_of(m)
         return Bundled(readme=bundle_readme(entry)) if entry is not None else Bundled()
 
 

@@ -225,7 +225,7 @@ class Audio(Kind):
 
     def bundle(self, m: Manifest) -> Bundled:
         """The bundle carries the preprocessor and says how an app feeds audio."""
-        entry = next((e for e in m.components.values() if e.kind == self.name), None)
+        entry = self.entry_of(m)
         if entry is None or entry.audio is None:
             return Bundled()
         return Bundled(readme=bundle_readme(entry.audio), files=[PREPROCESSOR_FILE],

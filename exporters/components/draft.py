@@ -163,7 +163,7 @@ class Draft(LanguageModel):
         return ""
 
     def bundle(self, m: Manifest) -> Bundled:
-        draft = next((e for e in m.components.values() if e.kind == self.name), None)
+        draft = self.entry_of(m)
         return Bundled(readme=bundle_readme(draft)) if draft is not None else Bundled()
 
 

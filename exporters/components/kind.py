@@ -178,3 +178,7 @@ class Kind:
     def bundle(self, m: Manifest) -> Bundled:
         """What a release bundle of the export ``m`` describes carries for this kind (nothing if ``m`` has none)."""
         return Bundled()
+
+    def entry_of(self, m: Manifest) -> ComponentEntry | None:
+        """This kind's entry among the manifest ``m``'s components (None: the export has none of it)."""
+        return next((e for e in m.components.values() if e.kind == self.name), None)

@@ -261,7 +261,7 @@ class Speech(Kind):
         return ""
 
     def bundle(self, m: Manifest) -> Bundled:
-        entry = next((e for e in m.components.values() if e.kind == self.name), None)
+        entry = self.entry_of(m)
         if entry is None or entry.speech is None:
             return Bundled()
         check = entry.speech.check

@@ -242,7 +242,7 @@ class Vision(Kind):
 
     def bundle(self, m: Manifest) -> Bundled:
         """The bundle carries the processor files and says how an app feeds an image."""
-        entry = next((e for e in m.components.values() if e.kind == self.name), None)
+        entry = self.entry_of(m)
         if entry is None or entry.vision is None:
             return Bundled()
         # The manifest's own form of it (Manifest.to_dict is asdict for components), without serializing it all again.
