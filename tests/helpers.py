@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig
@@ -16,6 +16,21 @@ from exporters.config import CONF_DIR, compose
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Decoder layers of SmolLM2-135M kept in the real model the quant/backend tests export.
 REAL_LAYERS = 2
+
+
+# The vision-language programs under test: the MultimodalRunner's three methods and one text method (decode_one_token,
+# the fewest graphs to lower: the suite's time), named as apps that share memory arenas name them.
+VLM_PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=32")
+# Gemma 4's carries its assistant (draft_propose beside verify): the stock runner drives it as it drives any other
+# (tests/test_vision_language.py), and tests/test_gemma4_drafter.py speculates with it on image prompts: one export.
+VLM_ASSISTANT_TOKENS = 2
+
+
+def vlm_program_overrides(family: str, ckpt: Path, gemma4_assistant: Callable[[Path], Path]) -> list[str]:
+    """The export of ``family``'s tiny vision-language checkpoint ``ckpt`` that the runner test drives."""
+    extra = ([f"draft.checkpoint={gemma4_assistant(ckpt)}", f"draft.tokens={VLM_ASSISTANT_TOKENS}"]
+             if family == "gemma4" else [])
+    return ["model=hf", f"model.checkpoint={ckpt}", *VLM_PROGRAM, *extra]
 
 
 def compose_config(*overrides: str) -> DictConfig:

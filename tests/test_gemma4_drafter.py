@@ -135,40 +135,57 @@ def test_an_assistant_made_for_another_target_is_refused(family_checkpoint, tmp_
 
 
 @pytest.fixture(scope="session")
-def assistant_folder(family_checkpoint, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
-    from tests.conftest import shared_folder
-
-    """With the centroid head: its top-k and row gathers run in the program (the plain head is an argmax)."""
-    return shared_folder(tmp_path_factory, "gemma4_assistant",
-                         lambda folder: write_tiny_gemma4_assistant(folder, family_checkpoint("gemma4"), ordered=True))
+def assistant_folder(family_checkpoint, gemma4_assistant) -> Path:  # type: ignore[no-untyped-def]
+    """The assistant of tests/family_cases.py's Gemma 4 (6 layers, text alone)."""
+    return gemma4_assistant(family_checkpoint("gemma4"))
 
 
-def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(exported, family_checkpoint,
-                                                                                assistant_folder: Path,
-                                                                                tmp_path: Path) -> None:
+@pytest.mark.parametrize("program", ["images", pytest.param("8da4w", marks=pytest.mark.extended)])
+def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(exported, family_checkpoint, vlm_checkpoint,
+                                                                                gemma4_assistant, assistant_folder: Path,
+                                                                                program: str, tmp_path: Path) -> None:
     """draft.checkpoint=<assistant>: the decoder gets verify and keeps its final hidden states; draft_propose reads
     them and the caches in the runtime, proposing what the eager assistant proposes over the eager decoder's state;
     exporters.generate speculates with it (speculative=draft, and auto) and writes plain greedy decoding's tokens; a
     release bundle's README says how an app calls it.
-    8da4w, the assistant's quant too (its centroid head reads rows of the quantized head): the full run's quantized
-    Gemma 4 program (its soft-capped logits included)."""
+    ``images``: fp32 beside Gemma 4's image path (the export tests/test_vision_language.py's runner test drives),
+    proposals exactly the eager assistant's, and speculation after an image prompt plain greedy decoding's too.
+    ``8da4w`` (the assistant's quant too: its centroid head reads rows of the quantized head), text alone: extended,
+    for the full run's time."""
     from exporters.runtime.generator import Generator
+    from tests.helpers import VLM_ASSISTANT_TOKENS, vlm_program_overrides
 
-    result = exported("model=gemma4", f"model.checkpoint={family_checkpoint('gemma4')}", "export.methods=[decode]", "export.layout=split",
-                      "export.max_seq_len=32", "quant=8da4w", f"draft.checkpoint={assistant_folder}", "draft.tokens=2")
+    if program == "images":
+        overrides = vlm_program_overrides("gemma4", vlm_checkpoint("gemma4"), gemma4_assistant)
+    else:
+        overrides = ["model=gemma4", f"model.checkpoint={family_checkpoint('gemma4')}", "export.methods=[decode]",
+                     "export.layout=split", "export.max_seq_len=32", "quant=8da4w",
+                     f"draft.checkpoint={assistant_folder}", f"draft.tokens={VLM_ASSISTANT_TOKENS}"]
+    result = exported(*overrides)
     m = result.manifest
     entry = m.components["draft"]
     assert entry.kind == "assistant" and entry.methods == ["draft_propose"] and entry.family == "gemma4"
-    assert entry.assistant is not None and entry.assistant.passed and entry.assistant.tokens == 2, entry.assistant
-    assert entry.quantization is not None and entry.quantization.linear is not None
-    assert set(m.methods) == {"decode", "verify"} and m.methods["verify"].tokens[1] == 3
-    check = m.validation.speculative
-    assert check is not None and check.identical and check.proposer == "draft", check
+    check = entry.assistant
+    assert check is not None and check.passed and check.tokens == VLM_ASSISTANT_TOKENS, check
+    assert entry.quantization is not None and (entry.quantization.linear is None) == (program == "images")
+    if program == "images":  # unquantized: every proposal is the eager assistant's
+        assert check.all_agreement == 1.0, check
+    assert {"decode", "verify"} <= set(m.methods) and m.methods["verify"].tokens[1] == VLM_ASSISTANT_TOKENS + 1
+    speculative = m.validation.speculative
+    assert speculative is not None and speculative.identical and speculative.proposer == "draft", speculative
     generator = Generator(result.pte_path)
     greedy = SamplingConfig(max_new_tokens=20)
     plain = generator.generate("Once upon a time", greedy, speculative="none")
-    for speculative in ("draft", "auto"):
-        fast = generator.generate("Once upon a time", greedy, speculative=speculative)
+    for mode in ("draft", "auto"):
+        fast = generator.generate("Once upon a time", greedy, speculative=mode)
+        assert fast.new_ids == plain.new_ids and fast.speculation is not None and fast.speculation.steps > 0
+    if program == "images":  # after an image prompt, the assistant reads the caches the image's embeddings filled
+        from PIL import Image
+
+        Image.new("RGB", (48, 48), (200, 40, 90)).save(tmp_path / "picture.png")
+        made = generator.with_images("<|image|> Describe it.", [str(tmp_path / "picture.png")])
+        plain = generator.generate("", greedy, speculative="none", media=made)
+        fast = generator.generate("", greedy, speculative="draft", media=made)
         assert fast.new_ids == plain.new_ids and fast.speculation is not None and fast.speculation.steps > 0
     from exporters.release.bundle import make_bundle
 

@@ -26,13 +26,11 @@ from models.decoder import id_digits
 from models.tiny_vlm import IMAGE_TOKENS as TINY_IMAGE_TOKENS
 from models.tiny_vlm import TINY_VLM
 from models.vision_encoder import load_vision_encoder
-from tests.helpers import compose_config, transformers_model
+from tests.helpers import VLM_PROGRAM as PROGRAM
+from tests.helpers import compose_config, transformers_model, vlm_program_overrides
 
 FAMILIES = list(TINY_VLM)
 NEW_TOKENS = 8
-# The programs under test: the MultimodalRunner's three methods and one text method (decode_one_token, the fewest
-# graphs to lower: the suite's time), named as apps that share memory arenas name them.
-PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=32")
 # Where the prompt's image goes: the processor expands this into the image's tokens (Gemma 3's begin-of-image token).
 IMAGE_MARK = {"llava": "<image>", "gemma3": "<start_of_image>", "idefics3": "<image>", "lfm2_vl": "<image>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
@@ -179,8 +177,8 @@ RUNNER_EXTENDED = ("llava", "idefics3", "gemma3", "qwen2_5_vl", "qwen3_5")
 @pytest.mark.slow
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.extended) if f in RUNNER_EXTENDED else f
                                     for f in FAMILIES])
-def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_checkpoint, family: str, tmp_path: Path,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_checkpoint, gemma4_assistant, family: str,
+                                                             tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """ExecuTorch's MultimodalRunner (generate_hf: text | image | text, then one token at a time through
     token_embedding and text_decoder) on the program, against transformers' generate on the same processor output.
     Gemma 3 attends bidirectionally within an image in transformers when given token_type_ids; the runner's
@@ -193,7 +191,7 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     register_runtime_kernels()  # the programs' llama:: kernels, as an app links them (the export may be another worker's)
 
     ckpt = vlm_checkpoint(family)
-    result = exported("model=hf", f"model.checkpoint={ckpt}", *PROGRAM)
+    result = exported(*vlm_program_overrides(family, ckpt, gemma4_assistant))
     m = result.manifest
     assert m.validation.passed and m.validation.text_decoder_kl < 1e-9
     vision = m.components["vision"].vision
@@ -201,16 +199,17 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     # Nothing quantized: the image path is the unquantized model's (the baseline stage's image prompt, the same tokens).
     quality = vision.check.unquantized
     assert quality.encoder_cosine > 0.9999 and quality.kl_max < 1e-6 and quality.top1 == 1.0
-    assert set(m.methods) == {"decode", "token_embedding", "text_decoder", VISION_METHOD}
+    assert set(m.methods) == {"decode", "token_embedding", "text_decoder", VISION_METHOD, *(
+        ["verify"] if family == "gemma4" else [])}
     assert m.methods[VISION_METHOD].inputs[0].shape == [1, 3, vision.image_size, vision.image_size]
     assert m.methods["text_decoder"].inputs[0].name == "embeddings"
     # The whole tower is one XNNPACK partition (LayerNorm in ops XNNPACK takes, no-op expands dropped); Gemma 3's
     # projector norm, a mean over the last dim of [1, N, D], ends a second one.
     assert m.methods[VISION_METHOD].delegated_partitions == (2 if family == "gemma3" else 1)
     # Four methods, each weight stored once: the decoder's (decode and text_decoder; the embedding table read by
-    # decode and token_embedding) and the vision encoder's, all fp32 here.
+    # decode and token_embedding) and the vision encoder's (and Gemma 4's assistant's), all fp32 here.
     stored = m.program.storage["named_data_bytes"] + m.program.storage["constant_buffer_bytes"]
-    weights = 4 * (m.model.parameters + m.components["vision"].parameters)
+    weights = 4 * sum(entry.parameters or 0 for entry in m.components.values())
     assert weights * 0.95 < stored < weights * 1.1, (stored, weights)
     config = transformers.AutoConfig.from_pretrained(ckpt)
     assert m.constant_methods[IMAGE_TOKENS] == TINY_IMAGE_TOKENS and m.constant_methods[IMAGE_SIZE] == vision.image_size
@@ -273,6 +272,17 @@ def test_what_a_vision_language_export_cannot_do_is_refused_before_any_work(vlm_
                                                                              says: str) -> None:
     with pytest.raises(UserError, match=says.replace(".", r"\.")):
         checked_config(compose_config("model=hf", f"model.checkpoint={vlm_checkpoint('llava')}", *overrides))
+
+
+def test_a_draft_model_beside_images_is_refused_and_gemma4s_assistant_is_not(vlm_checkpoint, tiny_checkpoint,
+                                                                             gemma4_assistant) -> None:
+    """A draft model keeps a cache of its own that no image reaches; Gemma 4's assistant reads the decoder's."""
+    with pytest.raises(UserError, match="speculative decoding of image prompts with a draft model is not built yet"):
+        checked_config(compose_config("model=hf", f"model.checkpoint={vlm_checkpoint('llava')}",
+                                      f"draft.checkpoint={tiny_checkpoint}"))
+    ckpt = vlm_checkpoint("gemma4")
+    checked_config(compose_config("model=hf", f"model.checkpoint={ckpt}", *PROGRAM,
+                                  f"draft.checkpoint={gemma4_assistant(ckpt)}"))
 
 
 @pytest.mark.parametrize("change,says", [

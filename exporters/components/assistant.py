@@ -23,12 +23,14 @@ from exporters.context.artifacts import summary
 from exporters.errors import UserError
 from exporters.manifest import AssistantCheck, ComponentEntry, Manifest
 from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
+from exporters.plan.footprint import Footprint, encoder_footprint
 from exporters.program.draft import ASSISTANT_METHOD, DRAFT, draft_quant
 from exporters.program.methods import MethodTable
 from exporters.program.signatures import signature
 from exporters.quant.apply import quantize_model
 from exporters.quant.schemes import check_quant
 from exporters.runtime.driver import Driver, MethodRoles
+from models.checkpoint import stored_elements, weight_files_of
 from models.errors import ModelError
 from models.gemma4_drafter import is_assistant_folder, load_drafter, proposing
 
@@ -42,6 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("exporters")
 
 DECODER = "decoder"
+# Peak RSS the assistant adds to an export, per byte of its fp32 weights: an encoder's measured factor
+# (exporters.components.vision); the assistant is quantized, captured and lowered as one is.
+PEAK_PER_BYTE = 3.7
 # Where in the first validation window the method is checked: prompts of these shares of its length, and the whole.
 CHECKED_AT = (0.25, 0.5, 0.75, 1.0)
 
@@ -127,8 +132,9 @@ class Assistant(Kind):
     def decoder_state(self, component: Component) -> Sequence[str]:
         return ("final_hidden",)
 
-    def open(self, part: Part, ctx: ExportContext) -> None:
-        """The decoder is a Gemma 4 (the assistant reads its caches); the pair's shapes are checked at load."""
+    def open(self, part: Part, ctx: ExportContext) -> Footprint:
+        """The decoder is a Gemma 4 (the assistant reads its caches); the pair's shapes are checked at load. Its
+        footprint: its weights (counted from the files' headers), held beside the decoder's from load to the end."""
         folder = Path(str(part.component.build.model.checkpoint)).expanduser()
         target = ctx.record(DECODER).checkpoint.hf_config
         if "gemma4" not in str(getattr(target, "model_type", "")):
@@ -136,6 +142,11 @@ class Assistant(Kind):
                             f"{getattr(target, 'model_type', 'unknown')}: it reads a Gemma 4's caches. Give a Gemma 4 "
                             "(model.checkpoint=<gemma-4-e2b-it>) or a draft model of the target's family.")
         ctx.records[part.name] = AssistantRecord(folder)
+        try:
+            parameters = stored_elements(weight_files_of(folder))
+        except ModelError as e:
+            raise UserError(f"draft.checkpoint={folder}: {e}") from e
+        return encoder_footprint(parameters, PEAK_PER_BYTE)
 
     def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         record = ctx.record(part.name)

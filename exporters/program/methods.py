@@ -165,10 +165,15 @@ def check_runner_feeds(cfg: ExportConfig, lengths: Lengths, what: str, tokens: i
 
 def check_encoder_unbuilt(cfg: ExportConfig, what: str, prompts: str, program: str) -> None:
     """What an encoder's program does not build yet (``prompts``: "image", "audio"; ``program``: "a vision-language",
-    "an audio-language"), refused by name."""
+    "an audio-language"), refused by name. Gemma 4's assistant is not: it keeps no cache of its own and reads the
+    decoder's, whatever fed them; a draft model would have to see the image or the recording too."""
+    from models.gemma4_drafter import is_assistant_folder
+
+    draft = cfg.draft.checkpoint if cfg.draft.checkpoint is None or not is_assistant_folder(cfg.draft.checkpoint) else None
     for key, value, why in (
             ("quant.pt2e", cfg.quant.pt2e, "the backend's quantizer converts a graph that takes tokens"),
-            ("draft.checkpoint", cfg.draft.checkpoint, f"speculative decoding of {prompts} prompts is not built yet"),
+            ("draft.checkpoint", draft, f"speculative decoding of {prompts} prompts with a draft model is not built "
+                                        "yet (Gemma 4's assistant is)"),
             ("model.adapters", cfg.model.adapters or None, f"adapters on {program} program are not built yet"),
             ("export.adapters", cfg.export.adapters if cfg.export.adapters != "methods" else None,
              f"adapters on {program} program are not built yet")):
