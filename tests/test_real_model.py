@@ -227,6 +227,37 @@ def test_a_truncated_gguf_file_is_one_clear_error(small_gguf: Path, tmp_path: Pa
     assert "Traceback" not in out and not list((tmp_path / "run").glob("*.pte"))
 
 
+def test_the_gguf_header_reads_what_ggufs_own_reader_reads(tmp_path: Path) -> None:
+    """models.gguf reads the header itself (gguf's reader parses every vocabulary string: 4 s for SmolLM2's file,
+    15 s for Qwen2.5-Coder-0.5B's): the same architecture, file type and element counts, quantized tensors and
+    arrays of strings and numbers skipped over."""
+    import gguf
+    import numpy as np
+
+    from models.gguf import gguf_tensors, read_header
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_token_list([f"t{i}" for i in range(300)])
+    writer.add_token_scores([0.5] * 300)
+    writer.add_string("general.name", "x")
+    rng = np.random.default_rng(0)
+    writer.add_tensor("token_embd.weight", gguf.quantize(rng.standard_normal((12, 64), dtype=np.float32),
+                                                         gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", rng.standard_normal(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    theirs = gguf.GGUFReader(str(path))
+    sizes = [int(t.n_elements) for t in theirs.tensors]
+    header, tensors = read_header(path), gguf_tensors(path)
+    assert header["architecture"] == "qwen2" and header["quant_type"] == "Q8_0" and header["tensors"] == 2
+    assert (tensors.parameters, tensors.largest) == (sum(sizes), max(sizes)) == (12 * 64 + 64, 12 * 64)
+
+
 def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
     from models.checkpoint import open_checkpoint
 
