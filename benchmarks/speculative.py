@@ -5,7 +5,7 @@
 
 For each task (a chat request whose answer repeats much of its prompt, a continuation of code, an open chat
 answer), on one loaded program, greedy: decode tok/s without speculation, with ``speculative=lookup`` and, when the
-program holds a draft model, with ``speculative=draft`` (proposals per call adapted, and each of ``--draft-tokens``
+program holds a draft model (or Gemma 4's assistant), with ``speculative=draft`` (proposals per call adapted, and each of ``--draft-tokens``
 fixed); proposals kept, tokens per call of the model, and whether
 each mode's output is the same tokens as plain decoding's. A prompt longer than the
 program's cache leaves room for (a tiny model's), only its end is kept. Medians over ``--repeats``
@@ -19,7 +19,7 @@ import json
 import statistics
 from pathlib import Path
 
-from exporters.program.draft import DRAFT_METHODS
+from exporters.program.draft import ASSISTANT_METHOD, DRAFT_METHODS
 from exporters.runtime.driver import Driver
 from exporters.runtime.generator import Generator, SamplingConfig, chat_prompt, chat_template, resolve_program
 from exporters.runtime.memory import rss_after_load_mb
@@ -47,7 +47,8 @@ def measure(run: Path, tokens: int, repeats: int, fixed: tuple[int, ...] = ()) -
     proposing as many tokens per call as pay (adapted), and ``fixed`` numbers of them too (``lookup k=2``)."""
     gen = Generator(run)
     gen.eos_ids = set()  # the same number of tokens in every mode, every time
-    proposers = ["lookup", *(["draft"] if DRAFT_METHODS <= set(gen.program.method_names) else [])]
+    names = set(gen.program.method_names)
+    proposers = ["lookup", *(["draft"] if DRAFT_METHODS <= names or ASSISTANT_METHOD in names else [])]
     runs = {"none": ("none", None)}
     for proposer in proposers:
         runs |= {mode_label(proposer, k): (proposer, k) for k in (None, *fixed)}

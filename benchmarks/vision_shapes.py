@@ -123,9 +123,30 @@ def qwen2_5_vl_3b() -> Any:
         tie_word_embeddings=True, architectures=["Qwen2_5_VLForConditionalGeneration"], **QWEN_VL_TOKENS)
 
 
+def gemma4_e2b() -> Any:
+    """Gemma 4 E2B: a 35-layer decoder 1536 wide (four sliding-window layers of 512 per global one; the last 20 read
+    an earlier layer's KV cache, with MLPs twice as wide), 262k tokens with a per-layer embedding table of 256 per
+    layer (2.35B of its 5.1B parameters), and a vision tower 768 wide x 16 layers (patches of 16, pooled 3 x 3:
+    768 px images, 256 positions). The decoder's values are ExecuTorch's Gemma 4 example's E2B config
+    (examples/models/gemma4/text_decoder/gemma4_config.py); the tower's transformers' Gemma4VisionConfig defaults
+    (its docstring: similar to gemma-4-e2b-it)."""
+    from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
+
+    text = Gemma4TextConfig(hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+                            num_key_value_heads=1, head_dim=256, global_head_dim=512, vocab_size=262144,
+                            hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
+                            num_kv_shared_layers=20, use_double_wide_mlp=True, sliding_window=512,
+                            final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                            layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+                            bos_token_id=2, eos_token_id=1)
+    return Gemma4Config(text_config=text, vision_config=Gemma4VisionConfig(), tie_word_embeddings=True,
+                        architectures=["Gemma4ForConditionalGeneration"])
+
+
 SHAPES: dict[str, Callable[[], Any]] = {"smolvlm-256m": smolvlm_256m, "gemma3-4b": gemma3_4b,
                                         "lfm2-vl-450m": lfm2_vl_450m, "lfm2-vl-1.6b": lfm2_vl_1_6b,
-                                        "qwen3-vl-2b": qwen3_vl_2b, "qwen2.5-vl-3b": qwen2_5_vl_3b}
+                                        "qwen3-vl-2b": qwen3_vl_2b, "qwen2.5-vl-3b": qwen2_5_vl_3b,
+                                        "gemma4-e2b": gemma4_e2b}
 
 
 def write_shape(name: str, out: Path) -> Path:

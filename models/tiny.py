@@ -217,12 +217,12 @@ def _train_tiny_checkpoint(out_dir: Path, arch: dict[str, Any] | None, seed: int
 
 
 def write_tiny_gemma4_assistant(out_dir: str | Path, target: str | Path, seed: int = 0, hidden_size: int = 32,
-                                ordered: bool = False) -> Path:
+                                ordered: bool = False, centroids: int | None = None, top_k: int = 2) -> Path:
     """A random Gemma 4 assistant (``models.gemma4_drafter``) for the Gemma 4 checkpoint ``target``: one layer of each
     of the target's layer types with the target's head sizes and kv heads, ``hidden_size`` wide, written by
     transformers itself. ``ordered``: with the centroid head (``use_ordered_embeddings``, 4 clusters, 2 kept), its
-    token order a seeded permutation; its clusters the divisor of the vocabulary nearest 8 (a prime vocabulary's
-    clusters are single tokens). Random weights propose nothing the target accepts often: parity and cost only."""
+    token order a seeded permutation; its clusters ``centroids``, else the divisor of the vocabulary nearest 8 (a
+    prime vocabulary's clusters are single tokens), ``top_k`` of them kept. Random weights propose nothing the target accepts often: parity and cost only."""
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
     from models.gemma4_drafter import assistant_buildable
@@ -240,10 +240,10 @@ def write_tiny_gemma4_assistant(out_dir: str | Path, target: str | Path, seed: i
             "vocab_size_per_layer_input": 0, "tie_word_embeddings": True, **{k: t[k] for k in copied if k in t},
             "per_layer_config": {i: c for i, c in per_layer.items() if c}}
     vocab = t["vocab_size"]
-    centroids = min((d for d in range(2, vocab + 1) if vocab % d == 0), key=lambda d: abs(d - 8))
+    centroids = centroids or min((d for d in range(2, vocab + 1) if vocab % d == 0), key=lambda d: abs(d - 8))
     config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=t["hidden_size"],
                                    use_ordered_embeddings=ordered, num_centroids=centroids,
-                                   centroid_intermediate_top_k=2,
+                                   centroid_intermediate_top_k=top_k,
                                    architectures=["Gemma4AssistantForCausalLM"])
     torch.manual_seed(seed)
     with assistant_buildable():
