@@ -233,8 +233,8 @@ def write_tiny_gemma4_assistant(out_dir: str | Path, target: str | Path, seed: i
     copied = ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "attention_k_eq_v",
               "sliding_window", "rope_parameters", "final_logit_softcapping", "rms_norm_eps")
     # Each layer's head size and kv heads: those of the target's first layer of its type (stored per layer).
-    per_layer = {str(i): t.get("per_layer_config", {}).get(str(t["layer_types"].index(kind)), {})
-                 for i, kind in enumerate(kinds)}
+    stored = {int(k): c for k, c in t.get("per_layer_config", {}).items()}  # keys "4" or "04", as many layers have
+    per_layer = {str(i): stored.get(t["layer_types"].index(kind), {}) for i, kind in enumerate(kinds)}
     text = {"model_type": "gemma4_text", "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
             "num_hidden_layers": len(kinds), "layer_types": kinds, "hidden_size_per_layer_input": 0,
             "vocab_size_per_layer_input": 0, "tie_word_embeddings": True, **{k: t[k] for k in copied if k in t},
