@@ -20,6 +20,7 @@ from exporters.errors import UserError, check_choice
 from exporters.program.adapters import adapter_method
 from exporters.program.lengths import Lengths
 from exporters.program.layouts import LAYOUTS, Layout, check_layout
+from models.gemma4_drafter import is_assistant_folder
 
 if TYPE_CHECKING:
     from exporters.config import BackendConfig, DraftConfig, ExportConfig, ExportSection, QuantConfig
@@ -167,8 +168,6 @@ def check_encoder_unbuilt(cfg: ExportConfig, what: str, prompts: str, program: s
     """What an encoder's program does not build yet (``prompts``: "image", "audio"; ``program``: "a vision-language",
     "an audio-language"), refused by name. Gemma 4's assistant is not: it keeps no cache of its own and reads the
     decoder's, whatever fed them; a draft model would have to see the image or the recording too."""
-    from models.gemma4_drafter import is_assistant_folder
-
     draft = cfg.draft.checkpoint if cfg.draft.checkpoint is None or not is_assistant_folder(cfg.draft.checkpoint) else None
     for key, value, why in (
             ("quant.pt2e", cfg.quant.pt2e, "the backend's quantizer converts a graph that takes tokens"),
