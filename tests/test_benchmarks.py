@@ -319,3 +319,15 @@ def test_the_mixed_precision_search_composes_over_budget_and_algorithm() -> None
         for budget in ("1.0", "1.15"):
             cfg = checked_config(compose(f"quant={quant}", f"quant.size_budget={budget}", config_name="search_mixed"))
             assert cfg.quant.size_budget == float(budget)
+
+
+def test_proposal_cost_breaks_even_where_a_rounds_tokens_pay_for_its_time() -> None:
+    """benchmarks.proposal_cost's arithmetic (its run on a program: tests/test_gemma4_drafter.py): a round of K
+    proposals yields 1 to K + 1 tokens; it breaks even where those tokens take the step method's time."""
+    from benchmarks.proposal_cost import break_even, tokens_per_round
+
+    assert tokens_per_round(0.0, 4) == 1 and tokens_per_round(1.0, 4) == 5
+    assert abs(tokens_per_round(0.5, 2) - 1.75) < 1e-12  # 1 + 0.5 + 0.25
+    assert break_even(step_ms=10, round_ms=17.5, k=2) == 0.5
+    assert break_even(step_ms=10, round_ms=60, k=4) is None  # even five tokens a round take longer
+    assert break_even(step_ms=10, round_ms=5, k=4) == 0.0  # faster than one step: pays whatever is kept

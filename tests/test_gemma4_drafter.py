@@ -187,6 +187,12 @@ def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(e
         plain = generator.generate("", greedy, speculative="none", media=made)
         fast = generator.generate("", greedy, speculative="draft", media=made)
         assert fast.new_ids == plain.new_ids and fast.speculation is not None and fast.speculation.steps > 0
+        from benchmarks.proposal_cost import measure  # what a round of proposals costs against the model's calls
+
+        cost = measure(str(result.pte_path), prompt=8, repeats=2)
+        assert cost["proposer"] == "assistant" and cost["draft_tokens"] == VLM_ASSISTANT_TOKENS
+        assert min(cost["step_ms"], cost["verify_ms"], cost["propose_ms"]) > 0
+        assert cost["break_even_acceptance"] is None or 0 < cost["break_even_acceptance"] <= 1
     from exporters.release.bundle import make_bundle
 
     bundle, _ = make_bundle(result.pte_path.parent, tmp_path / "release")
