@@ -5,8 +5,8 @@ proposer must reach to pay for it.
 
 On one loaded program holding a proposer (Gemma 4's assistant, ``draft_propose``; or a draft model, its
 ``draft_decode_one_token`` called once per proposal), after a prompt of ``--prompt`` tokens: the median
-milliseconds of one call of the decoder's step method (one token), one ``verify`` call of K + 1 tokens and one
-round of K proposals (K = the program's ``get_draft_tokens``: verify's tokens but one). With random weights acceptance means nothing, so
+milliseconds of one call of the decoder's step method (one token), one ``verify`` call of K + 1 tokens (and of
+n + 1 for every n below K) and one round of K proposals (K = the program's ``get_draft_tokens``: verify's tokens but one). With random weights acceptance means nothing, so
 the report gives the break-even instead: if each proposal is kept with probability a (independently), a round of
 K proposals and one verify call yields (1 - a^(K+1)) / (1 - a) tokens; speculation pays when that per round's
 milliseconds beats one token per step call. ``break_even_acceptance`` is the a where they are equal.
@@ -70,7 +70,9 @@ def measure(program: str, prompt: int, repeats: int) -> dict[str, Any]:
     driver.prefill(ids, 0)
     token, at = ids[:, -1:], prompt - 1  # the calls below write position ``at`` again and again
     step_ms = median_ms(lambda: driver.decode_one_token(token, at), repeats)
-    verify_ms = median_ms(lambda: driver.verify([int(token)] * (k + 1), at), repeats)
+    verify_by_k = {n: median_ms(lambda n=n: driver.verify([int(token)] * (n + 1), at), repeats)
+                   for n in range(max(1, driver.roles.verify_min_tokens - 1), k + 1)}
+    verify_ms = verify_by_k[k]
     if ASSISTANT_METHOD in names:
         proposer = "assistant"
         propose_ms = median_ms(lambda: loaded.run(ASSISTANT_METHOD, token, torch.tensor([at])), repeats)
@@ -86,7 +88,12 @@ def measure(program: str, prompt: int, repeats: int) -> dict[str, Any]:
             "propose_ms_per_token": round(propose_ms / k, 2), "round_ms": round(round_ms, 2),
             "verify_over_step": round(verify_ms / step_ms, 2), "propose_over_step": round(propose_ms / step_ms, 2),
             "break_even_acceptance": break_even(step_ms, round_ms, k),
-            "speedup_if_all_kept": round((k + 1) * step_ms / round_ms, 2)}
+            "speedup_if_all_kept": round((k + 1) * step_ms / round_ms, 2),
+            # Fewer proposals used per round (the method still proposes K; a draft model would stop early): each
+            # n's verify call, the round's break-even and its speed-up if every proposal were kept.
+            "by_proposals": {n: {"verify_ms": v, "break_even_acceptance": break_even(step_ms, v + propose_ms, n),
+                                 "speedup_if_all_kept": round((n + 1) * step_ms / (v + propose_ms), 2)}
+                             for n, v in verify_by_k.items()}}
 
 
 def main() -> None:

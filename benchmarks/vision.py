@@ -53,7 +53,12 @@ def measure(program: str, text_tokens: int, steps: int, repeats: int) -> dict[st
     text = torch.arange(3, 3 + 2 * text_tokens).remainder(vocab).reshape(1, -1)
     parts = [text[:, :text_tokens], pixels, text[:, text_tokens:]]
     prompt_len = 2 * text_tokens + per_image
-    steps = min(steps, int(loaded.constant("get_max_context_len")) - prompt_len)  # what the cache holds after it
+    room = int(loaded.constant("get_max_context_len")) - prompt_len
+    if room < 1:
+        raise SystemExit(f"{pte}: its cache holds {room + prompt_len} positions and the prompt takes {prompt_len} "
+                         f"(2 x --text-tokens {text_tokens} and the image's {per_image}): no room to decode. Give a "
+                         "smaller --text-tokens, or export with a larger export.max_seq_len.")
+    steps = min(steps, room)  # what the cache holds after it
     encode_s = median_seconds(lambda: loaded.run(VISION_METHOD, pixels), repeats)
     prompt_s = median_seconds(lambda: prefill_parts(loaded, mm, MediaPrompt([], parts, VISION_METHOD)), repeats)
 
