@@ -103,7 +103,8 @@ def report(program: str, shape: str | None, runtime: dict[str, float]) -> dict[s
             "estimated_peak_rss_mb": r["estimated_peak_rss_mb"],
             "program_mb": round(m["program"]["size_bytes"] / 1e6, 1), "stages_s": m["timings_s"],
             "partitions": {name: method["delegated_partitions"] for name, method in m["methods"].items()},
-            "validation": {"passed": m["validation"]["passed"], "encoder_cosine": vision["check"]["cosine"]},
+            "validation": ({"passed": m["validation"]["passed"], "encoder_cosine": vision["check"]["cosine"]}
+                           if m.get("validation") and vision.get("check") else None),  # None: validate=false
             "runtime": runtime}
 
 

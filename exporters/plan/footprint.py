@@ -150,6 +150,11 @@ class Weights:
     vocab: int  # parameters of one vocabulary matrix
     vocab_eager: int  # the vocabulary matrices (one if tied) as the quantized eager model holds them
     tying: TiedEmbedding  # what lm_head is, decided as exporters.quant.tied will
+    # Embedding tables beside the vocabulary's (Gemma 4's per-layer table: 2.35B parameters in E2B): quantized after
+    # the linears as the embedding is, each cast to fp32 whole. Their parameters, their eager bytes, the largest.
+    tables: int = 0
+    tables_eager: int = 0
+    largest_table: int = 0
 
     @property
     def tied(self) -> bool:
@@ -162,7 +167,7 @@ def count_weights(model: CausalLM, quant: QuantConfig, tied_storage: TiedEmbeddi
     head, embed = model.lm_head, model.model.embed_tokens
     tying = tie_plan(model, quant, tied_storage)
     tied = tying in (TiedEmbedding.SHARED, TiedEmbedding.QUANTIZED_ONCE)
-    eager = program = largest_linear = 0
+    eager = program = largest_linear = tables = tables_eager = largest_table = 0
     counted: set[int] = set()
     for module in model.modules():
         if isinstance(module, nn.Linear) and (module is not head or not tied):
@@ -175,13 +180,17 @@ def count_weights(model: CausalLM, quant: QuantConfig, tied_storage: TiedEmbeddi
         elif isinstance(module, nn.Embedding):
             e, p = _quantized_bytes(module.num_embeddings, module.embedding_dim, quant.embedding,
                                     quant.embedding_group_size, EMBEDDING_SCHEMES, dtype_bytes)
+            if module is not embed and id(module.weight) not in counted:
+                tables, tables_eager = tables + module.weight.numel(), tables_eager + e
+                largest_table = max(largest_table, module.weight.numel())
         else:
             e = p = sum(t.numel() for t in module.parameters(recurse=False) if id(t) not in counted) * dtype_bytes
         counted.update(id(t) for t in module.parameters(recurse=False))
         eager, program = eager + e, program + p
     vocab_eager = _quantized_bytes(*embed.weight.shape, quant.embedding, quant.embedding_group_size,
                                    EMBEDDING_SCHEMES, dtype_bytes)[0] * (1 if tied else 2)
-    return Weights(eager, program, largest_linear, embed.weight.numel(), vocab_eager, tying)
+    return Weights(eager, program, largest_linear, embed.weight.numel(), vocab_eager, tying, tables, tables_eager,
+                   largest_table)
 
 
 @dataclass(frozen=True)
@@ -245,11 +254,12 @@ class MemoryBudget:
         return {
             # Random weights are made in place, the largest matrix through a temporary of its size.
             "load": BASE_BYTES + stored_bytes + (vocab * int(stored_per_parameter) if self.random_init else 0),
-            # The linears are cast and quantized one at a time beside the stored weights; then the embedding (and an
-            # untied lm_head) beside the quantized linears, each cast to fp32 whole for its quantizer.
-            "quantize": BASE_BYTES + QUANTIZE_BASE + max(stored_bytes + weights.largest_linear * 4 * 2,
-                                                         weights.eager - weights.vocab_eager + vocab_stored
-                                                         + vocab * 4),
+            # The linears are cast and quantized one at a time beside the stored weights; then the embedding (an
+            # untied lm_head, other tables) beside the quantized linears, each cast to fp32 whole for its quantizer.
+            "quantize": BASE_BYTES + QUANTIZE_BASE + max(
+                stored_bytes + weights.largest_linear * 4 * 2,
+                weights.eager - weights.vocab_eager - weights.tables_eager + vocab_stored
+                + int(weights.tables * stored_per_parameter) + max(vocab, weights.largest_table) * 4),
             # XNNPACK's preprocess copies the partition it packs and repacks it: the vocabulary matrices' dominate.
             "lower": lowered - LOWERED_BASE + weights.program + int(PREPROCESS_PER_VOCAB * vocab),
             "emit": lowered + weights.program + int(EMIT_PER_VOCAB * vocab),
