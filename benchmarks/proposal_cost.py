@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from benchmarks.vision import median_seconds
 from exporters.program.draft import ASSISTANT_METHOD, DRAFT
 from exporters.runtime.driver import Driver
 from exporters.runtime.generator import resolve_program
@@ -30,13 +29,8 @@ from exporters.runtime.programs import LoadedProgram
 
 
 def median_ms(call: Callable[[], Any], repeats: int) -> float:
-    call()  # warm-up: XNNPACK packs and allocates on the first call
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return round(1000 * statistics.median(times), 2)
+    """The median of ``repeats`` timed calls after a warm-up (benchmarks.vision's), in milliseconds."""
+    return round(1000 * median_seconds(call, repeats), 2)
 
 
 def tokens_per_round(acceptance: float, k: int) -> float:
