@@ -12,8 +12,10 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -87,14 +89,12 @@ ALIGNMENT = "general.alignment"
 class _Header:
     """GGUF's header, read front to back (version 2 and 3, little-endian): its key-value fields up to the tensor
     infos, each tensor's element count. gguf's own reader parses every field into arrays, the vocabulary's strings
-    one by one (10 s for SmolLM2's 49K, 30 s for Qwen2.5's 151K); this skips the arrays it is not asked for (0.1 s)."""
+    one by one (3.8 s for SmolLM2's 49K, 15 s for Qwen2.5's 151K); this skips what it is not asked for (0.2, 0.4 s)."""
 
     def __init__(self, fh: Any) -> None:
         self.fh = fh
 
     def take(self, fmt: str) -> Any:
-        import struct
-
         size = struct.calcsize("<" + fmt)
         data = self.fh.read(size)
         if len(data) != size:
@@ -110,8 +110,6 @@ class _Header:
         if kind == _ARRAY:
             inner, n = self.take("I"), self.take("Q")
             if inner in _SCALARS and not keep:
-                import struct
-
                 return self.fh.seek(n * struct.calcsize("<" + _SCALARS[inner]), 1)
             return [self.value(inner, keep) for _ in range(n)]
         if kind not in _SCALARS:
@@ -121,8 +119,6 @@ class _Header:
     def read(self, keys: set[str], file_bytes: int) -> tuple[dict[str, Any], list[int]]:
         """The fields named in ``keys`` and each tensor's element count; a ValueError for a tensor whose data lies
         past the end of the file (``file_bytes`` long: a truncated copy)."""
-        import math
-
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         version = self.take("I")
