@@ -44,9 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("exporters")
 
 DECODER = "decoder"
-# Peak RSS the assistant adds to an export, per byte of its fp32 weights: an encoder's measured factor
-# (exporters.components.vision); the assistant is quantized, captured and lowered as one is.
-PEAK_PER_BYTE = 3.7
 # Where in the first validation window the method is checked: prompts of these shares of its length, and the whole.
 CHECKED_AT = (0.25, 0.5, 0.75, 1.0)
 
@@ -146,7 +143,7 @@ class Assistant(Kind):
             parameters = stored_elements(weight_files_of(folder))
         except ModelError as e:
             raise UserError(f"draft.checkpoint={folder}: {e}") from e
-        return encoder_footprint(parameters, PEAK_PER_BYTE)
+        return encoder_footprint(parameters)
 
     def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         record = ctx.record(part.name)

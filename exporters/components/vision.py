@@ -111,11 +111,6 @@ class VisionBuild(FolderBuild):
 # (models.decoder.IMAGE_CHANNELS) travel in the decoder's activation dtype.
 EXACT_INTEGERS = {"bf16": 256, "fp16": 2048}
 
-# Peak RSS the vision encoder adds to an export, per byte of its fp32 weights: measured on SmolVLM-256M's shape
-# (docs/vision.md; 3215 MB measured against 1819 MB estimated for the decoder alone, over 374 MB of fp32 encoder
-# weights: the eager encoder, its captured and lowered graphs, the program's copy at validation).
-VISION_PEAK_PER_BYTE = 3.7
-
 
 class Vision(Kind):
     name = str(ComponentKind.vision_encoder)
@@ -160,7 +155,7 @@ class Vision(Kind):
         """The image encoder, alive beside the decoder from load to the end; read from the decoder's checkpoint."""
         checkpoint = ctx.main.checkpoint
         ctx.records[part.name] = VisionRecord(checkpoint)
-        return encoder_footprint(vision_parameters(checkpoint.hf_config), VISION_PEAK_PER_BYTE)
+        return encoder_footprint(vision_parameters(checkpoint.hf_config))
 
     def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         models[part.name] = part.component.build.build(ctx.record(part.name).checkpoint)
