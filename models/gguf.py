@@ -125,11 +125,11 @@ class _Header:
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} (this reader takes 2 and 3, little-endian)")
         tensors, kvs = self.take("Q"), self.take("Q")
-        fields = {}
+        wanted, fields = keys | {ALIGNMENT}, {}
         for _ in range(kvs):
             key = self.string()
-            value = self.value(self.take("I"), key in keys | {ALIGNMENT})
-            if key in keys | {ALIGNMENT}:
+            value = self.value(self.take("I"), key in wanted)
+            if key in wanted:
                 fields[key] = value
         ends = []
         for _ in range(tensors):

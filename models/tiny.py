@@ -222,7 +222,8 @@ def write_tiny_gemma4_assistant(out_dir: str | Path, target: str | Path, seed: i
     of the target's layer types with the target's head sizes and kv heads, ``hidden_size`` wide, written by
     transformers itself. ``ordered``: with the centroid head (``use_ordered_embeddings``, 4 clusters, 2 kept), its
     token order a seeded permutation; its clusters ``centroids``, else the divisor of the vocabulary nearest 8 (a
-    prime vocabulary's clusters are single tokens), ``top_k`` of them kept. Random weights propose nothing the target accepts often: parity and cost only."""
+    prime vocabulary's clusters are single tokens), ``top_k`` of them kept. Random weights propose nothing the target
+    accepts often: parity and cost only."""
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
     from models.gemma4_drafter import assistant_buildable

@@ -168,7 +168,7 @@ def check_encoder_unbuilt(cfg: ExportConfig, what: str, prompts: str, program: s
     """What an encoder's program does not build yet (``prompts``: "image", "audio"; ``program``: "a vision-language",
     "an audio-language"), refused by name. Gemma 4's assistant is not: it keeps no cache of its own and reads the
     decoder's, whatever fed them; a draft model would have to see the image or the recording too."""
-    draft = cfg.draft.checkpoint if cfg.draft.checkpoint is None or not is_assistant_folder(cfg.draft.checkpoint) else None
+    draft = None if cfg.draft.checkpoint is None or is_assistant_folder(cfg.draft.checkpoint) else cfg.draft.checkpoint
     for key, value, why in (
             ("quant.pt2e", cfg.quant.pt2e, "the backend's quantizer converts a graph that takes tokens"),
             ("draft.checkpoint", draft, f"speculative decoding of {prompts} prompts with a draft model is not built "
