@@ -126,9 +126,9 @@ def qwen2_5_vl_3b() -> Any:
 def gemma4_e2b() -> Any:
     """Gemma 4 E2B: a 35-layer decoder 1536 wide (four sliding-window layers of 512 per global one; the last 20 read
     an earlier layer's KV cache, with MLPs twice as wide), 262k tokens with a per-layer embedding table of 256 per
-    layer (2.35B of its 5.1B parameters), and a vision tower 768 wide x 16 layers (patches of 16, pooled 3 x 3:
-    768 px images, 256 positions). The decoder's values are ExecuTorch's Gemma 4 example's E2B config
-    (examples/models/gemma4/text_decoder/gemma4_config.py); the tower's transformers' Gemma4VisionConfig defaults
+    layer (2.35B of its 4.80B parameters without an audio tower), and a vision tower 768 wide x 16 layers (patches
+    of 16, pooled 3 x 3: 768 px images, 256 positions). The decoder's values are ExecuTorch's Gemma 4 example's E2B
+    config (examples/models/gemma4/text_decoder/gemma4_config.py); the tower's transformers' Gemma4VisionConfig defaults
     (its docstring: similar to gemma-4-e2b-it)."""
     from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
 

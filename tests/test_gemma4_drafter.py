@@ -141,9 +141,9 @@ def assistant_folder(family_checkpoint, gemma4_assistant) -> Path:  # type: igno
 
 
 @pytest.mark.parametrize("program", ["images", pytest.param("8da4w", marks=pytest.mark.extended)])
-def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(exported, family_checkpoint, vlm_checkpoint,
-                                                                                gemma4_assistant, assistant_folder: Path,
-                                                                                program: str, tmp_path: Path) -> None:
+def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(  # type: ignore[no-untyped-def]
+        exported, family_checkpoint, vlm_checkpoint, gemma4_assistant, assistant_folder: Path, program: str,
+        tmp_path: Path) -> None:
     """draft.checkpoint=<assistant>: the decoder gets verify and keeps its final hidden states; draft_propose reads
     them and the caches in the runtime, proposing what the eager assistant proposes over the eager decoder's state;
     exporters.generate speculates with it (speculative=draft, and auto) and writes plain greedy decoding's tokens; a
@@ -152,6 +152,7 @@ def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(e
     proposals exactly the eager assistant's, and speculation after an image prompt plain greedy decoding's too.
     ``8da4w`` (the assistant's quant too: its centroid head reads rows of the quantized head), text alone: extended,
     for the full run's time."""
+    from exporters.program.vision import VISION_METHOD
     from exporters.runtime.generator import Generator
     from tests.helpers import VLM_ASSISTANT_TOKENS, vlm_program_overrides
 
@@ -170,7 +171,9 @@ def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(e
     assert entry.quantization is not None and (entry.quantization.linear is None) == (program == "images")
     if program == "images":  # unquantized: every proposal is the eager assistant's
         assert check.all_agreement == 1.0, check
-    assert {"decode", "verify"} <= set(m.methods) and m.methods["verify"].tokens[1] == VLM_ASSISTANT_TOKENS + 1
+    image_path = {"token_embedding", "text_decoder", VISION_METHOD} if program == "images" else set()
+    assert set(m.methods) == {"decode", "verify", *image_path}
+    assert m.methods["verify"].tokens[1] == VLM_ASSISTANT_TOKENS + 1
     speculative = m.validation.speculative
     assert speculative is not None and speculative.identical and speculative.proposer == "draft", speculative
     generator = Generator(result.pte_path)
