@@ -24,12 +24,16 @@ from typing import Any, Sequence
 
 from benchmarks.exporting import compose_config
 from benchmarks.presets import add_preset_arguments, preset_of, preset_overrides
+from exporters.components.decoder import DECODER
 from exporters.runtime.quality import full_sequence, perplexity, window_logits
+from exporters.validation.methods import against
 
 
-def eager_perplexities(cfg: Any, work_dir: Path) -> tuple[Any, float, Any]:
+def eager_perplexities(cfg: Any, work_dir: Path) -> tuple[Any, float, Any, Any]:
     """Run ``cfg``'s export up to its quantize stage: the baseline (unquantized) quality, the quantized
-    eager model's perplexity on the same windows, and what the quantize stage did (the manifest's record)."""
+    eager model's perplexity on the same windows, what the quantize stage did (the manifest's record), and the
+    quantized model's predictions against the unquantized model's on every scored position (KL and top-1: less
+    noisy than a perplexity decided by a few hard tokens; None for a PT2E quantizer's graphs)."""
     from exporters.console import native_stderr_to
     from exporters.export import run_stages
 
@@ -47,10 +51,13 @@ def eager_perplexities(cfg: Any, work_dir: Path) -> tuple[Any, float, Any]:
 
             graphs = CapturedPrograms(quantized.undelegated, quantized.model.state_buffers())
             roles = MethodRoles.choose({n: spec.shape for n, spec in quantized.methods.specs.items()})
-            nll = baseline.text.nll(driven(graphs, roles, baseline.text, "eager"))
+            nll, agreement = baseline.text.nll(driven(graphs, roles, baseline.text, "eager")), None
         else:
-            nll = baseline.text.nll(window_logits(full_sequence(quantized.model), baseline.text))
-    return baseline, perplexity(nll, baseline.text.scored_tokens), ctx.quantization
+            logits = window_logits(full_sequence(quantized.model), baseline.text)
+            nll = baseline.text.nll(logits)
+            unquantized = ctx.record(DECODER).unquantized
+            agreement = against(unquantized, logits) if unquantized is not None else None
+    return baseline, perplexity(nll, baseline.text.scored_tokens), ctx.quantization, agreement
 
 
 def compare(args: argparse.Namespace, work: Path) -> None:
@@ -62,14 +69,16 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     printed = False
     for algorithm in args.algorithm.split(","):
         cfg = compose_config([*common, f"quant.algorithm={algorithm}", *args.overrides])
-        baseline, ppl, applied = eager_perplexities(cfg, work / algorithm)
+        baseline, ppl, applied, agreement = eager_perplexities(cfg, work / algorithm)
         if not printed:
             print(f"{'unquantized (' + baseline.dtype + ')':28s} perplexity {baseline.perplexity:.2f} "
                   f"({baseline.text.scored_tokens} tokens of {baseline.text.source})", flush=True)
             printed = True
         q = cfg.quant
+        cost = (f", KL to unquantized {float(agreement.kl.mean()):.4f}, top-1 {float(agreement.top1.double().mean()):.1%}"
+                if agreement is not None else "")
         print(f"{f'{q.name} g{q.group_size} {algorithm}':28s} perplexity {ppl:.2f} "
-              f"({ppl / baseline.perplexity - 1:+.1%})  [{applied.describe()}]", flush=True)
+              f"({ppl / baseline.perplexity - 1:+.1%}){cost}  [{applied.describe()}]", flush=True)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -197,6 +198,9 @@ def test_eager_quality_scores_baseline_and_quantized_eager_models() -> None:
     assert [line.split()[2] for line in lines[1:]] == ["hqq", "affine", "gptq"]
     assert "calibrated on" in lines[3]  # what the quantize stage did, as the manifest says it
     assert all("perplexity" in line for line in lines)
+    for line in lines[1:]:  # what each costs against the unquantized model, position by position
+        kl, top1 = re.search(r"KL to unquantized ([0-9.]+), top-1 ([0-9.]+)%", line).groups()
+        assert 0 < float(kl) < 1 and 0 < float(top1) <= 100
 
 
 @pytest.mark.slow
