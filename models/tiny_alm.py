@@ -13,6 +13,8 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from models.tiny import BOS_ID, EOS_ID, built_once, recipe_key
 from models.tiny_vlm import TEXT_ARCH, save_multimodal, tiny_tokenizer
 
@@ -76,6 +78,55 @@ def write_tiny_alm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, t
 def _build(out: Path, family: str, seed: int, train_steps: int) -> Path:
     config, tokenizer, beside = TINY_ALM[family]()
     return save_multimodal(out, config, tokenizer, beside, seed, train_steps)
+
+
+def _gemma4_audio_config() -> Any:
+    """A two-layer Gemma 4 text decoder beside an audio tower of two conformer layers 32 wide (its subsampling's first
+    channels are the 128 mel bins', which the tower's arithmetic fixes) with clipped linears; no image tower."""
+    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4TextConfig
+
+    audio = Gemma4AudioConfig(hidden_size=AUDIO_WIDTH, num_hidden_layers=2, num_attention_heads=2,
+                              subsampling_conv_channels=[MEL_BINS, 8], output_proj_dims=24, use_clipped_linears=True)
+    text = Gemma4TextConfig(**TEXT_ARCH, head_dim=16, global_head_dim=32, vocab_size=300,
+                            hidden_size_per_layer_input=16, vocab_size_per_layer_input=300, bos_token_id=BOS_ID,
+                            eos_token_id=EOS_ID)
+    return Gemma4Config(text_config=text, vision_config=None, audio_config=audio, audio_token_id=299,
+                        boa_token_id=297, eoa_token_index=298, architectures=["Gemma4ForConditionalGeneration"])
+
+
+def _gemma4_audio_untrained(model: Any) -> None:
+    """What transformers initializes to a constant in the audio tower drawn at random (finite clamps, each head's
+    scale), so a parity test sees them read."""
+    with torch.no_grad():
+        tower = model.model.audio_tower
+        for name, buffer in tower.named_buffers():
+            if name.endswith(("input_min", "output_min")):
+                buffer.fill_(-2.0)
+            elif name.endswith(("input_max", "output_max")):
+                buffer.fill_(2.0)
+        for layer in tower.layers:
+            layer.self_attn.per_dim_scale.normal_(0.0, 0.5)
+
+
+def write_tiny_gemma4_audio(out_dir: str | Path, seed: int = 0) -> Path:
+    """A seeded tiny Gemma 4 checkpoint with an audio tower (random weights, its text untrained) and transformers'
+    ``Gemma4AudioFeatureExtractor`` saved beside it: the fixture of Gemma 4's audio encoder tests."""
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    return built_once(recipe_key(alm="gemma4_audio", seed=seed, code=code),
+                      lambda out: _build_gemma4_audio(out, seed), Path(out_dir))
+
+
+def _build_gemma4_audio(out: Path, seed: int) -> Path:
+    from transformers import Gemma4AudioFeatureExtractor, Gemma4ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = _gemma4_audio_config()
+    config.audio_config._attn_implementation = "eager"
+    model = Gemma4ForConditionalGeneration(config).eval()
+    _gemma4_audio_untrained(model)
+    model.save_pretrained(out)
+    Gemma4AudioFeatureExtractor().save_pretrained(out)
+    return out
 
 
 def main() -> None:

@@ -1,0 +1,121 @@
+"""Gemma 4's audio tower on one recording: log-mel frames in, the text decoder's audio embeddings out.
+
+transformers runs ``Gemma4AudioModel`` on the feature extractor's frames with a mask of the valid ones (a batch is
+padded to its longest recording), then ``embed_audio``, then strips the padded positions by a boolean index, which
+``torch.export`` cannot keep. For one recording the mask is known from the frames themselves: the feature extractor
+writes zeros in every padded frame, and a real log-mel frame is never all zeros (``log(mel + 0.001)``). So the method
+takes ``[1, 128, 4m]`` frames (ExecuTorch's ``MultimodalRunner`` passes its audio input as ``[batch, bins, frames]``,
+unchanged), the recording's frames padded with zeros to a multiple of 4, and gives ``[1, m, hidden + 3]``: exactly
+the recording's ``ceil(ceil(F / 2) / 2)`` audio positions (two stride-2 convolutions), each carrying the audio
+token's id (``models.decoder.ID_DIGITS``) for the per-layer embeddings, as ``models.vision_encoder.Gemma4Vision``
+does for images. Inside the graph 48 more zero frames are appended and masked: with fewer than two of the tower's
+attention blocks ``torch.export`` specializes the frame count to short recordings only.
+
+:class:`Gemma4LogMel` turns raw 16 kHz samples into those frames: ExecuTorch's own ``Gemma4SpeechTransformModel``
+(``examples/models/gemma4/speech_transform.py``, transformers' ``Gemma4AudioFeatureExtractor`` in torch ops), then
+the zero frames up to a multiple of 4.
+
+Not yet a component of an export (``models.audio_language`` does not list Gemma 4): what the program, the prompt
+(``boa`` + N audio tokens + ``eoa``) and validation need is the next piece (issue 64).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from models.decoder import id_digits
+from models.errors import ModelError
+from models.towers import load_parts, meta_model, quiet_transformers
+
+MEL_BINS = 128  # fixed by the tower's subsampling convolutions (Gemma4AudioConfig has no num_mel_bins)
+FRAMES_PER_TOKEN = 4  # two stride-2 convolutions
+# Zero frames appended inside the graph (masked): two of the tower's 12-frame attention blocks at the convolutions'
+# quarter rate, whatever the recording, so the exported frame count keeps its whole range.
+EXTRA_FRAMES = 48
+SAMPLE_RATE = 16_000
+
+# Where checkpoints keep the tower's and the embedder's tensors (transformers 5's layout first).
+PART_PREFIXES: dict[str, tuple[str, ...]] = {
+    "tower": ("model.audio_tower.", "audio_tower."),
+    "projector": ("model.embed_audio.", "embed_audio.")}
+
+
+def audio_positions(frames: int) -> int:
+    """The audio positions transformers gives ``frames`` valid log-mel frames: ``ceil(ceil(frames / 2) / 2)``."""
+    return math.ceil(math.ceil(frames / 2) / 2)
+
+
+def padded_frames(frames: int) -> int:
+    """The frames the program takes for ``frames`` valid ones: zeros up to a multiple of :data:`FRAMES_PER_TOKEN`,
+    which leaves the positions as they are (``audio_positions``)."""
+    return -(-frames // FRAMES_PER_TOKEN) * FRAMES_PER_TOKEN
+
+
+class Gemma4Audio(nn.Module):
+    """``forward(features [1, 128, 4m]) -> [1, m, hidden + 3]`` (module docstring)."""
+
+    def __init__(self, config: Any, tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__()
+        self.tower, self.projector = tower, projector
+        token = int(config.audio_token_id)
+        self.register_buffer("token_id", id_digits(torch.tensor([[token]]), torch.float32), persistent=False)
+
+    def describe(self) -> str:
+        params = sum(p.numel() for p in self.parameters())
+        return f"{params / 1e6:.2f}M parameters, {MEL_BINS} mel bins, {FRAMES_PER_TOKEN} frames a position"
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        frames = features.transpose(1, 2)  # [1, 4m, bins]: the tower's layout
+        positions = frames.shape[1] // FRAMES_PER_TOKEN
+        frames = F.pad(frames, (0, 0, 0, EXTRA_FRAMES))
+        valid = (frames != 0).any(dim=-1)  # padded frames are all zeros (the feature extractor's own padding)
+        states = self.tower(frames, valid).last_hidden_state[:, :positions]
+        out = self.projector(states)
+        return torch.cat([out, self.token_id.to(out.dtype).expand(1, positions, -1)], dim=-1)
+
+
+class Gemma4LogMel(nn.Module):
+    """``forward(samples [n]) -> [1, 128, 4m]``: 16 kHz mono samples to the frames :class:`Gemma4Audio` takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from executorch.examples.models.gemma4.speech_transform import Gemma4SpeechTransformModel
+
+        self.mel = Gemma4SpeechTransformModel(sample_rate=SAMPLE_RATE, n_mels=MEL_BINS)
+
+    def forward(self, samples: torch.Tensor) -> torch.Tensor:
+        mel = self.mel(samples)  # [F, bins]
+        frames = mel.shape[0]
+        pad = (FRAMES_PER_TOKEN - frames % FRAMES_PER_TOKEN) % FRAMES_PER_TOKEN
+        return F.pad(mel, (0, 0, 0, pad)).T.unsqueeze(0)
+
+
+def _new_parts(hf_config: Any) -> tuple[nn.Module, nn.Module]:
+    """The tower and ``embed_audio`` of ``hf_config`` in fp32 with transformers' initialization, built alone."""
+    if getattr(hf_config, "audio_config", None) is None:
+        raise ModelError(f"{hf_config.architectures[0]}'s config.json has no audio_config: this checkpoint has no "
+                         "audio tower.")
+    hf_config.audio_config._attn_implementation = "eager"
+    whole = meta_model(hf_config).model
+    tower, embed = whole.audio_tower, whole.embed_audio
+    with quiet_transformers():
+        return (type(tower)(hf_config.audio_config).eval(),
+                type(embed)(hf_config.audio_config, hf_config.text_config).eval())
+
+
+def load_gemma4_audio(path: str, hf_config: Any) -> Gemma4Audio:
+    """The audio encoder of the Gemma 4 checkpoint folder ``path`` in fp32, only its tensors read."""
+    tower, projector = _new_parts(hf_config)
+    load_parts(path, {"tower": tower, "projector": projector}, PART_PREFIXES)
+    return Gemma4Audio(hf_config, tower, projector).eval()
+
+
+def random_gemma4_audio(hf_config: Any, seed: int = 0) -> Gemma4Audio:
+    """The audio encoder of ``hf_config``'s shape with seeded random weights (transformers' own initialization)."""
+    torch.manual_seed(seed)
+    return Gemma4Audio(hf_config, *_new_parts(hf_config)).eval()

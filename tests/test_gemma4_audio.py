@@ -1,0 +1,122 @@
+"""Gemma 4's audio tower as the program will compute it (models.gemma4_audio), against transformers on a tiny random
+checkpoint: the embeddings and their count for recordings of every length modulo the tower's four frames a position,
+the log-mel frames against transformers' feature extractor, and the method captured with any frame count."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers import AutoConfig, Gemma4AudioFeatureExtractor, Gemma4ForConditionalGeneration, Gemma4Processor
+
+from models.decoder import ids_of_digits
+from models.gemma4_audio import (FRAMES_PER_TOKEN, SAMPLE_RATE, Gemma4LogMel, audio_positions, load_gemma4_audio,
+                                 padded_frames)
+from models.tiny_alm import write_tiny_gemma4_audio
+
+# Samples whose valid frames are 0, 1, 2 and 3 modulo 4 (16,000 / 160 = 100 frames a second), and a recording too
+# short for one of the tower's attention blocks (0.3 s).
+LENGTHS = (16_000, 16_160, 16_320, 16_480, 4_800)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gemma4_audio(tmp_path_factory.mktemp("gemma4_audio"))
+
+
+@pytest.fixture(scope="module")
+def theirs(checkpoint: Path) -> Gemma4ForConditionalGeneration:
+    return Gemma4ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint: Path) -> torch.nn.Module:
+    return load_gemma4_audio(str(checkpoint), AutoConfig.from_pretrained(checkpoint))
+
+
+def _speech(samples: int, seed: int = 0) -> np.ndarray:
+    """A voiced-like signal: harmonics of a wandering pitch with noise (log-mel frames far from zero)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(samples) / SAMPLE_RATE
+    pitch = 140 + 30 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(pitch) / SAMPLE_RATE
+    wave = sum(np.sin(k * phase) / k for k in range(1, 8)) * 0.1 + 0.01 * rng.standard_normal(samples)
+    return wave.astype(np.float32)
+
+
+def _extracted(samples: int) -> Any:
+    """transformers' feature extractor on one recording: frames padded as it pads them, and their mask."""
+    return Gemma4AudioFeatureExtractor()([_speech(samples)], sampling_rate=SAMPLE_RATE, return_tensors="pt")
+
+
+def _features(samples: int) -> tuple[torch.Tensor, int]:
+    """The recording's valid frames as transformers' feature extractor computes them, and their count."""
+    out = _extracted(samples)
+    valid = int(out["input_features_mask"].sum())
+    return out["input_features"][:, :valid], valid
+
+
+def _program_input(features: torch.Tensor) -> torch.Tensor:
+    """``[1, frames, bins]`` as the method takes them: zeros up to a multiple of 4 frames, bins first."""
+    frames = features.shape[1]
+    return F.pad(features, (0, 0, 0, padded_frames(frames) - frames)).transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("samples", LENGTHS)
+def test_gemma4s_audio_encoder_computes_what_transformers_computes(samples: int, theirs: Any, ours: Any) -> None:
+    extracted, (features, valid) = _extracted(samples), _features(samples)
+    with torch.no_grad():  # transformers on what its feature extractor gives, padding and mask
+        reference = theirs.model.get_audio_features(extracted["input_features"], extracted["input_features_mask"])
+        expected = reference.pooler_output[reference.attention_mask]  # the masked positions stripped
+        got = ours(_program_input(features))
+    counted = Gemma4Processor._compute_audio_num_tokens(  # the prompt's audio tokens, as the processor counts them
+        SimpleNamespace(feature_extractor=Gemma4AudioFeatureExtractor(), audio_seq_length=750), _speech(samples),
+        SAMPLE_RATE)
+    assert got.shape[1] == expected.shape[0] == audio_positions(valid) == counted
+    hidden = expected.shape[-1]
+    torch.testing.assert_close(got[0, :, :hidden], expected, rtol=1e-5, atol=1e-5)
+    assert bool((ids_of_digits(got[..., hidden:]) == theirs.config.audio_token_id).all())
+
+
+@pytest.mark.parametrize("samples", LENGTHS[:2])
+def test_gemma4s_log_mel_frames_are_the_feature_extractors(samples: int) -> None:
+    features, valid = _features(samples)
+    with torch.no_grad():
+        frames = Gemma4LogMel()(torch.from_numpy(_speech(samples)))
+    assert frames.shape == (1, 128, padded_frames(valid))
+    torch.testing.assert_close(frames[0, :, :valid], features[0].T, rtol=1e-4, atol=1e-4)
+    assert not frames[0, :, valid:].any()  # the padding the encoder masks
+
+
+def test_gemma4s_audio_encoder_captures_once_for_every_length(ours: Any) -> None:
+    inputs = {samples: _program_input(_features(samples)[0]) for samples in (16_000, 16_480, 4_800)}
+    frames = FRAMES_PER_TOKEN * torch.export.Dim("positions", min=1, max=750)
+    with torch.no_grad():
+        program = torch.export.export(ours, (inputs[16_000],), dynamic_shapes=({2: frames},), strict=False)
+        for x in inputs.values():
+            torch.testing.assert_close(program.module()(x), ours(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.extended
+def test_gemma4s_audio_encoder_runs_in_the_runtime_for_every_length(ours: Any, tmp_path: Path) -> None:
+    """Lowered to XNNPACK once, run by ExecuTorch's runtime on three recordings of different lengths."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    inputs = {samples: _program_input(_features(samples)[0]) for samples in (16_000, 16_480, 4_800)}
+    frames = FRAMES_PER_TOKEN * torch.export.Dim("positions", min=1, max=750)
+    with torch.no_grad():
+        program = torch.export.export(ours, (inputs[16_000],), dynamic_shapes=({2: frames},), strict=False)
+    path = tmp_path / "audio_encoder.pte"
+    path.write_bytes(to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).to_executorch().buffer)
+    method = Runtime.get().load_program(path).load_method("forward")
+    for x in inputs.values():
+        with torch.no_grad():
+            expected = ours(x)
+        torch.testing.assert_close(method.execute([x])[0], expected, rtol=1e-4, atol=1e-4)
