@@ -5,8 +5,8 @@ the log-mel frames against transformers' feature extractor, and the method captu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
