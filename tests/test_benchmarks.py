@@ -203,6 +203,12 @@ def test_eager_quality_scores_baseline_and_quantized_eager_models() -> None:
         assert 0 < float(kl) < 1 and 0 < float(top1) <= 100
 
 
+def test_embedding_lookup_measures_both_lookups() -> None:
+    out = run_tool("embedding_lookup", "--rows", 4096, "--dim", 64).stdout
+    rows = re.findall(r"(torchao's lookup|models.decoder.Embedding) +peak \+([0-9,]+) MB, ([0-9.,]+) ms", out)
+    assert [name for name, _, _ in rows] == ["torchao's lookup", "models.decoder.Embedding"], out
+
+
 @pytest.mark.slow
 def test_load_memory_measures_a_sharded_checkpoint() -> None:
     result = json.loads(run_tool("load_memory", "--preset", "tiny", "--shards", 2).stdout.strip().splitlines()[-1])
