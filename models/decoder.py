@@ -748,8 +748,11 @@ class Embedding(nn.Embedding):
     quantized embedding kernels replace."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from torchao.quantization import IntxUnpackedToInt8Tensor
+
         table = self.weight
-        if torch.compiler.is_exporting() or not hasattr(table, "qdata") or tuple(table.block_size)[0] != 1:
+        if (torch.compiler.is_exporting() or not isinstance(table, IntxUnpackedToInt8Tensor)
+                or tuple(table.block_size)[0] != 1):  # a block over several rows: no row is dequantized alone
             return super().forward(ids)
         flat = ids.reshape(-1)
         rows = type(table)(qdata=table.qdata.index_select(0, flat), scale=table.scale.index_select(0, flat),
