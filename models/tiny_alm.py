@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from models.tiny import BOS_ID, EOS_ID, built_once, recipe_key
-from models.tiny_vlm import TEXT_ARCH, save_multimodal, tiny_tokenizer
+from models.tiny_vlm import TEXT_ARCH, finite_clamps, save_multimodal, tiny_tokenizer
 
 MEL_BINS = 128
 WINDOW_POSITIONS = 1500  # Whisper's encoder positions of a 30 s window (3000 frames, halved by its second conv)
@@ -99,11 +99,7 @@ def _gemma4_audio_untrained(model: Any) -> None:
     scale), so a parity test sees them read."""
     with torch.no_grad():
         tower = model.model.audio_tower
-        for name, buffer in tower.named_buffers():
-            if name.endswith(("input_min", "output_min")):
-                buffer.fill_(-2.0)
-            elif name.endswith(("input_max", "output_max")):
-                buffer.fill_(2.0)
+        finite_clamps(tower, 2.0)
         for layer in tower.layers:
             layer.self_attn.per_dim_scale.normal_(0.0, 0.5)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from models.tiny import BOS_ID, CORPUS, EOS_ID, built_once, fit_to_corpus, recipe_key, train_tokenizer
 
@@ -209,6 +210,16 @@ def _gemma4() -> tuple[Any, Any]:
     return config, processor
 
 
+def finite_clamps(tower: nn.Module, bound: float) -> None:
+    """Every ``Gemma4ClippableLinear`` of a Gemma 4 tower clamping its input and output to ``[-bound, bound]``
+    (transformers initializes the bounds to infinity, which clamps nothing a test could see read wrong)."""
+    for name, buffer in tower.named_buffers():
+        if name.endswith(("input_min", "output_min")):
+            buffer.fill_(-bound)
+        elif name.endswith(("input_max", "output_max")):
+            buffer.fill_(bound)
+
+
 def _gemma4_untrained(model: Any) -> None:
     """What transformers initializes to a constant, and what the text fitting never touches, drawn at random: else a
     parity test could not tell a position, a standardization, a layer scalar, a clamp or the pad token's per-layer
@@ -218,11 +229,7 @@ def _gemma4_untrained(model: Any) -> None:
         tower.patch_embedder.position_embedding_table.normal_(0.0, 0.5)
         tower.std_bias.normal_(0.0, 0.5)
         tower.std_scale.uniform_(0.5, 2.0)
-        for name, buffer in tower.named_buffers():
-            if name.endswith(("input_min", "output_min")):
-                buffer.fill_(-3.0)
-            elif name.endswith(("input_max", "output_max")):
-                buffer.fill_(3.0)
+        finite_clamps(tower, 3.0)
         for layer in model.model.language_model.layers:
             layer.layer_scalar.uniform_(0.5, 1.5)
         table = model.model.language_model.embed_tokens_per_layer.weight
