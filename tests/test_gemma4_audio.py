@@ -54,9 +54,10 @@ def _extracted(samples: int) -> Any:
     return Gemma4AudioFeatureExtractor()([_speech(samples)], sampling_rate=SAMPLE_RATE, return_tensors="pt")
 
 
-def _features(samples: int) -> tuple[torch.Tensor, int]:
-    """The recording's valid frames as transformers' feature extractor computes them, and their count."""
-    out = _extracted(samples)
+def _features(samples: int, extracted: Any = None) -> tuple[torch.Tensor, int]:
+    """The recording's valid frames as transformers' feature extractor computes them (``extracted``, if it ran
+    already), and their count."""
+    out = _extracted(samples) if extracted is None else extracted
     valid = int(out["input_features_mask"].sum())
     return out["input_features"][:, :valid], valid
 
@@ -69,7 +70,8 @@ def _program_input(features: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("samples", LENGTHS)
 def test_gemma4s_audio_encoder_computes_what_transformers_computes(samples: int, theirs: Any, ours: Any) -> None:
-    extracted, (features, valid) = _extracted(samples), _features(samples)
+    extracted = _extracted(samples)
+    features, valid = _features(samples, extracted)
     with torch.no_grad():  # transformers on what its feature extractor gives, padding and mask
         reference = theirs.model.get_audio_features(extracted["input_features"], extracted["input_features_mask"])
         expected = reference.pooler_output[reference.attention_mask]  # the masked positions stripped
