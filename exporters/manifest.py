@@ -651,21 +651,32 @@ class VisionEntry:
 class AudioEntry:
     """What an app needs to give the program audio (the preprocessor beside it makes audio_encoder's input)."""
 
-    family: str  # models.audio_language: voxtral, qwen2_audio
+    family: str  # models.audio_language: voxtral, qwen2_audio, gemma4
     sample_rate: int
     mel_bins: int
-    frames: int  # log-mel frames per 30 s window
-    tokens_per_window: int  # embedding positions a window takes in text_decoder
-    max_windows: int  # windows one call of audio_encoder takes
+    frames: int  # log-mel frames per 30 s window (a recording of any length: the most one call takes)
+    tokens_per_window: int  # embedding positions a window takes in text_decoder (any length: the most a call gives)
+    max_windows: int  # windows one call of audio_encoder takes (any length: 1 recording)
     audio_token_id: int  # the token each audio position takes in a prompt (the runner splits the prompt there)
     audio_token: str | None  # its text
     input: str  # audio_encoder's input: shape, dtype and layout
     preprocessor: str | None  # the preprocessor program beside this one (raw samples -> features)
     quantization: str  # quant.audio, as applied
     check: AudioCheck | None = None
+    # A recording of any length (Gemma 4): log-mel frames a position (0: whole 30 s windows), and the tokens written
+    # just before and after the audio's positions in a prompt, with their text.
+    frames_per_token: int = 0
+    begin_token_id: int | None = None
+    begin_token: str | None = None
+    end_token_id: int | None = None
+    end_token: str | None = None
 
     def describe(self) -> str:
         check = "not validated" if self.check is None else self.check.describe()
+        if self.frames_per_token:
+            return (f"{self.family}, {self.mel_bins} mel bins, {self.frames_per_token} frames a position of token "
+                    f"{self.audio_token or self.audio_token_id}, one recording of up to {self.tokens_per_window} "
+                    f"positions a call, {self.quantization}; {check}")
         return (f"{self.family}, {self.mel_bins} mel bins x {self.frames} frames a window to {self.tokens_per_window} "
                 f"positions of token {self.audio_token or self.audio_token_id}, up to {self.max_windows} window(s) a "
                 f"call, {self.quantization}; {check}")

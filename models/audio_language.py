@@ -1,10 +1,12 @@
 """Audio-language checkpoints: which ones we read, where their audio encoder's tensors are, and its geometry.
 
-An audio-language checkpoint (Voxtral, Qwen2-Audio) holds a text decoder of a family we already implement
-(``models.families``) beside an audio tower (Whisper's encoder) and a projector. Its text decoder is read as a
-vision-language checkpoint's is (``models.multimodal``); the tower and projector by ``models.audio_encoder``.
-The geometry comes from ``config.json`` alone: log-mel windows of ``bins x frames`` (30 s at Whisper's 100 frames
-a second), each giving ``tokens`` embeddings to the text decoder.
+An audio-language checkpoint (Voxtral, Qwen2-Audio, Gemma 4) holds a text decoder of a family we already implement
+(``models.families``) beside an audio tower and a projector. Its text decoder is read as a vision-language
+checkpoint's is (``models.multimodal``); the tower and projector by ``models.audio_encoder``. The geometry comes
+from ``config.json`` alone. Two kinds: Whisper's encoder (Voxtral, Qwen2-Audio) takes log-mel windows of ``bins x
+frames`` (30 s at 100 frames a second), each giving ``tokens`` embeddings to the text decoder; Gemma 4's conformer
+takes one recording of any length up to 30 s, ``frames_per_token`` frames a position, between a begin and an end
+token.
 """
 
 from __future__ import annotations
@@ -18,14 +20,23 @@ from models.errors import ModelError
 @dataclass(frozen=True)
 class AudioGeometry:
     """What a program's ``audio_encoder`` takes and gives: ``[windows, bins, frames]`` log-mel features of 30 s
-    windows in, ``[1, windows * tokens, hidden]`` out."""
+    windows in, ``[1, windows * tokens, hidden]`` out; or, where ``frames_per_token`` is set (Gemma 4), one
+    recording's ``[1, bins, frames_per_token * m]`` frames in, its ``m`` positions out (at most ``tokens``)."""
 
     family: str
     bins: int  # log-mel bins (Whisper's feature extractor with feature_size=bins)
-    frames: int  # frames per window
-    tokens: int  # embeddings per window
+    frames: int  # frames per window (Gemma 4: the most one recording has, 30 s)
+    tokens: int  # embeddings per window (Gemma 4: the most one recording gives)
     audio_token_id: int  # the token each embedding position takes in a prompt
     max_windows: int  # the most windows one call takes (AudioLanguage.max_windows)
+    frames_per_token: int = 0  # Gemma 4: log-mel frames per position of a recording of any length; 0: whole windows
+    begin_token_id: int | None = None  # written before the audio's positions (Gemma 4's <|audio>)
+    end_token_id: int | None = None  # and after them (<audio|>)
+
+    @property
+    def any_length(self) -> bool:
+        """One recording of any length a call (Gemma 4), not whole 30 s windows."""
+        return self.frames_per_token > 0
 
 
 @dataclass(frozen=True)
@@ -44,17 +55,25 @@ class AudioLanguage:
     # A user turn with a recording, where the checkpoint ships no chat template transformers reads ({audio}: the
     # audio token, {prompt}: the text); None: the processor's chat template.
     chat: str | None = None
+    # The geometry of a tower that is not Whisper's encoder (Gemma 4's); None: Whisper's windows.
+    any_length: Callable[[Any, int], AudioGeometry] | None = None
 
     def geometry(self, hf_config: Any) -> AudioGeometry:
+        token = _id(hf_config, "audio_token_id", "audio_token_index")
+        if self.any_length is not None:
+            return self.any_length(hf_config, token)
         audio = hf_config.audio_config
-        token = getattr(hf_config, "audio_token_id", None)
-        if token is None:
-            token = getattr(hf_config, "audio_token_index", None)
-        if token is None:
-            raise ModelError(f"config.json of {hf_config.architectures[0]} names no audio_token_id: the checkpoint is "
-                             "incomplete or its config was edited. Use the config.json it was saved with.")
         return AudioGeometry(self.name, int(audio.num_mel_bins), 2 * int(audio.max_source_positions),
-                             self.tokens(hf_config), int(token), self.max_windows)
+                             self.tokens(hf_config), token, self.max_windows)
+
+
+def _id(hf_config: Any, *names: str) -> int:
+    """The token id ``config.json`` gives under the first of ``names`` it has."""
+    value = next((getattr(hf_config, n) for n in names if getattr(hf_config, n, None) is not None), None)
+    if value is None:
+        raise ModelError(f"config.json of {hf_config.architectures[0]} names no {names[0]}: the checkpoint is "
+                         "incomplete or its config was edited. Use the config.json it was saved with.")
+    return int(value)
 
 
 def _voxtral_tokens(cfg: Any) -> int:
@@ -73,17 +92,37 @@ def _qwen2_audio_tokens(cfg: Any) -> int:
     return cfg.audio_config.max_source_positions // 2
 
 
+# Gemma 4's audio: 128 log-mel bins (its subsampling convolutions fix them), 100 frames a second, 4 frames a
+# position (two stride-2 convolutions); the feature extractor keeps 30 s (max_length 480,000 samples), the processor
+# at most 750 positions (audio_seq_length).
+GEMMA4_MEL_BINS, GEMMA4_FRAMES_PER_TOKEN, GEMMA4_MAX_FRAMES = 128, 4, 3000
+
+
+def _gemma4_geometry(cfg: Any, token: int) -> AudioGeometry:
+    """One recording of up to 30 s between ``<|audio>`` and ``<audio|>``."""
+    return AudioGeometry("gemma4", GEMMA4_MEL_BINS, GEMMA4_MAX_FRAMES, GEMMA4_MAX_FRAMES // GEMMA4_FRAMES_PER_TOKEN,
+                         token, 1, GEMMA4_FRAMES_PER_TOKEN, _id(cfg, "boa_token_id", "boa_token_index"),
+                         _id(cfg, "eoa_token_id", "eoa_token_index"))
+
+
 _TOWER_AND_PROJECTOR = ("audio_tower.", "multi_modal_projector.", "model.audio_tower.", "model.multi_modal_projector.")
 AUDIO_LANGUAGE: tuple[AudioLanguage, ...] = (
     # Voxtral's tekken tokenizer (mistral_common) writes its turn so; ExecuTorch's voxtral runner the same.
     AudioLanguage("voxtral", ("VoxtralForConditionalGeneration",), _TOWER_AND_PROJECTOR, _voxtral_tokens, 10,
                   "[INST][BEGIN_AUDIO]{audio}{prompt}[/INST]"),
     AudioLanguage("qwen2_audio", ("Qwen2AudioForConditionalGeneration",), _TOWER_AND_PROJECTOR, _qwen2_audio_tokens, 1),
+    # Gemma 4 (E2B, E4B) hears audio beside its images; a checkpoint without audio_config (the 31B) does not.
+    AudioLanguage("gemma4", ("Gemma4ForConditionalGeneration",),
+                  ("model.audio_tower.", "audio_tower.", "model.embed_audio.", "embed_audio."),
+                  lambda cfg: GEMMA4_MAX_FRAMES // GEMMA4_FRAMES_PER_TOKEN, 1, any_length=_gemma4_geometry),
 )
 
 
 def audio_language_of(hf_config: Any) -> AudioLanguage | None:
-    """The audio-language architecture of ``config.json``, or None."""
+    """The audio-language architecture of ``config.json``, or None (also for a checkpoint of such an architecture
+    that has no audio tower: Gemma 4 31B)."""
+    if getattr(hf_config, "audio_config", None) is None:
+        return None
     archs = list(getattr(hf_config, "architectures", None) or [])
     return next((a for a in AUDIO_LANGUAGE for arch in archs if arch in a.architectures), None)
 

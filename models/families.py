@@ -289,14 +289,16 @@ def gemma4(cfg: Any, max_context_len: int) -> dict[str, Any]:
 
 
 def _gemma4_media(cfg: Any) -> dict[str, Any]:
-    """Beside an image encoder (``sees_images``, set by ``models.multimodal.language_config``), the embeddings
-    ``text_decoder`` takes carry their token ids: the per-layer embeddings look them up, an image's tokens as the
-    pad token (``placeholder_ids``, the multimodal config's image, audio and video token ids)."""
-    if not getattr(cfg, "sees_images", False):
+    """Beside an image or audio encoder (``sees_images``, ``hears_audio``, set by
+    ``models.multimodal.language_config``), the embeddings ``text_decoder`` takes carry their token ids: the per-layer
+    embeddings look them up, an image's or a recording's tokens as the pad token (``placeholder_ids``, the
+    multimodal config's image, audio and video token ids)."""
+    if not (getattr(cfg, "sees_images", False) or getattr(cfg, "hears_audio", False)):
         return {}
     if cfg.pad_token_id is None:
-        raise ModelError("this Gemma 4 config has no pad_token_id, whose per-layer embedding an image's tokens take "
-                         "(transformers' Gemma4Model): the checkpoint's config.json is incomplete.")
+        raise ModelError("this Gemma 4 config has no pad_token_id, whose per-layer embedding an image's or a "
+                         "recording's tokens take (transformers' Gemma4Model): the checkpoint's config.json is "
+                         "incomplete.")
     both_ways = getattr(cfg, "use_bidirectional_attention", None) == "vision"
     return {"id_channels": True, "placeholder_ids": tuple(getattr(cfg, "placeholder_ids", ())),
             "pad_token_id": int(cfg.pad_token_id),

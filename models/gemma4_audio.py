@@ -15,8 +15,8 @@ attention blocks ``torch.export`` specializes the frame count to short recording
 (``examples/models/gemma4/speech_transform.py``, transformers' ``Gemma4AudioFeatureExtractor`` in torch ops), then
 the zero frames up to a multiple of 4.
 
-Not yet a component of an export (``models.audio_language`` does not list Gemma 4): what the program, the prompt
-(``boa`` + N audio tokens + ``eoa``) and validation need is the next piece (issue 64).
+In a program it is the audio component's ``audio_encoder`` (``exporters.components.audio``), built through
+``models.audio_encoder``; ``preprocessor.pte`` beside the program is :class:`Gemma4LogMel`.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from models.audio_language import GEMMA4_FRAMES_PER_TOKEN, GEMMA4_MEL_BINS, AudioGeometry, audio_language_of
 from models.decoder import id_digits
 from models.errors import ModelError
 from models.towers import load_parts, meta_model, quiet_transformers
 
-MEL_BINS = 128  # fixed by the tower's subsampling convolutions (Gemma4AudioConfig has no num_mel_bins)
-FRAMES_PER_TOKEN = 4  # two stride-2 convolutions
+MEL_BINS = GEMMA4_MEL_BINS  # fixed by the tower's subsampling convolutions (Gemma4AudioConfig has no num_mel_bins)
+FRAMES_PER_TOKEN = GEMMA4_FRAMES_PER_TOKEN  # two stride-2 convolutions
 # Zero frames appended inside the graph (masked): two of the tower's 12-frame attention blocks at the convolutions'
 # quarter rate, whatever the recording, so the exported frame count keeps its whole range.
 EXTRA_FRAMES = 48
@@ -61,15 +62,24 @@ class Gemma4Audio(nn.Module):
 
     def __init__(self, config: Any, tower: nn.Module, projector: nn.Module) -> None:
         super().__init__()
+        family = audio_language_of(config)
+        assert family is not None, "a Gemma 4 config with audio_config"
+        self.geometry: AudioGeometry = family.geometry(config)
         self.tower, self.projector = tower, projector
-        token = int(config.audio_token_id)
-        self.register_buffer("token_id", id_digits(torch.tensor([[token]]), torch.float32), persistent=False)
+        self.register_buffer("token_id", id_digits(torch.tensor([[self.geometry.audio_token_id]]), torch.float32),
+                             persistent=False)
+        self.compute_dtype = torch.float32  # what its weights and activations are in (quant.audio)
+        self.out_dtype = torch.float32  # what the text decoder takes: MultimodalRunner converts nothing
 
     def describe(self) -> str:
         params = sum(p.numel() for p in self.parameters())
-        return f"{params / 1e6:.2f}M parameters, {MEL_BINS} mel bins, {FRAMES_PER_TOKEN} frames a position"
+        return (f"{params / 1e6:.2f}M parameters, {MEL_BINS} mel bins, {FRAMES_PER_TOKEN} frames a position, "
+                f"up to {self.geometry.tokens} positions (30 s)")
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.embeddings(features.to(self.compute_dtype)).to(self.out_dtype)
+
+    def embeddings(self, features: torch.Tensor) -> torch.Tensor:
         frames = features.transpose(1, 2)  # [1, 4m, bins]: the tower's layout
         positions = frames.shape[1] // FRAMES_PER_TOKEN
         frames = F.pad(frames, (0, 0, 0, EXTRA_FRAMES))
@@ -119,3 +129,9 @@ def random_gemma4_audio(hf_config: Any, seed: int = 0) -> Gemma4Audio:
     """The audio encoder of ``hf_config``'s shape with seeded random weights (transformers' own initialization)."""
     torch.manual_seed(seed)
     return Gemma4Audio(hf_config, *_new_parts(hf_config)).eval()
+
+
+def gemma4_audio_parameters(hf_config: Any) -> int:
+    """The tower's and ``embed_audio``'s parameters, counted on the meta device: nothing allocated."""
+    whole = meta_model(hf_config).model
+    return sum(p.numel() for part in (whole.audio_tower, whole.embed_audio) for p in part.parameters())

@@ -48,6 +48,7 @@ def language_config(hf_config: Any) -> Any:
         text.tie_word_embeddings = bool(tie)
     vision = getattr(hf_config, "vision_config", None)
     text.sees_images = vision is not None  # Qwen3.5: M-RoPE positions only where images can come
+    text.hears_audio = getattr(hf_config, "audio_config", None) is not None
     if getattr(vision, "deepstack_visual_indexes", None):  # Qwen3-VL: how many vision layers feed the decoder
         text.deepstack_layers = len(vision.deepstack_visual_indexes)
     # Gemma 4: the tokens whose per-layer embedding is the pad token's (the encoders' placeholders)

@@ -1,9 +1,9 @@
 """Tiny audio-language checkpoints, built offline by transformers' own classes: the fixtures of the audio tests.
 
 No audio-language weights ship in a pip package, so each family (``models.audio_language.AUDIO_LANGUAGE``) is built
-here from a small config with the tiny text tokenizer plus the family's audio tokens, and Whisper's feature extractor
-(128 mel bins) saved beside it, as the hub's checkpoints are. The audio tower takes real 30 s windows (3000 frames):
-its positions are the real ones, its widths tiny. The text side is fitted to the corpus for a few seconds (peaked
+here from a small config with the tiny text tokenizer plus the family's audio tokens, and the family's feature
+extractor (Whisper's with 128 mel bins; Gemma 4's own) saved beside it, as the hub's checkpoints are. The audio tower
+takes real 30 s windows (3000 frames), Gemma 4's real recordings: its positions are the real ones, its widths tiny. The text side is fitted to the corpus for a few seconds (peaked
 logits); the audio side keeps its seeded random weights. Built once per recipe and cached (``models.tiny.built_once``).
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from models.tiny import BOS_ID, EOS_ID, built_once, recipe_key
-from models.tiny_vlm import TEXT_ARCH, finite_clamps, save_multimodal, tiny_tokenizer
+from models.tiny_vlm import GEMMA4_TOKENS, TEXT_ARCH, finite_clamps, save_multimodal, tiny_tokenizer
 
 MEL_BINS = 128
 WINDOW_POSITIONS = 1500  # Whisper's encoder positions of a 30 s window (3000 frames, halved by its second conv)
@@ -63,8 +63,44 @@ def _qwen2_audio() -> tuple[Any, Any, list[Any]]:
     return config, tok, [Qwen2AudioProcessor(feature_extractor=_features(), tokenizer=tok)]
 
 
+def _gemma4() -> tuple[Any, Any, list[Any]]:
+    """Gemma 4's audio tokens as its tokenizer names them; a two-layer Gemma 4 text decoder with per-layer embeddings
+    beside an audio tower of two conformer layers 32 wide (its subsampling's first channels are the 128 mel bins',
+    which the tower's arithmetic fixes) with clipped linears; no image tower. transformers' own feature extractor."""
+    from transformers import Gemma4AudioConfig, Gemma4AudioFeatureExtractor, Gemma4Config, Gemma4TextConfig
+
+    tok = tiny_tokenizer(GEMMA4_TOKENS)
+    audio = Gemma4AudioConfig(hidden_size=AUDIO_WIDTH, num_hidden_layers=2, num_attention_heads=2,
+                              subsampling_conv_channels=[MEL_BINS, 8], output_proj_dims=24, use_clipped_linears=True)
+    text = Gemma4TextConfig(**TEXT_ARCH, head_dim=16, global_head_dim=32, vocab_size=len(tok),
+                            hidden_size_per_layer_input=16, vocab_size_per_layer_input=len(tok), bos_token_id=BOS_ID,
+                            eos_token_id=EOS_ID, pad_token_id=tok.pad_token_id)
+    config = Gemma4Config(text_config=text, vision_config=None, audio_config=audio, audio_token_id=tok.audio_token_id,
+                          boa_token_id=tok.convert_tokens_to_ids(tok.boa_token),
+                          eoa_token_index=tok.convert_tokens_to_ids(tok.eoa_token),
+                          image_token_id=tok.image_token_id, architectures=["Gemma4ForConditionalGeneration"])
+    config.audio_config._attn_implementation = "eager"
+    return config, tok, [tok, Gemma4AudioFeatureExtractor()]
+
+
+def _gemma4_untrained(model: Any) -> None:
+    """What transformers initializes to a constant in the audio tower drawn at random (finite clamps, each head's
+    scale), and the pad token's per-layer row (what a recording's tokens look up): else a parity test could not tell
+    them read wrong from left out."""
+    with torch.no_grad():
+        tower = model.model.audio_tower
+        finite_clamps(tower, 2.0)
+        for layer in tower.layers:
+            layer.self_attn.per_dim_scale.normal_(0.0, 0.5)
+        table = model.model.language_model.embed_tokens_per_layer.weight
+        table[model.config.text_config.pad_token_id].normal_(0.0, 0.5)
+
+
 #: family (``models.audio_language.AudioLanguage.name``) -> its tiny config, tokenizer and the files saved beside it.
-TINY_ALM: dict[str, Callable[[], tuple[Any, Any, list[Any]]]] = {"voxtral": _voxtral, "qwen2_audio": _qwen2_audio}
+TINY_ALM: dict[str, Callable[[], tuple[Any, Any, list[Any]]]] = {"voxtral": _voxtral, "qwen2_audio": _qwen2_audio,
+                                                                 "gemma4": _gemma4}
+#: family -> what its tiny checkpoint draws at random after the text is fitted.
+UNTRAINED: dict[str, Callable[[Any], None]] = {"gemma4": _gemma4_untrained}
 
 
 def write_tiny_alm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, train_steps: int = 100) -> Path:
@@ -77,52 +113,7 @@ def write_tiny_alm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, t
 
 def _build(out: Path, family: str, seed: int, train_steps: int) -> Path:
     config, tokenizer, beside = TINY_ALM[family]()
-    return save_multimodal(out, config, tokenizer, beside, seed, train_steps)
-
-
-def _gemma4_audio_config() -> Any:
-    """A two-layer Gemma 4 text decoder beside an audio tower of two conformer layers 32 wide (its subsampling's first
-    channels are the 128 mel bins', which the tower's arithmetic fixes) with clipped linears; no image tower."""
-    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4TextConfig
-
-    audio = Gemma4AudioConfig(hidden_size=AUDIO_WIDTH, num_hidden_layers=2, num_attention_heads=2,
-                              subsampling_conv_channels=[MEL_BINS, 8], output_proj_dims=24, use_clipped_linears=True)
-    text = Gemma4TextConfig(**TEXT_ARCH, head_dim=16, global_head_dim=32, vocab_size=300,
-                            hidden_size_per_layer_input=16, vocab_size_per_layer_input=300, bos_token_id=BOS_ID,
-                            eos_token_id=EOS_ID)
-    return Gemma4Config(text_config=text, vision_config=None, audio_config=audio, audio_token_id=299,
-                        boa_token_id=297, eoa_token_index=298, architectures=["Gemma4ForConditionalGeneration"])
-
-
-def _gemma4_audio_untrained(model: Any) -> None:
-    """What transformers initializes to a constant in the audio tower drawn at random (finite clamps, each head's
-    scale), so a parity test sees them read."""
-    with torch.no_grad():
-        tower = model.model.audio_tower
-        finite_clamps(tower, 2.0)
-        for layer in tower.layers:
-            layer.self_attn.per_dim_scale.normal_(0.0, 0.5)
-
-
-def write_tiny_gemma4_audio(out_dir: str | Path, seed: int = 0) -> Path:
-    """A seeded tiny Gemma 4 checkpoint with an audio tower (random weights, its text untrained) and transformers'
-    ``Gemma4AudioFeatureExtractor`` saved beside it: the fixture of Gemma 4's audio encoder tests."""
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-    return built_once(recipe_key(alm="gemma4_audio", seed=seed, code=code),
-                      lambda out: _build_gemma4_audio(out, seed), Path(out_dir))
-
-
-def _build_gemma4_audio(out: Path, seed: int) -> Path:
-    from transformers import Gemma4AudioFeatureExtractor, Gemma4ForConditionalGeneration
-
-    torch.manual_seed(seed)
-    config = _gemma4_audio_config()
-    config.audio_config._attn_implementation = "eager"
-    model = Gemma4ForConditionalGeneration(config).eval()
-    _gemma4_audio_untrained(model)
-    model.save_pretrained(out)
-    Gemma4AudioFeatureExtractor().save_pretrained(out)
-    return out
+    return save_multimodal(out, config, tokenizer, beside, seed, train_steps, UNTRAINED.get(family))
 
 
 def main() -> None:

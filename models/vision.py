@@ -258,7 +258,7 @@ def text_only(hf_config: Any, folder: str | Path | None = None, image_size: int 
     """What the console says of a vision-language checkpoint whose vision encoder is not exported (not built, or its
     image size not chosen: ``folder``'s processor, ``image_size``); None otherwise."""
     family = vision_language_of(hf_config)
-    if family is None:
+    if family is None or getattr(hf_config, "vision_config", None) is None:  # Gemma 4 without an image tower
         return None
     if family.geometry is None:
         return f"text decoder only ({hf_config.architectures[0]}'s vision encoder is not exported yet)"

@@ -17,7 +17,6 @@ from transformers import AutoConfig, Gemma4AudioFeatureExtractor, Gemma4ForCondi
 from models.decoder import ids_of_digits
 from models.gemma4_audio import (FRAMES_PER_TOKEN, SAMPLE_RATE, Gemma4LogMel, audio_positions, load_gemma4_audio,
                                  padded_frames)
-from models.tiny_alm import write_tiny_gemma4_audio
 
 # Samples whose valid frames are 0, 1, 2 and 3 modulo 4 (16,000 / 160 = 100 frames a second), and a recording too
 # short for one of the tower's attention blocks (0.3 s).
@@ -25,8 +24,8 @@ LENGTHS = (16_000, 16_160, 16_320, 16_480, 4_800)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_gemma4_audio(tmp_path_factory.mktemp("gemma4_audio"))
+def checkpoint(alm_checkpoint) -> Path:  # type: ignore[no-untyped-def]
+    return alm_checkpoint("gemma4")
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,11 @@
 """The audio encoder: an audio-language checkpoint's audio tower and projector beside its text decoder, in one program.
 
 A checkpoint whose ``config.json`` names an audio-language architecture (``models.audio_language``: Voxtral,
-Qwen2-Audio) gets a component ``audio`` with one method, ``audio_encoder`` (log-mel features of W 30 s windows
-``[W, bins, frames]`` to ``[1, W * N, hidden]`` embeddings), and the decoder gets ``token_embedding`` and
-``text_decoder``: the methods ExecuTorch's ``MultimodalRunner`` calls for an audio prompt. ``preprocessor.pte``
-beside the program turns raw 16 kHz samples into the features (ExecuTorch's ``WhisperAudioProcessor``). The plan
+Qwen2-Audio, Gemma 4) gets a component ``audio`` with one method, ``audio_encoder`` (log-mel features of W 30 s
+windows ``[W, bins, frames]`` to ``[1, W * N, hidden]`` embeddings; Gemma 4: one recording's ``[1, 128, 4m]`` frames
+to its ``m`` positions), and the decoder gets ``token_embedding`` and ``text_decoder``: the methods ExecuTorch's
+``MultimodalRunner`` calls for an audio prompt. ``preprocessor.pte`` beside the program turns raw 16 kHz samples into
+the features (ExecuTorch's ``WhisperAudioProcessor``, or its ``Gemma4SpeechTransformModel``). The plan
 reads ``config.json`` (not the weights) to size the method; load reads the tower and projector alone from the
 decoder's checkpoint folder (``models.audio_encoder``); ``quant.audio`` quantizes it apart; validation runs the
 validation recording and a prompt around it through the program (``exporters.validation.encoder_prompt``).
@@ -29,12 +30,12 @@ from exporters.manifest import AudioCheck, AudioEntry, ComponentEntry, Manifest
 from exporters.output.files import private_path
 from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
 from exporters.plan.footprint import Footprint, encoder_footprint
-from exporters.program.audio import AUDIO, AUDIO_METHOD, audio_constants, audio_spec
+from exporters.program.audio import (AUDIO, AUDIO_METHOD, audio_constants, audio_features, audio_spec,
+                                     write_audio_preprocessor)
 from exporters.program.methods import (MULTIMODAL_METHODS, MethodTable, check_encoder_unbuilt,
                                        check_runner_feeds)
 from exporters.program.passes import noop_expands_dropped
-from exporters.program.speech import (PREPROCESSOR_FILE, SAMPLE_RATE, is_speech, preprocessor_features,
-                                      write_preprocessor)
+from exporters.program.speech import PREPROCESSOR_FILE, SAMPLE_RATE, is_speech
 from exporters.quant.audio import AUDIO_SCHEMES, AUTO, audio_scheme, quantize_audio
 from exporters.runtime.audio import read_audio
 from exporters.validation.encoder_prompt import (GREEDY_STEPS, EncoderBaseline, check_encoder_path, room_needed,
@@ -81,9 +82,18 @@ def audio_geometry(model: ModelConfig) -> AudioGeometry | None:
     return family.geometry(hf_config) if family is not None else None
 
 
-def audio_windows(geometry: AudioGeometry, call_tokens: int) -> int:
-    """Windows one call of audio_encoder takes: the family's most, as many as one text_decoder call takes."""
+def audio_per_call(geometry: AudioGeometry, call_tokens: int) -> int:
+    """Windows one call of audio_encoder takes: the family's most, as many as one text_decoder call takes; for a
+    recording of any length, the positions: the family's most (30 s), as many as one text_decoder call takes."""
+    if geometry.any_length:
+        return min(geometry.tokens, call_tokens)
     return max(1, min(geometry.max_windows, call_tokens // geometry.tokens))
+
+
+def shortest_call(geometry: AudioGeometry) -> int:
+    """The fewest positions one text_decoder call must take for the MultimodalRunner to feed a recording: a whole
+    window's, or one position of a recording of any length (the longest it takes then follows the call)."""
+    return 1 if geometry.any_length else geometry.tokens
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,7 @@ class AudioBuild(FolderBuild):
     """How the audio encoder is built: from the decoder's checkpoint folder, by transformers' own modules."""
 
     geometry: AudioGeometry
-    windows: int  # windows a call of audio_encoder takes
+    per_call: int  # windows a call of audio_encoder takes (a recording of any length: the most positions it gives)
 
     def build(self, checkpoint: Checkpoint, device: str = "cpu") -> AudioEncoder:
         """The encoder with the checkpoint's weights, or with seeded random ones of its shape (model.random_init)."""
@@ -113,11 +123,11 @@ class Audio(Kind):
                                 "audio-language model's), and model.checkpoint has none. Leave quant.audio unset.")
             return
         what = f"{cfg.model.checkpoint} hears audio ({geometry.family}, {geometry.tokens} positions per 30 s)"
-        check_runner_feeds(cfg, lengths, what, geometry.tokens, "a recording")
-        if cfg.validate and room_needed(geometry.tokens) > lengths.context:
+        check_runner_feeds(cfg, lengths, what, shortest_call(geometry), "a recording")
+        if cfg.validate and room_needed(shortest_call(geometry)) > lengths.context:
             raise UserError(f"{what}, and the cache holds {lengths.context} positions (export.max_context_len): "
                             f"validation's prompt puts text and {GREEDY_STEPS} generated tokens around a recording. Set "
-                            f"export.max_context_len={room_needed(geometry.tokens)} or more.")
+                            f"export.max_context_len={room_needed(shortest_call(geometry))} or more.")
         check_encoder_unbuilt(cfg, what, "audio", "an audio-language")
 
     def plan(self, cfg: ExportConfig, basis: Basis) -> Component | None:
@@ -125,10 +135,10 @@ class Audio(Kind):
         geometry = audio_geometry(cfg.model)
         if geometry is None:
             return None
-        windows = audio_windows(geometry, basis.lengths.call_tokens)
-        table = MethodTable({AUDIO_METHOD: audio_spec(geometry, windows)}, {AUDIO_METHOD: None}, {},
+        per_call = audio_per_call(geometry, basis.lengths.call_tokens)
+        table = MethodTable({AUDIO_METHOD: audio_spec(geometry, per_call)}, {AUDIO_METHOD: None}, {},
                             {AUDIO_METHOD: AUDIO})
-        return Component(name=AUDIO, kind=ComponentKind.audio_encoder, build=AudioBuild(cfg.model, geometry, windows),
+        return Component(name=AUDIO, kind=ComponentKind.audio_encoder, build=AudioBuild(cfg.model, geometry, per_call),
                          quant=QuantPlan(cfg.quant, cfg.export.tied_embedding, basis.shortcuts), methods=table)
 
     def decoder_methods(self, component: Component) -> Sequence[str]:
@@ -149,12 +159,18 @@ class Audio(Kind):
         record, build = ctx.record(part.name), part.component.build
         given = ctx.config.validation.audio_file
         recording = read_audio(Path(given).expanduser() if given else VALIDATION_RECORDING)
-        features = preprocessor_features(torch.from_numpy(recording.samples), build.geometry.bins)
-        record.features = features[:build.windows]
-        record.recording = f"{Path(recording.source).name} ({min(recording.seconds, 30.0 * build.windows):.1f} s)"
+        features = audio_features(torch.from_numpy(recording.samples), build.geometry)
+        model = models[ctx.plan.main.name]
+        if build.geometry.any_length:  # as many positions as one call and the cache hold beside the prompt's text
+            most = min(build.per_call, model.args.max_context_len - room_needed(0))
+            record.features = features[..., :most * build.geometry.frames_per_token].contiguous()
+            seconds = record.features.shape[-1] / 100  # 100 frames a second
+        else:
+            record.features = features[:build.per_call]
+            seconds = 30.0 * record.features.shape[0]
+        record.recording = f"{Path(recording.source).name} ({min(recording.seconds, seconds):.1f} s)"
         assert windows is not None, "an audio-language program's main model is a language model"
-        record.baseline = unquantized_path(models[ctx.plan.main.name], models[part.name], record.features,
-                                           windows.windows[0])
+        record.baseline = unquantized_path(model, models[part.name], record.features, windows.windows[0])
 
     def quantize(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         """After the decoder: the encoder's output must be in the dtype the decoder now computes in."""
@@ -168,7 +184,7 @@ class Audio(Kind):
     def constants(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> dict[str, Any]:
         """What an app needs to make audio_encoder's input and to place its embeddings in a prompt."""
         build = part.component.build
-        return audio_constants(build.geometry, build.windows)
+        return audio_constants(build.geometry, build.per_call)
 
     def validate(self, part: Part, ctx: ExportContext, under: ProgramUnderTest, models: dict[str, Any]) -> None:
         record = ctx.record(part.name)
@@ -188,9 +204,8 @@ class Audio(Kind):
         geometry = part.component.build.geometry
         final = pte.parent / PREPROCESSOR_FILE
         staged = private_path(final, "staged")
-        log.info("  finalize: writing %s (ExecuTorch's WhisperAudioProcessor, raw 16 kHz samples to %d-bin features)",
-                 PREPROCESSOR_FILE, geometry.bins)
-        write_preprocessor(staged, geometry.bins)
+        what = write_audio_preprocessor(staged, geometry)
+        log.info("  finalize: wrote %s (%s)", PREPROCESSOR_FILE, what)
         entry = ComponentEntry(
             kind=str(part.component.kind), methods=list(written.methods.of_component(part.name)), adapters=[],
             checkpoint=str(ctx.record(part.name).checkpoint.path), parameters=sum(p.numel() for p in encoder.parameters()),
@@ -202,16 +217,28 @@ class Audio(Kind):
         build, record = part.component.build, ctx.record(part.name)
         g = build.geometry
         tokenizer = find_tokenizer(ctx.main.checkpoint.path)
-        token = None
-        if tokenizer is not None and tokenizer.name == "tokenizer.json":
-            token = Tokenizer.from_file(str(tokenizer)).id_to_token(g.audio_token_id)
-        return AudioEntry(family=g.family, sample_rate=SAMPLE_RATE, mel_bins=g.bins, frames=g.frames,
-                          tokens_per_window=g.tokens, max_windows=build.windows, audio_token_id=g.audio_token_id,
-                          audio_token=token,
-                          input=f"float32 [windows, {g.bins}, {g.frames}]: log-mel features of 1 to {build.windows} "
-                                "30 s windows (preprocessor.pte makes them of 16 kHz mono samples)",
-                          preprocessor=PREPROCESSOR_FILE, quantization=record.quantization or "fp32",
-                          check=record.check)
+        vocabulary = (Tokenizer.from_file(str(tokenizer)) if tokenizer is not None and tokenizer.name == "tokenizer.json"
+                      else None)
+
+        def text(token_id: int | None) -> str | None:
+            return vocabulary.id_to_token(token_id) if vocabulary is not None and token_id is not None else None
+
+        common = dict(family=g.family, sample_rate=SAMPLE_RATE, mel_bins=g.bins, audio_token_id=g.audio_token_id,
+                      audio_token=text(g.audio_token_id), preprocessor=PREPROCESSOR_FILE,
+                      quantization=record.quantization or "fp32", check=record.check)
+        if not g.any_length:
+            return AudioEntry(**common, frames=g.frames, tokens_per_window=g.tokens, max_windows=build.per_call,
+                              input=f"float32 [windows, {g.bins}, {g.frames}]: log-mel features of 1 to "
+                                    f"{build.per_call} 30 s windows (preprocessor.pte makes them of 16 kHz mono samples)")
+        frames = g.frames_per_token * build.per_call
+        return AudioEntry(**common, frames=frames, tokens_per_window=build.per_call, max_windows=1,
+                          frames_per_token=g.frames_per_token, begin_token_id=g.begin_token_id,
+                          begin_token=text(g.begin_token_id), end_token_id=g.end_token_id,
+                          end_token=text(g.end_token_id),
+                          input=f"float32 [1, {g.bins}, {g.frames_per_token}m], m from 1 to {build.per_call}: one "
+                                f"recording's log-mel frames ({frames / 100:.1f} s at most), zeros after its last to "
+                                f"a multiple of {g.frames_per_token} (preprocessor.pte makes them of 16 kHz mono "
+                                "samples)")
 
     def describe(self, stage: str, part: Part, ctx: ExportContext, models: dict[str, Any]) -> str:
         if stage == "load":
@@ -231,18 +258,30 @@ class Audio(Kind):
 
 def bundle_readme(a: AudioEntry) -> str:
     """The bundle README's section on audio: what an app does to a recording, and which runner takes it."""
-    return f"""## Audio
-
-`{PREPROCESSOR_FILE}` turns a recording into `audio_encoder`'s input: its `forward` takes 16 kHz mono float32
+    if a.frames_per_token:
+        what = f"""`{PREPROCESSOR_FILE}` turns a recording into `audio_encoder`'s input: its `forward` takes 16 kHz mono float32
+samples `[N]` (up to 30 s) and gives log-mel frames `[1, {a.mel_bins}, {a.frames_per_token}m]`, 100 a second, zeros
+after the last to a multiple of {a.frames_per_token}. `audio_encoder` takes one recording of up to {a.tokens_per_window}
+positions ({a.frames / 100:.1f} s) in one call and returns its `m` embeddings, which `text_decoder` takes at the next
+positions; text goes through `token_embedding` then `text_decoder`. In a prompt the audio's place is token
+{a.begin_token_id} (`{a.begin_token}`), token {a.audio_token_id} (`{a.audio_token}`) `m` times, then token
+{a.end_token_id} (`{a.end_token}`): the text before the audio ends with the first, the text after it starts with the
+last."""
+        shape = f"`batch` = 1, `n_bins` = {a.mel_bins}, `n_frames` = {a.frames_per_token}m"
+    else:
+        what = f"""`{PREPROCESSOR_FILE}` turns a recording into `audio_encoder`'s input: its `forward` takes 16 kHz mono float32
 samples `[N]` and gives log-mel features `[windows, {a.mel_bins}, {a.frames}]`, one row per 30 s window.
 `audio_encoder` takes 1 to {a.max_windows} window(s) in one call and returns {a.tokens_per_window} embeddings per
 window, which `text_decoder` takes at the next positions; text goes through `token_embedding` then `text_decoder`. In a
-prompt the audio's place is token {a.audio_token_id} (`{a.audio_token}`), {a.tokens_per_window} times per window.
+prompt the audio's place is token {a.audio_token_id} (`{a.audio_token}`), {a.tokens_per_window} times per window."""
+        shape = f"`batch` = windows, `n_bins` = {a.mel_bins}, `n_frames` = {a.frames}"
+    return f"""## Audio
+
+{what}
 
 - Android / iOS (C++): run `{PREPROCESSOR_FILE}` on the samples, then `MultimodalRunner` from
   `executorch/extension/llm/runner` with a list of inputs: the text before the audio, `Audio` (the features above,
-  float32, `batch` = windows, `n_bins` = {a.mel_bins}, `n_frames` = {a.frames}), the text after; it calls the three
-  methods in order and then decodes.
+  float32, {shape}), the text after; it calls the three methods in order and then decodes.
 - Python: `executorch.extension.llm.runner.MultimodalRunner("<program>", "tokenizer.json")` with
   `[make_token_input(before), make_audio_input(features), make_token_input(after)]`.
 - `python -m exporters.generate <this folder> prompt="..." audio=<file>` (the audio goes before the prompt's text).

@@ -5,31 +5,96 @@ The kind itself (planning, building, quantizing, validating it) is ``exporters.c
 beside the program makes of raw 16 kHz samples, ExecuTorch's ``WhisperAudioProcessor`` with ``stack_output``) and
 gives ``[1, W * N, hidden]`` embeddings, which ExecuTorch's ``MultimodalRunner`` feeds to ``text_decoder`` in one
 call (``multimodal_prefiller.cpp``: an ``Audio`` input goes to ``audio_encoder`` as it is, and its output's second
-dimension is the positions it takes).
+dimension is the positions it takes). Gemma 4's takes one recording of any length instead, ``[1, bins, 4m]``, and
+gives its ``m`` positions; its ``preprocessor.pte`` is ExecuTorch's ``Gemma4SpeechTransformModel``
+(``models.gemma4_audio.Gemma4LogMel``).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from exporters.program.dynamic import convolutions_unguarded
 from exporters.program.methods import MethodSpec
-from exporters.program.speech import CHUNK_SECONDS, SAMPLE_RATE
+from exporters.program.speech import (CHUNK_SECONDS, SAMPLE_RATE, copy_cached_program, preprocessor_features,
+                                      write_preprocessor)
 from models.audio_language import AudioGeometry
+from models.gemma4_audio import Gemma4LogMel
 
 AUDIO = "audio"  # the component's name (its buffers' prefix)
 AUDIO_METHOD = "audio_encoder"  # the method ExecuTorch's MultimodalRunner calls for audio
 # Our constant methods beside the runner's: what an app needs to turn a recording into the method's input.
 AUDIO_TOKENS, AUDIO_TOKEN_ID, MAX_WINDOWS = "get_audio_tokens", "get_audio_token_id", "get_max_audio_windows"
+# A recording of any length (Gemma 4): frames a position, and the tokens written before and after its positions.
+FRAMES_PER_TOKEN = "get_audio_frames_per_token"
+AUDIO_BEGIN_ID, AUDIO_END_ID = "get_audio_begin_token_id", "get_audio_end_token_id"
 
 
-def audio_spec(geometry: AudioGeometry, windows: int) -> MethodSpec:
-    """``audio_encoder``: 1 to ``windows`` 30 s windows a call (exactly one when ``windows`` is 1)."""
-    return MethodSpec(AUDIO_METHOD, 1, windows, windows > 1, takes="features", gives="embeddings",
+def audio_spec(geometry: AudioGeometry, size: int) -> MethodSpec:
+    """``audio_encoder``: 1 to ``size`` 30 s windows a call (exactly one when ``size`` is 1); a recording of any
+    length (``geometry.any_length``): 1 to ``size`` positions."""
+    if geometry.any_length:
+        return MethodSpec(AUDIO_METHOD, 1, size, True, takes="frames", gives="embeddings", bins=geometry.bins,
+                          frames_per_token=geometry.frames_per_token)
+    return MethodSpec(AUDIO_METHOD, 1, size, size > 1, takes="features", gives="embeddings",
                       features=(geometry.bins, geometry.frames))
 
 
-def audio_constants(geometry: AudioGeometry, windows: int) -> dict[str, Any]:
-    """Named as a speech program's are (``get_sample_rate``, ``get_num_mel_bins``, ...), and the audio's tokens."""
-    return {"get_sample_rate": SAMPLE_RATE, "get_num_mel_bins": geometry.bins, "get_chunk_length": CHUNK_SECONDS,
-            "get_n_frames": geometry.frames, AUDIO_TOKENS: geometry.tokens, AUDIO_TOKEN_ID: geometry.audio_token_id,
-            MAX_WINDOWS: windows}
+def audio_constants(geometry: AudioGeometry, size: int) -> dict[str, Any]:
+    """Named as a speech program's are (``get_sample_rate``, ``get_num_mel_bins``, ...), and the audio's tokens:
+    per window and the windows a call (``size``); for a recording of any length, the most positions a call gives
+    (``size``: ``get_audio_tokens``), the frames a position, and the tokens around them."""
+    values = {"get_sample_rate": SAMPLE_RATE, "get_num_mel_bins": geometry.bins, "get_chunk_length": CHUNK_SECONDS,
+              "get_n_frames": geometry.frames, AUDIO_TOKEN_ID: geometry.audio_token_id}
+    if not geometry.any_length:
+        return {**values, AUDIO_TOKENS: geometry.tokens, MAX_WINDOWS: size}
+    values["get_n_frames"] = geometry.frames_per_token * size
+    return {**values, AUDIO_TOKENS: size, MAX_WINDOWS: 1, FRAMES_PER_TOKEN: geometry.frames_per_token,
+            AUDIO_BEGIN_ID: geometry.begin_token_id, AUDIO_END_ID: geometry.end_token_id}
+
+
+def audio_features(samples: torch.Tensor, geometry: AudioGeometry) -> torch.Tensor:
+    """What the program's preprocessor makes of 16 kHz mono ``samples``, in PyTorch: Whisper's windows
+    ``[W, bins, 3000]``, or Gemma 4's frames ``[1, 128, 4m]``."""
+    if not geometry.any_length:
+        return preprocessor_features(samples, geometry.bins)
+    with torch.no_grad():
+        return Gemma4LogMel()(samples)
+
+
+#: The longest recording Gemma 4's preprocessor takes: its feature extractor's 30 s (max_length 480,000 samples);
+#: the shortest: one frame (20 ms, a hop of 10 ms and a sample).
+GEMMA4_MAX_SAMPLES, GEMMA4_MIN_SAMPLES = 30 * SAMPLE_RATE, 320 + 160 + 1
+
+
+def write_audio_preprocessor(path: Path, geometry: AudioGeometry) -> str:
+    """The preprocessor of ``geometry``'s family written to ``path``; what it is, for the console."""
+    if not geometry.any_length:
+        write_preprocessor(path, geometry.bins)
+        return f"ExecuTorch's WhisperAudioProcessor, raw 16 kHz samples to {geometry.bins}-bin features"
+    _write_gemma4_preprocessor(path)
+    return "ExecuTorch's Gemma4SpeechTransformModel, raw 16 kHz samples (up to 30 s) to 128-bin frames"
+
+
+def _write_gemma4_preprocessor(path: Path) -> None:
+    """:class:`Gemma4LogMel` lowered to XNNPACK: samples ``[N]`` (at least one frame's 481, at most 30 s) in,
+    ``[1, 128, 4m]`` out."""
+    def make(out: Path) -> None:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+        from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+        model = Gemma4LogMel().eval()
+        samples = torch.export.Dim("samples", min=GEMMA4_MIN_SAMPLES, max=GEMMA4_MAX_SAMPLES)
+        with torch.no_grad():
+            program = torch.export.export(model, (torch.randn(SAMPLE_RATE),), dynamic_shapes=({0: samples},),
+                                          strict=False)
+        # Its STFT framing (unfold) is outside the Edge dialect's operator set, as in ExecuTorch's own export.
+        with convolutions_unguarded():
+            lowered = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()],
+                                                  compile_config=EdgeCompileConfig(_check_ir_validity=False))
+            out.write_bytes(lowered.to_executorch().buffer)
+
+    copy_cached_program(path, "gemma4-mel128-30s", make)

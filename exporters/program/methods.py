@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from exporters.program.swappable import SlotPlan
 
 
-MethodInput = Literal["tokens", "embeddings", "pixels", "features"]
+MethodInput = Literal["tokens", "embeddings", "pixels", "features", "frames"]
 MethodOutput = Literal["logits", "embeddings"]
 
 
@@ -51,6 +51,10 @@ class MethodSpec:
     # audio_encoder: it takes log-mel windows [W, bins, frames], W in [min_tokens, max_tokens] (the windows are its
     # dynamic dimension)
     features: tuple[int, int] = (0, 0)
+    # audio_encoder of one recording (takes "frames", Gemma 4): [1, bins, frames_per_token * m] log-mel frames, m in
+    # [min_tokens, max_tokens] positions
+    bins: int = 0
+    frames_per_token: int = 0
 
     @property
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -64,9 +68,11 @@ class MethodSpec:
         activation ``dtype``."""
         if self.takes == "pixels":
             return (torch.zeros(1, 3, self.image_size, self.image_size),)
-        if self.takes == "features":
-            return (torch.zeros(min(2, self.max_tokens) if self.dynamic else self.max_tokens, *self.features),)
         n = min(2, self.max_tokens) if self.dynamic else self.max_tokens
+        if self.takes == "features":
+            return (torch.zeros(n, *self.features),)
+        if self.takes == "frames":
+            return (torch.zeros(1, self.bins, self.frames_per_token * n),)
         position = torch.tensor([0], dtype=torch.int64)
         if self.takes == "embeddings":
             return torch.zeros(1, n, width, dtype=dtype), position
@@ -79,6 +85,8 @@ class MethodSpec:
             return None
         if self.takes == "features":
             return ({0: Dim("windows", min=self.min_tokens, max=self.max_tokens)},)
+        if self.takes == "frames":
+            return ({2: self.frames_per_token * Dim("audio_positions", min=self.min_tokens, max=self.max_tokens)},)
         tokens = {1: Dim("num_tokens", min=self.min_tokens, max=self.max_tokens)}
         return (tokens,) if self.gives == "embeddings" else (tokens, None)
 

@@ -15,7 +15,7 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from filelock import FileLock
@@ -113,20 +113,27 @@ def speech_signatures(shape: WhisperShape, max_tokens: int) -> dict[str, Signatu
 def write_preprocessor(path: Path, mel_bins: int, max_seconds: int = PREPROCESSOR_MAX_SECONDS) -> None:
     """ExecuTorch's ``WhisperAudioProcessor`` (its own log-mel, equal to transformers' feature extractor) lowered
     to XNNPACK and written to ``path``: samples ``[N]`` (16 kHz mono float, up to ``max_seconds``) in, features
-    ``[n_windows, mels, 3000]`` out, one 30 s window per row.
+    ``[n_windows, mels, 3000]`` out, one 30 s window per row."""
+    def make(out: Path) -> None:
+        from executorch.extension.audio.mel_spectrogram import export_processor
 
-    It depends on nothing but ``mel_bins``, ``max_seconds`` and the installed packages, and lowering it takes
-    seconds, so it is made once per (those, the versions) in the project's cache and copied from there."""
-    versions = "-".join(f"{name}{installed(name)}" for name in ("executorch", "torch"))
-    cached = llm_exporters_cache() / "preprocessors" / f"whisper-mel{mel_bins}-{max_seconds}s-{versions}.pte"
+        export_processor(str(out), backend="xnnpack", feature_size=mel_bins, max_audio_len=max_seconds,
+                         stack_output=True)
+
+    copy_cached_program(path, f"whisper-mel{mel_bins}-{max_seconds}s", make)
+
+
+def copy_cached_program(path: Path, name: str, make: Callable[[Path], None]) -> None:
+    """The program ``make`` writes, copied to ``path``. A preprocessor depends on nothing but its ``name``'s
+    parameters and the installed packages, and lowering it takes seconds, so it is made once per (those, the
+    versions) in the project's cache and copied from there."""
+    versions = "-".join(f"{package}{installed(package)}" for package in ("executorch", "torch"))
+    cached = llm_exporters_cache() / "preprocessors" / f"{name}-{versions}.pte"
     cached.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cached) + ".lock"):
         if not cached.is_file():
-            from executorch.extension.audio.mel_spectrogram import export_processor
-
             made = private_path(cached, "made")
-            export_processor(str(made), backend="xnnpack", feature_size=mel_bins, max_audio_len=max_seconds,
-                             stack_output=True)
+            make(made)
             made.replace(cached)
     shutil.copyfile(cached, path)
 

@@ -1,10 +1,11 @@
 """Prompts with a recording for an audio-language program, as an app makes them.
 
 ``preprocessor.pte`` beside the program turns the recording's 16 kHz samples into log-mel windows (ExecuTorch's
-``WhisperAudioProcessor``, what an Android or iOS app runs); the prompt's text goes around them: where it writes the
-audio token (``[AUDIO]``, ``<|AUDIO|>``), else before the text; ``chat=true`` writes the model's user turn. The
-prompt is then fed as ExecuTorch's MultimodalRunner feeds it (``exporters.runtime.media``). Every mismatch is refused
-before any method runs.
+``WhisperAudioProcessor``, what an Android or iOS app runs), or Gemma 4's frames of one recording of any length;
+the prompt's text goes around them: where it writes the audio token (``[AUDIO]``, ``<|AUDIO|>``, ``<|audio|>``),
+else before the text; ``chat=true`` writes the model's user turn. Gemma 4's audio positions sit between its begin
+and end tokens (``<|audio>``, ``<audio|>``), as its processor writes them. The prompt is then fed as ExecuTorch's
+MultimodalRunner feeds it (``exporters.runtime.media``). Every mismatch is refused before any method runs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 
 from exporters.errors import UserError
 from exporters.manifest import AudioEntry, Manifest
-from exporters.program.audio import AUDIO_METHOD, AUDIO_TOKEN_ID, AUDIO_TOKENS, MAX_WINDOWS
+from exporters.program.audio import (AUDIO_BEGIN_ID, AUDIO_END_ID, AUDIO_METHOD, AUDIO_TOKEN_ID, AUDIO_TOKENS,
+                                     FRAMES_PER_TOKEN, GEMMA4_MAX_SAMPLES, GEMMA4_MIN_SAMPLES,
+                                     MAX_WINDOWS)
 from exporters.program.speech import CHUNK_SECONDS, PREPROCESSOR_FILE, SAMPLE_RATE
 from exporters.runtime.audio import read_audio
 from exporters.runtime.media import MediaPrompt
@@ -41,15 +44,20 @@ def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
                         "Qwen2-Audio), or leave audio out.")
     per_window, token = int(program.constant(AUDIO_TOKENS)), int(program.constant(AUDIO_TOKEN_ID))
     most = int(program.constant(MAX_WINDOWS))
+    any_length = FRAMES_PER_TOKEN in program.method_names
     recording = read_audio(path)  # a file that is not audio is refused before anything runs
     for conversion in recording.conversions:
         print(f"[audio: {conversion}]", file=sys.stderr)
-    windows = -(-len(recording.samples) // (CHUNK_SECONDS * SAMPLE_RATE))
-    if windows > most:
-        raise UserError(f"audio={path} is {recording.seconds:.1f} s long, {windows} windows of {CHUNK_SECONDS} s, and "
-                        f"this program's {AUDIO_METHOD} takes at most {most} ({most * CHUNK_SECONDS} s) in one call: "
-                        f"cut the recording, or export with a larger export.max_seq_len (each window takes "
-                        f"{per_window} positions of one text_decoder call).")
+    if any_length:
+        _check_recording_length(recording.seconds, len(recording.samples), per_window,
+                                int(program.constant(FRAMES_PER_TOKEN)), path)
+    else:
+        windows = -(-len(recording.samples) // (CHUNK_SECONDS * SAMPLE_RATE))
+        if windows > most:
+            raise UserError(f"audio={path} is {recording.seconds:.1f} s long, {windows} windows of {CHUNK_SECONDS} s, "
+                            f"and this program's {AUDIO_METHOD} takes at most {most} ({most * CHUNK_SECONDS} s) in one "
+                            f"call: cut the recording, or export with a larger export.max_seq_len (each window takes "
+                            f"{per_window} positions of one text_decoder call).")
     text = _text(prompt, chat, entry, folder, path)
     ids = encode(text)
     marks = [i for i, t in enumerate(ids) if t == token]
@@ -65,9 +73,26 @@ def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
     features = LoadedProgram(preprocessor).run("forward", torch.from_numpy(recording.samples))[0]
     at = marks[0]
     before, after = ids[:at], ids[at + 1:]
+    if any_length:  # <|audio> before the positions, <audio|> after them, as Gemma 4's processor writes them
+        before = before + [int(program.constant(AUDIO_BEGIN_ID))]
+        after = [int(program.constant(AUDIO_END_ID))] + after
+        positions = features.shape[-1] // int(program.constant(FRAMES_PER_TOKEN))
+    else:
+        positions = per_window * features.shape[0]
     parts = [*([torch.tensor([before])] if before else []), features.contiguous(),
              *([torch.tensor([after])] if after else [])]
-    return MediaPrompt(before + [token] * (per_window * features.shape[0]) + after, parts, AUDIO_METHOD)
+    return MediaPrompt(before + [token] * positions + after, parts, AUDIO_METHOD)
+
+
+def _check_recording_length(seconds: float, samples: int, most: int, frames_per_token: int, path: str) -> None:
+    """A recording of any length (Gemma 4) fits the preprocessor (one frame to 30 s) and one call of audio_encoder
+    (``most`` positions, ``frames_per_token`` frames of 10 ms each)."""
+    longest = min(GEMMA4_MAX_SAMPLES / SAMPLE_RATE, most * frames_per_token / 100)
+    if samples < GEMMA4_MIN_SAMPLES or seconds > longest:
+        raise UserError(f"audio={path} is {seconds:.2f} s long, and this program takes one recording of 0.03 s to "
+                        f"{longest:.2f} s ({most} positions of one text_decoder call, {frames_per_token} frames of "
+                        "10 ms each; Gemma 4 hears at most 30 s): cut the recording"
+                        + (", or export with a larger export.max_seq_len." if longest < 30 else "."))
 
 
 def _text(prompt: str, chat: bool, entry: AudioEntry | None, folder: Path, path: str) -> str:

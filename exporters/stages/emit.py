@@ -17,6 +17,7 @@ from exporters.context.artifacts import LoweredProgram, WrittenProgram
 from exporters.manifest import DataFile
 from exporters.output.files import sha256_of, write_atomically
 from exporters.output.folder import is_no_room, no_room
+from exporters.program.dynamic import convolutions_unguarded
 from exporters.program.contents import data_file_entries, storage_breakdown
 from exporters.program.internals import delegate_calls_traced_from_their_outputs, reserialize, tensor_data_bytes
 from exporters.program.weights import data_path_for, data_tag, external_constant_tag
@@ -48,7 +49,8 @@ def to_executorch(edge: Any, aliases: dict[str, str], external: bool = False) ->
     checked on xnnpack, portable and vulkan programs), and took a third of emit on SmolLM2 (docs/DESIGN.md, 2c).
     """
     config = backend_config(external)
-    manager = edge.to_executorch(config)
+    with convolutions_unguarded():  # memory planning traces again: the dynamic ranges stay whole
+        manager = edge.to_executorch(config)
     if not aliases:
         return manager
     program = manager.executorch_program

@@ -18,6 +18,7 @@ from exporters.context import ExportContext
 from exporters.context.artifacts import CapturedMethods, LoweredProgram
 from exporters.backends import BACKENDS, Backend, partitioners
 from exporters.program.clock import LoweringClock
+from exporters.program.dynamic import convolutions_unguarded
 from exporters.program.internals import (edge_passes_only_where_they_apply, edge_programs_decomposed_once,
                                          lowering_forgets_graphs, named_data_stored_once, torchao_quant_ops_shape_only)
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
@@ -117,7 +118,7 @@ class LowerStage(Stage):
         naming = (delegate.weights_by_name(structure_namespace(programs)) if external and delegate.weights_by_name
                   else contextlib.nullcontext())
         clock, started = LoweringClock(), time.perf_counter()
-        with naming, lowering_shortcuts(plan.shortcuts, delegate), clock.running():
+        with naming, lowering_shortcuts(plan.shortcuts, delegate), clock.running(), convolutions_unguarded():
             edge = to_edge_transform_and_lower(
                 programs,
                 transform_passes=passes or None,
