@@ -29,9 +29,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from models.audio_language import GEMMA4_FRAMES_PER_TOKEN, GEMMA4_MEL_BINS, AudioGeometry, audio_language_of
-from models.decoder import id_digits
+from models.decoder import id_digits, mean_last
 from models.errors import ModelError
-from models.towers import load_parts, meta_model, quiet_transformers
+from models.towers import delegated_norms, load_parts, meta_model, quiet_transformers
 
 MEL_BINS = GEMMA4_MEL_BINS  # fixed by the tower's subsampling convolutions (Gemma4AudioConfig has no num_mel_bins)
 FRAMES_PER_TOKEN = GEMMA4_FRAMES_PER_TOKEN  # two stride-2 convolutions
@@ -65,7 +65,7 @@ class Gemma4Audio(nn.Module):
         family = audio_language_of(config)
         assert family is not None, "a Gemma 4 config with audio_config"
         self.geometry: AudioGeometry = family.geometry(config)
-        self.tower, self.projector = tower, projector
+        self.tower, self.projector = delegable(tower), delegable(projector)
         self.register_buffer("token_id", id_digits(torch.tensor([[self.geometry.audio_token_id]]), torch.float32),
                              persistent=False)
         self.compute_dtype = torch.float32  # what its weights and activations are in (quant.audio)
@@ -87,6 +87,53 @@ class Gemma4Audio(nn.Module):
         states = self.tower(frames, valid).last_hidden_state[:, :positions]
         out = self.projector(states)
         return torch.cat([out, self.token_id.to(out.dtype).expand(1, positions, -1)], dim=-1)
+
+
+class _ClampedByNumbers(nn.Module):
+    """``Gemma4ClippableLinear`` with its bounds read once as numbers (``bounds``): XNNPACK takes a clamp by numbers,
+    not one by tensors, which would end a delegated partition at each of the tower's 40-odd linears. The same
+    clamps: none where it clamps nothing."""
+
+    bounds: tuple[float, float, float, float]
+    linear: nn.Linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low, high, out_low, out_high = self.bounds
+        if (low, high) != (-math.inf, math.inf):
+            x = x.clamp(low, high)
+        x = self.linear(x)
+        return x if (out_low, out_high) == (-math.inf, math.inf) else x.clamp(out_low, out_high)
+
+
+class _DelegatedRMSNorm(nn.Module):
+    """``Gemma4RMSNorm`` (in fp32, then cast back) through a mean XNNPACK delegates (``models.decoder.mean_last``)
+    and ``rsqrt`` for ``pow(-0.5)``: equal within float rounding (tests/test_gemma4_audio.py)."""
+
+    eps: float
+    with_scale: bool
+    weight: nn.Parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() not in (3, 4) or x.shape[0] != 1:
+            return type(self).__mro__[1].forward(self, x)  # transformers' own
+        f = x.float()
+        out = f * torch.rsqrt(mean_last(f * f) + self.eps)
+        return (out * self.weight.float() if self.with_scale else out).to(x.dtype)
+
+
+def delegable(module: nn.Module) -> nn.Module:
+    """``module`` (the tower or ``embed_audio``) with its clipped linears, RMS norms and layer norms computed in ops
+    XNNPACK delegates, in place (the same parameters; each swapped module's class derives from transformers')."""
+    for m in module.modules():
+        name = type(m).__name__
+        if name == "Gemma4ClippableLinear":
+            names = ("input_min", "input_max", "output_min", "output_max")
+            m.bounds = (tuple(float(getattr(m, n)) for n in names) if m.use_clipped_linears
+                        else (-math.inf, math.inf, -math.inf, math.inf))
+            m.__class__ = type("Gemma4ClippableLinearByNumbers", (_ClampedByNumbers, type(m)), {})
+        elif name == "Gemma4RMSNorm":
+            m.__class__ = type("Gemma4RMSNormDelegated", (_DelegatedRMSNorm, type(m)), {})
+    return delegated_norms(module)
 
 
 class Gemma4LogMel(nn.Module):

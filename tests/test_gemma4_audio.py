@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import soundfile
 import pytest
 import torch
 from torch.nn import functional as F
@@ -121,3 +122,82 @@ def test_gemma4s_audio_encoder_runs_in_the_runtime_for_every_length(ours: Any, t
         with torch.no_grad():
             expected = ours(x)
         torch.testing.assert_close(method.execute([x])[0], expected, rtol=1e-4, atol=1e-4)
+
+
+# The program under test: the MultimodalRunner's three methods and decode_one_token, one text_decoder call long
+# enough for the validation recording (4.9 s: 122 positions) and a prompt around it.
+PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=160")
+NEW_TOKENS = 8
+
+
+@pytest.mark.slow
+def test_a_gemma4_audio_program_writes_transformers_tokens_through_the_stock_runner(exported, checkpoint: Path,
+                                                                                    tmp_path: Path, capsys) -> None:
+    """Gemma 4's program with audio_encoder: the recording's positions between <|audio> and <audio|>, fed by
+    ExecuTorch's stock MultimodalRunner (text | Audio | text) and by exporters.generate audio= on the frames
+    preprocessor.pte makes: transformers' greedy tokens on the same frames and mask, token for token. The method
+    takes any recording up to its most positions (the whole range kept through lowering); a longer one is refused
+    in one paragraph before anything runs."""
+    from executorch.extension.llm.runner import GenerationConfig, MultimodalRunner, make_audio_input, make_token_input
+    from executorch.runtime import Runtime
+
+    from exporters.generate import main
+    from exporters.program.audio import AUDIO_BEGIN_ID, AUDIO_END_ID, AUDIO_METHOD, AUDIO_TOKENS
+    from exporters.program.audio import FRAMES_PER_TOKEN as FRAMES_CONSTANT
+    from exporters.program.speech import PREPROCESSOR_FILE
+    from exporters.release.bundle import make_bundle
+    from exporters.runtime.audio import read_audio
+    from exporters.runtime.generator import Generator, SamplingConfig
+    from exporters.runtime.heard import audio_entry
+    from exporters.runtime.programs import register_runtime_kernels
+    from exporters.validation.speech import VALIDATION_RECORDING
+    from tests.helpers import transformers_model
+
+    register_runtime_kernels()
+    result = exported("model=hf", f"model.checkpoint={checkpoint}", *PROGRAM)
+    m, run = result.manifest, result.pte_path.parent
+    audio = m.components["audio"].audio
+    assert m.validation.passed and audio.check.passed and audio.check.cosine > 0.9999
+    assert audio.check.greedy_tokens == audio.check.eager_choices and audio.check.unquantized.top1 == 1.0
+    assert set(m.methods) == {"decode", "token_embedding", "text_decoder", AUDIO_METHOD}
+    config = AutoConfig.from_pretrained(checkpoint)
+    constants = m.constant_methods
+    assert constants[AUDIO_TOKENS] == 159 and constants[FRAMES_CONSTANT] == FRAMES_PER_TOKEN
+    assert (constants[AUDIO_BEGIN_ID], constants[AUDIO_END_ID]) == (config.boa_token_id, config.eoa_token_index)
+    assert (audio.begin_token, audio.audio_token, audio.end_token) == ("<|audio>", "<|audio|>", "<audio|>")
+    # Memory planned for the most positions: torch's fake convolution no longer narrows the range to short audio.
+    planned = Runtime.get().load_program(result.pte_path).load_method(AUDIO_METHOD).metadata.input_tensor_meta(0)
+    assert list(planned.sizes()) == [1, 128, FRAMES_PER_TOKEN * 159]
+
+    generator = Generator(result.pte_path)
+    made = generator.with_audio("Once upon a time", str(VALIDATION_RECORDING), entry=audio_entry(m))
+    frames = made.parts[1]
+    positions = frames.shape[-1] // FRAMES_PER_TOKEN
+    with torch.no_grad():  # preprocessor.pte against the same log-mel in PyTorch (ExecuTorch's own module)
+        expected_frames = Gemma4LogMel()(torch.from_numpy(read_audio(VALIDATION_RECORDING).samples))
+    torch.testing.assert_close(frames, expected_frames, rtol=1e-4, atol=1e-4)
+    before, after = made.parts[0][0].tolist(), made.parts[2][0].tolist()
+    assert before[-1] == config.boa_token_id and after[0] == config.eoa_token_index
+    assert made.ids == before + [config.audio_token_id] * positions + after and positions == 122
+    ids = torch.tensor([made.ids])
+    with torch.no_grad():  # transformers on the same frames, [1, frames, bins], with the recording's frames marked
+        generated = transformers_model(checkpoint).generate(
+            input_ids=ids, input_features=frames.transpose(1, 2), input_features_mask=frames[0].any(0)[None],
+            max_new_tokens=NEW_TOKENS, do_sample=False)
+    ours = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), media=made)
+    assert ours.new_ids == generated[0, ids.shape[1]:].tolist()
+
+    runner = MultimodalRunner(str(result.pte_path), str(run / "tokenizer.json"))
+    pieces: list[str] = []
+    runner.generate([make_token_input(before), make_audio_input(frames), make_token_input(after)],
+                    GenerationConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False),
+                    token_callback=pieces.append)
+    assert "".join(pieces) == ours.text
+
+    long = tmp_path / "long.wav"
+    soundfile.write(long, _speech(16_000 * 7), SAMPLE_RATE)
+    assert main([str(run), "prompt=hi", f"audio={long}"]) == 2
+    assert "is 7.00 s long, and this program takes one recording of 0.03 s to 6.36 s" in capsys.readouterr().err
+    bundle, _ = make_bundle(run, tmp_path / "release")
+    readme = (bundle / "README.md").read_text()
+    assert (bundle / PREPROCESSOR_FILE).is_file() and "`<|audio>`" in readme and "`<audio|>`" in readme
