@@ -1,4 +1,5 @@
-"""Audio-language checkpoints (Voxtral, Qwen2-Audio): tiny ones built by transformers' own classes.
+"""Audio-language checkpoints (Voxtral, Qwen2-Audio; Gemma 4's text decoder, its tower in test_gemma4_audio.py): tiny
+ones built by transformers' own classes.
 
 Fast: each family's audio encoder and text decoder against transformers eagerly; each refusal before any work.
 Slow: a Voxtral program with audio_encoder, token_embedding and text_decoder beside decode_one_token, run by
@@ -27,6 +28,7 @@ from models.tiny_alm import TINY_ALM, VOXTRAL_STACK, WINDOW_POSITIONS
 from tests.helpers import compose_config, transformers_model
 
 FAMILIES = list(TINY_ALM)
+WINDOWED = ["voxtral", "qwen2_audio"]  # Whisper's encoder on 30 s windows (Gemma 4's tower: tests/test_gemma4_audio.py)
 NEW_TOKENS = 8
 # The program under test: the MultimodalRunner's three methods and decode_one_token (the fewest graphs to lower), a
 # call long enough for one 30 s window of the tiny Voxtral (75 positions).
@@ -42,7 +44,7 @@ def transformers_embeddings(ref, family: str, features: torch.Tensor) -> torch.T
         -1, ref.config.text_config.hidden_size)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WINDOWED)
 def test_the_audio_encoder_computes_what_transformers_computes(alm_checkpoint, family: str) -> None:
     """Two 30 s windows (Voxtral's call takes several; Qwen2-Audio's one each): the same embeddings, one row."""
     ckpt = alm_checkpoint(family)
