@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 
 from models.tiny import BOS_ID, EOS_ID, built_once, recipe_key
-from models.tiny_vlm import GEMMA4_TOKENS, TEXT_ARCH, finite_clamps, save_multimodal, tiny_tokenizer
+from models.tiny_vlm import TEXT_ARCH, TINY_VLM, finite_clamps, save_multimodal, tiny_tokenizer
+from models.tiny_vlm import UNTRAINED as VLM_UNTRAINED
 
 MEL_BINS = 128
 WINDOW_POSITIONS = 1500  # Whisper's encoder positions of a 30 s window (3000 frames, halved by its second conv)
@@ -64,36 +65,33 @@ def _qwen2_audio() -> tuple[Any, Any, list[Any]]:
 
 
 def _gemma4() -> tuple[Any, Any, list[Any]]:
-    """Gemma 4's audio tokens as its tokenizer names them; a two-layer Gemma 4 text decoder with per-layer embeddings
-    beside an audio tower of two conformer layers 32 wide (its subsampling's first channels are the 128 mel bins',
-    which the tower's arithmetic fixes) with clipped linears; no image tower. transformers' own feature extractor."""
-    from transformers import Gemma4AudioConfig, Gemma4AudioFeatureExtractor, Gemma4Config, Gemma4TextConfig
+    """Every modality of Gemma 4: the tiny vision-language Gemma 4 (``models.tiny_vlm``: four decoder layers, KV
+    sharing, per-layer embeddings, an image tower, its processor and tokenizer with Gemma 4's image and audio tokens)
+    with an audio tower of two conformer layers 32 wide beside it (its subsampling's first channels are the 128 mel
+    bins', which the tower's arithmetic fixes) with clipped linears, and transformers' own audio feature extractor."""
+    from transformers import Gemma4AudioConfig, Gemma4AudioFeatureExtractor
 
-    tok = tiny_tokenizer(GEMMA4_TOKENS)
-    audio = Gemma4AudioConfig(hidden_size=AUDIO_WIDTH, num_hidden_layers=2, num_attention_heads=2,
-                              subsampling_conv_channels=[MEL_BINS, 8], output_proj_dims=24, use_clipped_linears=True)
-    text = Gemma4TextConfig(**TEXT_ARCH, head_dim=16, global_head_dim=32, vocab_size=len(tok),
-                            hidden_size_per_layer_input=16, vocab_size_per_layer_input=len(tok), bos_token_id=BOS_ID,
-                            eos_token_id=EOS_ID, pad_token_id=tok.pad_token_id)
-    config = Gemma4Config(text_config=text, vision_config=None, audio_config=audio, audio_token_id=tok.audio_token_id,
-                          boa_token_id=tok.convert_tokens_to_ids(tok.boa_token),
-                          eoa_token_index=tok.convert_tokens_to_ids(tok.eoa_token),
-                          image_token_id=tok.image_token_id, architectures=["Gemma4ForConditionalGeneration"])
+    config, processor = TINY_VLM["gemma4"]()
+    tok = processor.tokenizer
+    config.audio_config = Gemma4AudioConfig(hidden_size=AUDIO_WIDTH, num_hidden_layers=2, num_attention_heads=2,
+                                            subsampling_conv_channels=[MEL_BINS, 8], output_proj_dims=24,
+                                            use_clipped_linears=True)
     config.audio_config._attn_implementation = "eager"
-    return config, tok, [tok, Gemma4AudioFeatureExtractor()]
+    config.boa_token_id = tok.convert_tokens_to_ids(tok.boa_token)
+    config.eoa_token_index = tok.convert_tokens_to_ids(tok.eoa_token)
+    return config, tok, [processor, Gemma4AudioFeatureExtractor()]
 
 
 def _gemma4_untrained(model: Any) -> None:
-    """What transformers initializes to a constant in the audio tower drawn at random (finite clamps, each head's
-    scale), and the pad token's per-layer row (what a recording's tokens look up): else a parity test could not tell
-    them read wrong from left out."""
+    """What the tiny VLM draws at random (``models.tiny_vlm.UNTRAINED``), and in the audio tower what transformers
+    initializes to a constant (finite clamps, each head's scale): else a parity test could not tell them read wrong
+    from left out."""
+    VLM_UNTRAINED["gemma4"](model)
     with torch.no_grad():
         tower = model.model.audio_tower
         finite_clamps(tower, 2.0)
         for layer in tower.layers:
             layer.self_attn.per_dim_scale.normal_(0.0, 0.5)
-        table = model.model.language_model.embed_tokens_per_layer.weight
-        table[model.config.text_config.pad_token_id].normal_(0.0, 0.5)
 
 
 #: family (``models.audio_language.AudioLanguage.name``) -> its tiny config, tokenizer and the files saved beside it.

@@ -1,6 +1,7 @@
-"""Gemma 4's audio tower as the program will compute it (models.gemma4_audio), against transformers on a tiny random
-checkpoint: the embeddings and their count for recordings of every length modulo the tower's four frames a position,
-the log-mel frames against transformers' feature extractor, and the method captured with any frame count."""
+"""Gemma 4's audio tower (models.gemma4_audio) against transformers on a tiny random checkpoint of every modality
+(models.tiny_alm): the embeddings and their count for recordings of every length modulo the tower's four frames a
+position, the log-mel frames against transformers' feature extractor, the method captured with any frame count; and
+the program of every modality run by ExecuTorch's stock MultimodalRunner against transformers' generate."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import soundfile
 import pytest
 import torch
 from torch.nn import functional as F
-from transformers import AutoConfig, Gemma4AudioFeatureExtractor, Gemma4ForConditionalGeneration, Gemma4Processor
+from transformers import (AutoConfig, AutoTokenizer, Gemma4AudioFeatureExtractor, Gemma4ForConditionalGeneration,
+                          Gemma4Processor)
 
 from models.decoder import ids_of_digits
 from models.gemma4_audio import (FRAMES_PER_TOKEN, SAMPLE_RATE, Gemma4LogMel, audio_positions, load_gemma4_audio,
@@ -125,49 +127,55 @@ def test_gemma4s_audio_encoder_runs_in_the_runtime_for_every_length(ours: Any, t
 
 
 # The program under test: the MultimodalRunner's three methods and decode_one_token, one text_decoder call long
-# enough for the validation recording (4.9 s: 122 positions) and a prompt around it.
-PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=160")
+# enough for the validation recording (4.9 s: 122 positions) and a prompt with an image around it.
+PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=192")
+MOST = 191  # the positions one call takes: a recording of 7.64 s at most
 NEW_TOKENS = 8
 
 
 @pytest.mark.slow
-def test_a_gemma4_audio_program_writes_transformers_tokens_through_the_stock_runner(exported, checkpoint: Path,
-                                                                                    tmp_path: Path, capsys) -> None:
-    """Gemma 4's program with audio_encoder: the recording's positions between <|audio> and <audio|>, fed by
-    ExecuTorch's stock MultimodalRunner (text | Audio | text) and by exporters.generate audio= on the frames
-    preprocessor.pte makes: transformers' greedy tokens on the same frames and mask, token for token. The method
-    takes any recording up to its most positions (the whole range kept through lowering); a longer one is refused
-    in one paragraph before anything runs."""
-    from executorch.extension.llm.runner import GenerationConfig, MultimodalRunner, make_audio_input, make_token_input
+def test_a_gemma4_program_of_every_modality_writes_transformers_tokens_through_the_stock_runner(
+        exported, checkpoint: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Gemma 4 with its image and audio towers as one program (vision_encoder, audio_encoder, token_embedding,
+    text_decoder), each encoder validated. A recording's positions between <|audio> and <audio|>, fed by ExecuTorch's
+    stock MultimodalRunner (text | Audio | text) and by exporters.generate audio= on the frames preprocessor.pte
+    makes, then a prompt with an image *and* the recording through the stock runner: transformers' greedy tokens on
+    the same pixels, frames and mask, token for token. The audio method takes any recording up to its most positions
+    (the whole range kept through lowering); a longer one is refused in one paragraph before anything runs."""
+    from executorch.extension.llm.runner import (GenerationConfig, MultimodalRunner, make_audio_input, make_image_input,
+                                                 make_token_input)
     from executorch.runtime import Runtime
+    from PIL import Image
 
     from exporters.generate import main
     from exporters.program.audio import AUDIO_BEGIN_ID, AUDIO_END_ID, AUDIO_METHOD, AUDIO_TOKENS
     from exporters.program.audio import FRAMES_PER_TOKEN as FRAMES_CONSTANT
     from exporters.program.speech import PREPROCESSOR_FILE
+    from exporters.program.vision import VISION_METHOD, program_pixels
     from exporters.release.bundle import make_bundle
     from exporters.runtime.audio import read_audio
     from exporters.runtime.generator import Generator, SamplingConfig
     from exporters.runtime.heard import audio_entry
     from exporters.runtime.programs import register_runtime_kernels
     from exporters.validation.speech import VALIDATION_RECORDING
+    from models.vision import load_processor
     from tests.helpers import transformers_model
 
     register_runtime_kernels()
     result = exported("model=hf", f"model.checkpoint={checkpoint}", *PROGRAM)
     m, run = result.manifest, result.pte_path.parent
-    audio = m.components["audio"].audio
-    assert m.validation.passed and audio.check.passed and audio.check.cosine > 0.9999
+    audio, vision = m.components["audio"].audio, m.components["vision"].vision
+    assert m.validation.passed and audio.check.passed and vision.check.passed and audio.check.cosine > 0.9999
     assert audio.check.greedy_tokens == audio.check.eager_choices and audio.check.unquantized.top1 == 1.0
-    assert set(m.methods) == {"decode", "token_embedding", "text_decoder", AUDIO_METHOD}
+    assert set(m.methods) == {"decode", "token_embedding", "text_decoder", VISION_METHOD, AUDIO_METHOD}
     config = AutoConfig.from_pretrained(checkpoint)
     constants = m.constant_methods
-    assert constants[AUDIO_TOKENS] == 159 and constants[FRAMES_CONSTANT] == FRAMES_PER_TOKEN
+    assert constants[AUDIO_TOKENS] == MOST and constants[FRAMES_CONSTANT] == FRAMES_PER_TOKEN
     assert (constants[AUDIO_BEGIN_ID], constants[AUDIO_END_ID]) == (config.boa_token_id, config.eoa_token_index)
     assert (audio.begin_token, audio.audio_token, audio.end_token) == ("<|audio>", "<|audio|>", "<audio|>")
     # Memory planned for the most positions: torch's fake convolution no longer narrows the range to short audio.
     planned = Runtime.get().load_program(result.pte_path).load_method(AUDIO_METHOD).metadata.input_tensor_meta(0)
-    assert list(planned.sizes()) == [1, 128, FRAMES_PER_TOKEN * 159]
+    assert list(planned.sizes()) == [1, 128, FRAMES_PER_TOKEN * MOST]
 
     generator = Generator(result.pte_path)
     made = generator.with_audio("Once upon a time", str(VALIDATION_RECORDING), entry=audio_entry(m))
@@ -180,24 +188,41 @@ def test_a_gemma4_audio_program_writes_transformers_tokens_through_the_stock_run
     assert before[-1] == config.boa_token_id and after[0] == config.eoa_token_index
     assert made.ids == before + [config.audio_token_id] * positions + after and positions == 122
     ids = torch.tensor([made.ids])
+    reference = transformers_model(checkpoint)
+    heard = {"input_features": frames.transpose(1, 2), "input_features_mask": frames[0].any(0)[None]}
     with torch.no_grad():  # transformers on the same frames, [1, frames, bins], with the recording's frames marked
-        generated = transformers_model(checkpoint).generate(
-            input_ids=ids, input_features=frames.transpose(1, 2), input_features_mask=frames[0].any(0)[None],
-            max_new_tokens=NEW_TOKENS, do_sample=False)
+        generated = reference.generate(input_ids=ids, **heard, max_new_tokens=NEW_TOKENS, do_sample=False)
     ours = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), media=made)
     assert ours.new_ids == generated[0, ids.shape[1]:].tolist()
 
-    runner = MultimodalRunner(str(result.pte_path), str(run / "tokenizer.json"))
-    pieces: list[str] = []
-    runner.generate([make_token_input(before), make_audio_input(frames), make_token_input(after)],
-                    GenerationConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False),
-                    token_callback=pieces.append)
-    assert "".join(pieces) == ours.text
+    def stock(inputs: list) -> str:  # type: ignore[type-arg]
+        """A new runner each time: one keeps its position across calls (a conversation's next turn)."""
+        runner = MultimodalRunner(str(result.pte_path), str(run / "tokenizer.json"))
+        pieces: list[str] = []
+        runner.generate(inputs, GenerationConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False),
+                        token_callback=pieces.append)
+        return "".join(pieces)
+
+    assert stock([make_token_input(before), make_audio_input(frames), make_token_input(after)]) == ours.text
+
+    # An image, then the recording, in one prompt: the processor's image tokens (begin, 4, end), then the audio's.
+    picture = Image.fromarray((np.random.RandomState(0).rand(40, 50, 3) * 255).astype("uint8"))
+    seen = load_processor(checkpoint)(images=picture, text="Once upon <|image|> a time", return_tensors="pt")
+    image_ids = seen["input_ids"][0].tolist()
+    at = image_ids.index(config.eoi_token_id)
+    ids = torch.tensor([image_ids + before[1:] + [config.audio_token_id] * positions + after])  # before[0]: BOS
+    pixels = {k: v for k, v in seen.items() if k not in ("input_ids", "attention_mask", "token_type_ids")}
+    with torch.no_grad():
+        generated = reference.generate(input_ids=ids, **pixels, **heard, max_new_tokens=NEW_TOKENS, do_sample=False)
+    first_image = image_ids.index(config.image_token_id)
+    text = stock([make_token_input(image_ids[:first_image]), make_image_input(program_pixels(seen, vision.image_size)),
+                  make_token_input(image_ids[at:] + before[1:]), make_audio_input(frames), make_token_input(after)])
+    assert text == AutoTokenizer.from_pretrained(checkpoint).decode(generated[0, ids.shape[1]:])
 
     long = tmp_path / "long.wav"
-    soundfile.write(long, _speech(16_000 * 7), SAMPLE_RATE)
+    soundfile.write(long, _speech(16_000 * 8), SAMPLE_RATE)
     assert main([str(run), "prompt=hi", f"audio={long}"]) == 2
-    assert "is 7.00 s long, and this program takes one recording of 0.03 s to 6.36 s" in capsys.readouterr().err
+    assert "is 8.00 s long, and this program takes one recording of 0.03 s to 7.64 s" in capsys.readouterr().err
     bundle, _ = make_bundle(run, tmp_path / "release")
     readme = (bundle / "README.md").read_text()
     assert (bundle / PREPROCESSOR_FILE).is_file() and "`<|audio>`" in readme and "`<audio|>`" in readme
