@@ -2,7 +2,8 @@
 ones built by transformers' own classes.
 
 Fast: each family's audio encoder and text decoder against transformers eagerly; each refusal before any work.
-Slow: a Voxtral program with audio_encoder, token_embedding and text_decoder beside decode_one_token, run by
+Extended (the full suite runs the same path on Gemma 4's program): a Voxtral program with audio_encoder,
+token_embedding and text_decoder beside decode_one_token, run by
 ExecuTorch's stock MultimodalRunner on the features its own preprocessor.pte makes of the validation recording:
 transformers' greedy tokens, token for token; and ``exporters.generate audio=`` on the same program.
 """
@@ -109,6 +110,9 @@ def program_features(run: Path) -> torch.Tensor:
 
 
 @pytest.mark.slow
+# The stock runner's audio path and its refusals run on Gemma 4's program in the full suite (test_gemma4_audio.py), and
+# Whisper's encoder kernels on the speech programs (test_speech.py): these are Voxtral's windows on top of them.
+@pytest.mark.extended
 def test_the_stock_multimodal_runner_writes_transformers_tokens_with_audio(exported, alm_checkpoint,
                                                                            tmp_path: Path) -> None:
     """ExecuTorch's MultimodalRunner (text | Audio | text, then a token at a time through token_embedding and
@@ -170,6 +174,7 @@ def test_the_stock_multimodal_runner_writes_transformers_tokens_with_audio(expor
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # as above: the same refusals on Gemma 4's program in the full suite, beside this one's windows
 def test_generate_refuses_audio_the_program_cannot_take(exported, alm_checkpoint, tmp_path: Path, capsys) -> None:
     """Each refusal is one paragraph, before any method runs: a recording longer than the program's windows, the
     audio token written twice, a file that is not audio, audio to a text program."""

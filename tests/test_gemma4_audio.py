@@ -141,7 +141,8 @@ def test_a_gemma4_program_of_every_modality_writes_transformers_tokens_through_t
     stock MultimodalRunner (text | Audio | text) and by exporters.generate audio= on the frames preprocessor.pte
     makes, then a prompt with an image *and* the recording through the stock runner: transformers' greedy tokens on
     the same pixels, frames and mask, token for token. The audio method takes any recording up to its most positions
-    (the whole range kept through lowering); a longer one is refused in one paragraph before anything runs."""
+    (the whole range kept through lowering); a longer one, the audio token written twice, a file that is not audio,
+    audio to a text program: each refused in one paragraph before anything runs."""
     from executorch.extension.llm.runner import (GenerationConfig, MultimodalRunner, make_audio_input, make_image_input,
                                                  make_token_input)
     from executorch.runtime import Runtime
@@ -219,10 +220,31 @@ def test_a_gemma4_program_of_every_modality_writes_transformers_tokens_through_t
                   make_token_input(image_ids[at:] + before[1:]), make_audio_input(frames), make_token_input(after)])
     assert text == AutoTokenizer.from_pretrained(checkpoint).decode(generated[0, ids.shape[1]:])
 
-    long = tmp_path / "long.wav"
+    long, noise, text_run = tmp_path / "long.wav", tmp_path / "noise.wav", exported("model=tiny").pte_path.parent
     soundfile.write(long, _speech(16_000 * 8), SAMPLE_RATE)
-    assert main([str(run), "prompt=hi", f"audio={long}"]) == 2
-    assert "is 8.00 s long, and this program takes one recording of 0.03 s to 7.64 s" in capsys.readouterr().err
+    noise.write_bytes(b"not audio at all")
+    for args, says in ((["prompt=hi", f"audio={long}"],
+                        "is 8.00 s long, and this program takes one recording of 0.03 s to 7.64 s"),
+                       (["prompt=<|audio|> and <|audio|>", f"audio={VALIDATION_RECORDING}"], "marks the audio 2 times"),
+                       (["prompt=hi", f"audio={noise}"], "cannot be read as audio")):
+        assert main([str(run), *args]) == 2  # one paragraph, before any method runs
+        assert says in capsys.readouterr().err
+    assert main([str(text_run), "prompt=hi", f"audio={VALIDATION_RECORDING}"]) == 2
+    assert "needs a speech or audio-language program" in capsys.readouterr().err
     bundle, _ = make_bundle(run, tmp_path / "release")
     readme = (bundle / "README.md").read_text()
     assert (bundle / PREPROCESSOR_FILE).is_file() and "`<|audio>`" in readme and "`<audio|>`" in readme
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # the full suite lowers the same tower in fp32 above; this is 8da8w's quantized activations
+def test_a_quantized_gemma4_program_of_every_modality_lowers_and_passes_validation(exported, checkpoint: Path) -> None:
+    """quant=8da4w (both encoders 8da8w by quant.*=auto): each encoder's method lowered to XNNPACK and validated
+    against its eager quantized model. A dynamically quantized activation shared by two of the audio tower's linears
+    once made two partitions a dependency cycle that to_backend refused (capture now shares them in the decoder's
+    methods only)."""
+    result = exported("model=hf", f"model.checkpoint={checkpoint}", "quant=8da4w", *PROGRAM)
+    m = result.manifest
+    audio, vision = m.components["audio"].audio, m.components["vision"].vision
+    assert m.validation.passed and audio.check.passed and vision.check.passed
+    assert audio.quantization.startswith("8da8w") and m.methods["audio_encoder"].delegated_partitions > 1

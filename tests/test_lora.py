@@ -190,7 +190,7 @@ def test_with_external_weights_each_adapter_has_its_own_data_file_that_can_be_sw
         entry = m.adapters[name]
         assert entry.data is not None and entry.data.file == f"model.{name}.ptd" and entry.validation.checked == "runtime"
         keys = [e.key for e in read_data_file_header(run / entry.data.file).named_data]
-        assert len(keys) == entry.data.entries == 2 * entry.layers and all(f".lora_" in k and f".{name}." in k for k in keys)
+        assert len(keys) == entry.data.entries == 2 * entry.layers and all(".lora_" in k and f".{name}." in k for k in keys)
     assert not [e.key for e in read_data_file_header(run / "model.ptd").named_data if ".lora_" in e.key]
     assert "--data_paths=model.ptd,model.pirate.ptd" in m.runtime.load
 

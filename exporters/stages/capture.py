@@ -68,8 +68,12 @@ class CaptureStage(Stage):
             return {name: capture(name, spec, module) for name, spec in specs.items() if name not in aliases}
 
         programs = capture_all()
-        for program in programs.values():
-            share_activation_quantization(program)
+        for name, program in programs.items():
+            # The decoder's methods, where a duplicate convert runs at every token. An encoder runs once an input, and
+            # in Gemma 4's audio tower (undelegated ops between its linears) one merged activation read by two
+            # XNNPACK partitions made them a dependency cycle, which to_backend refuses.
+            if specs[name].takes in ("tokens", "embeddings"):
+                share_activation_quantization(program)
         signatures = {name: signature(p, embeddings_in=specs[name].takes == "embeddings") for name, p in programs.items()}
         models = self.models_of(quantized)
         for part in parts(self.plan):  # methods of a part's own beyond the table (set_adapter)
