@@ -29,9 +29,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from models.audio_language import GEMMA4_FRAMES_PER_TOKEN, GEMMA4_MEL_BINS, AudioGeometry, audio_language_of
-from models.decoder import id_digits, mean_last
+from models.decoder import id_digits
 from models.errors import ModelError
-from models.towers import delegated_norms, load_parts, meta_model, quiet_transformers
+from models.towers import (clip_bounds, clipped_linear, delegated_norms, gemma4_rms_norm, load_parts, meta_model,
+                           quiet_transformers)
 
 MEL_BINS = GEMMA4_MEL_BINS  # fixed by the tower's subsampling convolutions (Gemma4AudioConfig has no num_mel_bins)
 FRAMES_PER_TOKEN = GEMMA4_FRAMES_PER_TOKEN  # two stride-2 convolutions
@@ -90,35 +91,21 @@ class Gemma4Audio(nn.Module):
 
 
 class _ClampedByNumbers(nn.Module):
-    """``Gemma4ClippableLinear`` with its bounds read once as numbers (``bounds``): XNNPACK takes a clamp by numbers,
-    not one by tensors, which would end a delegated partition at each of the tower's 40-odd linears. The same
-    clamps: none where it clamps nothing."""
-
-    bounds: tuple[float, float, float, float]
-    linear: nn.Linear
+    """``Gemma4ClippableLinear`` with its bounds read once as numbers (``models.towers.clipped_linear``): XNNPACK takes
+    a clamp by numbers, not one by tensors, which would end a delegated partition at each of the tower's linears."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        low, high, out_low, out_high = self.bounds
-        if (low, high) != (-math.inf, math.inf):
-            x = x.clamp(low, high)
-        x = self.linear(x)
-        return x if (out_low, out_high) == (-math.inf, math.inf) else x.clamp(out_low, out_high)
+        return clipped_linear(self, x)
 
 
 class _DelegatedRMSNorm(nn.Module):
-    """``Gemma4RMSNorm`` (in fp32, then cast back) through a mean XNNPACK delegates (``models.decoder.mean_last``)
-    and ``rsqrt`` for ``pow(-0.5)``: equal within float rounding (tests/test_gemma4_audio.py)."""
-
-    eps: float
-    with_scale: bool
-    weight: nn.Parameter
+    """``Gemma4RMSNorm`` through ops XNNPACK delegates (``models.towers.gemma4_rms_norm``): equal within float
+    rounding (tests/test_gemma4_audio.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() not in (3, 4) or x.shape[0] != 1:
             return type(self).__mro__[1].forward(self, x)  # transformers' own
-        f = x.float()
-        out = f * torch.rsqrt(mean_last(f * f) + self.eps)
-        return (out * self.weight.float() if self.with_scale else out).to(x.dtype)
+        return gemma4_rms_norm(self, x)
 
 
 def delegable(module: nn.Module) -> nn.Module:
@@ -127,9 +114,7 @@ def delegable(module: nn.Module) -> nn.Module:
     for m in module.modules():
         name = type(m).__name__
         if name == "Gemma4ClippableLinear":
-            names = ("input_min", "input_max", "output_min", "output_max")
-            m.bounds = (tuple(float(getattr(m, n)) for n in names) if m.use_clipped_linears
-                        else (-math.inf, math.inf, -math.inf, math.inf))
+            m.bounds = clip_bounds(m)
             m.__class__ = type("Gemma4ClippableLinearByNumbers", (_ClampedByNumbers, type(m)), {})
         elif name == "Gemma4RMSNorm":
             m.__class__ = type("Gemma4RMSNormDelegated", (_DelegatedRMSNorm, type(m)), {})

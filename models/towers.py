@@ -7,6 +7,7 @@ and ``models.audio_encoder`` wrap the parts into what the program's method compu
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypeVar
 
 import torch
@@ -96,3 +97,31 @@ def delegated_norms(encoder: M) -> M:
                 and module.bias is not None):
             module.__class__ = DelegatedLayerNorm
     return encoder
+
+
+def clip_bounds(clippable: nn.Module) -> tuple[float, float, float, float]:
+    """A ``Gemma4ClippableLinear``'s input and output bounds as numbers, read once: inside a capture its stored
+    tensors are inputs, not numbers."""
+    names = ("input_min", "input_max", "output_min", "output_max")
+    if not clippable.use_clipped_linears:
+        return (-math.inf, math.inf, -math.inf, math.inf)
+    low, high, out_low, out_high = (float(getattr(clippable, name)) for name in names)
+    return low, high, out_low, out_high
+
+
+def clipped_linear(clippable: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``Gemma4ClippableLinear`` with its clamps as constants (``clippable.bounds``, from :func:`clip_bounds`: a clamp
+    by numbers is one op XNNPACK takes, a clamp by tensors is not), none where it clamps nothing."""
+    low, high, out_low, out_high = clippable.bounds
+    if (low, high) != (-math.inf, math.inf):
+        x = x.clamp(low, high)
+    x = clippable.linear(x)
+    return x if (out_low, out_high) == (-math.inf, math.inf) else x.clamp(out_low, out_high)
+
+
+def gemma4_rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Gemma 4's RMSNorm (``Gemma4RMSNorm``: in fp32, then cast back) of ``[1, T, D]`` or ``[1, T, H, D]`` through a
+    mean XNNPACK delegates (``mean_last``) and ``rsqrt``: equal to transformers' within float rounding."""
+    f = x.float()
+    out = f * torch.rsqrt(mean_last(f * f) + norm.eps)
+    return (out * norm.weight.float() if norm.with_scale else out).to(x.dtype)

@@ -9,7 +9,6 @@ Parity with ``get_image_features``: tests/test_vision_language.py.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -17,7 +16,8 @@ from torch import nn
 
 from models.decoder import id_digits, mean_last
 from models.errors import ModelError
-from models.towers import delegated_norms, load_parts, meta_model, quiet_transformers, randomized_zeros
+from models.towers import (clip_bounds, clipped_linear, delegated_norms, gemma4_rms_norm, load_parts, meta_model,
+                           quiet_transformers, randomized_zeros)
 from models.vision import geometry_of, text_only, vision_language_of
 
 
@@ -295,16 +295,6 @@ class Qwen25VlVision(QwenVisionBase):
         return torch.cat([out, self.image_channels], dim=-1)
 
 
-def _clip_bounds(clippable: nn.Module) -> tuple[float, float, float, float]:
-    """A ``Gemma4ClippableLinear``'s input and output bounds as numbers, read once: inside a capture its stored
-    tensors are inputs, not numbers."""
-    names = ("input_min", "input_max", "output_min", "output_max")
-    if not clippable.use_clipped_linears:
-        return (-math.inf, math.inf, -math.inf, math.inf)
-    low, high, out_low, out_high = (float(getattr(clippable, name)) for name in names)
-    return low, high, out_low, out_high
-
-
 def _kv_heads_repeated(attn: nn.Module, groups: int) -> None:
     """Grouped-query attention as plain multi-head: each key and value head's projection rows repeated for the query
     heads that read it (their norms have one weight for every head), the same sums without a repeat of k and v per
@@ -347,7 +337,7 @@ class Gemma4Vision(VisionEncoder):
         self.layers = tower.encoder.layers
         for module in self.layers.modules():
             if hasattr(module, "use_clipped_linears"):
-                module.bounds = _clip_bounds(module)
+                module.bounds = clip_bounds(module)
         self.heads = vc.num_attention_heads
         if vc.num_key_value_heads != self.heads:
             for layer in self.layers:
@@ -363,21 +353,11 @@ class Gemma4Vision(VisionEncoder):
 
     @staticmethod
     def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Gemma 4's RMSNorm (``Gemma4RMSNorm``: in fp32, then cast back, as transformers computes it in an fp16
-        tower) through a mean XNNPACK delegates (``mean_last``)."""
-        f = x.float()
-        out = f * torch.rsqrt(mean_last(f * f) + norm.eps)
-        return (out * norm.weight.float() if norm.with_scale else out).to(x.dtype)
+        return gemma4_rms_norm(norm, x)
 
     @staticmethod
     def _linear(clippable: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``Gemma4ClippableLinear`` with its clamps as constants (:func:`_clip_bounds`: one op XNNPACK takes, where
-        clamping by tensors is not), none where it clamps nothing."""
-        low, high, out_low, out_high = clippable.bounds
-        if (low, high) != (-math.inf, math.inf):
-            x = x.clamp(low, high)
-        x = clippable.linear(x)
-        return x if (out_low, out_high) == (-math.inf, math.inf) else x.clamp(out_low, out_high)
+        return clipped_linear(clippable, x)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """2-D axial RoPE on q or k [1, P, heads, head_dim]: the first half of each head turned by x, the second by
