@@ -28,7 +28,8 @@ import torch
 from benchmarks.exporting import exporter_command, run_measured_or_failed
 from benchmarks.vision import median_seconds
 from benchmarks.vision_shapes import gemma4_e2b as gemma4_e2b_with_images
-from exporters.program.audio import AUDIO_METHOD, AUDIO_TOKENS, FRAMES_PER_TOKEN, GEMMA4_MAX_SAMPLES
+from exporters.program.audio import (AUDIO_METHOD, AUDIO_TOKENS, FRAMES_PER_SECOND, FRAMES_PER_TOKEN,
+                                     GEMMA4_MAX_SAMPLES)
 from exporters.program.speech import PREPROCESSOR_FILE, SAMPLE_RATE
 from exporters.runtime.audio import read_audio
 from exporters.runtime.driver import Driver, MethodRoles, program_method_shapes
@@ -78,7 +79,7 @@ def measure(program: str, text_tokens: int = 16, steps: int = 32, repeats: int =
     samples = read_audio(VALIDATION_RECORDING).samples
     if FRAMES_PER_TOKEN in loaded.method_names:  # one recording of any length: the longest the program takes
         frames = int(loaded.constant(AUDIO_TOKENS)) * int(loaded.constant(FRAMES_PER_TOKEN))
-        samples = np.resize(samples, min(GEMMA4_MAX_SAMPLES, frames * SAMPLE_RATE // 100))
+        samples = np.resize(samples, min(GEMMA4_MAX_SAMPLES, frames * SAMPLE_RATE // FRAMES_PER_SECOND))
     features = LoadedProgram(pte.parent / PREPROCESSOR_FILE).run("forward", torch.from_numpy(samples))[0][:1]
     features = features.contiguous()
     positions = loaded.run(AUDIO_METHOD, features)[0].shape[1]

@@ -30,8 +30,8 @@ from exporters.manifest import AudioCheck, AudioEntry, ComponentEntry, Manifest
 from exporters.output.files import private_path
 from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
 from exporters.plan.footprint import Footprint, encoder_footprint
-from exporters.program.audio import (AUDIO, AUDIO_METHOD, audio_constants, audio_features, audio_spec,
-                                     write_audio_preprocessor)
+from exporters.program.audio import (AUDIO, AUDIO_METHOD, FRAMES_PER_SECOND, audio_constants, audio_features,
+                                     audio_spec, write_audio_preprocessor)
 from exporters.program.methods import (MULTIMODAL_METHODS, MethodTable, check_encoder_unbuilt,
                                        check_runner_feeds)
 from exporters.program.passes import noop_expands_dropped
@@ -164,7 +164,7 @@ class Audio(Kind):
         if build.geometry.any_length:  # as many positions as one call and the cache hold beside the prompt's text
             most = min(build.per_call, model.args.max_context_len - room_needed(0))
             record.features = features[..., :most * build.geometry.frames_per_token].contiguous()
-            seconds = record.features.shape[-1] / 100  # 100 frames a second
+            seconds = record.features.shape[-1] / FRAMES_PER_SECOND
         else:
             record.features = features[:build.per_call]
             seconds = 30.0 * record.features.shape[0]
@@ -236,7 +236,7 @@ class Audio(Kind):
                           begin_token=text(g.begin_token_id), end_token_id=g.end_token_id,
                           end_token=text(g.end_token_id),
                           input=f"float32 [1, {g.bins}, {g.frames_per_token}m], m from 1 to {build.per_call}: one "
-                                f"recording's log-mel frames ({frames / 100:.1f} s at most), zeros after its last to "
+                                f"recording's log-mel frames ({frames / FRAMES_PER_SECOND:.1f} s at most), zeros after its last to "
                                 f"a multiple of {g.frames_per_token} (preprocessor.pte makes them of 16 kHz mono "
                                 "samples)")
 
@@ -262,7 +262,7 @@ def bundle_readme(a: AudioEntry) -> str:
         what = f"""`{PREPROCESSOR_FILE}` turns a recording into `audio_encoder`'s input: its `forward` takes 16 kHz mono float32
 samples `[N]` (up to 30 s) and gives log-mel frames `[1, {a.mel_bins}, {a.frames_per_token}m]`, 100 a second, zeros
 after the last to a multiple of {a.frames_per_token}. `audio_encoder` takes one recording of up to {a.tokens_per_window}
-positions ({a.frames / 100:.1f} s) in one call and returns its `m` embeddings, which `text_decoder` takes at the next
+positions ({a.frames / FRAMES_PER_SECOND:.1f} s) in one call and returns its `m` embeddings, which `text_decoder` takes at the next
 positions; text goes through `token_embedding` then `text_decoder`. In a prompt the audio's place is token
 {a.begin_token_id} (`{a.begin_token}`), token {a.audio_token_id} (`{a.audio_token}`) `m` times, then token
 {a.end_token_id} (`{a.end_token}`): the text before the audio ends with the first, the text after it starts with the

@@ -65,6 +65,8 @@ def audio_features(samples: torch.Tensor, geometry: AudioGeometry) -> torch.Tens
         return Gemma4LogMel()(samples)
 
 
+#: Log-mel frames a second: a hop of 10 ms (Whisper's and Gemma 4's feature extractors).
+FRAMES_PER_SECOND = 100
 #: The longest recording Gemma 4's preprocessor takes: its feature extractor's 30 s (max_length 480,000 samples);
 #: the shortest: one frame (20 ms, a hop of 10 ms and a sample).
 GEMMA4_MAX_SAMPLES, GEMMA4_MIN_SAMPLES = 30 * SAMPLE_RATE, 320 + 160 + 1

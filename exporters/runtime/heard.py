@@ -19,7 +19,7 @@ import torch
 from exporters.errors import UserError
 from exporters.manifest import AudioEntry, Manifest
 from exporters.program.audio import (AUDIO_BEGIN_ID, AUDIO_END_ID, AUDIO_METHOD, AUDIO_TOKEN_ID, AUDIO_TOKENS,
-                                     FRAMES_PER_TOKEN, GEMMA4_MAX_SAMPLES, GEMMA4_MIN_SAMPLES,
+                                     FRAMES_PER_SECOND, FRAMES_PER_TOKEN, GEMMA4_MAX_SAMPLES, GEMMA4_MIN_SAMPLES,
                                      MAX_WINDOWS)
 from exporters.program.speech import CHUNK_SECONDS, PREPROCESSOR_FILE, SAMPLE_RATE
 from exporters.runtime.audio import read_audio
@@ -44,13 +44,13 @@ def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
                         "Qwen2-Audio), or leave audio out.")
     per_window, token = int(program.constant(AUDIO_TOKENS)), int(program.constant(AUDIO_TOKEN_ID))
     most = int(program.constant(MAX_WINDOWS))
-    any_length = FRAMES_PER_TOKEN in program.method_names
+    # A recording of any length (Gemma 4): its frames a position; 0: whole 30 s windows
+    frames_per_token = int(program.constant(FRAMES_PER_TOKEN)) if FRAMES_PER_TOKEN in program.method_names else 0
     recording = read_audio(path)  # a file that is not audio is refused before anything runs
     for conversion in recording.conversions:
         print(f"[audio: {conversion}]", file=sys.stderr)
-    if any_length:
-        _check_recording_length(recording.seconds, len(recording.samples), per_window,
-                                int(program.constant(FRAMES_PER_TOKEN)), path)
+    if frames_per_token:
+        _check_recording_length(recording.seconds, len(recording.samples), per_window, frames_per_token, path)
     else:
         windows = -(-len(recording.samples) // (CHUNK_SECONDS * SAMPLE_RATE))
         if windows > most:
@@ -73,10 +73,10 @@ def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
     features = LoadedProgram(preprocessor).run("forward", torch.from_numpy(recording.samples))[0]
     at = marks[0]
     before, after = ids[:at], ids[at + 1:]
-    if any_length:  # <|audio> before the positions, <audio|> after them, as Gemma 4's processor writes them
+    if frames_per_token:  # <|audio> before the positions, <audio|> after them, as Gemma 4's processor writes them
         before = before + [int(program.constant(AUDIO_BEGIN_ID))]
         after = [int(program.constant(AUDIO_END_ID))] + after
-        positions = features.shape[-1] // int(program.constant(FRAMES_PER_TOKEN))
+        positions = features.shape[-1] // frames_per_token
     else:
         positions = per_window * features.shape[0]
     parts = [*([torch.tensor([before])] if before else []), features.contiguous(),
@@ -87,7 +87,7 @@ def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
 def _check_recording_length(seconds: float, samples: int, most: int, frames_per_token: int, path: str) -> None:
     """A recording of any length (Gemma 4) fits the preprocessor (one frame to 30 s) and one call of audio_encoder
     (``most`` positions, ``frames_per_token`` frames of 10 ms each)."""
-    longest = min(GEMMA4_MAX_SAMPLES / SAMPLE_RATE, most * frames_per_token / 100)
+    longest = min(GEMMA4_MAX_SAMPLES / SAMPLE_RATE, most * frames_per_token / FRAMES_PER_SECOND)
     if samples < GEMMA4_MIN_SAMPLES or seconds > longest:
         raise UserError(f"audio={path} is {seconds:.2f} s long, and this program takes one recording of 0.03 s to "
                         f"{longest:.2f} s ({most} positions of one text_decoder call, {frames_per_token} frames of "
