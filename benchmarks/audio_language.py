@@ -85,7 +85,7 @@ def measure(program: str, text_tokens: int = 16, steps: int = 32, repeats: int =
     positions = loaded.run(AUDIO_METHOD, features)[0].shape[1]
     vocab = int(loaded.constant("get_vocab_size"))
     text = torch.arange(3, 3 + 2 * text_tokens).remainder(vocab).reshape(1, -1)
-    prompt = MediaPrompt([], [text[:, :text_tokens], features, text[:, text_tokens:]], AUDIO_METHOD)
+    prompt = MediaPrompt.of([], [text[:, :text_tokens], features, text[:, text_tokens:]], AUDIO_METHOD)
     prompt_len = 2 * text_tokens + positions
     steps = min(steps, int(loaded.constant("get_max_context_len")) - prompt_len)
     encode_s = median_seconds(lambda: loaded.run(AUDIO_METHOD, features), repeats)

@@ -60,7 +60,7 @@ def measure(program: str, text_tokens: int, steps: int, repeats: int) -> dict[st
                          "smaller --text-tokens, or export with a larger export.max_seq_len.")
     steps = min(steps, room)  # what the cache holds after it
     encode_s = median_seconds(lambda: loaded.run(VISION_METHOD, pixels), repeats)
-    prompt_s = median_seconds(lambda: prefill_parts(loaded, mm, MediaPrompt([], parts, VISION_METHOD)), repeats)
+    prompt_s = median_seconds(lambda: prefill_parts(loaded, mm, MediaPrompt.of([], parts, VISION_METHOD)), repeats)
 
     def decode() -> None:
         for i in range(steps):

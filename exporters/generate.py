@@ -45,8 +45,8 @@ keys: prompt=<text> (taken as written: everything after the first =), or prompt_
       with the program; repeat image= for several; the prompt marks where each goes, e.g. <image>, or chat=true),
       audio=<file.wav|flac|ogg|mp3> (a speech program: the recording to transcribe, no prompt; longer than 30 s
       in consecutive windows; an audio-language program: the recording the prompt is about, where the prompt
-      writes the audio token, e.g. [AUDIO], else before the text, or chat=true; any sample rate or channel
-      count, converted to 16 kHz mono),
+      writes the audio token, e.g. [AUDIO], else before the text, or chat=true; with image= too where the
+      program also sees, e.g. Gemma 4; any sample rate or channel count, converted to 16 kHz mono),
       language=auto (a speech program: the spoken language's code, e.g. en, or auto: detected),
       task=transcribe (a speech program: transcribe, or translate into English),
       json_schema=<file.json> (the answer constrained to that JSON schema: it parses and validates; one token
@@ -186,8 +186,6 @@ def main(argv: list[str] | None = None) -> int:
             return transcribe(pte, speech, args)
         if speech is not None:
             raise UserError(f"{path} is a speech program: it transcribes audio=<file> and takes no prompt.")
-        if args.audio is not None and args.image:
-            raise UserError("audio= and image= together: a prompt here takes one kind of media. Give one of them.")
         with console.native_stderr_to(None):  # the runtime's log lines; the text goes to stdout
             # Everything the program can answer without its weights is checked before they are loaded.
             generator = Generator(path, args.tokenizer, args.adapter, load=False)
@@ -195,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             constraint = constraint_of(generator, args)
             # A vision-language program's prompt always goes through its processor: an image mark without an image
             # (or the reverse) is refused there, as image= on a program that takes none.
-            media = (generator.with_audio(args.prompt, args.audio, args.chat, audio_entry(manifest))
+            media = (generator.with_audio(args.prompt, args.audio, args.chat, audio_entry(manifest), args.image)
                      if args.audio is not None else generator.with_images(args.prompt, args.image, args.chat)
                      if generator.sees_images or args.image else None)
             prompt = chat_prompt(generator.pte, args.prompt) if args.chat and not media else args.prompt

@@ -48,10 +48,10 @@ class Signature:
 
 @dataclass
 class MethodEntry(Signature):
-    """One LLM method of the program: its signature and how it was lowered."""
+    """One method of the program: its signature and how it was lowered."""
 
     dynamic_tokens: bool
-    tokens: list[int]  # [min, max] tokens per call
+    tokens: list[int]  # [min, max] tokens per call (a fixed-shape method of a component's own: 0 if it takes none)
     delegated_partitions: int
     lowered_once_with: str | None = None  # the method whose lowered graph this one shares (forward -> prefill)
 

@@ -139,8 +139,8 @@ def test_a_gemma4_program_of_every_modality_writes_transformers_tokens_through_t
     """Gemma 4 with its image and audio towers as one program (vision_encoder, audio_encoder, token_embedding,
     text_decoder), each encoder validated. A recording's positions between <|audio> and <audio|>, fed by ExecuTorch's
     stock MultimodalRunner (text | Audio | text) and by exporters.generate audio= on the frames preprocessor.pte
-    makes, then a prompt with an image *and* the recording through the stock runner: transformers' greedy tokens on
-    the same pixels, frames and mask, token for token. The audio method takes any recording up to its most positions
+    makes, then a prompt with an image *and* the recording through the stock runner and exporters.generate (image=
+    and audio=): transformers' greedy tokens on the same pixels, frames and mask, token for token. The audio method takes any recording up to its most positions
     (the whole range kept through lowering); a longer one, the audio token written twice, a file that is not audio,
     audio to a text program: each refused in one paragraph before anything runs."""
     from executorch.extension.llm.runner import (GenerationConfig, MultimodalRunner, make_audio_input, make_image_input,
@@ -219,6 +219,14 @@ def test_a_gemma4_program_of_every_modality_writes_transformers_tokens_through_t
     text = stock([make_token_input(image_ids[:first_image]), make_image_input(program_pixels(seen, vision.image_size)),
                   make_token_input(image_ids[at:] + before[1:]), make_audio_input(frames), make_token_input(after)])
     assert text == AutoTokenizer.from_pretrained(checkpoint).decode(generated[0, ids.shape[1]:])
+    # The same prompt written once, image= and audio= through exporters.generate: the same ids, the same text.
+    picture_file, prompt = tmp_path / "picture.png", "Once upon <|image|> a time<|audio|>Once upon a time"
+    picture.save(picture_file)
+    both = generator.with_audio(prompt, str(VALIDATION_RECORDING), entry=audio_entry(m), images=[str(picture_file)])
+    assert both.ids == ids[0].tolist() and both.encoders == (VISION_METHOD, AUDIO_METHOD)
+    assert main([str(run), f"prompt={prompt}", f"image={picture_file}", f"audio={VALIDATION_RECORDING}",
+                 f"max_new_tokens={NEW_TOKENS}", "temperature=0"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == prompt + text
 
     long, noise, text_run = tmp_path / "long.wav", tmp_path / "noise.wav", exported("model=tiny").pte_path.parent
     soundfile.write(long, _speech(16_000 * 8), SAMPLE_RATE)

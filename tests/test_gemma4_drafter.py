@@ -172,7 +172,9 @@ def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy( 
     if program == "images":  # unquantized: every proposal is the eager assistant's
         assert check.all_agreement == 1.0, check
     image_path = {"token_embedding", "text_decoder", VISION_METHOD} if program == "images" else set()
-    assert set(m.methods) == {"decode", "verify", *image_path}
+    assert set(m.methods) == {"decode", "verify", "draft_propose", *image_path}
+    assert m.methods["draft_propose"].tokens == [1, 1] and not m.methods["draft_propose"].dynamic_tokens
+    assert m.methods["draft_propose"].outputs[0].shape == [1, VLM_ASSISTANT_TOKENS]
     assert m.methods["verify"].tokens[1] == VLM_ASSISTANT_TOKENS + 1
     speculative = m.validation.speculative
     assert speculative is not None and speculative.identical and speculative.proposer == "draft", speculative

@@ -129,6 +129,7 @@ def test_one_set_of_methods_computes_with_the_adapter_the_app_sets(exported, tin
     assert [s.name for s in m.swappable.inputs] == ["q_proj.A", "q_proj.B", "k_proj.A", "k_proj.B", "v_proj.A",
                                                     "v_proj.B", "down_proj.A", "down_proj.B"]
     assert m.swappable.inputs[6].shape == [2, 1, 192, 8] and m.swappable.inputs[7].shape == [2, 1, 8, 64]
+    assert m.methods[SET_ADAPTER].tokens == [0, 0] and len(m.methods[SET_ADAPTER].inputs) == len(m.swappable.inputs)
     program = LoadedProgram(result.pte_path)
     assert not [n for n in program.method_names if n.startswith(("pirate_", "minutes_"))], "no methods per adapter"
     for name in ("pirate", "minutes"):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from exporters.components.kind import Basis, Finalized, Part
 from exporters.components.language_model import LanguageModel, unquantized_nll
 from exporters.context.artifacts import summary
-from exporters.manifest import ComponentEntry, MethodEntry, ModelEntry
+from exporters.manifest import ComponentEntry, MethodEntry, ModelEntry, Signature
 from exporters.plan.component import Component, ComponentKind, ModelBuild, QuantPlan
 from exporters.program.cache import kv_cache_entry
 from exporters.program.constants import constant_methods, recorded
@@ -111,6 +111,12 @@ class Decoder(LanguageModel):
         return ""
 
 
+def _token_inputs(found: Signature) -> int:
+    """The tokens a fixed-shape method takes: its first input's length when that is token ids [1, T], else 0."""
+    first = found.inputs[0] if found.inputs else None
+    return int(first.shape[1]) if first is not None and first.dtype == "int64" and len(first.shape) == 2 else 0
+
+
 def program_fields(ctx: ExportContext, written: WrittenProgram) -> dict[str, Any]:
     """The manifest's sections on the program as an LLM runner drives it: every method (the other components'
     included), the layout, the constants, the model and its KV cache."""
@@ -128,6 +134,11 @@ def program_fields(ctx: ExportContext, written: WrittenProgram) -> dict[str, Any
                               delegated_partitions=written.delegated_partitions.get(name, 0),
                               lowered_once_with=written.methods.aliases.get(name))
             for name, spec in specs.items()
+        } | {  # methods of a component's own beyond the table (draft_propose, set_adapter): fixed shapes
+            name: MethodEntry(inputs=found.inputs, outputs=found.outputs, dynamic_tokens=False,
+                              tokens=[_token_inputs(found)] * 2,
+                              delegated_partitions=written.delegated_partitions.get(name, 0))
+            for name, found in written.methods.signatures.items() if name not in specs
         },
         layout=layout_manifest(ctx.plan.layout, {name: spec.kind for name, spec in base.items()},
                                roles.prompt, roles.step,

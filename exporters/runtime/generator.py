@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -279,10 +279,12 @@ class Generator:
         self.check_fits(made.ids)
         return made
 
-    def with_audio(self, prompt: str, audio: str, chat: bool = False, entry: AudioEntry | None = None) -> MediaPrompt:
-        """``prompt`` and the recording ``audio`` (a file) for an audio-language program (exporters.runtime.heard);
-        ``entry``: the manifest's record of its audio encoder (the audio token's text, the preprocessor)."""
-        made = audio_prompt(self.program, self.pte.parent, prompt, audio, chat, self.encode, entry)
+    def with_audio(self, prompt: str, audio: str, chat: bool = False, entry: AudioEntry | None = None,
+                   images: Sequence[str] = ()) -> MediaPrompt:
+        """``prompt`` and the recording ``audio`` (a file) for an audio-language program (exporters.runtime.heard),
+        with ``images`` too where it also sees (Gemma 4); ``entry``: the manifest's record of its audio encoder (the
+        audio token's text, the preprocessor)."""
+        made = audio_prompt(self.program, self.pte.parent, prompt, audio, chat, self.encode, entry, images)
         self.check_fits(made.ids)
         return made
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,8 +22,9 @@ from exporters.program.audio import (AUDIO_BEGIN_ID, AUDIO_END_ID, AUDIO_METHOD,
                                      FRAMES_PER_SECOND, FRAMES_PER_TOKEN, GEMMA4_MAX_SAMPLES, GEMMA4_MIN_SAMPLES,
                                      MAX_WINDOWS)
 from exporters.program.speech import CHUNK_SECONDS, PREPROCESSOR_FILE, SAMPLE_RATE
-from exporters.runtime.audio import read_audio
-from exporters.runtime.media import MediaPrompt
+from exporters.runtime.audio import Recording, read_audio
+from exporters.runtime.images import check_sees_images, seen_around
+from exporters.runtime.media import MediaPrompt, joined
 from exporters.runtime.programs import LoadedProgram
 from models.audio_language import audio_language_named
 from models.vision import load_processor
@@ -36,17 +37,37 @@ def audio_entry(manifest: Manifest | None) -> AudioEntry | None:
 
 
 def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
-                 encode: Callable[[str], list[int]], entry: AudioEntry | None) -> MediaPrompt:
-    """``prompt`` with the recording at ``path``; ``encode``: the program's tokenizer with its BOS."""
+                 encode: Callable[[str], list[int]], entry: AudioEntry | None, images: Sequence[str] = ()) -> MediaPrompt:
+    """``prompt`` with the recording at ``path`` (and ``images``, for a program that sees as well: Gemma 4);
+    ``encode``: the program's tokenizer with its BOS."""
     if AUDIO_METHOD not in program.method_names:
         raise UserError(f"audio={path} needs a speech or audio-language program, and {program.path} has no "
                         f"{AUDIO_METHOD} method: export a Whisper or an audio-language checkpoint (Voxtral, "
-                        "Qwen2-Audio), or leave audio out.")
-    per_window, token = int(program.constant(AUDIO_TOKENS)), int(program.constant(AUDIO_TOKEN_ID))
-    most = int(program.constant(MAX_WINDOWS))
-    # A recording of any length (Gemma 4): its frames a position; 0: whole 30 s windows
-    frames_per_token = int(program.constant(FRAMES_PER_TOKEN)) if FRAMES_PER_TOKEN in program.method_names else 0
-    recording = read_audio(path)  # a file that is not audio is refused before anything runs
+                        "Qwen2-Audio, Gemma 4), or leave audio out.")
+    if images:
+        check_sees_images(program)
+    token = int(program.constant(AUDIO_TOKEN_ID))
+    recording = _checked_recording(program, path)  # a file that is not audio is refused before anything runs
+    marker = _marker(entry, path)
+    text = _text(prompt, chat, marker, entry, folder, path, len(images))
+    if images:  # the processor writes each image's tokens on either side of the recording
+        if text.count(marker) != 1:
+            raise UserError(_marked_twice(text.count(marker), token, marker))
+        before, after = seen_around(program, folder, *text.split(marker), images)
+    else:
+        ids = encode(text)
+        marks = [i for i, t in enumerate(ids) if t == token]
+        if len(marks) != 1:
+            raise UserError(_marked_twice(len(marks), token, marker))
+        before, after = MediaPrompt.text(ids[:marks[0]]), MediaPrompt.text(ids[marks[0] + 1:])
+    return joined(before, _heard(program, token, _features(folder, recording, entry)), after)
+
+
+def _checked_recording(program: Any, path: str) -> Recording:
+    """The recording at ``path``, as long as one call of the program's audio encoder takes."""
+    per_window, most = int(program.constant(AUDIO_TOKENS)), int(program.constant(MAX_WINDOWS))
+    frames_per_token = _frames_per_token(program)
+    recording = read_audio(path)
     for conversion in recording.conversions:
         print(f"[audio: {conversion}]", file=sys.stderr)
     if frames_per_token:
@@ -58,30 +79,38 @@ def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
                             f"and this program's {AUDIO_METHOD} takes at most {most} ({most * CHUNK_SECONDS} s) in one "
                             f"call: cut the recording, or export with a larger export.max_seq_len (each window takes "
                             f"{per_window} positions of one text_decoder call).")
-    text = _text(prompt, chat, entry, folder, path)
-    ids = encode(text)
-    marks = [i for i, t in enumerate(ids) if t == token]
-    if len(marks) != 1:
-        raise UserError(f"the prompt marks the audio {len(marks)} times with token {token}"
-                        + (f" ({entry.audio_token!r})" if entry and entry.audio_token else "")
-                        + ": write it once where the recording goes, or not at all (the recording then comes "
-                          "before the text); nothing was generated.")
+    return recording
+
+
+def _features(folder: Path, recording: Recording, entry: AudioEntry | None) -> torch.Tensor:
+    """The recording's encoder input, from ``preprocessor.pte`` beside the program."""
     preprocessor = folder / (entry.preprocessor if entry and entry.preprocessor else PREPROCESSOR_FILE)
     if not preprocessor.is_file():
         raise UserError(f"{folder}: {preprocessor.name} is missing beside the program: it came with the export and "
                         "turns a recording into audio_encoder's input. Copy the whole run folder.")
-    features = LoadedProgram(preprocessor).run("forward", torch.from_numpy(recording.samples))[0]
-    at = marks[0]
-    before, after = ids[:at], ids[at + 1:]
-    if frames_per_token:  # <|audio> before the positions, <audio|> after them, as Gemma 4's processor writes them
-        before = before + [int(program.constant(AUDIO_BEGIN_ID))]
-        after = [int(program.constant(AUDIO_END_ID))] + after
-        positions = features.shape[-1] // frames_per_token
-    else:
-        positions = per_window * features.shape[0]
-    parts = [*([torch.tensor([before])] if before else []), features.contiguous(),
-             *([torch.tensor([after])] if after else [])]
-    return MediaPrompt(before + [token] * positions + after, parts, AUDIO_METHOD)
+    return LoadedProgram(preprocessor).run("forward", torch.from_numpy(recording.samples))[0].contiguous()
+
+
+def _frames_per_token(program: Any) -> int:
+    """A recording of any length (Gemma 4): its frames a position; 0: whole 30 s windows."""
+    return int(program.constant(FRAMES_PER_TOKEN)) if FRAMES_PER_TOKEN in program.method_names else 0
+
+
+def _heard(program: Any, token: int, features: torch.Tensor) -> MediaPrompt:
+    """The recording's positions, between Gemma 4's ``<|audio>`` and ``<audio|>`` as its processor writes them."""
+    frames_per_token = _frames_per_token(program)
+    if not frames_per_token:
+        positions = int(program.constant(AUDIO_TOKENS)) * features.shape[0]
+        return MediaPrompt([token] * positions, [features], (AUDIO_METHOD,))
+    begin, end = int(program.constant(AUDIO_BEGIN_ID)), int(program.constant(AUDIO_END_ID))
+    positions = features.shape[-1] // frames_per_token
+    return MediaPrompt([begin, *[token] * positions, end], [torch.tensor([[begin]]), features, torch.tensor([[end]])],
+                       (AUDIO_METHOD,))
+
+
+def _marked_twice(marks: int, token: int, marker: str) -> str:
+    return (f"the prompt marks the audio {marks} times with token {token} ({marker!r}): write it once where the "
+            "recording goes, or not at all (the recording then comes before the text); nothing was generated.")
 
 
 def _check_recording_length(seconds: float, samples: int, most: int, frames_per_token: int, path: str) -> None:
@@ -95,21 +124,26 @@ def _check_recording_length(seconds: float, samples: int, most: int, frames_per_
                         + (", or export with a larger export.max_seq_len." if longest < 30 else "."))
 
 
-def _text(prompt: str, chat: bool, entry: AudioEntry | None, folder: Path, path: str) -> str:
-    """The prompt's text with the audio token where the recording goes."""
-    marker = entry.audio_token if entry is not None and entry.audio_token else None
-    if marker is None:
+def _marker(entry: AudioEntry | None, path: str) -> str:
+    """The audio token's text, as the manifest records it."""
+    if entry is None or not entry.audio_token:
         raise UserError(f"audio={path}: the manifest beside the program names no audio token text (its tokenizer is "
                         "not a tokenizer.json): export again with the checkpoint's tokenizer.json.")
+    return entry.audio_token
+
+
+def _text(prompt: str, chat: bool, marker: str, entry: AudioEntry | None, folder: Path, path: str,
+          images: int = 0) -> str:
+    """The prompt's text with the audio token where the recording goes (``images``: the chat's pictures, before it)."""
     if not chat:
         return prompt if marker in prompt else marker + prompt
     family = audio_language_named(entry.family) if entry is not None else None
-    if family is not None and family.chat is not None:
+    if family is not None and family.chat is not None and not images:
         return family.chat.format(audio=marker, prompt=prompt)
     processor = load_processor(folder)
     if not getattr(processor, "chat_template", None):
         raise UserError(f"chat=true needs the processor's chat template, and {folder} has none: use chat=false and "
                         f"write {marker!r} where the recording goes (or leave it out: it then comes first).")
-    content = [{"type": "audio", "path": path}, {"type": "text", "text": prompt}]
+    content = [*[{"type": "image"}] * images, {"type": "audio", "path": path}, {"type": "text", "text": prompt}]
     return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                          tokenize=False)

@@ -55,6 +55,26 @@ def image_prompt(program: Any, folder: Path, prompt: str, images: list[str], cha
     return marked_prompt(program, processor, prompt, pictures)
 
 
+def seen_around(program: Any, folder: Path, head: str, tail: str, images: list[str]) -> tuple[MediaPrompt, MediaPrompt]:
+    """The text before another medium (a recording) and the text after it, each with the images its marks take in
+    order, through the processor (which refuses a medium it is not given, so each side goes alone); the second
+    side's BOS dropped: one prompt."""
+    processor = load_processor(folder)
+    pictures = [_open_image(path) for path in images]
+    _say_stretched(processor, images, pictures, int(program.constant(IMAGE_SIZE)))
+    marker = prompt_marker(processor)
+    first = head.count(marker)
+    if first + tail.count(marker) != len(pictures):
+        marked_prompt(program, processor, head + tail, pictures)  # refuses in the one-medium prompt's words
+    before = marked_prompt(program, processor, head, pictures[:first])
+    after = marked_prompt(program, processor, tail, pictures[first:])
+    bos = processor.tokenizer.bos_token_id
+    if after.ids[:1] == [bos] and bos is not None:
+        first_part = after.parts[0][:, 1:]
+        after = MediaPrompt(after.ids[1:], [first_part] * bool(first_part.numel()) + after.parts[1:], after.encoders)
+    return before, after
+
+
 def check_sees_images(program: Any) -> None:
     if VISION_METHOD not in program.method_names:
         raise UserError(f"image= needs a vision-language program, and {program.path} has no {VISION_METHOD} method: "
@@ -88,13 +108,13 @@ def marked_prompt(program: Any, processor: Any, prompt: str, pictures: list[Any]
     out = processor(images=pictures or None, text=prompt, return_tensors="pt")
     ids = out["input_ids"][0].tolist()
     if not pictures:
-        return MediaPrompt(ids, [torch.tensor([ids])], VISION_METHOD)
+        return MediaPrompt.text(ids)
     pixels = program_pixels(out, size)
     if tuple(pixels.shape[-2:]) != (size, size):
         raise UserError(f"the processor made {tuple(pixels.shape[-2:])} images and the program's vision_encoder takes "
                         f"{size}x{size} (get_image_size): the processor files beside the program are not the ones it "
                         "was exported with. Export again, or restore the run folder's processor_config.json.")
-    return MediaPrompt(ids, _parts(ids, pixels, image_token, per_image), VISION_METHOD)
+    return MediaPrompt.of(ids, _parts(ids, pixels, image_token, per_image), VISION_METHOD)
 
 
 def _say_stretched(processor: Any, paths: list[str], pictures: list[Any], size: int) -> None:

@@ -17,17 +17,43 @@ from exporters.runtime.driver import Driver, MethodRoles, RunsMethods
 class MediaPrompt:
     ids: list[int]  # the prompt's tokens, each image's or recording's positions as its token
     parts: list[torch.Tensor]  # in order: token ids [1, T] (int64), or an encoder's input (floating point)
-    encoder: str  # the method the floating-point parts go through
+    encoders: tuple[str, ...]  # the method each floating-point part goes through, in the parts' order
+
+    @classmethod
+    def text(cls, ids: list[int]) -> MediaPrompt:
+        return cls(ids, [torch.tensor([ids])] if ids else [], ())
+
+    @classmethod
+    def of(cls, ids: list[int], parts: list[torch.Tensor], encoder: str) -> MediaPrompt:
+        """Parts whose floating-point ones all go through ``encoder``."""
+        return cls(ids, parts, (encoder,) * sum(part.is_floating_point() for part in parts))
+
+
+def joined(*prompts: MediaPrompt) -> MediaPrompt:
+    """``prompts`` one after the other as one prompt; text meeting text is one part (one call, as a runner makes it)."""
+    ids: list[int] = []
+    parts: list[torch.Tensor] = []
+    encoders: list[str] = []
+    for prompt in prompts:
+        ids += prompt.ids
+        encoders += prompt.encoders
+        for part in prompt.parts:
+            if parts and not part.is_floating_point() and not parts[-1].is_floating_point():
+                parts[-1] = torch.cat([parts[-1], part], dim=1)
+            else:
+                parts.append(part)
+    return MediaPrompt(ids, parts, tuple(encoders))
 
 
 def prefill_parts(program: RunsMethods, roles: MethodRoles, prompt: MediaPrompt) -> torch.Tensor:
-    """The prompt's last logits [1, V] after each part at consecutive positions: images or audio through the
-    prompt's encoder, text through ``roles`` (token_embedding and text_decoder, in calls of at most
+    """The prompt's last logits [1, V] after each part at consecutive positions: images or audio through their
+    encoder, text through ``roles`` (token_embedding and text_decoder, in calls of at most
     ``roles.prompt_max_tokens``)."""
     driver, position, logits = Driver(program, roles), 0, None
+    encoders = iter(prompt.encoders)
     for part in prompt.parts:
         if part.is_floating_point():
-            embeddings = program.run(prompt.encoder, part)[0]
+            embeddings = program.run(next(encoders), part)[0]
             logits = program.run(roles.prompt, embeddings, torch.tensor([position]))[0]
             position += embeddings.shape[1]
         else:
