@@ -14,7 +14,8 @@ Each renderer takes one tool's JSON: ``suite`` the test suite's durations (``pyt
 ``benchmarks.llama_cpp`` report, ``memory`` a ``benchmarks.memory_estimate`` report, ``hybrid`` the rows
 ``benchmarks.hybrid --results`` keeps, ``adapters`` a ``benchmarks.adapters`` report, ``vision_quant`` the rows
 ``benchmarks.vision_quant --results`` writes, ``serve`` a ``benchmarks.serve`` report, ``speech`` a
-``benchmarks.speech`` report, ``audio_shape`` a ``benchmarks.audio_language`` report, ``vision_shape`` a
+``benchmarks.speech`` report, ``audio_shape`` a ``benchmarks.audio_language`` report, ``audio_peer`` a
+``benchmarks.executorch_gemma4`` report, ``vision_shape`` a
 ``benchmarks.vision --report`` report. Keep the JSON files in
 ``docs/results/``: they are the measurement, the table is a view of it. A new table is a renderer in
 :data:`RENDERERS` and a region in a doc.
@@ -192,6 +193,30 @@ def render_audio_shape(data: dict[str, Any]) -> str:
         "Stages (s): " + ", ".join(f"{k} {v:.0f}" for k, v in stages.items()) + "."]) + "\n"
 
 
+def render_audio_peer(data: dict[str, Any]) -> str:
+    """A ``benchmarks.executorch_gemma4`` report: ExecuTorch's own Gemma 4 export of the shape, whole and (where the
+    whole one fails) its audio tower alone, beside our program's audio path measured in the same run."""
+    def export(r: dict[str, Any]) -> str:
+        return f"{r['wall_s']:.0f} s, peak {r['peak_rss_mb']} MB" + (f": **{r['failed']}**" if r["failed"] else "")
+
+    def encode(r: dict[str, Any] | None) -> str:
+        return f"{r['audio_encode_ms_30s'] / 1e3:.2f} s ({r['audio_positions']} positions)" if r else "-"
+
+    ours, alone = data.get("ours"), data.get("audio_only")
+    rows = [f"| ExecuTorch's `export_gemma4.py`, whole (`{' '.join(data['flags'])}`, max_seq_len {data['max_seq_len']}) "
+            f"| {export(data)} | {data.get('program_mb', '-')} | {encode(data.get('runtime'))} | "
+            f"{(data.get('runtime') or {}).get('audio_partitions', '-')} |"]
+    if alone:
+        rows.append(f"| the same exporter's steps for `speech_transform` + `audio_encoder` alone | {export(alone)} | "
+                    f"{alone.get('program_mb', '-')} | {encode(alone.get('runtime'))} | "
+                    f"{(alone.get('runtime') or {}).get('audio_partitions', '-')} |")
+    if ours:
+        rows.append(f"| ours (whole program, above) | see above | {ours['program_mb']} | {encode(ours['runtime'])} | "
+                    f"{ours['audio_partitions']} |")
+    return "\n".join(["| export | export wall, peak RSS | program MB | audio_encoder, 30 s | XNNPACK partitions |",
+                      "|---|---|---|---|---|", *rows]) + "\n"
+
+
 def render_vision_shape(data: dict[str, Any]) -> str:
     """A ``benchmarks.vision --report`` report: one published shape's export cost and its image path's speed."""
     r, stages = data["runtime"], data["stages_s"]
@@ -253,7 +278,8 @@ RENDERERS: dict[str, Callable[[Any], str]] = {"serve": render_serve, "suite": re
                                               "speculative": render_speculative, "memory": render_memory,
                                               "hybrid": render_hybrid, "adapters": render_adapters,
                                               "vision_quant": render_vision_quant, "speech": render_speech,
-                                              "audio_shape": render_audio_shape, "vision_shape": render_vision_shape,
+                                              "audio_shape": render_audio_shape, "audio_peer": render_audio_peer,
+                                              "vision_shape": render_vision_shape,
                                               "grammar_engines": render_grammar_engines,
                                               "constrained": render_constrained, "serve_peers": render_serve_peers}
 

@@ -234,7 +234,9 @@ def test_a_gemma4_program_of_every_modality_writes_transformers_tokens_through_t
     for args, says in ((["prompt=hi", f"audio={long}"],
                         "is 8.00 s long, and this program takes one recording of 0.03 s to 7.64 s"),
                        (["prompt=<|audio|> and <|audio|>", f"audio={VALIDATION_RECORDING}"], "marks the audio 2 times"),
-                       (["prompt=hi", f"audio={noise}"], "cannot be read as audio")):
+                       (["prompt=hi", f"audio={noise}"], "cannot be read as audio"),
+                       (["prompt=<|image|> and <|image|>", f"image={picture_file}", f"audio={VALIDATION_RECORDING}"],
+                        "marks 2 image(s) with '<|image|>' and 1 image(s) are given")):
         assert main([str(run), *args]) == 2  # one paragraph, before any method runs
         assert says in capsys.readouterr().err
     assert main([str(text_run), "prompt=hi", f"audio={VALIDATION_RECORDING}"]) == 2

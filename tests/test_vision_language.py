@@ -200,7 +200,7 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     quality = vision.check.unquantized
     assert quality.encoder_cosine > 0.9999 and quality.kl_max < 1e-6 and quality.top1 == 1.0
     assert set(m.methods) == {"decode", "token_embedding", "text_decoder", VISION_METHOD, *(
-        ["verify"] if family == "gemma4" else [])}
+        ["verify", "draft_propose"] if family == "gemma4" else [])}
     assert m.methods[VISION_METHOD].inputs[0].shape == [1, 3, vision.image_size, vision.image_size]
     assert m.methods["text_decoder"].inputs[0].name == "embeddings"
     # The whole tower is one XNNPACK partition (LayerNorm in ops XNNPACK takes, no-op expands dropped); Gemma 3's
