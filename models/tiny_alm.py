@@ -79,7 +79,16 @@ def _gemma4() -> tuple[Any, Any, list[Any]]:
     config.audio_config._attn_implementation = "eager"
     config.boa_token_id = tok.convert_tokens_to_ids(tok.boa_token)
     config.eoa_token_index = tok.convert_tokens_to_ids(tok.eoa_token)
+    processor.chat_template = TINY_GEMMA4_CHAT
     return config, tok, [processor, Gemma4AudioFeatureExtractor()]
+
+
+# The tiny tokenizer has none of Gemma 4's turn tokens: a user turn in plain text, each image and recording marked
+# where its content part is, as Gemma 4's template marks them (what chat=true and the server's chats go through).
+TINY_GEMMA4_CHAT = ("{% for message in messages %}{{ message['role'] }}: {% for part in message['content'] %}"
+                    "{% if part['type'] == 'image' %}<|image|>{% elif part['type'] == 'audio' %}<|audio|>"
+                    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
+                    "{% if add_generation_prompt %}model:{% endif %}")
 
 
 def _gemma4_untrained(model: Any) -> None:

@@ -197,7 +197,8 @@ def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy( 
         cost = measure(str(result.pte_path), prompt=8, repeats=2)
         assert cost["proposer"] == "assistant" and cost["draft_tokens"] == VLM_ASSISTANT_TOKENS
         assert min(cost["step_ms"], cost["verify_ms"], cost["propose_ms"]) > 0
-        assert cost["break_even_acceptance"] is None or 0 < cost["break_even_acceptance"] <= 1
+        # 0 when a round costs no more than one step (timing on a tiny model under the suite's load can say so)
+        assert cost["break_even_acceptance"] is None or 0 <= cost["break_even_acceptance"] <= 1
     from exporters.release.bundle import make_bundle
 
     bundle, _ = make_bundle(result.pte_path.parent, tmp_path / "release")

@@ -459,42 +459,50 @@ def check_tool_calls(client, model: str, jsonschema) -> None:  # type: ignore[no
     assert chosen.finish_reason == "tool_calls" if chosen.message.tool_calls else isinstance(chosen.message.content, str)
 
 
-@pytest.mark.slow  # the tiny Voxtral program tests/test_audio_language.py exports
-def test_a_recording_in_a_chat_is_what_generate_answers_for_it(exported, alm_checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """An input_audio part (base64 WAV) with its text in one user message, through the official client: the
-    program's preprocessor and audio_encoder, the same greedy text as exporters.generate's audio= chat=true; a
-    format it does not take and a recording longer than the program's windows are a 400 that names the input."""
+@pytest.mark.slow  # the tiny Gemma 4 program of every modality tests/test_gemma4_audio.py exports
+def test_a_recording_and_an_image_in_a_chat_are_what_generate_answers_for_them(  # type: ignore[no-untyped-def]
+        exported, alm_checkpoint, tmp_path: Path) -> None:
+    """An input_audio part (base64 WAV) with its text in one user message, then with an image_url beside it, through
+    the official client: the program's preprocessor and encoders, the same greedy text as exporters.generate's
+    audio= (image=) chat=true; a format it does not take and a recording longer than the program takes are a 400 that
+    names the input."""
     import base64
 
     import numpy as np
     import soundfile
+    from PIL import Image
 
     from exporters.manifest import Manifest
     from exporters.runtime.heard import audio_entry
     from exporters.validation.speech import VALIDATION_RECORDING
-    from tests.test_audio_language import PROGRAM
+    from tests.test_gemma4_audio import PROGRAM
 
-    run = exported("model=hf", f"model.checkpoint={alm_checkpoint('voxtral')}", *PROGRAM).pte_path.parent
-    generator = Generator(run)
-    made = generator.with_audio("What is said?", str(VALIDATION_RECORDING), chat=True,
-                                entry=audio_entry(Manifest.read(run)))
-    expected = generator.generate("", SamplingConfig(8, 0.0, 1.0, 0), media=made).text
-    long = tmp_path / "long.wav"
-    # 8 kHz 16-bit: 31 s under the server's 1 MB request limit once in base64 (resampled to 16 kHz, as any rate is).
-    soundfile.write(long, (0.1 * np.sin(np.arange(8_000 * 31) / 10)).astype(np.float32), 8_000, subtype="PCM_16")
+    run = exported("model=hf", f"model.checkpoint={alm_checkpoint('gemma4')}", *PROGRAM).pte_path.parent
+    picture = tmp_path / "picture.png"
+    Image.fromarray((np.random.RandomState(0).rand(40, 50, 3) * 255).astype("uint8")).save(picture)
+    generator, entry = Generator(run), audio_entry(Manifest.read(run))
+    heard = generator.with_audio("What is said?", str(VALIDATION_RECORDING), chat=True, entry=entry)
+    both = generator.with_audio("What is said?", str(VALIDATION_RECORDING), chat=True, entry=entry,
+                                images=[str(picture)])
+    expected = [generator.generate("", SamplingConfig(8, 0.0, 1.0, 0), media=made).text for made in (heard, both)]
+    long = tmp_path / "long.wav"  # 8 s: longer than one text_decoder call of this program holds (7.64 s)
+    soundfile.write(long, (0.1 * np.sin(np.arange(8_000 * 8) / 10)).astype(np.float32), 8_000, subtype="PCM_16")
 
-    def ask(path: Path, fmt: str = "wav"):  # type: ignore[no-untyped-def]
+    def ask(path: Path, fmt: str = "wav", image: bool = False):  # type: ignore[no-untyped-def]
         audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(path.read_bytes()).decode(),
                                                         "format": fmt}}
+        seen = [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()}}] if image else []
         return client.chat.completions.create(model=run.name, max_tokens=8, temperature=0, messages=[
-            {"role": "user", "content": [audio, {"type": "text", "text": "What is said?"}]}])
+            {"role": "user", "content": [*seen, audio, {"type": "text", "text": "What is said?"}]}])
 
     with serving(run, tmp_path / "serve.log") as server:
         client = server.client()
-        assert ask(VALIDATION_RECORDING).choices[0].message.content == expected
+        assert ask(VALIDATION_RECORDING).choices[0].message.content == expected[0]
+        assert ask(VALIDATION_RECORDING, image=True).choices[0].message.content == expected[1]
         with pytest.raises(openai.BadRequestError, match="input_audio.format='aiff'"):
             ask(VALIDATION_RECORDING, "aiff")
-        with pytest.raises(openai.BadRequestError, match="input_audio is 31.0 s long"):
+        with pytest.raises(openai.BadRequestError, match="input_audio is 8.00 s long"):
             ask(long)
 
 

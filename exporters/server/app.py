@@ -66,8 +66,9 @@ def create_app(engine: Engine, limits: Limits, name: str) -> FastAPI:
             if len(body.messages) != 1 or body.messages[0].role != "user" or body.tools:
                 raise ApiError(400, "a chat with input_audio takes one user message (the recording and the text about "
                                "it), without tools, for now.", param="messages")
-            data, fmt, text = body.messages[0].recording(0)
-            media = await asyncio.get_running_loop().run_in_executor(None, engine.audio_prompt, data, fmt, text)
+            data, fmt, text, pictures = body.messages[0].recording(0)
+            media = await asyncio.get_running_loop().run_in_executor(None, engine.audio_prompt, data, fmt, text,
+                                                                     pictures)
             return await _complete(engine, limits, body, media, request, name, chat=True)
         if any(m.has_images for m in body.messages) and engine.generator.sees_images:
             if body.tools:

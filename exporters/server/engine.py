@@ -16,11 +16,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from exporters.errors import UserError
 from exporters.manifest import MANIFEST_FILE, Manifest
 from exporters.program.audio import AUDIO_METHOD
+from exporters.program.vision import VISION_METHOD
 from exporters.runtime.constraint import Constraint
 from exporters.runtime.generator import Generator, SamplingConfig, chat_template
 from exporters.runtime.heard import audio_entry
@@ -170,20 +171,31 @@ class Engine:
             raise ApiError(400, str(e), param="messages") from None
         return made
 
-    def audio_prompt(self, data: bytes, fmt: str, text: str) -> MediaPrompt:
-        """One user turn of ``text`` about a recording (``fmt`` bytes) for an audio-language program, through the
-        preprocessor saved with it and the model's user turn (as ``exporters.generate audio=... chat=true``)."""
-        if AUDIO_METHOD not in self.generator.program.method_names:
+    def audio_prompt(self, data: bytes, fmt: str, text: str, pictures: Sequence[bytes] = ()) -> MediaPrompt:
+        """One user turn of ``text`` about a recording (``fmt`` bytes), and ``pictures`` before it where the program
+        also sees (Gemma 4), through the preprocessor and processor saved with it and the model's user turn (as
+        ``exporters.generate audio=... image=... chat=true``)."""
+        program = self.generator.program
+        if AUDIO_METHOD not in program.method_names:
             raise ApiError(400, "an input_audio content part: this program takes no audio (recordings go to an "
                            "audio-language program).", param="messages", code="unsupported_content")
+        if pictures and VISION_METHOD not in program.method_names:
+            raise ApiError(400, "an image_url content part beside the recording: this program hears and does not see "
+                           "(images go to a vision-language program).", param="messages", code="unsupported_content")
         with tempfile.TemporaryDirectory(prefix="input_audio") as folder:
             path = Path(folder) / f"recording.{fmt}"
             path.write_bytes(data)
+            images = [Path(folder) / f"image_url{i}" for i in range(len(pictures))]
+            for image, picture in zip(images, pictures):
+                image.write_bytes(picture)
             try:
-                return self.generator.with_audio(text, str(path), chat=True, entry=self._audio)
+                return self.generator.with_audio(text, str(path), chat=True, entry=self._audio,
+                                                 images=[str(image) for image in images])
             except UserError as e:
-                raise ApiError(400, str(e).replace(f"audio={path}", "input_audio").replace(str(path), "input_audio"),
-                               param="messages") from None
+                said = str(e).replace(f"audio={path}", "input_audio").replace(str(path), "input_audio")
+                for image in images:
+                    said = said.replace(f"image={image}", image.name).replace(str(image), image.name)
+                raise ApiError(400, said, param="messages") from None
 
     def constraint(self, schema: dict[str, Any] | None) -> Constraint:
         """The grammar of ``schema`` (None: any JSON object) for one answer; a schema the engine cannot use is a 400.

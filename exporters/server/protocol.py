@@ -145,8 +145,9 @@ class Message(BaseModel):
     def has_audio(self) -> bool:
         return isinstance(self.content, list) and any(part.type == "input_audio" for part in self.content)
 
-    def recording(self, index: int) -> tuple[bytes, str, str]:
-        """The one ``input_audio`` part's bytes and format, and the text beside it."""
+    def recording(self, index: int) -> tuple[bytes, str, str, list[bytes]]:
+        """The one ``input_audio`` part's bytes and format, the text beside it, and the pictures of the image_url
+        parts beside it (for a program that also sees: Gemma 4), in order."""
         where = f"messages[{index}].content"
         audio = [part for part in self.content or [] if isinstance(part, ContentPart) and part.type == "input_audio"]
         if len(audio) != 1:
@@ -159,11 +160,13 @@ class Message(BaseModel):
             data = base64.b64decode(str(given.get("data", "")), validate=True)
         except ValueError:
             raise ApiError(400, f"{where}: input_audio.data is not base64.", param=where) from None
-        others = [part.type for part in self.content if part.type not in ("input_audio", "text")]  # type: ignore[union-attr]
+        others = [part.type for part in self.content if part.type not in ("input_audio", "text", "image_url")]  # type: ignore[union-attr]
         if others:
-            raise ApiError(400, f"{where}: a {others[0]} part beside the recording: a prompt takes one kind of media.",
-                           param=where, code="unsupported_content")
-        return data, fmt, "".join(part.text or "" for part in self.content if part.type == "text")  # type: ignore[union-attr]
+            raise ApiError(400, f"{where}: a {others[0]} part beside the recording: this server takes text, "
+                           "image_url and one input_audio part.", param=where, code="unsupported_content")
+        pictures = [part.picture(f"{where}[{i}]") for i, part in enumerate(self.content)  # type: ignore[union-attr]
+                    if part.type == "image_url"]
+        return data, fmt, "".join(part.text or "" for part in self.content if part.type == "text"), pictures  # type: ignore[union-attr]
 
     def text(self, index: int) -> str:
         """The message's text; a part that is not text (an image, audio) is refused with what takes it."""
