@@ -4,8 +4,9 @@
 ``WhisperAudioProcessor``, what an Android or iOS app runs), or Gemma 4's frames of one recording of any length;
 the prompt's text goes around them: where it writes the audio token (``[AUDIO]``, ``<|AUDIO|>``, ``<|audio|>``),
 else before the text; ``chat=true`` writes the model's user turn. Gemma 4's audio positions sit between its begin
-and end tokens (``<|audio>``, ``<audio|>``), as its processor writes them. The prompt is then fed as ExecuTorch's
-MultimodalRunner feeds it (``exporters.runtime.media``). Every mismatch is refused before any method runs.
+and end tokens (``<|audio>``, ``<audio|>``), as its processor writes them; images beside the recording (Gemma 4 sees
+too) go through the processor on either side of it. The prompt is then fed as ExecuTorch's MultimodalRunner feeds it
+(``exporters.runtime.media``). Every mismatch is refused before any method runs.
 """
 
 from __future__ import annotations
@@ -52,13 +53,13 @@ def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
     text = _text(prompt, chat, marker, entry, folder, path, len(images))
     if images:  # the processor writes each image's tokens on either side of the recording
         if text.count(marker) != 1:
-            raise UserError(_marked_twice(text.count(marker), token, marker))
+            raise UserError(_not_marked_once(text.count(marker), token, marker))
         before, after = seen_around(program, folder, *text.split(marker), images)
     else:
         ids = encode(text)
         marks = [i for i, t in enumerate(ids) if t == token]
         if len(marks) != 1:
-            raise UserError(_marked_twice(len(marks), token, marker))
+            raise UserError(_not_marked_once(len(marks), token, marker))
         before, after = MediaPrompt.text(ids[:marks[0]]), MediaPrompt.text(ids[marks[0] + 1:])
     return joined(before, _heard(program, token, _features(folder, recording, entry)), after)
 
@@ -108,7 +109,7 @@ def _heard(program: Any, token: int, features: torch.Tensor) -> MediaPrompt:
                        (AUDIO_METHOD,))
 
 
-def _marked_twice(marks: int, token: int, marker: str) -> str:
+def _not_marked_once(marks: int, token: int, marker: str) -> str:
     return (f"the prompt marks the audio {marks} times with token {token} ({marker!r}): write it once where the "
             "recording goes, or not at all (the recording then comes before the text); nothing was generated.")
 
