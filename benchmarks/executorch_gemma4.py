@@ -80,6 +80,7 @@ def export_audio_child(checkpoint: str, output: str) -> None:
 def measure(pte: Path, steps: int = 32, repeats: int = 3) -> dict[str, Any]:
     """RSS after load, ``audio_encoder`` on 30 s of frames (its input: [1, 2999, 128] and a mask; its partitions),
     and decode tok/s where the program has ``text_decoder``."""
+    from exporters.program.contents import delegate_calls
     from exporters.runtime.memory import current_rss_mb
     from exporters.runtime.programs import LoadedProgram
 
@@ -103,54 +104,10 @@ def measure(pte: Path, steps: int = 32, repeats: int = 3) -> dict[str, Any]:
     return report
 
 
-def delegate_calls(pte: Path, method: str) -> int:
-    """The delegate calls (XNNPACK partitions) in ``method``'s plan."""
-    from executorch.exir._serialize._program import deserialize_pte_binary
-
-    program = deserialize_pte_binary(pte.read_bytes()).program
-    plan = next(p for p in program.execution_plan if p.name == method)
-    return sum(1 for chain in plan.chains for i in chain.instructions
-               if type(i.instr_args).__name__ == "DelegateCall")
-
-
 def _measured(pte: Path) -> dict[str, Any]:
     runtime = subprocess.run([sys.executable, "-m", "benchmarks.executorch_gemma4", "--measure", str(pte)],
                              check=True, capture_output=True, text=True)
     return json.loads(runtime.stdout.strip().splitlines()[-1])
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    parser.add_argument("--max-seq-len", type=int, default=800)
-    parser.add_argument("--export", nargs=2, metavar=("CHECKPOINT", "PTE"), help=argparse.SUPPRESS)
-    parser.add_argument("--export-audio", nargs=2, metavar=("CHECKPOINT", "PTE"), help=argparse.SUPPRESS)
-    parser.add_argument("--measure", metavar="PTE", help="only the runtime numbers of this program, as JSON")
-    parser.add_argument("--ours", type=Path, metavar="RUN", help="our run of the shape (benchmarks.audio_language's "
-                        "ours/), measured after the peer; with --out's report.json already there, the peer is not "
-                        "exported again")
-    args = parser.parse_args()
-    if args.export:
-        export_child(*args.export, args.max_seq_len)
-        return
-    if args.export_audio:
-        export_audio_child(*args.export_audio)
-        return
-    if args.measure:
-        print(json.dumps(measure(Path(args.measure))))
-        return
-    if args.out is None:
-        parser.error("give --out")
-    args.out.mkdir(parents=True, exist_ok=True)
-    measured = args.out / "report.json"
-    report = json.loads(measured.read_text()) if args.ours and measured.is_file() else export_peer(args)
-    if args.ours:  # our program of the same shape and the peer's audio tower, one after the other
-        report["ours"] = _ours(args.ours)
-        audio = args.out / "audio.pte" if "audio_only" in report else args.out / "gemma4.pte"
-        (report["audio_only"] if "audio_only" in report else report)["runtime"] = _measured(audio)
-    measured.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
 
 
 def _ours(run: Path) -> dict[str, Any]:
@@ -186,6 +143,40 @@ def export_peer(args: argparse.Namespace) -> dict[str, Any]:
         if failed is None:
             report["audio_only"].update(program_mb=round(audio.stat().st_size / 1e6, 1), runtime=_measured(audio))
     return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    parser.add_argument("--max-seq-len", type=int, default=800)
+    parser.add_argument("--export", nargs=2, metavar=("CHECKPOINT", "PTE"), help=argparse.SUPPRESS)
+    parser.add_argument("--export-audio", nargs=2, metavar=("CHECKPOINT", "PTE"), help=argparse.SUPPRESS)
+    parser.add_argument("--measure", metavar="PTE", help="only the runtime numbers of this program, as JSON")
+    parser.add_argument("--ours", type=Path, metavar="RUN", help="our run of the shape (benchmarks.audio_language's "
+                        "ours/), measured after the peer; with --out's report.json already there, the peer is not "
+                        "exported again")
+    args = parser.parse_args()
+    if args.export:
+        export_child(*args.export, args.max_seq_len)
+        return
+    if args.export_audio:
+        export_audio_child(*args.export_audio)
+        return
+    if args.measure:
+        print(json.dumps(measure(Path(args.measure))))
+        return
+    if args.out is None:
+        parser.error("give --out")
+    args.out.mkdir(parents=True, exist_ok=True)
+    measured = args.out / "report.json"
+    report = json.loads(measured.read_text()) if args.ours and measured.is_file() else export_peer(args)
+    if args.ours:  # our program of the same shape and the peer's audio tower, one after the other
+        report["ours"] = _ours(args.ours)
+        audio = args.out / "audio.pte" if "audio_only" in report else args.out / "gemma4.pte"
+        (report["audio_only"] if "audio_only" in report else report)["runtime"] = _measured(audio)
+    measured.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

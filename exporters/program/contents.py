@@ -44,3 +44,9 @@ def data_file_entries(path: Path) -> int:
 def delegate_ids(path: Path) -> set[str]:
     """The backends a program's methods delegate to (``XnnpackBackend``, ``OpenvinoBackend``, ...)."""
     return {delegate.id for plan in read_program_header(path).execution_plan for delegate in plan.delegates}
+
+
+def delegate_calls(path: Path, method: str) -> int:
+    """The delegate calls (backend partitions) in ``method``'s plan, as the runtime executes them."""
+    plan = next(plan for plan in read_program_header(path).execution_plan if plan.name == method)
+    return sum(type(i.instr_args).__name__ == "DelegateCall" for chain in plan.chains for i in chain.instructions)
