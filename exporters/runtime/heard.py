@@ -37,8 +37,8 @@ def audio_entry(manifest: Manifest | None) -> AudioEntry | None:
     return next((c.audio for c in manifest.components.values() if c.audio is not None), None)
 
 
-def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
-                 encode: Callable[[str], list[int]], entry: AudioEntry | None, images: Sequence[str] = ()) -> MediaPrompt:
+def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool, encode: Callable[[str], list[int]],
+                 entry: AudioEntry | None, images: Sequence[str] = ()) -> MediaPrompt:
     """``prompt`` with the recording at ``path`` (and ``images``, for a program that sees as well: Gemma 4);
     ``encode``: the program's tokenizer with its BOS."""
     if AUDIO_METHOD not in program.method_names:
@@ -47,8 +47,8 @@ def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
                         "Qwen2-Audio, Gemma 4), or leave audio out.")
     if images:
         check_sees_images(program)
-    token = int(program.constant(AUDIO_TOKEN_ID))
-    recording = _checked_recording(program, path)  # a file that is not audio is refused before anything runs
+    token, frames_per_token = int(program.constant(AUDIO_TOKEN_ID)), _frames_per_token(program)
+    recording = _checked_recording(program, path, frames_per_token)  # not audio, or too long: refused before any run
     marker = _marker(entry, path)
     text = _text(prompt, chat, marker, entry, folder, path, len(images))
     if images:  # the processor writes each image's tokens on either side of the recording
@@ -61,13 +61,12 @@ def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
         if len(marks) != 1:
             raise UserError(_not_marked_once(len(marks), token, marker))
         before, after = MediaPrompt.text(ids[:marks[0]]), MediaPrompt.text(ids[marks[0] + 1:])
-    return joined(before, _heard(program, token, _features(folder, recording, entry)), after)
+    return joined(before, _heard(program, token, frames_per_token, _features(folder, recording, entry)), after)
 
 
-def _checked_recording(program: Any, path: str) -> Recording:
+def _checked_recording(program: Any, path: str, frames_per_token: int) -> Recording:
     """The recording at ``path``, as long as one call of the program's audio encoder takes."""
     per_window, most = int(program.constant(AUDIO_TOKENS)), int(program.constant(MAX_WINDOWS))
-    frames_per_token = _frames_per_token(program)
     recording = read_audio(path)
     for conversion in recording.conversions:
         print(f"[audio: {conversion}]", file=sys.stderr)
@@ -97,9 +96,8 @@ def _frames_per_token(program: Any) -> int:
     return int(program.constant(FRAMES_PER_TOKEN)) if FRAMES_PER_TOKEN in program.method_names else 0
 
 
-def _heard(program: Any, token: int, features: torch.Tensor) -> MediaPrompt:
+def _heard(program: Any, token: int, frames_per_token: int, features: torch.Tensor) -> MediaPrompt:
     """The recording's positions, between Gemma 4's ``<|audio>`` and ``<audio|>`` as its processor writes them."""
-    frames_per_token = _frames_per_token(program)
     if not frames_per_token:
         positions = int(program.constant(AUDIO_TOKENS)) * features.shape[0]
         return MediaPrompt([token] * positions, [features], (AUDIO_METHOD,))

@@ -70,8 +70,8 @@ def seen_around(program: Any, folder: Path, head: str, tail: str, images: list[s
     after = marked_prompt(program, processor, tail, pictures[first:])
     bos = processor.tokenizer.bos_token_id
     if after.ids[:1] == [bos] and bos is not None:
-        first_part = after.parts[0][:, 1:]
-        after = MediaPrompt(after.ids[1:], [first_part] * bool(first_part.numel()) + after.parts[1:], after.encoders)
+        rest = after.parts[0][:, 1:]  # the first part is text: it holds the BOS
+        after = MediaPrompt(after.ids[1:], ([rest] if rest.numel() else []) + after.parts[1:], after.encoders)
     return before, after
 
 
