@@ -25,6 +25,8 @@ from tests.runtimes import STOCK_RELEASES, stock_runner
 # A prompt of more than one call (max_seq_len 16 below): the stock runner feeds it in calls of get_max_seq_len.
 LONG_PROMPT = ("The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is Madrid. "
                "The capital of Italy is")
+# The logit gap under which two tokens count as tied (SmolLM2's logits here are 20-30).
+NEAR_TIE = 0.25
 LONG = ("quant=8da4w", "export.max_seq_len=16", "export.max_context_len=96", "export.kv_dtype=int8")
 
 
@@ -95,13 +97,14 @@ def test_generation_runs_past_one_call_to_the_end_of_the_cache(long_context) -> 
     assert 16 < len(ids) < 96
     out = gen.generate("", SamplingConfig(max_new_tokens=200), prompt_ids=ids)
     assert out.stop_reason == "context_full" and len(ids) + len(out.new_ids) == 96
-    with torch.no_grad():  # the eager model with the same int8 cache, greedy, token by token
-        logits, expected = model(torch.tensor([ids]), torch.tensor([0])), []
-        for pos in range(len(ids), 96):
-            expected.append(int(logits.argmax()))
-            logits = model(torch.tensor([[expected[-1]]]), torch.tensor([pos]))
-    agree = sum(a == b for a, b in zip(out.new_ids, expected)) / len(expected)
-    assert out.new_ids[:8] == expected[:8] and agree > 0.9, (out.new_ids, expected)
+    with torch.no_grad():  # the eager model with the same int8 cache, fed the program's tokens one by one
+        logits, gaps = model(torch.tensor([ids]), torch.tensor([0])), []
+        for pos, token in zip(range(len(ids), 96), out.new_ids):
+            gaps.append(float(logits.max() - logits.flatten()[token]))  # 0 where the eager model chooses it too
+            logits = model(torch.tensor([[token]]), torch.tensor([pos]))
+    # Every token the program chose to the end of the cache is the eager model's greedy choice, or within a near tie of
+    # it: the 4-bit kernels round by the CPU's instructions (AVX-512 without VNNI flips a tie of 0.03 in 24.7 here).
+    assert max(gaps) < NEAR_TIE and sum(g == 0 for g in gaps) / len(gaps) > 0.9, gaps
 
 
 @pytest.mark.parametrize("release", STOCK_RELEASES)
