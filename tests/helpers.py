@@ -21,16 +21,27 @@ REAL_LAYERS = 2
 # The vision-language programs under test: the MultimodalRunner's three methods and one text method (decode_one_token,
 # the fewest graphs to lower: the suite's time), named as apps that share memory arenas name them.
 VLM_PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=32")
-# Gemma 4's carries its assistant (draft_propose beside verify): the stock runner drives it as it drives any other
-# (tests/test_vision_language.py), and tests/test_gemma4_drafter.py speculates with it on image prompts: one export.
+# Gemma 4's is its program of every modality (models.tiny_alm's checkpoint: image and audio towers) with its assistant
+# (draft_propose beside verify), one export for four tests: the stock runner drives its images
+# (tests/test_vision_language.py) and its recordings (tests/test_gemma4_audio.py), tests/test_gemma4_drafter.py
+# speculates with it on image prompts, tests/test_serve.py chats with it. One text_decoder call takes up to 191
+# positions: a recording of 7.64 s.
+GEMMA4_PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=192")
 VLM_ASSISTANT_TOKENS = 2
 
 
 def vlm_program_overrides(family: str, ckpt: Path, gemma4_assistant: Callable[[Path], Path]) -> list[str]:
-    """The export of ``family``'s tiny vision-language checkpoint ``ckpt`` that the runner test drives."""
-    extra = ([f"draft.checkpoint={gemma4_assistant(ckpt)}", f"draft.tokens={VLM_ASSISTANT_TOKENS}"]
-             if family == "gemma4" else [])
-    return ["model=hf", f"model.checkpoint={ckpt}", *VLM_PROGRAM, *extra]
+    """The export of ``family``'s tiny vision-language checkpoint ``ckpt`` that the runner test drives (for Gemma 4,
+    ``ckpt`` is the checkpoint of every modality: :func:`gemma4_program_overrides`)."""
+    if family == "gemma4":
+        return gemma4_program_overrides(ckpt, gemma4_assistant)
+    return ["model=hf", f"model.checkpoint={ckpt}", *VLM_PROGRAM]
+
+
+def gemma4_program_overrides(ckpt: Path, gemma4_assistant: Callable[[Path], Path]) -> list[str]:
+    """Gemma 4's program of every modality with its assistant, from the tiny checkpoint ``ckpt`` of every modality."""
+    return ["model=hf", f"model.checkpoint={ckpt}", *GEMMA4_PROGRAM, f"draft.checkpoint={gemma4_assistant(ckpt)}",
+            f"draft.tokens={VLM_ASSISTANT_TOKENS}"]
 
 
 def compose_config(*overrides: str) -> DictConfig:

@@ -196,7 +196,7 @@ def test_generate_refuses_audio_the_program_cannot_take(exported, alm_checkpoint
         assert main([str(run), *args]) == 2
         assert says in capsys.readouterr().err
     shutil.copy(VALIDATION_RECORDING, tmp_path / "speech.wav")
-    text_run = exported("model=tiny").pte_path.parent
+    text_run = exported("export.methods=[forward]").pte_path.parent
     assert main([str(text_run), "prompt=hi", f"audio={tmp_path / 'speech.wav'}"]) == 2
     assert "needs a speech or audio-language program" in capsys.readouterr().err
 

@@ -20,6 +20,7 @@ from transformers import (AutoConfig, AutoTokenizer, Gemma4AudioFeatureExtractor
 from models.decoder import ids_of_digits
 from models.gemma4_audio import (FRAMES_PER_TOKEN, SAMPLE_RATE, Gemma4LogMel, audio_positions, load_gemma4_audio,
                                  padded_frames)
+from tests.helpers import GEMMA4_PROGRAM
 
 # Samples whose valid frames are 0, 1, 2 and 3 modulo 4 (16,000 / 160 = 100 frames a second), and a recording too
 # short for one of the tower's attention blocks (0.3 s).
@@ -126,16 +127,16 @@ def test_gemma4s_audio_encoder_runs_in_the_runtime_for_every_length(ours: Any, t
         torch.testing.assert_close(method.execute([x])[0], expected, rtol=1e-4, atol=1e-4)
 
 
-# The program under test: the MultimodalRunner's three methods and decode_one_token, one text_decoder call long
-# enough for the validation recording (4.9 s: 122 positions) and a prompt with an image around it.
-PROGRAM = ("export.methods=[decode]", "export.layout=split", "export.max_seq_len=192")
+# The program under test (tests.helpers.gemma4_program_overrides, shared with three other tests): the
+# MultimodalRunner's methods and decode_one_token, with the assistant's; one text_decoder call long enough for the
+# validation recording (4.9 s: 122 positions) and a prompt with an image around it.
 MOST = 191  # the positions one call takes: a recording of 7.64 s at most
 NEW_TOKENS = 8
 
 
 @pytest.mark.slow
 def test_a_gemma4_program_of_every_modality_writes_transformers_tokens_through_the_stock_runner(
-        exported, checkpoint: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+        exported, checkpoint: Path, gemma4_assistant, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     """Gemma 4 with its image and audio towers as one program (vision_encoder, audio_encoder, token_embedding,
     text_decoder), each encoder validated. A recording's positions between <|audio> and <audio|>, fed by ExecuTorch's
     stock MultimodalRunner (text | Audio | text) and by exporters.generate audio= on the frames preprocessor.pte
@@ -160,15 +161,16 @@ def test_a_gemma4_program_of_every_modality_writes_transformers_tokens_through_t
     from exporters.runtime.programs import register_runtime_kernels
     from exporters.validation.speech import VALIDATION_RECORDING
     from models.vision import load_processor
-    from tests.helpers import transformers_model
+    from tests.helpers import gemma4_program_overrides, transformers_model
 
     register_runtime_kernels()
-    result = exported("model=hf", f"model.checkpoint={checkpoint}", *PROGRAM)
+    result = exported(*gemma4_program_overrides(checkpoint, gemma4_assistant))
     m, run = result.manifest, result.pte_path.parent
     audio, vision = m.components["audio"].audio, m.components["vision"].vision
     assert m.validation.passed and audio.check.passed and vision.check.passed and audio.check.cosine > 0.9999
     assert audio.check.greedy_tokens == audio.check.eager_choices and audio.check.unquantized.top1 == 1.0
-    assert set(m.methods) == {"decode", "token_embedding", "text_decoder", VISION_METHOD, AUDIO_METHOD}
+    assert set(m.methods) == {"decode", "verify", "draft_propose", "token_embedding", "text_decoder", VISION_METHOD,
+                              AUDIO_METHOD}
     config = AutoConfig.from_pretrained(checkpoint)
     constants = m.constant_methods
     assert constants[AUDIO_TOKENS] == MOST and constants[FRAMES_CONSTANT] == FRAMES_PER_TOKEN
@@ -228,7 +230,8 @@ def test_a_gemma4_program_of_every_modality_writes_transformers_tokens_through_t
                  f"max_new_tokens={NEW_TOKENS}", "temperature=0"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == prompt + text
 
-    long, noise, text_run = tmp_path / "long.wav", tmp_path / "noise.wav", exported("model=tiny").pte_path.parent
+    long, noise = tmp_path / "long.wav", tmp_path / "noise.wav"
+    text_run = exported("export.methods=[forward]").pte_path.parent  # a text program tests/test_run_and_ship.py exports
     soundfile.write(long, _speech(16_000 * 8), SAMPLE_RATE)
     noise.write_bytes(b"not audio at all")
     for args, says in ((["prompt=hi", f"audio={long}"],
@@ -253,7 +256,7 @@ def test_a_quantized_gemma4_program_of_every_modality_lowers_and_passes_validati
     against its eager quantized model. A dynamically quantized activation shared by two of the audio tower's linears
     once made two partitions a dependency cycle that to_backend refused (capture now shares them in the decoder's
     methods only)."""
-    result = exported("model=hf", f"model.checkpoint={checkpoint}", "quant=8da4w", *PROGRAM)
+    result = exported("model=hf", f"model.checkpoint={checkpoint}", "quant=8da4w", *GEMMA4_PROGRAM)
     m = result.manifest
     audio, vision = m.components["audio"].audio, m.components["vision"].vision
     assert m.validation.passed and audio.check.passed and vision.check.passed

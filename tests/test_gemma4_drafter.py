@@ -142,22 +142,24 @@ def assistant_folder(family_checkpoint, gemma4_assistant) -> Path:  # type: igno
 
 @pytest.mark.parametrize("program", ["images", pytest.param("8da4w", marks=pytest.mark.extended)])
 def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy(  # type: ignore[no-untyped-def]
-        exported, family_checkpoint, vlm_checkpoint, gemma4_assistant, assistant_folder: Path, program: str,
+        exported, family_checkpoint, alm_checkpoint, gemma4_assistant, assistant_folder: Path, program: str,
         tmp_path: Path) -> None:
     """draft.checkpoint=<assistant>: the decoder gets verify and keeps its final hidden states; draft_propose reads
     them and the caches in the runtime, proposing what the eager assistant proposes over the eager decoder's state;
     exporters.generate speculates with it (speculative=draft, and auto) and writes plain greedy decoding's tokens; a
     release bundle's README says how an app calls it.
-    ``images``: fp32 beside Gemma 4's image path (the export tests/test_vision_language.py's runner test drives),
-    proposals exactly the eager assistant's, and speculation after an image prompt plain greedy decoding's too.
+    ``images``: fp32 beside Gemma 4's image and audio paths (the program of every modality, one export for four
+    tests: tests.helpers.gemma4_program_overrides), proposals exactly the eager assistant's, and speculation after an
+    image prompt plain greedy decoding's too.
     ``8da4w`` (the assistant's quant too: its centroid head reads rows of the quantized head), text alone: extended,
     for the full run's time."""
+    from exporters.program.audio import AUDIO_METHOD
     from exporters.program.vision import VISION_METHOD
     from exporters.runtime.generator import Generator
-    from tests.helpers import VLM_ASSISTANT_TOKENS, vlm_program_overrides
+    from tests.helpers import VLM_ASSISTANT_TOKENS, gemma4_program_overrides
 
     if program == "images":
-        overrides = vlm_program_overrides("gemma4", vlm_checkpoint("gemma4"), gemma4_assistant)
+        overrides = gemma4_program_overrides(alm_checkpoint("gemma4"), gemma4_assistant)
     else:
         overrides = ["model=gemma4", f"model.checkpoint={family_checkpoint('gemma4')}", "export.methods=[decode]",
                      "export.layout=split", "export.max_seq_len=32", "quant=8da4w",
@@ -171,7 +173,7 @@ def test_a_program_holds_the_assistant_and_speculation_with_it_is_plain_greedy( 
     assert entry.quantization is not None and (entry.quantization.linear is None) == (program == "images")
     if program == "images":  # unquantized: every proposal is the eager assistant's
         assert check.all_agreement == 1.0, check
-    image_path = {"token_embedding", "text_decoder", VISION_METHOD} if program == "images" else set()
+    image_path = {"token_embedding", "text_decoder", VISION_METHOD, AUDIO_METHOD} if program == "images" else set()
     assert set(m.methods) == {"decode", "verify", "draft_propose", *image_path}
     assert m.methods["draft_propose"].tokens == [1, 1] and not m.methods["draft_propose"].dynamic_tokens
     assert m.methods["draft_propose"].outputs[0].shape == [1, VLM_ASSISTANT_TOKENS]

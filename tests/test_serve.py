@@ -459,9 +459,9 @@ def check_tool_calls(client, model: str, jsonschema) -> None:  # type: ignore[no
     assert chosen.finish_reason == "tool_calls" if chosen.message.tool_calls else isinstance(chosen.message.content, str)
 
 
-@pytest.mark.slow  # the tiny Gemma 4 program of every modality tests/test_gemma4_audio.py exports
+@pytest.mark.slow  # the tiny Gemma 4 program of every modality (tests.helpers.gemma4_program_overrides)
 def test_a_recording_and_an_image_in_a_chat_are_what_generate_answers_for_them(  # type: ignore[no-untyped-def]
-        exported, alm_checkpoint, tmp_path: Path) -> None:
+        exported, alm_checkpoint, gemma4_assistant, tmp_path: Path) -> None:
     """An input_audio part (base64 WAV) with its text in one user message, then with an image_url beside it, through
     the official client: the program's preprocessor and encoders, the same greedy text as exporters.generate's
     audio= (image=) chat=true; a format it does not take and a recording longer than the program takes are a 400 that
@@ -475,9 +475,9 @@ def test_a_recording_and_an_image_in_a_chat_are_what_generate_answers_for_them( 
     from exporters.manifest import Manifest
     from exporters.runtime.heard import audio_entry
     from exporters.validation.speech import VALIDATION_RECORDING
-    from tests.test_gemma4_audio import PROGRAM
+    from tests.helpers import gemma4_program_overrides
 
-    run = exported("model=hf", f"model.checkpoint={alm_checkpoint('gemma4')}", *PROGRAM).pte_path.parent
+    run = exported(*gemma4_program_overrides(alm_checkpoint("gemma4"), gemma4_assistant)).pte_path.parent
     picture = tmp_path / "picture.png"
     Image.fromarray((np.random.RandomState(0).rand(40, 50, 3) * 255).astype("uint8")).save(picture)
     generator, entry = Generator(run), audio_entry(Manifest.read(run))

@@ -54,9 +54,10 @@ def assert_measured(row: dict[str, str]) -> None:
     assert float(row["size_mb"]) > 0 and float(row["decode_tok_s"]) > 0 and float(row["peak_rss_mb"]) > 100
 
 
-def assert_three_rows(sweep_dir: Path) -> dict[str, dict[str, str]]:
+def assert_three_rows(sweep_dir: Path, killed: str | None = None) -> dict[str, dict[str, str]]:
+    """GRID's rows (and the row of a ``killed`` job): fp32 and fp16 measured, 4w failed with the reason."""
     rows = summary_rows(sweep_dir)
-    assert sorted(rows) == ["4w", "fp16", "fp32"]
+    assert sorted(rows) == sorted(["4w", "fp16", "fp32", *([killed] if killed else [])])
     assert_measured(rows["fp32"])
     assert_measured(rows["fp16"])
     assert float(rows["fp16"]["size_mb"]) < float(rows["fp32"]["size_mb"])
@@ -65,7 +66,7 @@ def assert_three_rows(sweep_dir: Path) -> dict[str, dict[str, str]]:
     # The .pte a row names is the validated program in that job's folder.
     assert (sweep_dir / rows["fp32"]["program"]).is_file()
     markdown = (sweep_dir / "summary.md").read_text()
-    assert "2 of 3 jobs ok" in markdown and "## Failed" in markdown and "**" in markdown
+    assert f"2 of {len(rows)} jobs ok" in markdown and "## Failed" in markdown and "**" in markdown
     assert (sweep_dir / "pareto.png").read_bytes()[:8] == PNG_MAGIC
     return rows
 
@@ -79,10 +80,28 @@ def short_tmp() -> Iterator[Path]:
 
 
 def test_joblib_sweep_writes_a_row_per_job_and_the_report_rebuilds_it(tmp_path: Path) -> None:
+    """Four jobs, two at a time: two measured, one that cannot run (4w), and one killed with SIGKILL while it exports
+    (as the out-of-memory killer would), whose row says so while the others finish; the summary is then rebuilt
+    from the job folders alone."""
     sweep = tmp_path / "sweep"
-    proc = run_sweep(sweep, "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=2", *GRID)
-    assert "sweep: 3 jobs, 2 ok, 1 failed" in proc.stdout + proc.stderr
-    rows = assert_three_rows(sweep)
+    proc = subprocess.Popen(sweep_cmd(sweep, "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=2",
+                                      f"{GRID[0]},8da8w"), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    killed = sweep / "3-tiny-8da8w-xnnpack"
+    victim, deadline = None, time.monotonic() + 600
+    while victim is None and time.monotonic() < deadline and proc.poll() is None:
+        victim = _export_process_of(killed)
+        time.sleep(0.2)
+    assert victim is not None, "job 3's export process never appeared"
+    time.sleep(3)  # let it get into its export (what the out-of-memory killer would interrupt)
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    assert "sweep: 4 jobs, 2 ok, 2 failed" in out
+    rows = assert_three_rows(sweep, killed="8da8w")
+    assert rows["8da8w"]["status"] == "failed" and "SIGKILL" in rows["8da8w"]["reason"], rows["8da8w"]
+    assert rows["8da8w"]["peak_rss_mb"] != ""  # how far its memory got before it died
+    assert not (killed / "model.pte").exists()
     # Each job's row is in its own folder; the summary is rebuilt from those alone.
     before = (sweep / "summary.csv").read_text()
     for name in ("summary.csv", "summary.md", "pareto.png"):
@@ -90,7 +109,7 @@ def test_joblib_sweep_writes_a_row_per_job_and_the_report_rebuilds_it(tmp_path: 
     report = subprocess.run([sys.executable, "-m", "exporters.report", str(sweep)], cwd=REPO, capture_output=True,
                             text=True, timeout=300)
     assert report.returncode == 0, report.stderr
-    assert "3 jobs (2 ok, 1 failed)" in report.stdout
+    assert "4 jobs (2 ok, 2 failed)" in report.stdout
     assert (sweep / "summary.csv").read_text() == before
     assert (sweep / "pareto.png").read_bytes()[:8] == PNG_MAGIC
     manifest = json.loads((sweep / rows["fp32"]["program"]).with_name("manifest.json").read_text())
@@ -131,28 +150,6 @@ def _export_process_of(job_dir: Path) -> int | None:
             if b"exporters.sweeps.job" in cmdline and str(job_dir).encode() in cmdline:
                 return int(proc.name)
     return None
-
-
-def test_a_job_killed_with_sigkill_is_a_failed_row_and_the_others_finish(tmp_path: Path) -> None:
-    sweep = tmp_path / "sweep"
-    # Without the benchmark (the joblib test measures a job's every column): what matters is how the jobs end.
-    sweep_proc = subprocess.Popen(sweep_cmd(sweep, "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=2",
-                                            "quant=fp32,fp16", "bench=false"),
-                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    victim, deadline = None, time.monotonic() + 300
-    while victim is None and time.monotonic() < deadline and sweep_proc.poll() is None:
-        victim = _export_process_of(sweep / "0-tiny-fp32-xnnpack")
-        time.sleep(0.2)
-    assert victim is not None, "job 0's export process never appeared"
-    time.sleep(3)  # let it get into its export (what the out-of-memory killer would interrupt)
-    os.kill(victim, signal.SIGKILL)
-    out, _ = sweep_proc.communicate(timeout=900)
-    assert sweep_proc.returncode == 0, out[-3000:]
-    rows = summary_rows(sweep)
-    assert rows["fp32"]["status"] == "failed" and "SIGKILL" in rows["fp32"]["reason"], rows["fp32"]
-    assert rows["fp32"]["peak_rss_mb"] != ""  # how far its memory got before it died
-    assert rows["fp16"]["status"] == "ok" and float(rows["fp16"]["size_mb"]) > 0 and rows["fp16"]["perplexity"] != ""
-    assert not (sweep / "0-tiny-fp32-xnnpack" / "model.pte").exists()
 
 
 # The sweeper's own machinery on top of the joblib sweep's jobs (its config composes in tests/test_config.py, in every

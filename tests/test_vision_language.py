@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from exporters.errors import UserError
+from exporters.program.audio import AUDIO_METHOD
 from exporters.export import checked_config
 from exporters.program.vision import IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD, program_pixels
 from exporters.release.bundle import make_bundle
@@ -177,8 +178,9 @@ RUNNER_EXTENDED = ("llava", "idefics3", "gemma3", "qwen2_5_vl", "qwen3_5")
 @pytest.mark.slow
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.extended) if f in RUNNER_EXTENDED else f
                                     for f in FAMILIES])
-def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_checkpoint, gemma4_assistant, family: str,
-                                                             tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_checkpoint, alm_checkpoint, gemma4_assistant,
+                                                             family: str, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
     """ExecuTorch's MultimodalRunner (generate_hf: text | image | text, then one token at a time through
     token_embedding and text_decoder) on the program, against transformers' generate on the same processor output.
     Gemma 3 attends bidirectionally within an image in transformers when given token_type_ids; the runner's
@@ -190,7 +192,8 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
 
     register_runtime_kernels()  # the programs' llama:: kernels, as an app links them (the export may be another worker's)
 
-    ckpt = vlm_checkpoint(family)
+    # Gemma 4's images through its program of every modality (the one export tests/helpers.py names for four tests)
+    ckpt = alm_checkpoint(family) if family == "gemma4" else vlm_checkpoint(family)
     result = exported(*vlm_program_overrides(family, ckpt, gemma4_assistant))
     m = result.manifest
     assert m.validation.passed and m.validation.text_decoder_kl < 1e-9
@@ -200,7 +203,7 @@ def test_multimodal_runner_writes_transformers_greedy_tokens(exported, vlm_check
     quality = vision.check.unquantized
     assert quality.encoder_cosine > 0.9999 and quality.kl_max < 1e-6 and quality.top1 == 1.0
     assert set(m.methods) == {"decode", "token_embedding", "text_decoder", VISION_METHOD, *(
-        ["verify", "draft_propose"] if family == "gemma4" else [])}
+        ["verify", "draft_propose", AUDIO_METHOD] if family == "gemma4" else [])}
     assert m.methods[VISION_METHOD].inputs[0].shape == [1, 3, vision.image_size, vision.image_size]
     assert m.methods["text_decoder"].inputs[0].name == "embeddings"
     # The whole tower is one XNNPACK partition (LayerNorm in ops XNNPACK takes, no-op expands dropped); Gemma 3's
