@@ -123,10 +123,12 @@ PARITY_METHODS = "[forward]"
 # values differ, checked eagerly above) and Mistral's is Llama's with Gemma 2's and Gemma 3's sliding windows, OLMo 3's
 # is OLMo 2's with Gemma 3's windows and per-type RoPE; Qwen2's q/k/v biases are OLMo 2's attention biases, Qwen3's
 # per-head q/k norms Gemma 3's, Gemma's (one KV head, 1 + w norms, tied) Gemma 3's; the hybrids' fp32 programs run
-# against transformers on the portable backend (tests/test_hybrid.py) and through XNNPACK as 8da4w programs below.
-# Each family is still checked against transformers eagerly above, with both attentions. They run with
-# `pytest -m extended`, kept out of the full run for its time.
-FP32_PROGRAM_EXTENDED = {"ministral3", "olmo3", "lfm2", "qwen3_5", "mistral", "qwen2", "qwen3", "gemma"}
+# against transformers on the portable backend (tests/test_hybrid.py) and through XNNPACK as 8da4w programs below;
+# Gemma 4's fp32 decoder (per-layer embeddings, KV sharing, windows) is its program of every modality, whose decode
+# and text_decoder write transformers' greedy tokens past the window (tests/test_gemma4_audio.py). Each family is
+# still checked against transformers eagerly above, with both attentions. They run with `pytest -m extended`, kept
+# out of the full run for its time.
+FP32_PROGRAM_EXTENDED = {"ministral3", "olmo3", "lfm2", "qwen3_5", "mistral", "qwen2", "qwen3", "gemma", "gemma4"}
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[pytest.mark.extended] if f in FP32_PROGRAM_EXTENDED else [])
