@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from exporters.errors import UserError
-from exporters.program.audio import AUDIO_METHOD
 from exporters.export import checked_config
+from exporters.program.audio import AUDIO_METHOD
 from exporters.program.vision import IMAGE_SIZE, IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_METHOD, program_pixels
 from exporters.release.bundle import make_bundle
 from exporters.runtime.generator import Generator, SamplingConfig
