@@ -20,7 +20,7 @@ from transformers import (AutoConfig, AutoTokenizer, Gemma4AudioFeatureExtractor
 from models.decoder import ids_of_digits
 from models.gemma4_audio import (FRAMES_PER_TOKEN, SAMPLE_RATE, Gemma4LogMel, audio_positions, load_gemma4_audio,
                                  padded_frames)
-from tests.helpers import GEMMA4_PROGRAM
+from tests.helpers import GEMMA4_PROGRAM, gemma4_program_overrides
 
 # Samples whose valid frames are 0, 1, 2 and 3 modulo 4 (16,000 / 160 = 100 frames a second), and a recording too
 # short for one of the tower's attention blocks (0.3 s).
@@ -161,7 +161,7 @@ def test_a_gemma4_program_of_every_modality_writes_transformers_tokens_through_t
     from exporters.runtime.programs import register_runtime_kernels
     from exporters.validation.speech import VALIDATION_RECORDING
     from models.vision import load_processor
-    from tests.helpers import gemma4_program_overrides, transformers_model
+    from tests.helpers import transformers_model
 
     register_runtime_kernels()
     result = exported(*gemma4_program_overrides(checkpoint, gemma4_assistant))

@@ -21,7 +21,6 @@ from typing import Any, Callable, Literal, Sequence
 from exporters.errors import UserError
 from exporters.manifest import MANIFEST_FILE, Manifest
 from exporters.program.audio import AUDIO_METHOD
-from exporters.program.vision import VISION_METHOD
 from exporters.runtime.constraint import Constraint
 from exporters.runtime.generator import Generator, SamplingConfig, chat_template
 from exporters.runtime.heard import audio_entry
@@ -179,9 +178,13 @@ class Engine:
         if AUDIO_METHOD not in program.method_names:
             raise ApiError(400, "an input_audio content part: this program takes no audio (recordings go to an "
                            "audio-language program).", param="messages", code="unsupported_content")
-        if pictures and VISION_METHOD not in program.method_names:
-            raise ApiError(400, "an image_url content part beside the recording: this program hears and does not see "
-                           "(images go to a vision-language program).", param="messages", code="unsupported_content")
+        if pictures:
+            try:
+                check_sees_images(program)
+            except UserError:
+                raise ApiError(400, "an image_url content part beside the recording: this program hears and does not "
+                               "see (images go to a vision-language program).", param="messages",
+                               code="unsupported_content") from None
         with tempfile.TemporaryDirectory(prefix="input_audio") as folder:
             path = Path(folder) / f"recording.{fmt}"
             path.write_bytes(data)
