@@ -112,6 +112,8 @@ class DecoderArgs:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    residual_scale: float | None = None  # Granite: each block's output times residual_multiplier before it is added
+    logits_divisor: float | None = None  # Granite: logits divided by logits_scaling
     max_context_len: int = 128
     # RoPE tables by name and, per layer, which table it uses (None: no RoPE in that layer, SmolLM3).
     rope: tuple[tuple[str, RopeTable], ...] = field(default=(), repr=False)
@@ -673,6 +675,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, args.unit_offset_norm, args.norm_weight_fp32)  # noqa: E731
         self.norms = args.norms
+        self.residual_scale = args.residual_scale
         self.mixer = mixer
         args = args.for_layer(index)
         if mixer == Mixer.attention:
@@ -707,6 +710,10 @@ class DecoderLayer(nn.Module):
         """False for a layer that reads another layer's KV cache (Gemma 4): it keeps nothing between calls."""
         return self.mixer != Mixer.attention or not self.self_attn.shares_cache
 
+    def residual(self, out: torch.Tensor) -> torch.Tensor:
+        """A block's output as it joins the residual stream (Granite scales it by residual_multiplier)."""
+        return out if self.residual_scale is None else out * self.residual_scale
+
     def recurrent(self) -> ShortConv | GatedDeltaNet:
         """The mixer of a layer that is not attention, whose state is not a KV cache."""
         return getattr(self, MIXER_MODULES[self.mixer])
@@ -727,8 +734,8 @@ class DecoderLayer(nn.Module):
         else:
             attn = self.recurrent()(h, positions)
         if self.norms == Norms.pre:
-            x = x + attn
-            return x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.residual(attn)
+            return x + self.residual(self.mlp(self.post_attention_layernorm(x)))
         x = x + rotated(self.output_rotation, self.post_attention_layernorm(attn))
         mlp = self.mlp(self.pre_feedforward_layernorm(x) if self.norms == Norms.sandwich else x)
         x = x + rotated(self.output_rotation, self.post_feedforward_layernorm(mlp))
@@ -1113,6 +1120,9 @@ class CausalLM(nn.Module):
         return self.softcap(self.head(h))
 
     def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's logits as the family finishes them: Granite's divisor, Gemma 2/4's soft-capping."""
+        if self.args.logits_divisor is not None:
+            logits = logits / self.args.logits_divisor
         if self.args.final_logit_softcap is not None:
             logits = torch.tanh(logits / self.args.final_logit_softcap) * self.args.final_logit_softcap
         return logits

@@ -156,6 +156,16 @@ def llama(cfg: Any, max_context_len: int) -> dict[str, Any]:
     return {**_llama_biases(cfg), **_default_rope(cfg, max_context_len)}
 
 
+@register_family("granite", "GraniteForCausalLM", model_type="granite")
+def granite(cfg: Any, max_context_len: int) -> dict[str, Any]:
+    """IBM Granite 3.x (and Granite Speech's text decoder): Llama with four multipliers, on the embeddings, the
+    attention scores (in place of head_dim ** -0.5), each block's output before the residual add, and the logits
+    (divided)."""
+    return {**_llama_biases(cfg), **_default_rope(cfg, max_context_len), "embed_scale": cfg.embedding_multiplier,
+            "attn_scale": cfg.attention_multiplier, "residual_scale": cfg.residual_multiplier,
+            "logits_divisor": cfg.logits_scaling}
+
+
 @register_family("mistral", "MistralForCausalLM", model_type="mistral")
 def mistral(cfg: Any, max_context_len: int) -> dict[str, Any]:
     """Mistral 7B and its derivatives: Llama with a sliding window on every layer."""

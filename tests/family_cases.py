@@ -16,6 +16,13 @@ FAMILY_CASES: dict[str, dict[str, Any]] = {
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
     },
+    # Granite's four multipliers, none of them 1 (the embedding's and the logits' far from it), attention biases,
+    # tied.
+    "granite": {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 389, "tie_word_embeddings": True,
+        "attention_bias": True, "embedding_multiplier": 12.0, "attention_multiplier": 0.0078125,
+        "residual_multiplier": 0.22, "logits_scaling": 8.0,
+    },
     # A sliding window of 6 on every layer, head_dim 24 (o_proj in 96), untied.
     "mistral": {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "vocab_size": 397,

@@ -127,8 +127,10 @@ PARITY_METHODS = "[forward]"
 # Gemma 4's fp32 decoder (per-layer embeddings, KV sharing, windows) is its program of every modality, whose decode
 # and text_decoder write transformers' greedy tokens past the window (tests/test_gemma4_audio.py). Each family is
 # still checked against transformers eagerly above, with both attentions. They run with `pytest -m extended`, kept
-# out of the full run for its time.
-FP32_PROGRAM_EXTENDED = {"ministral3", "olmo3", "lfm2", "qwen3_5", "mistral", "qwen2", "qwen3", "gemma", "gemma4"}
+# out of the full run for its time. Granite's fp32 decoder (Llama with four multipliers) is Granite Speech's, whose program
+# runs in tests/test_audio_language.py.
+FP32_PROGRAM_EXTENDED = {"ministral3", "olmo3", "lfm2", "qwen3_5", "mistral", "qwen2", "qwen3", "gemma", "gemma4",
+                         "granite"}
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[pytest.mark.extended] if f in FP32_PROGRAM_EXTENDED else [])
