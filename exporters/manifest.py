@@ -651,7 +651,7 @@ class VisionEntry:
 class AudioEntry:
     """What an app needs to give the program audio (the preprocessor beside it makes audio_encoder's input)."""
 
-    family: str  # models.audio_language: voxtral, qwen2_audio, gemma4
+    family: str  # models.audio_language: voxtral, qwen2_audio, gemma4, granite_speech
     sample_rate: int
     mel_bins: int
     frames: int  # log-mel frames per 30 s window (a recording of any length: the most one call takes)
@@ -670,9 +670,18 @@ class AudioEntry:
     begin_token: str | None = None
     end_token_id: int | None = None
     end_token: str | None = None
+    # Granite Speech: time-major frames [1, frames, bins] (50 a second), frame_window of them to frame_window /
+    # frames_per_token positions, the last window partial (0: Gemma 4's whole positions)
+    frame_window: int = 0
+    frames_per_second: int = 100
 
     def describe(self) -> str:
         check = "not validated" if self.check is None else self.check.describe()
+        if self.frame_window:
+            return (f"{self.family}, {self.mel_bins}-wide frames, {self.frame_window} frames to "
+                    f"{self.frame_window // self.frames_per_token} positions of token "
+                    f"{self.audio_token or self.audio_token_id}, one recording of up to {self.tokens_per_window} "
+                    f"positions a call, {self.quantization}; {check}")
         if self.frames_per_token:
             return (f"{self.family}, {self.mel_bins} mel bins, {self.frames_per_token} frames a position of token "
                     f"{self.audio_token or self.audio_token_id}, one recording of up to {self.tokens_per_window} "

@@ -3,20 +3,24 @@
 Built from transformers' own modules (the audio tower and the projector of the checkpoint's architecture), so it
 computes what transformers computes; each family's wrapper only gives what ExecuTorch's ``MultimodalRunner`` feeds
 and takes: ``[W, bins, frames]`` log-mel features of W 30-second windows in (the preprocessor's stacked output),
-``[1, W * N, hidden]`` out, the N positions per window the runner gives the audio in the text decoder. Gemma 4's
-conformer takes one recording of any length instead (``models.gemma4_audio``); the functions here build either.
+``[1, W * N, hidden]`` out, the N positions per window the runner gives the audio in the text decoder. Gemma 4's and
+Granite Speech's conformers take one recording of any length instead (``models.gemma4_audio``,
+``models.granite_speech``); the functions here build any of them.
 Parity with transformers' own audio features: tests/test_audio_language.py, tests/test_gemma4_audio.py.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from models.audio_language import AudioGeometry, audio_language_of
 from models.gemma4_audio import Gemma4Audio, gemma4_audio_parameters, load_gemma4_audio, random_gemma4_audio
+from models.granite_speech import (GraniteSpeechAudio, granite_speech_audio_parameters, load_granite_speech_audio,
+                                   random_granite_speech_audio)
 from models.towers import delegated_norms, load_parts, meta_model, quiet_transformers
 
 
@@ -92,30 +96,48 @@ def _encoder(hf_config: Any, parts: tuple[nn.Module, nn.Module]) -> AudioEncoder
     return delegated_norms(ENCODERS[family.name](hf_config, family.geometry(hf_config), *parts)).eval()
 
 
-def _is_gemma4(hf_config: Any) -> bool:
+@dataclass(frozen=True)
+class OwnEncoder:
+    """A family whose encoder is not Whisper's windows: its loader, its random builder, its parameter count."""
+
+    load: Callable[[str, Any], nn.Module]
+    random: Callable[[Any, int], nn.Module]
+    parameters: Callable[[Any], int]
+
+
+OWN_ENCODERS: dict[str, OwnEncoder] = {
+    "gemma4": OwnEncoder(load_gemma4_audio, random_gemma4_audio, gemma4_audio_parameters),
+    "granite_speech": OwnEncoder(load_granite_speech_audio, random_granite_speech_audio,
+                                 granite_speech_audio_parameters)}
+
+
+def _own(hf_config: Any) -> OwnEncoder | None:
     family = audio_language_of(hf_config)
-    return family is not None and family.name == "gemma4"
+    return OWN_ENCODERS.get(family.name) if family is not None else None
 
 
-def load_audio_encoder(path: str, hf_config: Any) -> AudioEncoder | Gemma4Audio:
+def load_audio_encoder(path: str, hf_config: Any) -> AudioEncoder | Gemma4Audio | GraniteSpeechAudio:
     """The audio encoder of the checkpoint folder ``path`` in fp32, only its tensors read."""
-    if _is_gemma4(hf_config):
-        return load_gemma4_audio(path, hf_config)
+    own = _own(hf_config)
+    if own is not None:
+        return own.load(path, hf_config)
     tower, projector = _new_parts(hf_config)
     load_parts(path, {"tower": tower, "projector": projector}, PART_PREFIXES)
     return _encoder(hf_config, (tower, projector))
 
 
-def random_audio_encoder(hf_config: Any, seed: int = 0) -> AudioEncoder | Gemma4Audio:
+def random_audio_encoder(hf_config: Any, seed: int = 0) -> AudioEncoder | Gemma4Audio | GraniteSpeechAudio:
     """The audio encoder of ``hf_config``'s shape with seeded random weights (transformers' own initialization)."""
-    if _is_gemma4(hf_config):
-        return random_gemma4_audio(hf_config, seed)
+    own = _own(hf_config)
+    if own is not None:
+        return own.random(hf_config, seed)
     torch.manual_seed(seed)
     return _encoder(hf_config, _new_parts(hf_config))
 
 
 def audio_parameters(hf_config: Any) -> int:
     """The tower's and projector's parameters, counted on the meta device: nothing allocated."""
-    if _is_gemma4(hf_config):
-        return gemma4_audio_parameters(hf_config)
+    own = _own(hf_config)
+    if own is not None:
+        return own.parameters(hf_config)
     return sum(p.numel() for part in _parts(meta_model(hf_config)) for p in part.parameters())

@@ -1,16 +1,18 @@
 """Audio-language checkpoints: which ones we read, where their audio encoder's tensors are, and its geometry.
 
-An audio-language checkpoint (Voxtral, Qwen2-Audio, Gemma 4) holds a text decoder of a family we already implement
+An audio-language checkpoint (Voxtral, Qwen2-Audio, Gemma 4, Granite Speech) holds a text decoder of a family we already implement
 (``models.families``) beside an audio tower and a projector. Its text decoder is read as a vision-language
 checkpoint's is (``models.multimodal``); the tower and projector by ``models.audio_encoder``. The geometry comes
 from ``config.json`` alone. Two kinds: Whisper's encoder (Voxtral, Qwen2-Audio) takes log-mel windows of ``bins x
 frames`` (30 s at 100 frames a second), each giving ``tokens`` embeddings to the text decoder; Gemma 4's conformer
 takes one recording of any length up to 30 s, ``frames_per_token`` frames a position, between a begin and an end
-token.
+token; Granite Speech's conformer one recording of any length too, in time-major frames of two stacked log-mel frames
+(50 a second), each window of 15 giving 3 positions (the last window partial).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,11 +34,28 @@ class AudioGeometry:
     frames_per_token: int = 0  # Gemma 4: log-mel frames per position of a recording of any length; 0: whole windows
     begin_token_id: int | None = None  # written before the audio's positions (Gemma 4's <|audio>)
     end_token_id: int | None = None  # and after them (<audio|>)
+    # Granite Speech: positions come per window of this many frames (frame_window / frames_per_token each), the last
+    # window partial, so the frame count is any number; 0: frames in whole positions (Gemma 4)
+    frame_window: int = 0
+    frames_per_second: int = 100  # Granite Speech's stacked frames: 50
+    time_major: bool = False  # the frames as [1, frames, bins] (Granite Speech), else [1, bins, frames]
 
     @property
     def any_length(self) -> bool:
-        """One recording of any length a call (Gemma 4), not whole 30 s windows."""
+        """One recording of any length a call (Gemma 4, Granite Speech), not whole 30 s windows."""
         return self.frames_per_token > 0
+
+    def positions(self, frames: int) -> int:
+        """The positions ``frames`` frames of a recording of any length give."""
+        if self.frame_window:
+            return -(-frames // self.frame_window) * (self.frame_window // self.frames_per_token)
+        return frames // self.frames_per_token
+
+    def frames_for(self, positions: int) -> int:
+        """The most frames whose positions fit in ``positions``."""
+        if self.frame_window:
+            return positions // (self.frame_window // self.frames_per_token) * self.frame_window
+        return positions * self.frames_per_token
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,8 @@ class AudioLanguage:
     chat: str | None = None
     # The geometry of a tower that is not Whisper's encoder (Gemma 4's); None: Whisper's windows.
     any_length: Callable[[Any, int], AudioGeometry] | None = None
+    # The config field of the audio tower's config: a checkpoint without it has no tower (Gemma 4 31B).
+    tower_config: str = "audio_config"
 
     def geometry(self, hf_config: Any) -> AudioGeometry:
         token = _id(hf_config, "audio_token_id", "audio_token_index")
@@ -105,6 +126,23 @@ def _gemma4_geometry(cfg: Any, token: int) -> AudioGeometry:
                          _id(cfg, "eoa_token_id", "eoa_token_index"))
 
 
+def _granite_speech_geometry(cfg: Any, token: int) -> AudioGeometry:
+    """One recording of up to 30 s in encoder frames (``encoder_config.input_dim`` wide: two 80-bin frames), each
+    window of ``window_size`` frames giving ``window_size // downsample_rate`` positions; no begin or end token."""
+    if cfg.window_size % cfg.downsample_rate:
+        raise ModelError(f"window_size={cfg.window_size} is not a multiple of downsample_rate={cfg.downsample_rate}: "
+                         "Granite Speech's projector gives whole queries per window. The config is not a Granite "
+                         "Speech's.")
+    frames = GRANITE_SECONDS * GRANITE_FRAMES_PER_SECOND
+    geometry = AudioGeometry("granite_speech", int(cfg.encoder_config.input_dim), frames, 0, token, 1,
+                             cfg.downsample_rate, frame_window=cfg.window_size,
+                             frames_per_second=GRANITE_FRAMES_PER_SECOND, time_major=True)
+    return dataclasses.replace(geometry, tokens=geometry.positions(frames))
+
+
+# Granite Speech takes recordings of any length; a program takes up to 30 s in one call, as Gemma 4's.
+GRANITE_SECONDS, GRANITE_FRAMES_PER_SECOND = 30, 50
+
 _TOWER_AND_PROJECTOR = ("audio_tower.", "multi_modal_projector.", "model.audio_tower.", "model.multi_modal_projector.")
 AUDIO_LANGUAGE: tuple[AudioLanguage, ...] = (
     # Voxtral's tekken tokenizer (mistral_common) writes its turn so; ExecuTorch's voxtral runner the same.
@@ -115,16 +153,22 @@ AUDIO_LANGUAGE: tuple[AudioLanguage, ...] = (
     AudioLanguage("gemma4", ("Gemma4ForConditionalGeneration",),
                   ("model.audio_tower.", "audio_tower.", "model.embed_audio.", "embed_audio."),
                   lambda cfg: GEMMA4_MAX_FRAMES // GEMMA4_FRAMES_PER_TOKEN, 1, any_length=_gemma4_geometry),
+    # Granite Speech (3.3 2B and 8B): a conformer and a Q-Former projector beside a Granite decoder. Its chat template
+    # writes Granite's role tokens (the tokenizer's own template adds a system turn of its own when none is given).
+    AudioLanguage("granite_speech", ("GraniteSpeechForConditionalGeneration",),
+                  ("model.encoder.", "encoder.", "model.projector.", "projector."), lambda cfg: 0, 1,
+                  "<|start_of_role|>user<|end_of_role|>{audio}{prompt}<|end_of_text|>\n"
+                  "<|start_of_role|>assistant<|end_of_role|>", any_length=_granite_speech_geometry,
+                  tower_config="encoder_config"),
 )
 
 
 def audio_language_of(hf_config: Any) -> AudioLanguage | None:
     """The audio-language architecture of ``config.json``, or None (also for a checkpoint of such an architecture
     that has no audio tower: Gemma 4 31B)."""
-    if getattr(hf_config, "audio_config", None) is None:
-        return None
     archs = list(getattr(hf_config, "architectures", None) or [])
-    return next((a for a in AUDIO_LANGUAGE for arch in archs if arch in a.architectures), None)
+    family = next((a for a in AUDIO_LANGUAGE for arch in archs if arch in a.architectures), None)
+    return family if family is not None and getattr(hf_config, family.tower_config, None) is not None else None
 
 
 def is_audio_language(architectures: list[str]) -> bool:

@@ -2,7 +2,7 @@
 
 No audio-language weights ship in a pip package, so each family (``models.audio_language.AUDIO_LANGUAGE``) is built
 here from a small config with the tiny text tokenizer plus the family's audio tokens, and the family's feature
-extractor (Whisper's with 128 mel bins; Gemma 4's own) saved beside it, as the hub's checkpoints are. The audio tower
+extractor (Whisper's with 128 mel bins; Gemma 4's own; Granite Speech's settings) saved beside it, as the hub's checkpoints are. The audio tower
 takes real 30 s windows (3000 frames), Gemma 4's real recordings: its positions are the real ones, its widths tiny. The text side is fitted to the corpus for a few seconds (peaked
 logits); the audio side keeps its seeded random weights. Built once per recipe and cached (``models.tiny.built_once``).
 """
@@ -83,6 +83,57 @@ def _gemma4() -> tuple[Any, Any, list[Any]]:
     return config, tok, [processor, Gemma4AudioFeatureExtractor()]
 
 
+class GraniteFeatureFiles:
+    """``preprocessor_config.json`` as ``GraniteSpeechFeatureExtractor`` saves it, written without building one: its
+    constructor needs torchaudio (models.granite_speech computes its features without it)."""
+
+    def save_pretrained(self, out: Path) -> None:
+        import json
+
+        from models.granite_speech import HOP_LENGTH, MEL_BINS, N_FFT, SAMPLE_RATE, WIN_LENGTH
+
+        values = {"feature_extractor_type": "GraniteSpeechFeatureExtractor", "processor_class": "GraniteSpeechProcessor",
+                  "sampling_rate": SAMPLE_RATE, "n_fft": N_FFT, "win_length": WIN_LENGTH, "hop_length": HOP_LENGTH,
+                  "n_mels": MEL_BINS, "projector_window_size": 15, "projector_downsample_rate": 5,
+                  "feature_size": MEL_BINS, "padding_value": 0.0, "padding_side": "right",
+                  "return_attention_mask": True}
+        (Path(out) / "preprocessor_config.json").write_text(json.dumps(values, indent=2) + "\n")
+
+
+def _granite_speech() -> tuple[Any, Any, list[Any]]:
+    """Granite Speech: a conformer of two layers 32 wide in blocks of 200 frames (the published context, so a
+    recording past 4 s spans a masked block), a one-layer Q-Former, a Granite decoder whose four multipliers are none
+    of them 1; no LoRA adapter (``has_lora_adapter``: the published one applies with audio only)."""
+    from transformers import (Blip2QFormerConfig, GraniteConfig, GraniteSpeechConfig, GraniteSpeechEncoderConfig)
+
+    tok = tiny_tokenizer({"audio_token": "<|audio|>"})
+    config = GraniteSpeechConfig(
+        encoder_config=GraniteSpeechEncoderConfig(input_dim=160, num_layers=2, hidden_dim=AUDIO_WIDTH, num_heads=2,
+                                                  output_dim=7, context_size=200, max_pos_emb=512,
+                                                  conv_kernel_size=15),
+        projector_config=Blip2QFormerConfig(hidden_size=AUDIO_WIDTH, num_hidden_layers=1, num_attention_heads=2,
+                                            intermediate_size=2 * AUDIO_WIDTH, encoder_hidden_size=AUDIO_WIDTH,
+                                            cross_attention_frequency=1),
+        text_config=GraniteConfig(**TEXT_ARCH, vocab_size=len(tok), bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                                  embedding_multiplier=4.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                                  logits_scaling=2.0, tie_word_embeddings=True),
+        audio_token_index=tok.convert_tokens_to_ids("<|audio|>"), has_lora_adapter=False,
+        architectures=["GraniteSpeechForConditionalGeneration"])
+    return config, tok, [tok, GraniteFeatureFiles()]
+
+
+def _granite_speech_untrained(model: Any) -> None:
+    """The conformer's batch norms drawn away from transformers' identity start (a misread running mean or variance
+    would otherwise pass unseen)."""
+    with torch.no_grad():
+        for module in model.model.encoder.modules():
+            if isinstance(module, torch.nn.BatchNorm1d):
+                module.running_mean.normal_(0.0, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+                module.weight.normal_(1.0, 0.2)
+                module.bias.normal_(0.0, 0.2)
+
+
 # The tiny tokenizer has none of Gemma 4's turn tokens: a user turn in plain text, each image and recording marked
 # where its content part is, as Gemma 4's template marks them (what chat=true and the server's chats go through).
 TINY_GEMMA4_CHAT = ("{% for message in messages %}{{ message['role'] }}: {% for part in message['content'] %}"
@@ -105,9 +156,10 @@ def _gemma4_untrained(model: Any) -> None:
 
 #: family (``models.audio_language.AudioLanguage.name``) -> its tiny config, tokenizer and the files saved beside it.
 TINY_ALM: dict[str, Callable[[], tuple[Any, Any, list[Any]]]] = {"voxtral": _voxtral, "qwen2_audio": _qwen2_audio,
-                                                                 "gemma4": _gemma4}
+                                                                 "gemma4": _gemma4, "granite_speech": _granite_speech}
 #: family -> what its tiny checkpoint draws at random after the text is fitted.
-UNTRAINED: dict[str, Callable[[Any], None]] = {"gemma4": _gemma4_untrained}
+UNTRAINED: dict[str, Callable[[Any], None]] = {"gemma4": _gemma4_untrained,
+                                               "granite_speech": _granite_speech_untrained}
 
 
 def write_tiny_alm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, train_steps: int = 100) -> Path:

@@ -58,8 +58,10 @@ def load_parts(path: str, parts: dict[str, nn.Module], prefixes: dict[str, tuple
 
     names = {f"{part}.{name.removeprefix(nested)}": (part, name) for part, module in parts.items()
              for name in module.state_dict()}
-    shapes = {ours: tuple(parts[part].state_dict()[name].shape) for ours, (part, name) in names.items()}
-    tensors = read_tensors(open_checkpoint(path).weight_files, shapes, part_name)
+    states = {part: module.state_dict() for part, module in parts.items()}
+    shapes = {ours: tuple(states[part][name].shape) for ours, (part, name) in names.items()}
+    counters = frozenset(ours for ours, (part, name) in names.items() if not states[part][name].is_floating_point())
+    tensors = read_tensors(open_checkpoint(path).weight_files, shapes, part_name, integers=counters)
     for part, module in parts.items():
         module.load_state_dict({name: tensors[ours] for ours, (owner, name) in names.items() if owner == part})
 

@@ -1,11 +1,13 @@
 """The audio encoder: an audio-language checkpoint's audio tower and projector beside its text decoder, in one program.
 
 A checkpoint whose ``config.json`` names an audio-language architecture (``models.audio_language``: Voxtral,
-Qwen2-Audio, Gemma 4) gets a component ``audio`` with one method, ``audio_encoder`` (log-mel features of W 30 s
-windows ``[W, bins, frames]`` to ``[1, W * N, hidden]`` embeddings; Gemma 4: one recording's ``[1, 128, 4m]`` frames
-to its ``m`` positions), and the decoder gets ``token_embedding`` and ``text_decoder``: the methods ExecuTorch's
+Qwen2-Audio, Gemma 4, Granite Speech) gets a component ``audio`` with one method, ``audio_encoder`` (log-mel features
+of W 30 s windows ``[W, bins, frames]`` to ``[1, W * N, hidden]`` embeddings; Gemma 4: one recording's
+``[1, 128, 4m]`` frames to its ``m`` positions; Granite Speech: ``[1, T, 160]`` to ``3 * ceil(T / 15)``), and the
+decoder gets ``token_embedding`` and ``text_decoder``: the methods ExecuTorch's
 ``MultimodalRunner`` calls for an audio prompt. ``preprocessor.pte`` beside the program turns raw 16 kHz samples into
-the features (ExecuTorch's ``WhisperAudioProcessor``, or its ``Gemma4SpeechTransformModel``). The plan
+the features (ExecuTorch's ``WhisperAudioProcessor``, its ``Gemma4SpeechTransformModel``, or Granite Speech's
+log-mel in torch ops). The plan
 reads ``config.json`` (not the weights) to size the method; load reads the tower and projector alone from the
 decoder's checkpoint folder (``models.audio_encoder``); ``quant.audio`` quantizes it apart; validation runs the
 validation recording and a prompt around it through the program (``exporters.validation.encoder_prompt``).
@@ -30,8 +32,8 @@ from exporters.manifest import AudioCheck, AudioEntry, ComponentEntry, Manifest
 from exporters.output.files import private_path
 from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
 from exporters.plan.footprint import Footprint, encoder_footprint
-from exporters.program.audio import (AUDIO, AUDIO_METHOD, FRAMES_PER_SECOND, audio_constants, audio_features,
-                                     audio_spec, write_audio_preprocessor)
+from exporters.program.audio import (AUDIO, AUDIO_METHOD, audio_constants, audio_features, audio_spec, cropped,
+                                     write_audio_preprocessor)
 from exporters.program.methods import (MULTIMODAL_METHODS, MethodTable, check_encoder_unbuilt,
                                        check_runner_feeds)
 from exporters.program.passes import noop_expands_dropped
@@ -85,8 +87,8 @@ def audio_geometry(model: ModelConfig) -> AudioGeometry | None:
 def audio_per_call(geometry: AudioGeometry, call_tokens: int) -> int:
     """Windows one call of audio_encoder takes: the family's most, as many as one text_decoder call takes; for a
     recording of any length, the positions: the family's most (30 s), as many as one text_decoder call takes."""
-    if geometry.any_length:
-        return min(geometry.tokens, call_tokens)
+    if geometry.any_length:  # whole windows of frames, where positions come per window (Granite Speech)
+        return geometry.positions(geometry.frames_for(min(geometry.tokens, call_tokens)))
     return max(1, min(geometry.max_windows, call_tokens // geometry.tokens))
 
 
@@ -106,8 +108,12 @@ class AudioBuild(FolderBuild):
     def build(self, checkpoint: Checkpoint, device: str = "cpu") -> AudioEncoder:
         """The encoder with the checkpoint's weights, or with seeded random ones of its shape (model.random_init)."""
         if self.model.random_init:
-            return random_audio_encoder(checkpoint.hf_config, self.model.seed)
-        return load_audio_encoder(str(checkpoint.path), checkpoint.hf_config)
+            encoder = random_audio_encoder(checkpoint.hf_config, self.model.seed)
+        else:
+            encoder = load_audio_encoder(str(checkpoint.path), checkpoint.hf_config)
+        if self.geometry.frame_window:  # the frames a call takes, which its exported blocks cover (Granite Speech)
+            encoder.max_frames = self.geometry.frames_for(self.per_call)
+        return encoder
 
 
 class Audio(Kind):
@@ -161,10 +167,10 @@ class Audio(Kind):
         recording = read_audio(Path(given).expanduser() if given else VALIDATION_RECORDING)
         features = audio_features(torch.from_numpy(recording.samples), build.geometry)
         model = models[ctx.plan.main.name]
-        if build.geometry.any_length:  # as many positions as one call and the cache hold beside the prompt's text
-            most = min(build.per_call, model.args.max_context_len - room_needed(0))
-            record.features = features[..., :most * build.geometry.frames_per_token].contiguous()
-            seconds = record.features.shape[-1] / FRAMES_PER_SECOND
+        g = build.geometry
+        if g.any_length:  # as many positions as one call and the cache hold beside the prompt's text
+            record.features = cropped(features, g, min(build.per_call, model.args.max_context_len - room_needed(0)))
+            seconds = record.features.shape[1 if g.time_major else -1] / g.frames_per_second
         else:
             record.features = features[:build.per_call]
             seconds = 30.0 * record.features.shape[0]
@@ -230,13 +236,22 @@ class Audio(Kind):
             return AudioEntry(**common, frames=g.frames, tokens_per_window=g.tokens, max_windows=build.per_call,
                               input=f"float32 [windows, {g.bins}, {g.frames}]: log-mel features of 1 to "
                                     f"{build.per_call} 30 s windows (preprocessor.pte makes them of 16 kHz mono samples)")
-        frames = g.frames_per_token * build.per_call
+        frames = g.frames_for(build.per_call)
+        seconds = f"{frames / g.frames_per_second:.1f} s at most"
+        if g.frame_window:
+            return AudioEntry(**common, frames=frames, tokens_per_window=build.per_call, max_windows=1,
+                              frames_per_token=g.frames_per_token, frame_window=g.frame_window,
+                              frames_per_second=g.frames_per_second,
+                              input=f"float32 [1, T, {g.bins}], T from 1 to {frames}: one recording's frames "
+                                    f"({seconds}; two log-mel frames side by side each, preprocessor.pte makes them of "
+                                    f"16 kHz mono samples), {g.frame_window} frames to "
+                                    f"{g.frame_window // g.frames_per_token} positions, the last window partial")
         return AudioEntry(**common, frames=frames, tokens_per_window=build.per_call, max_windows=1,
                           frames_per_token=g.frames_per_token, begin_token_id=g.begin_token_id,
                           begin_token=text(g.begin_token_id), end_token_id=g.end_token_id,
                           end_token=text(g.end_token_id),
                           input=f"float32 [1, {g.bins}, {g.frames_per_token}m], m from 1 to {build.per_call}: one "
-                                f"recording's log-mel frames ({frames / FRAMES_PER_SECOND:.1f} s at most), zeros after its last to "
+                                f"recording's log-mel frames ({seconds}), zeros after its last to "
                                 f"a multiple of {g.frames_per_token} (preprocessor.pte makes them of 16 kHz mono "
                                 "samples)")
 
@@ -258,11 +273,20 @@ class Audio(Kind):
 
 def bundle_readme(a: AudioEntry) -> str:
     """The bundle README's section on audio: what an app does to a recording, and which runner takes it."""
-    if a.frames_per_token:
+    if a.frame_window:
+        what = f"""`{PREPROCESSOR_FILE}` turns a recording into `audio_encoder`'s input: its `forward` takes 16 kHz mono float32
+samples `[N]` (up to 30 s) and gives frames `[1, T, {a.mel_bins}]`, {a.frames_per_second} a second (two log-mel frames side by
+side each). `audio_encoder` takes one recording of up to {a.frames} frames ({a.frames / a.frames_per_second:.1f} s) in one call
+and returns {a.frame_window // a.frames_per_token} embeddings for every {a.frame_window} frames (the last ones partial: `3 *
+ceil(T / {a.frame_window})` in all), which `text_decoder` takes at the next positions; text goes through
+`token_embedding` then `text_decoder`. In a prompt the audio's place is token {a.audio_token_id} (`{a.audio_token}`),
+once per embedding."""
+        shape = f"`batch` = 1, `n_frames` = T, `n_bins` = {a.mel_bins} (time-major)"
+    elif a.frames_per_token:
         what = f"""`{PREPROCESSOR_FILE}` turns a recording into `audio_encoder`'s input: its `forward` takes 16 kHz mono float32
 samples `[N]` (up to 30 s) and gives log-mel frames `[1, {a.mel_bins}, {a.frames_per_token}m]`, 100 a second, zeros
 after the last to a multiple of {a.frames_per_token}. `audio_encoder` takes one recording of up to {a.tokens_per_window}
-positions ({a.frames / FRAMES_PER_SECOND:.1f} s) in one call and returns its `m` embeddings, which `text_decoder` takes at the next
+positions ({a.frames / a.frames_per_second:.1f} s) in one call and returns its `m` embeddings, which `text_decoder` takes at the next
 positions; text goes through `token_embedding` then `text_decoder`. In a prompt the audio's place is token
 {a.begin_token_id} (`{a.begin_token}`), token {a.audio_token_id} (`{a.audio_token}`) `m` times, then token
 {a.end_token_id} (`{a.end_token}`): the text before the audio ends with the first, the text after it starts with the

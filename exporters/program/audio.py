@@ -7,7 +7,8 @@ gives ``[1, W * N, hidden]`` embeddings, which ExecuTorch's ``MultimodalRunner``
 call (``multimodal_prefiller.cpp``: an ``Audio`` input goes to ``audio_encoder`` as it is, and its output's second
 dimension is the positions it takes). Gemma 4's takes one recording of any length instead, ``[1, bins, 4m]``, and
 gives its ``m`` positions; its ``preprocessor.pte`` is ExecuTorch's ``Gemma4SpeechTransformModel``
-(``models.gemma4_audio.Gemma4LogMel``).
+(``models.gemma4_audio.Gemma4LogMel``). Granite Speech's takes one recording's ``[1, T, 160]`` encoder frames (any T)
+and gives ``3 * ceil(T / 15)`` positions; its preprocessor is ``models.granite_speech.GraniteLogMel``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from exporters.program.speech import (CHUNK_SECONDS, SAMPLE_RATE, copy_cached_pr
                                       write_preprocessor)
 from models.audio_language import AudioGeometry
 from models.gemma4_audio import Gemma4LogMel
+from models.granite_speech import MIN_SAMPLES as GRANITE_MIN_SAMPLES
+from models.granite_speech import GraniteLogMel
 
 AUDIO = "audio"  # the component's name (its buffers' prefix)
 AUDIO_METHOD = "audio_encoder"  # the method ExecuTorch's MultimodalRunner calls for audio
@@ -31,11 +34,17 @@ AUDIO_TOKENS, AUDIO_TOKEN_ID, MAX_WINDOWS = "get_audio_tokens", "get_audio_token
 # A recording of any length (Gemma 4): frames a position, and the tokens written before and after its positions.
 FRAMES_PER_TOKEN = "get_audio_frames_per_token"
 AUDIO_BEGIN_ID, AUDIO_END_ID = "get_audio_begin_token_id", "get_audio_end_token_id"
+# Granite Speech: positions per window of frames (the last partial), its frames' rate and axis ([1, frames, bins]).
+FRAME_WINDOW, FRAME_RATE, FRAMES_AXIS = "get_audio_frame_window", "get_audio_frames_per_second", "get_audio_frames_axis"
 
 
 def audio_spec(geometry: AudioGeometry, size: int) -> MethodSpec:
     """``audio_encoder``: 1 to ``size`` 30 s windows a call (exactly one when ``size`` is 1); a recording of any
     length (``geometry.any_length``): 1 to ``size`` positions."""
+    if geometry.frame_window:
+        return MethodSpec(AUDIO_METHOD, 1, size, True, takes="frames", gives="embeddings", bins=geometry.bins,
+                          frames_per_token=geometry.frames_per_token, frames_axis=1,
+                          any_frames=geometry.frames_for(size))
     if geometry.any_length:
         return MethodSpec(AUDIO_METHOD, 1, size, True, takes="frames", gives="embeddings", bins=geometry.bins,
                           frames_per_token=geometry.frames_per_token)
@@ -51,25 +60,41 @@ def audio_constants(geometry: AudioGeometry, size: int) -> dict[str, Any]:
               "get_n_frames": geometry.frames, AUDIO_TOKEN_ID: geometry.audio_token_id}
     if not geometry.any_length:
         return {**values, AUDIO_TOKENS: geometry.tokens, MAX_WINDOWS: size}
-    values["get_n_frames"] = geometry.frames_per_token * size
-    return {**values, AUDIO_TOKENS: size, MAX_WINDOWS: 1, FRAMES_PER_TOKEN: geometry.frames_per_token,
-            AUDIO_BEGIN_ID: geometry.begin_token_id, AUDIO_END_ID: geometry.end_token_id}
+    values["get_n_frames"] = geometry.frames_for(size)
+    values.update({AUDIO_TOKENS: size, MAX_WINDOWS: 1, FRAMES_PER_TOKEN: geometry.frames_per_token})
+    if geometry.begin_token_id is not None and geometry.end_token_id is not None:
+        values.update({AUDIO_BEGIN_ID: geometry.begin_token_id, AUDIO_END_ID: geometry.end_token_id})
+    if geometry.frame_window:
+        values.update({FRAME_WINDOW: geometry.frame_window, FRAME_RATE: geometry.frames_per_second, FRAMES_AXIS: 1})
+    return values
+
+
+#: The preprocessor of each family whose encoder takes one recording of any length.
+LOG_MELS: dict[str, type[torch.nn.Module]] = {"gemma4": Gemma4LogMel, "granite_speech": GraniteLogMel}
 
 
 def audio_features(samples: torch.Tensor, geometry: AudioGeometry) -> torch.Tensor:
     """What the program's preprocessor makes of 16 kHz mono ``samples``, in PyTorch: Whisper's windows
-    ``[W, bins, 3000]``, or Gemma 4's frames ``[1, 128, 4m]``."""
+    ``[W, bins, 3000]``, Gemma 4's frames ``[1, 128, 4m]``, Granite Speech's ``[1, T, 160]``."""
     if not geometry.any_length:
         return preprocessor_features(samples, geometry.bins)
     with torch.no_grad():
-        return Gemma4LogMel()(samples)
+        return LOG_MELS[geometry.family]()(samples)
+
+
+def cropped(features: torch.Tensor, geometry: AudioGeometry, positions: int) -> torch.Tensor:
+    """The first frames of one recording's ``features`` that give at most ``positions`` positions."""
+    frames = geometry.frames_for(positions)
+    return (features[:, :frames] if geometry.time_major else features[..., :frames]).contiguous()
 
 
 #: Log-mel frames a second: a hop of 10 ms (Whisper's and Gemma 4's feature extractors).
 FRAMES_PER_SECOND = 100
 #: The longest recording Gemma 4's preprocessor takes: its feature extractor's 30 s (max_length 480,000 samples);
-#: the shortest: one frame (20 ms, a hop of 10 ms and a sample).
+#: the shortest: one frame (20 ms, a hop of 10 ms and a sample). Granite Speech's the same 30 s, at least one encoder
+#: frame.
 GEMMA4_MAX_SAMPLES, GEMMA4_MIN_SAMPLES = 30 * SAMPLE_RATE, 320 + 160 + 1
+MIN_SAMPLES = {"gemma4": GEMMA4_MIN_SAMPLES, "granite_speech": GRANITE_MIN_SAMPLES}
 
 
 def write_audio_preprocessor(path: Path, geometry: AudioGeometry) -> str:
@@ -77,19 +102,21 @@ def write_audio_preprocessor(path: Path, geometry: AudioGeometry) -> str:
     if not geometry.any_length:
         write_preprocessor(path, geometry.bins)
         return f"ExecuTorch's WhisperAudioProcessor, raw 16 kHz samples to {geometry.bins}-bin features"
-    _write_gemma4_preprocessor(path)
-    return "ExecuTorch's Gemma4SpeechTransformModel, raw 16 kHz samples (up to 30 s) to 128-bin frames"
+    _write_log_mel(path, geometry.family)
+    if geometry.family == "gemma4":
+        return "ExecuTorch's Gemma4SpeechTransformModel, raw 16 kHz samples (up to 30 s) to 128-bin frames"
+    return f"{geometry.family}'s log-mel in torch ops, raw 16 kHz samples (up to 30 s) to {geometry.bins}-wide frames"
 
 
-def _write_gemma4_preprocessor(path: Path) -> None:
-    """:class:`Gemma4LogMel` lowered to XNNPACK: samples ``[N]`` (at least one frame's 481, at most 30 s) in,
-    ``[1, 128, 4m]`` out."""
+def _write_log_mel(path: Path, family: str) -> None:
+    """The family's log-mel (:data:`LOG_MELS`) lowered to XNNPACK: samples ``[N]`` (from its fewest to 30 s) in, one
+    recording's frames out."""
     def make(out: Path) -> None:
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
         from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-        model = Gemma4LogMel().eval()
-        samples = torch.export.Dim("samples", min=GEMMA4_MIN_SAMPLES, max=GEMMA4_MAX_SAMPLES)
+        model = LOG_MELS[family]().eval()
+        samples = torch.export.Dim("samples", min=MIN_SAMPLES[family], max=GEMMA4_MAX_SAMPLES)
         with torch.no_grad():
             program = torch.export.export(model, (torch.randn(SAMPLE_RATE),), dynamic_shapes=({0: samples},),
                                           strict=False)
@@ -99,4 +126,4 @@ def _write_gemma4_preprocessor(path: Path) -> None:
                                                   compile_config=EdgeCompileConfig(_check_ir_validity=False))
             out.write_bytes(lowered.to_executorch().buffer)
 
-    copy_cached_program(path, "gemma4-mel128-30s", make)
+    copy_cached_program(path, "gemma4-mel128-30s" if family == "gemma4" else f"{family}-log-mel-30s", make)

@@ -55,6 +55,9 @@ class MethodSpec:
     # [min_tokens, max_tokens] positions
     bins: int = 0
     frames_per_token: int = 0
+    # Granite Speech: [1, frames, bins] (frames_axis 1), any number of frames up to any_frames
+    frames_axis: int = 2
+    any_frames: int = 0
 
     @property
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -72,7 +75,8 @@ class MethodSpec:
         if self.takes == "features":
             return (torch.zeros(n, *self.features),)
         if self.takes == "frames":
-            return (torch.zeros(1, self.bins, self.frames_per_token * n),)
+            frames = self.frames_per_token * n
+            return (torch.zeros(1, frames, self.bins) if self.frames_axis == 1 else torch.zeros(1, self.bins, frames),)
         position = torch.tensor([0], dtype=torch.int64)
         if self.takes == "embeddings":
             return torch.zeros(1, n, width, dtype=dtype), position
@@ -85,6 +89,8 @@ class MethodSpec:
             return None
         if self.takes == "features":
             return ({0: Dim("windows", min=self.min_tokens, max=self.max_tokens)},)
+        if self.takes == "frames" and self.any_frames:
+            return ({self.frames_axis: Dim("audio_frames", min=1, max=self.any_frames)},)
         if self.takes == "frames":
             return ({2: self.frames_per_token * Dim("audio_positions", min=self.min_tokens, max=self.max_tokens)},)
         tokens = {1: Dim("num_tokens", min=self.min_tokens, max=self.max_tokens)}

@@ -1,7 +1,8 @@
 """Prompts with a recording for an audio-language program, as an app makes them.
 
 ``preprocessor.pte`` beside the program turns the recording's 16 kHz samples into log-mel windows (ExecuTorch's
-``WhisperAudioProcessor``, what an Android or iOS app runs), or Gemma 4's frames of one recording of any length;
+``WhisperAudioProcessor``, what an Android or iOS app runs), or the frames of one recording of any length (Gemma 4,
+Granite Speech);
 the prompt's text goes around them: where it writes the audio token (``[AUDIO]``, ``<|AUDIO|>``, ``<|audio|>``),
 else before the text; ``chat=true`` writes the model's user turn. Gemma 4's audio positions sit between its begin
 and end tokens (``<|audio>``, ``<audio|>``), as its processor writes them; images beside the recording (Gemma 4 sees
@@ -20,8 +21,8 @@ import torch
 from exporters.errors import UserError
 from exporters.manifest import AudioEntry, Manifest
 from exporters.program.audio import (AUDIO_BEGIN_ID, AUDIO_END_ID, AUDIO_METHOD, AUDIO_TOKEN_ID, AUDIO_TOKENS,
-                                     FRAMES_PER_SECOND, FRAMES_PER_TOKEN, GEMMA4_MAX_SAMPLES, GEMMA4_MIN_SAMPLES,
-                                     MAX_WINDOWS)
+                                     FRAME_RATE, FRAME_WINDOW, FRAMES_PER_SECOND, FRAMES_PER_TOKEN,
+                                     GEMMA4_MAX_SAMPLES, MAX_WINDOWS, MIN_SAMPLES)
 from exporters.program.speech import CHUNK_SECONDS, PREPROCESSOR_FILE, SAMPLE_RATE
 from exporters.runtime.audio import Recording, read_audio
 from exporters.runtime.images import check_sees_images, seen_around
@@ -48,7 +49,7 @@ def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
     if images:
         check_sees_images(program)
     token, frames_per_token = int(program.constant(AUDIO_TOKEN_ID)), _frames_per_token(program)
-    recording = _checked_recording(program, path, frames_per_token)  # not audio, or too long: refused before any run
+    recording = _checked_recording(program, path, frames_per_token, entry)  # not audio, or too long: refused first
     marker = _marker(entry, path)
     text = _text(prompt, chat, marker, entry, folder, path, len(images))
     if images:  # the processor writes each image's tokens on either side of the recording
@@ -64,14 +65,17 @@ def audio_prompt(program: Any, folder: Path, prompt: str, path: str, chat: bool,
     return joined(before, _heard(program, token, frames_per_token, _features(folder, recording, entry)), after)
 
 
-def _checked_recording(program: Any, path: str, frames_per_token: int) -> Recording:
+def _checked_recording(program: Any, path: str, frames_per_token: int, entry: AudioEntry | None) -> Recording:
     """The recording at ``path``, as long as one call of the program's audio encoder takes."""
     per_window, most = int(program.constant(AUDIO_TOKENS)), int(program.constant(MAX_WINDOWS))
     recording = read_audio(path)
     for conversion in recording.conversions:
         print(f"[audio: {conversion}]", file=sys.stderr)
     if frames_per_token:
-        _check_recording_length(recording.seconds, len(recording.samples), per_window, frames_per_token, path)
+        family = entry.family if entry is not None else "gemma4"
+        rate = int(program.constant(FRAME_RATE)) if FRAME_RATE in program.method_names else FRAMES_PER_SECOND
+        _check_recording_length(recording.seconds, len(recording.samples), int(program.constant("get_n_frames")),
+                                rate, MIN_SAMPLES.get(family, MIN_SAMPLES["gemma4"]), path)
     else:
         windows = -(-len(recording.samples) // (CHUNK_SECONDS * SAMPLE_RATE))
         if windows > most:
@@ -92,14 +96,19 @@ def _features(folder: Path, recording: Recording, entry: AudioEntry | None) -> t
 
 
 def _frames_per_token(program: Any) -> int:
-    """A recording of any length (Gemma 4): its frames a position; 0: whole 30 s windows."""
+    """A recording of any length (Gemma 4, Granite Speech): its frames a position; 0: whole 30 s windows."""
     return int(program.constant(FRAMES_PER_TOKEN)) if FRAMES_PER_TOKEN in program.method_names else 0
 
 
 def _heard(program: Any, token: int, frames_per_token: int, features: torch.Tensor) -> MediaPrompt:
-    """The recording's positions, between Gemma 4's ``<|audio>`` and ``<audio|>`` as its processor writes them."""
+    """The recording's positions; Gemma 4's between its ``<|audio>`` and ``<audio|>`` as its processor writes them,
+    Granite Speech's per window of frames ([1, frames, bins]) with no token around them."""
     if not frames_per_token:
         positions = int(program.constant(AUDIO_TOKENS)) * features.shape[0]
+        return MediaPrompt([token] * positions, [features], (AUDIO_METHOD,))
+    if FRAME_WINDOW in program.method_names:
+        window = int(program.constant(FRAME_WINDOW))
+        positions = -(-features.shape[1] // window) * (window // frames_per_token)
         return MediaPrompt([token] * positions, [features], (AUDIO_METHOD,))
     begin, end = int(program.constant(AUDIO_BEGIN_ID)), int(program.constant(AUDIO_END_ID))
     positions = features.shape[-1] // frames_per_token
@@ -112,14 +121,15 @@ def _not_marked_once(marks: int, token: int, marker: str) -> str:
             "recording goes, or not at all (the recording then comes before the text); nothing was generated.")
 
 
-def _check_recording_length(seconds: float, samples: int, most: int, frames_per_token: int, path: str) -> None:
-    """A recording of any length (Gemma 4) fits the preprocessor (one frame to 30 s) and one call of audio_encoder
-    (``most`` positions, ``frames_per_token`` frames of 10 ms each)."""
-    longest = min(GEMMA4_MAX_SAMPLES / SAMPLE_RATE, most * frames_per_token / FRAMES_PER_SECOND)
-    if samples < GEMMA4_MIN_SAMPLES or seconds > longest:
-        raise UserError(f"audio={path} is {seconds:.2f} s long, and this program takes one recording of 0.03 s to "
-                        f"{longest:.2f} s ({most} positions of one text_decoder call, {frames_per_token} frames of "
-                        "10 ms each; Gemma 4 hears at most 30 s): cut the recording"
+def _check_recording_length(seconds: float, samples: int, most_frames: int, rate: int, fewest: int,
+                            path: str) -> None:
+    """A recording of any length (Gemma 4, Granite Speech) fits the preprocessor (``fewest`` samples to 30 s) and one
+    call of audio_encoder (``most_frames`` frames, ``rate`` a second: as many as one text_decoder call takes)."""
+    longest = min(GEMMA4_MAX_SAMPLES / SAMPLE_RATE, most_frames / rate)
+    if samples < fewest or seconds > longest:
+        raise UserError(f"audio={path} is {seconds:.2f} s long, and this program takes one recording of "
+                        f"{fewest / SAMPLE_RATE:.2f} s to {longest:.2f} s ({most_frames} frames of {1000 // rate} ms, "
+                        "as many as one text_decoder call takes; at most 30 s): cut the recording"
                         + (", or export with a larger export.max_seq_len." if longest < 30 else "."))
 
 
