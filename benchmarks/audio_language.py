@@ -2,13 +2,15 @@
 
     python -m benchmarks.audio_language voxtral-mini-3b --out /work/bench/voxtral
     python -m benchmarks.audio_language gemma4-e2b --out /work/bench/gemma4-e2b --max-seq-len 800
+    python -m benchmarks.audio_language granite-speech-2b --out /work/bench/granite-speech-2b
     python -m benchmarks.audio_language --measure <run folder>      # the runtime numbers of one program
 
 No audio-language weights ship in a package we found; the shape is the published ``config.json``'s (transformers'
 own config class), exported with ``model.random_init=true``. The export runs in a child process (its wall time and
 peak RSS from ``os.wait4``, beside the manifest's estimate and stage times); then, on the loaded program, RSS after
 load, ``audio_encoder`` on one 30 s window of the validation recording (its features from the run's
-``preprocessor.pte``; Gemma 4: the recording repeated to the longest the program takes, 30 s at most), a prompt with
+``preprocessor.pte``; Gemma 4, Granite Speech: the recording repeated to the longest the program takes, 30 s at most),
+a prompt with
 that audio (text, the audio, text: the MultimodalRunner's calls) in tokens per second, and decode. Medians after a
 warm-up. Writes ``report.json`` into ``--out`` (docs/audio.md).
 """
@@ -28,7 +30,7 @@ import torch
 from benchmarks.exporting import exporter_command, run_measured_or_failed
 from benchmarks.vision import median_seconds
 from benchmarks.vision_shapes import gemma4_e2b as gemma4_e2b_with_images
-from exporters.program.audio import (AUDIO_METHOD, AUDIO_TOKENS, FRAMES_PER_SECOND, FRAMES_PER_TOKEN,
+from exporters.program.audio import (AUDIO_METHOD, FRAME_RATE, FRAMES_PER_SECOND, FRAMES_PER_TOKEN,
                                      GEMMA4_MAX_SAMPLES)
 from exporters.program.speech import PREPROCESSOR_FILE, SAMPLE_RATE
 from exporters.runtime.audio import read_audio
@@ -60,12 +62,34 @@ def gemma4_e2b() -> Any:
     return config
 
 
-SHAPES: dict[str, Callable[[], Any]] = {"voxtral-mini-3b": voxtral_mini_3b, "gemma4-e2b": gemma4_e2b}
+def granite_speech_2b() -> Any:
+    """Granite Speech 3.3 2B (ibm-granite/granite-speech-3.3-2b) as its model card describes it, not checkable
+    offline: a conformer 1024 wide x 16 layers in 200-frame blocks (its CTC head over 348 characters), a Q-Former of 2
+    layers 1024 wide, and Granite 3.3 2B's decoder (2048 wide x 40 layers, 49,160 tokens, its four multipliers).
+    Without its LoRA adapter (not built: docs/audio.md)."""
+    from transformers import Blip2QFormerConfig, GraniteConfig, GraniteSpeechConfig, GraniteSpeechEncoderConfig
+
+    text = GraniteConfig(vocab_size=49160, hidden_size=2048, intermediate_size=8192, num_hidden_layers=40,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0},
+                         embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
+                         logits_scaling=8.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+    encoder = GraniteSpeechEncoderConfig(num_layers=16, hidden_dim=1024, num_heads=8, dim_head=128, output_dim=348)
+    projector = Blip2QFormerConfig(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, intermediate_size=4096,
+                                   encoder_hidden_size=1024, cross_attention_frequency=1, max_position_embeddings=2048,
+                                   layer_norm_eps=1e-12)
+    return GraniteSpeechConfig(text_config=text, encoder_config=encoder, projector_config=projector,
+                               audio_token_index=49159, has_lora_adapter=False,
+                               architectures=["GraniteSpeechForConditionalGeneration"])
+
+
+SHAPES: dict[str, Callable[[], Any]] = {"voxtral-mini-3b": voxtral_mini_3b, "gemma4-e2b": gemma4_e2b,
+                                        "granite-speech-2b": granite_speech_2b}
 # Our export of each: Gemma 4's embedding tables (its per-layer one is 2.35B parameters) at 4 bits as well.
 # Gemma 4 E2B without validation: its validate stage alone took 426 s and the export's peak 21.7 GB of this machine's
 # 24 (docs/vision.md), and the audio tower adds its weights to it.
 OURS = {"voxtral-mini-3b": ["quant=8da4w", "quant.group_size=32"],
-        "gemma4-e2b": ["quant=8da4w_emb4w", "validate=false"]}
+        "gemma4-e2b": ["quant=8da4w_emb4w", "validate=false"], "granite-speech-2b": ["quant=8da4w"]}
 
 
 def measure(program: str, text_tokens: int = 16, steps: int = 32, repeats: int = 3) -> dict[str, float | str]:
@@ -78,8 +102,9 @@ def measure(program: str, text_tokens: int = 16, steps: int = 32, repeats: int =
     after_load = current_rss_mb()
     samples = read_audio(VALIDATION_RECORDING).samples
     if FRAMES_PER_TOKEN in loaded.method_names:  # one recording of any length: the longest the program takes
-        frames = int(loaded.constant(AUDIO_TOKENS)) * int(loaded.constant(FRAMES_PER_TOKEN))
-        samples = np.resize(samples, min(GEMMA4_MAX_SAMPLES, frames * SAMPLE_RATE // FRAMES_PER_SECOND))
+        rate = int(loaded.constant(FRAME_RATE)) if FRAME_RATE in loaded.method_names else FRAMES_PER_SECOND
+        frames = int(loaded.constant("get_n_frames"))
+        samples = np.resize(samples, min(GEMMA4_MAX_SAMPLES, frames * SAMPLE_RATE // rate))
     features = LoadedProgram(pte.parent / PREPROCESSOR_FILE).run("forward", torch.from_numpy(samples))[0][:1]
     features = features.contiguous()
     positions = loaded.run(AUDIO_METHOD, features)[0].shape[1]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from models.errors import ModelError
@@ -78,6 +79,8 @@ class AudioLanguage:
     any_length: Callable[[Any, int], AudioGeometry] | None = None
     # The config field of the audio tower's config: a checkpoint without it has no tower (Gemma 4 31B).
     tower_config: str = "audio_config"
+    # What a checkpoint of the family holds that the program cannot compute yet (config, folder -> the reason), or None.
+    unbuilt: Callable[[Any, Path], str | None] | None = None
 
     def geometry(self, hf_config: Any) -> AudioGeometry:
         token = _id(hf_config, "audio_token_id", "audio_token_index")
@@ -140,6 +143,18 @@ def _granite_speech_geometry(cfg: Any, token: int) -> AudioGeometry:
     return dataclasses.replace(geometry, tokens=geometry.positions(frames))
 
 
+def _granite_speech_unbuilt(cfg: Any, folder: Path) -> str | None:
+    """The published checkpoints carry a LoRA adapter for the decoder (``has_lora_adapter``, ``adapter_config.json``
+    in the folder), which transformers enables for a prompt with audio and disables for text alone."""
+    if getattr(cfg, "has_lora_adapter", False) and (folder / "adapter_config.json").is_file():
+        return ("its folder holds the LoRA adapter (adapter_config.json) that transformers applies to the decoder "
+                "whenever a prompt has audio (has_lora_adapter), and a program whose audio prompts take an adapter "
+                "its text prompts do not is not built yet; without it the program would hear through the wrong "
+                "decoder. Export a copy of the folder without adapter_config.json and adapter_model.safetensors only "
+                "to measure its shape or text path.")
+    return None
+
+
 # Granite Speech takes recordings of any length; a program takes up to 30 s in one call, as Gemma 4's.
 GRANITE_SECONDS, GRANITE_FRAMES_PER_SECOND = 30, 50
 
@@ -159,7 +174,7 @@ AUDIO_LANGUAGE: tuple[AudioLanguage, ...] = (
                   ("model.encoder.", "encoder.", "model.projector.", "projector."), lambda cfg: 0, 1,
                   "<|start_of_role|>user<|end_of_role|>{audio}{prompt}<|end_of_text|>\n"
                   "<|start_of_role|>assistant<|end_of_role|>", any_length=_granite_speech_geometry,
-                  tower_config="encoder_config"),
+                  tower_config="encoder_config", unbuilt=_granite_speech_unbuilt),
 )
 
 

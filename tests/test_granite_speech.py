@@ -111,6 +111,19 @@ def test_the_text_decoder_gives_granites_logits(checkpoint: Path, theirs: Any) -
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
+def test_a_checkpoint_with_its_speech_adapter_is_refused_before_any_work(checkpoint: Path, tmp_path: Path) -> None:
+    """The published checkpoints' LoRA adapter applies to audio prompts alone (transformers enables it with audio),
+    which no program holds yet: refused by name, not exported through the wrong decoder."""
+    from exporters.errors import UserError
+    from exporters.export import checked_config
+    from tests.helpers import compose_config, copy_checkpoint
+
+    folder = copy_checkpoint(checkpoint, tmp_path / "with-adapter", config={"has_lora_adapter": True})
+    (folder / "adapter_config.json").write_text("{}")
+    with pytest.raises(UserError, match="holds the LoRA adapter .* not built yet"):
+        checked_config(compose_config("model=hf", f"model.checkpoint={folder}", *PROGRAM))
+
+
 @pytest.mark.slow
 def test_a_granite_speech_program_writes_transformers_tokens_through_the_stock_runner(
         exported, checkpoint: Path, theirs: Any, tmp_path: Path, capsys) -> None:

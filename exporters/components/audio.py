@@ -81,7 +81,12 @@ def audio_geometry(model: ModelConfig) -> AudioGeometry | None:
         return None
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     family = audio_language_of(hf_config)
-    return family.geometry(hf_config) if family is not None else None
+    if family is None:
+        return None
+    unbuilt = family.unbuilt(hf_config, path) if family.unbuilt is not None else None
+    if unbuilt is not None:
+        raise UserError(f"{model.checkpoint} is {family.name}, and {unbuilt}")
+    return family.geometry(hf_config)
 
 
 def audio_per_call(geometry: AudioGeometry, call_tokens: int) -> int:
