@@ -10,11 +10,13 @@ logits); the audio side keeps its seeded random weights. Built once per recipe a
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from models import granite_speech
 from models.tiny import BOS_ID, EOS_ID, built_once, recipe_key
 from models.tiny_vlm import TEXT_ARCH, TINY_VLM, finite_clamps, save_multimodal, tiny_tokenizer
 from models.tiny_vlm import UNTRAINED as VLM_UNTRAINED
@@ -88,14 +90,11 @@ class GraniteFeatureFiles:
     constructor needs torchaudio (models.granite_speech computes its features without it)."""
 
     def save_pretrained(self, out: Path) -> None:
-        import json
-
-        from models.granite_speech import HOP_LENGTH, MEL_BINS, N_FFT, SAMPLE_RATE, WIN_LENGTH
-
+        g = granite_speech
         values = {"feature_extractor_type": "GraniteSpeechFeatureExtractor", "processor_class": "GraniteSpeechProcessor",
-                  "sampling_rate": SAMPLE_RATE, "n_fft": N_FFT, "win_length": WIN_LENGTH, "hop_length": HOP_LENGTH,
-                  "n_mels": MEL_BINS, "projector_window_size": 15, "projector_downsample_rate": 5,
-                  "feature_size": MEL_BINS, "padding_value": 0.0, "padding_side": "right",
+                  "sampling_rate": g.SAMPLE_RATE, "n_fft": g.N_FFT, "win_length": g.WIN_LENGTH,
+                  "hop_length": g.HOP_LENGTH, "n_mels": g.MEL_BINS, "projector_window_size": 15,
+                  "projector_downsample_rate": 5, "feature_size": g.MEL_BINS, "padding_value": 0.0, "padding_side": "right",
                   "return_attention_mask": True}
         (Path(out) / "preprocessor_config.json").write_text(json.dumps(values, indent=2) + "\n")
 

@@ -91,6 +91,18 @@ def sized_run(ckpt: Path, run: Path, *overrides: str) -> Any:
     return geometry
 
 
+def stock_runner_text(pte: Path, inputs: list, new_tokens: int) -> str:  # type: ignore[type-arg]
+    """What ExecuTorch's stock MultimodalRunner writes greedily for ``inputs`` (its ``make_*_input``s), with the
+    tokenizer beside the program; a new runner each call (one keeps its position across calls: a conversation)."""
+    from executorch.extension.llm.runner import GenerationConfig, MultimodalRunner
+
+    runner = MultimodalRunner(str(pte), str(pte.parent / "tokenizer.json"))
+    pieces: list[str] = []
+    runner.generate(inputs, GenerationConfig(max_new_tokens=new_tokens, temperature=0.0, echo=False),
+                    token_callback=pieces.append)
+    return "".join(pieces)
+
+
 def transformers_model(ckpt: Path):  # type: ignore[no-untyped-def]
     """The checkpoint as transformers loads it, by its config's architecture (fp32, eager attention): the reference a
     multimodal program is compared with."""

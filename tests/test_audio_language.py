@@ -26,7 +26,7 @@ from exporters.validation.speech import VALIDATION_RECORDING
 from models.audio_encoder import load_audio_encoder
 from models.checkpoint import build_model, open_checkpoint
 from models.tiny_alm import TINY_ALM, VOXTRAL_STACK, WINDOW_POSITIONS
-from tests.helpers import compose_config, transformers_model
+from tests.helpers import compose_config, stock_runner_text, transformers_model
 
 FAMILIES = [f for f in TINY_ALM if f != "granite_speech"]  # Granite Speech's decoder: tests/test_granite_speech.py
 WINDOWED = ["voxtral", "qwen2_audio"]  # Whisper's encoder on 30 s windows (Gemma 4's tower: tests/test_gemma4_audio.py)
@@ -119,8 +119,7 @@ def test_the_stock_multimodal_runner_writes_transformers_tokens_with_audio(expor
     text_decoder) on the program, against transformers' generate on the same features and tokens; exporters.generate
     audio= (preprocessor.pte, our driver) writes the same text."""
     import transformers
-    from executorch.extension.llm.runner import (GenerationConfig, MultimodalRunner, make_audio_input,
-                                                 make_token_input)
+    from executorch.extension.llm.runner import make_audio_input, make_token_input
 
     from exporters.runtime.heard import audio_entry
     from exporters.runtime.programs import register_runtime_kernels
@@ -162,12 +161,8 @@ def test_the_stock_multimodal_runner_writes_transformers_tokens_with_audio(expor
     text = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), media=made)
     assert text.new_ids == expected_ids
 
-    runner = MultimodalRunner(str(result.pte_path), str(run / "tokenizer.json"))
-    pieces: list[str] = []
-    runner.generate([make_token_input(before), make_audio_input(features), make_token_input(after)],
-                    GenerationConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False),
-                    token_callback=pieces.append)
-    assert "".join(pieces) == text.text
+    inputs = [make_token_input(before), make_audio_input(features), make_token_input(after)]
+    assert stock_runner_text(result.pte_path, inputs, NEW_TOKENS) == text.text
     # A release bundle carries the preprocessor and says how an app feeds audio.
     bundle, _ = make_bundle(run, tmp_path / "release")
     assert (bundle / PREPROCESSOR_FILE).is_file() and "## Audio" in (bundle / "README.md").read_text()

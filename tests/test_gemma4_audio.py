@@ -20,7 +20,7 @@ from transformers import (AutoConfig, AutoTokenizer, Gemma4AudioFeatureExtractor
 from models.decoder import ids_of_digits
 from models.gemma4_audio import (FRAMES_PER_TOKEN, SAMPLE_RATE, Gemma4LogMel, audio_positions, load_gemma4_audio,
                                  padded_frames)
-from tests.helpers import GEMMA4_PROGRAM, gemma4_program_overrides
+from tests.helpers import GEMMA4_PROGRAM, gemma4_program_overrides, stock_runner_text
 
 # Samples whose valid frames are 0, 1, 2 and 3 modulo 4 (16,000 / 160 = 100 frames a second), and a recording too
 # short for one of the tower's attention blocks (0.3 s).
@@ -144,8 +144,7 @@ def test_a_gemma4_program_of_every_modality_writes_transformers_tokens_through_t
     and audio=): transformers' greedy tokens on the same pixels, frames and mask, token for token. The audio method takes any recording up to its most positions
     (the whole range kept through lowering); a longer one, the audio token written twice, a file that is not audio,
     audio to a text program: each refused in one paragraph before anything runs."""
-    from executorch.extension.llm.runner import (GenerationConfig, MultimodalRunner, make_audio_input, make_image_input,
-                                                 make_token_input)
+    from executorch.extension.llm.runner import make_audio_input, make_image_input, make_token_input
     from executorch.runtime import Runtime
     from PIL import Image
 
@@ -199,12 +198,7 @@ def test_a_gemma4_program_of_every_modality_writes_transformers_tokens_through_t
     assert ours.new_ids == generated[0, ids.shape[1]:].tolist()
 
     def stock(inputs: list) -> str:  # type: ignore[type-arg]
-        """A new runner each time: one keeps its position across calls (a conversation's next turn)."""
-        runner = MultimodalRunner(str(result.pte_path), str(run / "tokenizer.json"))
-        pieces: list[str] = []
-        runner.generate(inputs, GenerationConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False),
-                        token_callback=pieces.append)
-        return "".join(pieces)
+        return stock_runner_text(result.pte_path, inputs, NEW_TOKENS)
 
     assert stock([make_token_input(before), make_audio_input(frames), make_token_input(after)]) == ours.text
 

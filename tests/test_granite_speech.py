@@ -19,6 +19,8 @@ import pytest
 import torch
 from transformers import AutoConfig, GraniteSpeechForConditionalGeneration
 
+from exporters.errors import UserError
+from exporters.export import checked_config
 from exporters.program.audio import (AUDIO_METHOD, AUDIO_TOKEN_ID, FRAME_RATE, FRAME_WINDOW, FRAMES_AXIS,
                                      FRAMES_PER_TOKEN)
 from exporters.program.speech import PREPROCESSOR_FILE
@@ -27,6 +29,7 @@ from exporters.runtime.audio import read_audio
 from exporters.runtime.generator import Generator, SamplingConfig
 from exporters.validation.speech import VALIDATION_RECORDING
 from models.granite_speech import GraniteLogMel, load_granite_speech_audio, reference_features
+from tests.helpers import compose_config, copy_checkpoint, stock_runner_text
 
 # Frames around the conformer's 200-frame blocks and the projector's 15-frame windows: one frame, a window less one, a
 # window, a block less one, a block, a block and one, and more than two blocks.
@@ -114,10 +117,6 @@ def test_the_text_decoder_gives_granites_logits(checkpoint: Path, theirs: Any) -
 def test_a_checkpoint_with_its_speech_adapter_is_refused_before_any_work(checkpoint: Path, tmp_path: Path) -> None:
     """The published checkpoints' LoRA adapter applies to audio prompts alone (transformers enables it with audio),
     which no program holds yet: refused by name, not exported through the wrong decoder."""
-    from exporters.errors import UserError
-    from exporters.export import checked_config
-    from tests.helpers import compose_config, copy_checkpoint
-
     folder = copy_checkpoint(checkpoint, tmp_path / "with-adapter", config={"has_lora_adapter": True})
     (folder / "adapter_config.json").write_text("{}")
     with pytest.raises(UserError, match="holds the LoRA adapter .* not built yet"):
@@ -131,8 +130,7 @@ def test_a_granite_speech_program_writes_transformers_tokens_through_the_stock_r
     on the program, against transformers' generate on the same frames and tokens; the frames preprocessor.pte makes
     in the runtime are transformers' numpy spectrogram's; a recording past the program's frames is refused."""
     import soundfile
-    from executorch.extension.llm.runner import (GenerationConfig, MultimodalRunner, make_audio_input,
-                                                 make_token_input)
+    from executorch.extension.llm.runner import make_audio_input, make_token_input
 
     from exporters.generate import main
     from exporters.runtime.heard import audio_entry
@@ -167,12 +165,8 @@ def test_a_granite_speech_program_writes_transformers_tokens_through_the_stock_r
     text = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), media=made)
     assert text.new_ids == generated[0, ids.shape[1]:].tolist()
 
-    runner = MultimodalRunner(str(result.pte_path), str(run / "tokenizer.json"))
-    pieces: list[str] = []
-    runner.generate([make_token_input(before), make_audio_input(features), make_token_input(after)],
-                    GenerationConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, echo=False),
-                    token_callback=pieces.append)
-    assert "".join(pieces) == text.text
+    inputs = [make_token_input(before), make_audio_input(features), make_token_input(after)]
+    assert stock_runner_text(result.pte_path, inputs, NEW_TOKENS) == text.text
 
     long = tmp_path / "long.wav"  # 10 s: more than the 465 frames (9.3 s) one call takes
     soundfile.write(long, np.tile(samples, 3)[:160_000], 16_000)
