@@ -133,27 +133,32 @@ class GraniteSpeechAudio(nn.Module):
         return -(-frames // size)
 
     def encoded(self, features: torch.Tensor) -> torch.Tensor:
-        """``GraniteSpeechCTCEncoder.forward``: its layers, and the CTC head's softmax fed back halfway."""
+        """``GraniteSpeechCTCEncoder.forward``: its layers, and the CTC head's softmax fed back halfway. The frames'
+        blocks and the mask of what lies past the recording are the same in every layer: made once."""
         e = self.encoder
+        frames, size = features.shape[1], e.config.context_size
+        n = self.blocks(frames, size)
+        index, valid = _blocks(frames, n, size)
+        # -max where a query or a key lies past the recording, added where transformers fills: the same values
+        blocked = torch.where(valid[:, None, :, None] & valid[:, None, None, :], 0.0, -torch.finfo(features.dtype).max)
         h = e.input_linear(features)
-        for index, layer in enumerate(e.layers, start=1):
+        for number, layer in enumerate(e.layers, start=1):
             h = 0.5 * layer.ff1(h) + h
-            h = self.attention(layer.attn, h) + h
+            h = self.attention(layer.attn, h, index, blocked) + h
             h = layer.conv(h) + h
             h = 0.5 * layer.ff2(h) + h
             h = layer.post_norm(h)
-            if index == e.num_layers // 2:
+            if number == e.num_layers // 2:
                 h = h + e.out_mid(torch.softmax(e.out(h), dim=-1))
         return h
 
-    def attention(self, attn: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def attention(self, attn: nn.Module, h: torch.Tensor, index: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
         """``GraniteSpeechConformerAttention.forward``: Shaw's relative positions within blocks of ``context_size``
-        frames, every frame past the recording masked (transformers masks the last block's alone; the others hold
-        none), in ops whose shapes do not depend on the frame count."""
+        frames (``index``: each block's frames), every frame past the recording masked (``blocked``; transformers
+        masks the last block's alone: the others hold none), in ops whose shapes do not depend on the frame count."""
         h = attn.pre_norm(h)
         frames, size, heads, dim = h.shape[1], attn.context_size, attn.num_heads, attn.dim_head
-        n = self.blocks(frames, size)
-        index, valid = _blocks(frames, n, size)
+        n = index.shape[0]
 
         def per_block(x: torch.Tensor) -> torch.Tensor:  # [1, T, heads * dim] -> [n, heads, size, dim]
             return x.index_select(1, index.flatten()).reshape(n, size, heads, dim).transpose(1, 2)
@@ -162,9 +167,7 @@ class GraniteSpeechAudio(nn.Module):
         k, v = (per_block(x) for x in attn.to_kv(h).chunk(2, dim=-1))
         rel = attn.rel_pos_emb(self.encoder.attention_dists).transpose(1, 2)  # [size, dim, size]
         positional = torch.bmm(q.permute(2, 0, 1, 3).reshape(size, n * heads, dim), rel)
-        positional = positional.reshape(size, n, heads, size).permute(1, 2, 0, 3) * attn.scale
-        masked = ~(valid[:, None, :, None] & valid[:, None, None, :])
-        positional = positional.masked_fill(masked, -torch.finfo(positional.dtype).max)
+        positional = positional.reshape(size, n, heads, size).permute(1, 2, 0, 3) * attn.scale + blocked
         scores = torch.matmul(q, k.transpose(-1, -2)) * attn.scale + positional
         out = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2).reshape(1, n * size, heads * dim)
         return attn.to_out(out[:, :frames])
