@@ -31,6 +31,12 @@ RunnerResult = Literal["correct", "wrong text", "fails"]
 Checked = Literal["runtime", "undelegated programs"]
 
 
+def ppl(value: float) -> str:
+    """A perplexity for the console: two decimals, or three digits where a random-weight model's runs to dozens of
+    them (``6.5e+97``)."""
+    return f"{value:.2f}" if value < 1e6 else f"{value:.3g}"
+
+
 @dataclass
 class TensorSpec:
     name: str
@@ -252,8 +258,8 @@ class ValidationReport:
         cost = (f"; against unquantized {self.baseline_dtype}: KL {self.kl_vs_unquantized:.2g}, top-1 "
                 f"{self.top1_vs_unquantized:.1%}" if self.kl_vs_unquantized is not None
                 and self.top1_vs_unquantized is not None else "")
-        return (f"perplexity {self.perplexity:.2f} (eager {self.eager_perplexity:.2f}, unquantized "
-                f"{self.baseline_dtype} {self.baseline_perplexity:.2f}, {self._shown_increase:+.1%}){cost}")
+        return (f"perplexity {ppl(self.perplexity)} (eager {ppl(self.eager_perplexity)}, unquantized "
+                f"{self.baseline_dtype} {ppl(self.baseline_perplexity)}, {self._shown_increase:+.1%}){cost}")
 
     def describe(self) -> str:
         verdict = "passed" if self.passed else "FAILED (" + "; ".join(self.failures) + ")"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exporters.manifest import DataFile, Manifest, Signature
+from exporters.manifest import DataFile, Manifest, Signature, ppl
 from exporters.program.methods import MethodTable
 from exporters.runtime.quality import TextWindows, perplexity
 from models.decoder import CausalLM
@@ -33,7 +33,7 @@ class BaselineQuality:
         return perplexity(self.nll, self.text.scored_tokens)
 
     def summary(self) -> str:
-        return (f"unquantized {self.dtype} perplexity {self.perplexity:.2f} on {self.text.scored_tokens} tokens of "
+        return (f"unquantized {self.dtype} perplexity {ppl(self.perplexity)} on {self.text.scored_tokens} tokens of "
                 f"{self.text.source} ({len(self.text.windows)} windows)")
 
 
