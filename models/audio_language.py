@@ -20,6 +20,12 @@ from typing import Any, Callable
 from models.errors import ModelError
 
 
+def windowed_positions(frames: int, window: int, frames_per_token: int) -> int:
+    """The positions ``frames`` frames give where every window of ``window`` frames, the last one partial, gives
+    ``window // frames_per_token`` of them (Granite Speech's projector)."""
+    return -(-frames // window) * (window // frames_per_token)
+
+
 @dataclass(frozen=True)
 class AudioGeometry:
     """What a program's ``audio_encoder`` takes and gives: ``[windows, bins, frames]`` log-mel features of 30 s
@@ -49,7 +55,7 @@ class AudioGeometry:
     def positions(self, frames: int) -> int:
         """The positions ``frames`` frames of a recording of any length give."""
         if self.frame_window:
-            return -(-frames // self.frame_window) * (self.frame_window // self.frames_per_token)
+            return windowed_positions(frames, self.frame_window, self.frames_per_token)
         return frames // self.frames_per_token
 
     def frames_for(self, positions: int) -> int:
@@ -129,6 +135,10 @@ def _gemma4_geometry(cfg: Any, token: int) -> AudioGeometry:
                          _id(cfg, "eoa_token_id", "eoa_token_index"))
 
 
+# Granite Speech takes recordings of any length; a program takes up to 30 s in one call, as Gemma 4's.
+GRANITE_SECONDS, GRANITE_FRAMES_PER_SECOND = 30, 50
+
+
 def _granite_speech_geometry(cfg: Any, token: int) -> AudioGeometry:
     """One recording of up to 30 s in encoder frames (``encoder_config.input_dim`` wide: two 80-bin frames), each
     window of ``window_size`` frames giving ``window_size // downsample_rate`` positions; no begin or end token."""
@@ -154,9 +164,6 @@ def _granite_speech_unbuilt(cfg: Any, folder: Path) -> str | None:
                 "to measure its shape or text path.")
     return None
 
-
-# Granite Speech takes recordings of any length; a program takes up to 30 s in one call, as Gemma 4's.
-GRANITE_SECONDS, GRANITE_FRAMES_PER_SECOND = 30, 50
 
 _TOWER_AND_PROJECTOR = ("audio_tower.", "multi_modal_projector.", "model.audio_tower.", "model.multi_modal_projector.")
 AUDIO_LANGUAGE: tuple[AudioLanguage, ...] = (

@@ -93,11 +93,6 @@ def reference_features(samples: np.ndarray) -> np.ndarray:
     return stacked_log_mel(torch.from_numpy(power_mel.T)).numpy()
 
 
-def audio_positions(frames: int, window: int = 15, per_window: int = 3) -> int:
-    """The positions the projector gives ``frames`` encoder frames: ``per_window`` for each window, the last partial."""
-    return -(-frames // window) * per_window
-
-
 class GraniteSpeechAudio(nn.Module):
     """``forward(features [1, T, 160]) -> [1, 3 * ceil(T / 15), hidden]`` (module docstring)."""
 

@@ -28,7 +28,7 @@ from exporters.runtime.audio import Recording, read_audio
 from exporters.runtime.images import check_sees_images, seen_around
 from exporters.runtime.media import MediaPrompt, joined
 from exporters.runtime.programs import LoadedProgram
-from models.audio_language import audio_language_named
+from models.audio_language import audio_language_named, windowed_positions
 from models.vision import load_processor
 
 
@@ -72,10 +72,10 @@ def _checked_recording(program: Any, path: str, frames_per_token: int, entry: Au
     for conversion in recording.conversions:
         print(f"[audio: {conversion}]", file=sys.stderr)
     if frames_per_token:
-        family = entry.family if entry is not None else "gemma4"
+        fewest = MIN_SAMPLES[entry.family if entry is not None else "gemma4"]  # a manifest older than the family's
         rate = int(program.constant(FRAME_RATE)) if FRAME_RATE in program.method_names else FRAMES_PER_SECOND
         _check_recording_length(recording.seconds, len(recording.samples), int(program.constant("get_n_frames")),
-                                rate, MIN_SAMPLES.get(family, MIN_SAMPLES["gemma4"]), path)
+                                rate, fewest, path)
     else:
         windows = -(-len(recording.samples) // (CHUNK_SECONDS * SAMPLE_RATE))
         if windows > most:
@@ -107,8 +107,7 @@ def _heard(program: Any, token: int, frames_per_token: int, features: torch.Tens
         positions = int(program.constant(AUDIO_TOKENS)) * features.shape[0]
         return MediaPrompt([token] * positions, [features], (AUDIO_METHOD,))
     if FRAME_WINDOW in program.method_names:
-        window = int(program.constant(FRAME_WINDOW))
-        positions = -(-features.shape[1] // window) * (window // frames_per_token)
+        positions = windowed_positions(features.shape[1], int(program.constant(FRAME_WINDOW)), frames_per_token)
         return MediaPrompt([token] * positions, [features], (AUDIO_METHOD,))
     begin, end = int(program.constant(AUDIO_BEGIN_ID)), int(program.constant(AUDIO_END_ID))
     positions = features.shape[-1] // frames_per_token
