@@ -244,6 +244,48 @@ def test_the_xnnpack_passes_lowering_may_skip_are_the_ones_that_were_read() -> N
     assert read == _XNNPACK_SKIPPED_PASS_SOURCES
 
 
+# Chains of (op, channels-last tag) after an input, as XNNPACK's channels-last pass leaves them: a decoder norm's mean
+# between its two copies (kept), copies that undo each other or repeat their input's format (removed), and the same
+# two copies between dequantize and quantize (removed).
+COPY_CHAINS = {
+    "norm": (("view_copy", False), ("_to_copy", True), ("mean", True), ("_to_copy", False)),
+    "undone": (("view_copy", False), ("_to_copy", True), ("_to_copy", False)),
+    "repeated": (("view_copy", False), ("_to_copy", False)),
+    "quantized": (("dq", None), ("_to_copy", True), ("q", None), ("dq", None), ("_to_copy", False), ("q", None)),
+}
+
+
+@pytest.mark.parametrize("chain", COPY_CHAINS)
+def test_the_copy_pass_runs_exactly_where_it_would_remove_a_copy(chain: str) -> None:
+    """Lowering runs XNNPACK's RemoveRedundantCopyPass only where ``_redundant_copies`` finds a copy to remove: on each
+    chain, that answer is whether the pass's own removal functions change the graph."""
+    from executorch.backends.xnnpack._passes.remove_redundant_copy_pass import RemoveRedundantCopyPass
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    from exporters.program.internals import _redundant_copies
+
+    ops = {"view_copy": exir_ops.edge.aten.view_copy.default, "_to_copy": exir_ops.edge.aten._to_copy.default,
+           "mean": exir_ops.edge.aten.mean.dim,
+           "q": exir_ops.edge.quantized_decomposed.quantize_per_tensor.default,
+           "dq": exir_ops.edge.quantized_decomposed.dequantize_per_tensor.default}
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    for op, nhwc in COPY_CHAINS[chain]:
+        node = graph.call_function(ops[op], (node,))
+        if nhwc is not None:
+            node.meta["XNN_NHWC_NODE"] = nhwc
+    graph.output(node)
+    found = _redundant_copies(graph)
+
+    removal = RemoveRedundantCopyPass.__new__(RemoveRedundantCopyPass)  # its call() without the retrace
+    before = len(graph.nodes)
+    for node in [n for n in graph.nodes if n.target == ops["_to_copy"]]:
+        if node.graph is graph and node in graph.nodes:  # not erased by an earlier removal
+            (removal._try_remove_quantized_redundant_to_copy if node.args[0].target == ops["dq"]
+             else removal._try_remove_regular_redundant_to_copy)(node, graph)
+    assert found == (len(graph.nodes) < before) == (chain != "norm")
+
+
 def test_the_edge_passes_lowering_may_skip_are_the_ones_that_were_read() -> None:
     """Lowering skips an edge dialect pass where a method's graph lacks what was read from that pass's source; a pass
     of another ExecuTorch that is renamed or changed in any way fails here until it is read again."""

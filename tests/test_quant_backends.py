@@ -23,9 +23,11 @@ LEARNED = ("xnnpack", "8da4w_learned", "quant.learning.steps=6")
 # Kept out of the full run for its time (pytest -m extended): variants whose kernels another entry already runs.
 EXTENDED = pytest.mark.extended
 # Every quant option each runnable backend supports, on the real (truncated) SmolLM2. The default methods and layout,
-# so the programs other files read (fp32 and 8da4w: stock runners) are these exports.
+# so the programs other files read (fp32, and 8da4w with its weights in model.ptd: stock runners) are these exports;
+# where the weights live changes no kernel (tests/test_external_weights.py checks the bytes).
+EIGHT_DA_FOUR_W = ("xnnpack", "8da4w", "export.weights=external")
 RUNNABLE = [
-    ("xnnpack", "fp32"), ("xnnpack", "fp16"), ("xnnpack", "bf16"), ("xnnpack", "8da8w"), ("xnnpack", "8da4w"),
+    ("xnnpack", "fp32"), ("xnnpack", "fp16"), ("xnnpack", "bf16"), ("xnnpack", "8da8w"), EIGHT_DA_FOUR_W,
     ("xnnpack", "8da4w_emb4w"),
     ("xnnpack", "8da4w", "quant.group_size=64", "quant.lm_head=8da8w", "quant.lm_head_group_size=0"),
     CALIBRATED_MIXED, LEARNED,
