@@ -128,9 +128,11 @@ PARITY_METHODS = "[forward]"
 # and text_decoder write transformers' greedy tokens past the window (tests/test_gemma4_audio.py). Each family is
 # still checked against transformers eagerly above, with both attentions. They run with `pytest -m extended`, kept
 # out of the full run for its time. Granite's fp32 decoder (Llama with four multipliers) is Granite Speech's, whose program
-# runs in tests/test_audio_language.py.
+# runs in tests/test_audio_language.py. Llama's is SmolLM2's, whose fp32 program the full run checks against the eager
+# model in the runtime (tests/test_quant_backends.py), and that eager model against transformers on the real weights
+# (tests/test_real_model.py) and on the tiny checkpoint above.
 FP32_PROGRAM_EXTENDED = {"ministral3", "olmo3", "lfm2", "qwen3_5", "mistral", "qwen2", "qwen3", "gemma", "gemma4",
-                         "granite"}
+                         "granite", "llama"}
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[pytest.mark.extended] if f in FP32_PROGRAM_EXTENDED else [])
