@@ -1,13 +1,15 @@
-"""Lowering with and without torchao's quant ops computed shape-only on fake tensors, in one process, same bytes.
+"""Lowering with and without one of its shortcuts, in one process, same bytes.
 
-    python -m benchmarks.lowering_time --preset smollm2
+    python -m benchmarks.lowering_time --preset smollm2                          # torchao's quant ops shape-only
+    python -m benchmarks.lowering_time --preset smollm2 --shortcut copy-pass     # the copy pass where it removes one
     python -m benchmarks.lowering_time --preset 1b --quant 8da4w_emb4w
 
-torchao's quantize/dequantize/choose-qparams ops have no fake kernel, so every pass of lowering re-runs their
-Python bodies on fake tensors; ``exporters.program.internals.torchao_quant_ops_shape_only`` gives them their shapes
-directly. This exports the preset up to lowering twice, alternating (without, with, without, with for
-``--rounds 2``), times the lower stage and checks that both write the same program bytes (sha256 of
-``to_executorch``'s output). Measure alone.
+``--shortcut shape-only``: torchao's quantize/dequantize/choose-qparams ops have no fake kernel, so every pass of
+lowering re-runs their Python bodies on fake tensors; ``exporters.program.internals.torchao_quant_ops_shape_only``
+gives them their shapes directly. ``--shortcut copy-pass``: XNNPACK's RemoveRedundantCopyPass runs only on the
+partitions where it would remove a copy (``internals._redundant_copies``), against every partition. This exports
+the preset up to lowering twice per round, alternating (off, on, off, on for ``--rounds 2``), times the lower stage
+and checks that both write the same program bytes (sha256 of ``to_executorch``'s output). Measure alone.
 """
 
 from __future__ import annotations
@@ -21,24 +23,45 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 from benchmarks.exporting import preset_config
 from benchmarks.presets import add_preset_arguments, preset_of
 
 
-def lower_once(cfg, out: Path, shape_only: bool) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+@contextlib.contextmanager
+def shortcut_off(name: str) -> Iterator[None]:
+    """Within this block, lowering does without the shortcut ``name`` (a key of SHORTCUTS)."""
+    from exporters.program import internals
+    from exporters.stages import lower
+
+    if name == "shape-only":
+        kept = lower.torchao_quant_ops_shape_only
+        lower.torchao_quant_ops_shape_only = contextlib.nullcontext  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            lower.torchao_quant_ops_shape_only = kept
+    else:
+        conditions = internals._XNNPACK_PASS_CONDITIONS
+        kept = conditions["RemoveRedundantCopyPass"]
+        conditions["RemoveRedundantCopyPass"] = lambda graph: True
+        try:
+            yield
+        finally:
+            conditions["RemoveRedundantCopyPass"] = kept
+
+
+SHORTCUTS = ("shape-only", "copy-pass")
+
+
+def lower_once(cfg, out: Path, shortcut: str, on: bool) -> tuple[float, str]:  # type: ignore[no-untyped-def]
     """Seconds of the lower stage, and the sha256 of the emitted program."""
     from exporters.export import run_stages
-    from exporters.stages import lower
     from exporters.stages.emit import to_executorch
 
-    kept = lower.torchao_quant_ops_shape_only
-    if not shape_only:
-        lower.torchao_quant_ops_shape_only = contextlib.nullcontext  # type: ignore[assignment]
-    try:
+    with contextlib.nullcontext() if on else shortcut_off(shortcut):
         lowered, ctx = run_stages(cfg, out, stop_after="lower")
-    finally:
-        lower.torchao_quant_ops_shape_only = kept
     seconds = ctx.timings["lower"]
     digest = hashlib.sha256(to_executorch(lowered.edge, lowered.methods.aliases).buffer).hexdigest()
     return seconds, digest
@@ -50,6 +73,7 @@ def main() -> None:
     ap.add_argument("--quant", default="8da4w")
     ap.add_argument("--max-seq-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--shortcut", choices=SHORTCUTS, default="shape-only")
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -57,19 +81,19 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="lowering_time_"))
     cfg = preset_config(p, root, [f"quant={args.quant}", f"export.max_seq_len={args.max_seq_len}", "validate=false",
                                   "bench=false"])
-    seconds: dict[str, list[float]] = {"bodies": [], "shape_only": []}
+    seconds: dict[str, list[float]] = {"off": [], "on": []}
     digests = set()
     started = time.perf_counter()
     for r in range(args.rounds):
-        for mode in ("bodies", "shape_only"):
-            s, digest = lower_once(cfg, root / f"{mode}{r}", shape_only=mode == "shape_only")
+        for mode in ("off", "on"):
+            s, digest = lower_once(cfg, root / f"{mode}{r}", args.shortcut, on=mode == "on")
             seconds[mode].append(round(s, 1))
             digests.add(digest)
-            print(f"round {r + 1}: lower {s:.1f} s with torchao's {mode.replace('_', '-')} ops, program {digest[:12]}",
-                  flush=True)
-    before, after = statistics.median(seconds["bodies"]), statistics.median(seconds["shape_only"])
-    result = {"preset": args.preset, "quant": args.quant, "lower_s": seconds, "ratio": round(after / before, 2),
-              "same_bytes": len(digests) == 1, "wall_s": round(time.perf_counter() - started, 1)}
+            print(f"round {r + 1}: lower {s:.1f} s with {args.shortcut} {mode}, program {digest[:12]}", flush=True)
+    before, after = statistics.median(seconds["off"]), statistics.median(seconds["on"])
+    result = {"preset": args.preset, "quant": args.quant, "shortcut": args.shortcut, "lower_s": seconds,
+              "ratio": round(after / before, 2), "same_bytes": len(digests) == 1,
+              "wall_s": round(time.perf_counter() - started, 1)}
     print(json.dumps(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -680,14 +680,18 @@ class AudioEntry:
     # frames_per_token positions, the last window partial (0: Gemma 4's whole positions)
     frame_window: int = 0
     frames_per_second: int = 100
+    # The checkpoint's LoRA adapter on the decoder for prompts with audio, which text_decoder applies (Granite Speech's);
+    # the text methods compute the base
+    adapter: str | None = None
 
     def describe(self) -> str:
         check = "not validated" if self.check is None else self.check.describe()
         if self.frame_window:
+            heard = f"; text_decoder applies the adapter {self.adapter}" if self.adapter else ""
             return (f"{self.family}, {self.mel_bins}-wide frames, {self.frame_window} frames to "
                     f"{self.frame_window // self.frames_per_token} positions of token "
                     f"{self.audio_token or self.audio_token_id}, one recording of up to {self.tokens_per_window} "
-                    f"positions a call, {self.quantization}; {check}")
+                    f"positions a call, {self.quantization}{heard}; {check}")
         if self.frames_per_token:
             return (f"{self.family}, {self.mel_bins} mel bins, {self.frames_per_token} frames a position of token "
                     f"{self.audio_token or self.audio_token_id}, one recording of up to {self.tokens_per_window} "

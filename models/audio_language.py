@@ -85,8 +85,11 @@ class AudioLanguage:
     any_length: Callable[[Any, int], AudioGeometry] | None = None
     # The config field of the audio tower's config: a checkpoint without it has no tower (Gemma 4 31B).
     tower_config: str = "audio_config"
-    # What a checkpoint of the family holds that the program cannot compute yet (config, folder -> the reason), or None.
-    unbuilt: Callable[[Any, Path], str | None] | None = None
+    # The decoder's LoRA adapter a checkpoint folder carries for prompts with audio (config, folder -> the folder
+    # holding adapter_config.json, or None), as transformers loads and enables it (Granite Speech's).
+    audio_adapter: Callable[[Any, Path], Path | None] | None = None
+    # The decoder's module paths in the adapter's keys (transformers 5's, then 4's layout), for ``model.``: ours.
+    adapter_prefixes: tuple[str, ...] = ()
 
     def geometry(self, hf_config: Any) -> AudioGeometry:
         token = _id(hf_config, "audio_token_id", "audio_token_index")
@@ -153,16 +156,10 @@ def _granite_speech_geometry(cfg: Any, token: int) -> AudioGeometry:
     return dataclasses.replace(geometry, tokens=geometry.positions(frames))
 
 
-def _granite_speech_unbuilt(cfg: Any, folder: Path) -> str | None:
+def _granite_speech_adapter(cfg: Any, folder: Path) -> Path | None:
     """The published checkpoints carry a LoRA adapter for the decoder (``has_lora_adapter``, ``adapter_config.json``
     in the folder), which transformers enables for a prompt with audio and disables for text alone."""
-    if getattr(cfg, "has_lora_adapter", False) and (folder / "adapter_config.json").is_file():
-        return ("its folder holds the LoRA adapter (adapter_config.json) that transformers applies to the decoder "
-                "whenever a prompt has audio (has_lora_adapter), and a program whose audio prompts take an adapter "
-                "its text prompts do not is not built yet; without it the program would hear through the wrong "
-                "decoder. Export a copy of the folder without adapter_config.json and adapter_model.safetensors only "
-                "to measure its shape or text path.")
-    return None
+    return folder if getattr(cfg, "has_lora_adapter", False) and (folder / "adapter_config.json").is_file() else None
 
 
 _TOWER_AND_PROJECTOR = ("audio_tower.", "multi_modal_projector.", "model.audio_tower.", "model.multi_modal_projector.")
@@ -181,7 +178,8 @@ AUDIO_LANGUAGE: tuple[AudioLanguage, ...] = (
                   ("model.encoder.", "encoder.", "model.projector.", "projector."), lambda cfg: 0, 1,
                   "<|start_of_role|>user<|end_of_role|>{audio}{prompt}<|end_of_text|>\n"
                   "<|start_of_role|>assistant<|end_of_role|>", any_length=_granite_speech_geometry,
-                  tower_config="encoder_config", unbuilt=_granite_speech_unbuilt),
+                  tower_config="encoder_config", audio_adapter=_granite_speech_adapter,
+                  adapter_prefixes=("model.language_model.", "language_model.model.")),
 )
 
 

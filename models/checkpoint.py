@@ -89,8 +89,14 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelError(f"{path}: cannot be read as JSON ({e}). Re-download or re-save the checkpoint.") from e
 
 
+# PEFT's weights file of an adapter saved in the model's own folder (Granite Speech's): the adapter's, not the base's
+# (models.lora reads it).
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
 def weight_files_of(path: Path) -> list[Path]:
-    """The safetensors files of the checkpoint folder ``path`` (its index's shards, else every *.safetensors)."""
+    """The safetensors files of the checkpoint folder ``path`` (its index's shards, else every *.safetensors but an
+    adapter's)."""
     index = path / WEIGHTS_INDEX
     if index.exists():
         weight_map = _read_json(index).get("weight_map")
@@ -104,7 +110,7 @@ def weight_files_of(path: Path) -> list[Path]:
                 "Copy every shard of the checkpoint into the directory."
             )
         return files
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(p for p in path.glob("*.safetensors") if p.name != ADAPTER_WEIGHTS)
     if not files:
         found = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
         hint = (

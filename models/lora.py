@@ -194,13 +194,24 @@ def read_peft_folder(name: str, folder: str | Path) -> tuple[Any, dict[str, tupl
     return config, _by_module(name, folder, _read_weights(name, folder))
 
 
-def read_adapter(name: str, folder: str | Path, model: CausalLM) -> LoraAdapter:
-    """Read and check one PEFT LoRA folder against ``model`` (our decoder, unquantized)."""
+def _decoder_keys(weights: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """An adapter saved on a multimodal model: the keys of its decoder's modules (under one of ``prefixes``, e.g.
+    ``model.language_model.``) as our decoder names them (``model.``)."""
+    def renamed(key: str) -> str:
+        module = key.removeprefix("base_model.model.")
+        found = next((p for p in prefixes if module.startswith(p)), None)
+        return key if found is None else "base_model.model.model." + module.removeprefix(found)
+    return {renamed(k): v for k, v in weights.items()}
+
+
+def read_adapter(name: str, folder: str | Path, model: CausalLM, prefixes: tuple[str, ...] = ()) -> LoraAdapter:
+    """Read and check one PEFT LoRA folder against ``model`` (our decoder, unquantized); ``prefixes``: where the
+    decoder's modules are in the adapter's keys when it was saved on a multimodal model (:func:`_decoder_keys`)."""
     from peft.utils.other import get_pattern_key
 
     folder = Path(folder).expanduser()
     config = _read_config(name, folder)
-    weights = _read_weights(name, folder)
+    weights = _decoder_keys(_read_weights(name, folder), prefixes) if prefixes else _read_weights(name, folder)
     found = _by_module(name, folder, weights)
     if "lm_head" in found:
         raise _fail(name, folder, "it adapts lm_head", "Adapters on the output projection are not supported (it may be "

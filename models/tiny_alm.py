@@ -102,7 +102,8 @@ class GraniteFeatureFiles:
 def _granite_speech() -> tuple[Any, Any, list[Any]]:
     """Granite Speech: a conformer of two layers 32 wide in blocks of 200 frames (the published context, so a
     recording past 4 s spans a masked block), a one-layer Q-Former, a Granite decoder whose four multipliers are none
-    of them 1; no LoRA adapter (``has_lora_adapter``: the published one applies with audio only)."""
+    of them 1, and the decoder's LoRA adapter in the folder as the published checkpoints carry it (``has_lora_adapter``:
+    transformers applies it to prompts with audio; :func:`_granite_speech_adapter`)."""
     from transformers import (Blip2QFormerConfig, GraniteConfig, GraniteSpeechConfig, GraniteSpeechEncoderConfig)
 
     tok = tiny_tokenizer({"audio_token": "<|audio|>"})
@@ -116,7 +117,7 @@ def _granite_speech() -> tuple[Any, Any, list[Any]]:
         text_config=GraniteConfig(**TEXT_ARCH, vocab_size=len(tok), bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                                   embedding_multiplier=4.0, attention_multiplier=0.2, residual_multiplier=0.5,
                                   logits_scaling=2.0, tie_word_embeddings=True),
-        audio_token_index=tok.convert_tokens_to_ids("<|audio|>"), has_lora_adapter=False,
+        audio_token_index=tok.convert_tokens_to_ids("<|audio|>"), has_lora_adapter=True,
         architectures=["GraniteSpeechForConditionalGeneration"])
     return config, tok, [tok, GraniteFeatureFiles()]
 
@@ -131,6 +132,23 @@ def _granite_speech_untrained(model: Any) -> None:
                 module.running_var.uniform_(0.5, 2.0)
                 module.weight.normal_(1.0, 0.2)
                 module.bias.normal_(0.0, 0.2)
+
+
+def _granite_speech_adapter(out: Path, seed: int) -> None:
+    """The published checkpoints' LoRA adapter (on the decoder's q and v projections) saved by PEFT beside the weights:
+    ``adapter_config.json`` and ``adapter_model.safetensors`` in the model's folder, which transformers loads with it.
+    Its B matrices random too (PEFT starts them at zero), so that the audio path computes another decoder."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GraniteSpeechForConditionalGeneration
+
+    model = GraniteSpeechForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
+    adapted = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    adapted.save_pretrained(out)
 
 
 # The tiny tokenizer has none of Gemma 4's turn tokens: a user turn in plain text, each image and recording marked
@@ -169,9 +187,16 @@ def write_tiny_alm_checkpoint(out_dir: str | Path, family: str, seed: int = 0, t
     return built_once(key, lambda out: _build(out, family, seed, train_steps), Path(out_dir))
 
 
+#: family -> what is saved beside its checkpoint once it is written (an adapter of its own).
+SAVED_AFTER: dict[str, Callable[[Path, int], None]] = {"granite_speech": _granite_speech_adapter}
+
+
 def _build(out: Path, family: str, seed: int, train_steps: int) -> Path:
     config, tokenizer, beside = TINY_ALM[family]()
-    return save_multimodal(out, config, tokenizer, beside, seed, train_steps, UNTRAINED.get(family))
+    save_multimodal(out, config, tokenizer, beside, seed, train_steps, UNTRAINED.get(family))
+    if family in SAVED_AFTER:
+        SAVED_AFTER[family](out, seed)
+    return out
 
 
 def main() -> None:

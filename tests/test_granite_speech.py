@@ -3,9 +3,11 @@
 
 Fast: the log-mel frames against transformers' own numpy ``spectrogram`` (its feature extractor needs torchaudio, which
 has no wheel for the torch we pin); the encoder's embeddings against ``get_audio_features`` at frame counts around its
-blocks and windows, eagerly and captured once with the frame count dynamic. Full: the program (audio_encoder,
-token_embedding, text_decoder, decode) run by ExecuTorch's stock MultimodalRunner and by ``exporters.generate audio=``
-on the validation recording through its preprocessor.pte: transformers' greedy tokens, token for token.
+blocks and windows, eagerly and captured once with the frame count dynamic; the decoder with and without the
+checkpoint's LoRA adapter for prompts with audio. Full: the program (audio_encoder, token_embedding, text_decoder with
+the adapter, decode without it) run by ExecuTorch's stock MultimodalRunner and by ``exporters.generate audio=`` on the
+validation recording through its preprocessor.pte, and a text prompt through decode: transformers' greedy tokens (its
+adapter enabled with audio, disabled without), token for token.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from transformers import AutoConfig, GraniteSpeechForConditionalGeneration
 from exporters.errors import UserError
 from exporters.export import checked_config
 from exporters.program.audio import (AUDIO_METHOD, AUDIO_TOKEN_ID, FRAME_RATE, FRAME_WINDOW, FRAMES_AXIS,
-                                     FRAMES_PER_TOKEN)
+                                     FRAMES_PER_TOKEN, TEXT_DECODER_ADAPTER)
 from exporters.program.speech import PREPROCESSOR_FILE
 from exporters.release.bundle import make_bundle
 from exporters.runtime.audio import read_audio
 from exporters.runtime.generator import Generator, SamplingConfig
 from exporters.validation.speech import VALIDATION_RECORDING
 from models.granite_speech import GraniteLogMel, load_granite_speech_audio, reference_features
-from tests.helpers import compose_config, copy_checkpoint, stock_runner_text
+from tests.helpers import compose_config, stock_runner_text
 
 # Frames around the conformer's 200-frame blocks and the projector's 15-frame windows: one frame, a window less one, a
 # window, a block less one, a block, a block and one, and more than two blocks.
@@ -103,24 +105,41 @@ def test_granite_speechs_log_mel_frames_are_the_feature_extractors() -> None:
 
 def test_the_text_decoder_gives_granites_logits(checkpoint: Path, theirs: Any) -> None:
     """The decoder is Granite's, logits divided by logits_scaling as GraniteForCausalLM divides them; transformers 5's
-    GraniteSpeechForConditionalGeneration applies lm_head alone (the same greedy tokens, sharper probabilities)."""
+    GraniteSpeechForConditionalGeneration applies lm_head alone (the same greedy tokens, sharper probabilities). With
+    the checkpoint's adapter for prompts with audio read onto it (its keys name transformers' language model), ours
+    computes what transformers does with that adapter enabled; without it, what transformers does with it disabled
+    (a text prompt)."""
+    from models.audio_language import audio_language_of
     from models.checkpoint import build_model, open_checkpoint
+    from models.lora import active_adapter, attach_adapters, read_adapter
 
     decoder = build_model(open_checkpoint(checkpoint), 64)
+    family = audio_language_of(theirs.config)
+    folder = family.audio_adapter(theirs.config, checkpoint)
+    adapter = read_adapter("speech", folder, decoder, family.adapter_prefixes)
+    assert adapter.targets == ["q_proj", "v_proj"] and len(adapter.modules) == 2 * theirs.config.text_config.num_hidden_layers
+    attach_adapters(decoder, [adapter])
     ids = torch.tensor([[1, 17, 42, 99, 7, 250, 3]])
+    scaling = theirs.config.text_config.logits_scaling
     with torch.no_grad():
-        got = decoder(ids, torch.tensor([0]), full_logits=True)
-        expected = theirs(input_ids=ids).logits / theirs.config.text_config.logits_scaling
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        theirs.disable_adapters()
+        base, expected_base = decoder(ids, torch.tensor([0]), full_logits=True), theirs(input_ids=ids).logits / scaling
+        decoder.reset_cache()
+        theirs.enable_adapters()
+        with active_adapter(decoder, "speech"):
+            heard = decoder(ids, torch.tensor([0]), full_logits=True)
+        expected_heard = theirs(input_ids=ids).logits / scaling
+    torch.testing.assert_close(base, expected_base, atol=1e-4, rtol=0)
+    torch.testing.assert_close(heard, expected_heard, atol=1e-4, rtol=0)
+    assert (heard - base).abs().max() > 0.1  # the adapter changes what the decoder computes
 
 
-def test_a_checkpoint_with_its_speech_adapter_is_refused_before_any_work(checkpoint: Path, tmp_path: Path) -> None:
-    """The published checkpoints' LoRA adapter applies to audio prompts alone (transformers enables it with audio),
-    which no program holds yet: refused by name, not exported through the wrong decoder."""
-    folder = copy_checkpoint(checkpoint, tmp_path / "with-adapter", config={"has_lora_adapter": True})
-    (folder / "adapter_config.json").write_text("{}")
-    with pytest.raises(UserError, match="holds the LoRA adapter .* not built yet"):
-        checked_config(compose_config("model=hf", f"model.checkpoint={folder}", *PROGRAM))
+def test_the_speech_adapter_with_external_weights_is_refused_before_any_work(checkpoint: Path) -> None:
+    """text_decoder's adapter would need a data file of its own beside the base's: not built, refused by name."""
+    with pytest.raises(UserError, match="LoRA adapter for prompts with audio .* export.weights=external with that "
+                                        "adapter is not built yet"):
+        checked_config(compose_config("model=hf", f"model.checkpoint={checkpoint}", "export.weights=external",
+                                      *PROGRAM))
 
 
 @pytest.mark.slow
@@ -148,6 +167,9 @@ def test_a_granite_speech_program_writes_transformers_tokens_through_the_stock_r
         15, 5, 1, 50)
     assert constants[AUDIO_TOKEN_ID] == theirs.config.audio_token_id == audio.audio_token_id
     assert audio.audio_token == "<|audio|>" and audio.tokens_per_window == 93 and audio.frames == 465
+    # text_decoder computes with the checkpoint's adapter for prompts with audio, the text methods without it
+    assert audio.adapter.startswith("speech: LoRA r=4, alpha 8 on 4 layers (q_proj, v_proj)")
+    assert constants[TEXT_DECODER_ADAPTER] == "speech" and m.validation.text_decoder_kl is None
 
     run = result.pte_path.parent
     generator = Generator(result.pte_path)
@@ -167,6 +189,11 @@ def test_a_granite_speech_program_writes_transformers_tokens_through_the_stock_r
 
     inputs = [make_token_input(before), make_audio_input(features), make_token_input(after)]
     assert stock_runner_text(result.pte_path, inputs, NEW_TOKENS) == text.text
+    # A text prompt goes through decode, the base: transformers' greedy tokens without audio (its adapter disabled).
+    with torch.no_grad():
+        plain = theirs.generate(input_ids=ids[:, :len(before)], max_new_tokens=NEW_TOKENS, do_sample=False)
+    written = generator.generate("", SamplingConfig(NEW_TOKENS, 0.0, 1.0, 0), prompt_ids=before)
+    assert written.new_ids == plain[0, len(before):].tolist()
 
     long = tmp_path / "long.wav"  # 10 s: more than the 465 frames (9.3 s) one call takes
     soundfile.write(long, np.tile(samples, 3)[:160_000], 16_000)

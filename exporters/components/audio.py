@@ -11,6 +11,11 @@ log-mel in torch ops). The plan
 reads ``config.json`` (not the weights) to size the method; load reads the tower and projector alone from the
 decoder's checkpoint folder (``models.audio_encoder``); ``quant.audio`` quantizes it apart; validation runs the
 validation recording and a prompt around it through the program (``exporters.validation.encoder_prompt``).
+
+A checkpoint that carries the decoder's LoRA adapter for prompts with audio (Granite Speech's, which transformers
+enables whenever a prompt has audio) gets it attached to the decoder, and ``text_decoder`` (the MultimodalRunner's
+method for every token of such a prompt) computes with it; the text methods compute the base, over the same stored
+weights (:data:`SPEECH_ADAPTER`).
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ from exporters.manifest import AudioCheck, AudioEntry, ComponentEntry, Manifest
 from exporters.output.files import private_path
 from exporters.plan.component import Component, ComponentKind, FolderBuild, QuantPlan
 from exporters.plan.footprint import Footprint, encoder_footprint
-from exporters.program.audio import (AUDIO, AUDIO_METHOD, audio_constants, audio_features, audio_spec, cropped,
-                                     write_audio_preprocessor)
+from exporters.program.audio import (AUDIO, AUDIO_METHOD, TEXT_DECODER_ADAPTER, audio_constants, audio_features,
+                                     audio_spec, cropped, write_audio_preprocessor)
 from exporters.program.methods import (MULTIMODAL_METHODS, MethodTable, check_encoder_unbuilt,
                                        check_runner_feeds)
 from exporters.program.passes import noop_expands_dropped
@@ -44,7 +49,8 @@ from exporters.validation.encoder_prompt import (GREEDY_STEPS, EncoderBaseline, 
                                                 unquantized_path)
 from exporters.validation.speech import VALIDATION_RECORDING
 from models.audio_encoder import audio_parameters, load_audio_encoder, random_audio_encoder
-from models.audio_language import AudioGeometry, audio_language_of, is_audio_language
+from models.audio_language import AudioGeometry, AudioLanguage, audio_language_of, is_audio_language
+from models.lora import LoraAdapter, active_adapter, attach_adapters, read_adapter
 from models.processor_files import saved_architectures
 from models.tokenizer import find_tokenizer
 
@@ -59,6 +65,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("exporters")
 
+# The name the checkpoint's adapter for prompts with audio gets on the decoder (its weights' names in the program, the
+# program's TEXT_DECODER_ADAPTER constant).
+SPEECH_ADAPTER = "speech"
+
 
 @dataclass
 class AudioRecord:
@@ -70,10 +80,11 @@ class AudioRecord:
     quantization: str | None = None  # quantize: what quant.audio did
     baseline: EncoderBaseline | None = None  # baseline: the audio prompt through the unquantized models
     check: AudioCheck | None = None  # validate: the audio path in the program against eager
+    adapter: LoraAdapter | None = None  # load: the decoder's adapter for prompts with audio, as the folder holds it
 
 
-def audio_geometry(model: ModelConfig) -> AudioGeometry | None:
-    """The audio encoder ``model.checkpoint`` holds, from its ``config.json``; None for any other checkpoint."""
+def _audio_language(model: ModelConfig) -> tuple[AudioLanguage, Any, Path] | None:
+    """The audio-language family ``model.checkpoint`` holds, its ``config.json`` and folder; None for any other."""
     if model.source != Source.hf or model.checkpoint is None:
         return None
     path = Path(model.checkpoint).expanduser()
@@ -81,12 +92,22 @@ def audio_geometry(model: ModelConfig) -> AudioGeometry | None:
         return None
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     family = audio_language_of(hf_config)
-    if family is None:
+    return None if family is None else (family, hf_config, path)
+
+
+def audio_geometry(model: ModelConfig) -> AudioGeometry | None:
+    """The audio encoder ``model.checkpoint`` holds, from its ``config.json``; None for any other checkpoint."""
+    found = _audio_language(model)
+    return None if found is None else found[0].geometry(found[1])
+
+
+def speech_adapter(model: ModelConfig) -> str | None:
+    """The folder holding the decoder's LoRA adapter for prompts with audio, where the checkpoint carries one."""
+    found = _audio_language(model)
+    if found is None or found[0].audio_adapter is None:
         return None
-    unbuilt = family.unbuilt(hf_config, path) if family.unbuilt is not None else None
-    if unbuilt is not None:
-        raise UserError(f"{model.checkpoint} is {family.name}, and {unbuilt}")
-    return family.geometry(hf_config)
+    folder = found[0].audio_adapter(found[1], found[2])
+    return None if folder is None else str(folder)
 
 
 def audio_per_call(geometry: AudioGeometry, call_tokens: int) -> int:
@@ -109,6 +130,7 @@ class AudioBuild(FolderBuild):
 
     geometry: AudioGeometry
     per_call: int  # windows a call of audio_encoder takes (a recording of any length: the most positions it gives)
+    adapter: str | None = None  # the folder of the decoder's adapter for prompts with audio (speech_adapter)
 
     def build(self, checkpoint: Checkpoint, device: str = "cpu") -> AudioEncoder:
         """The encoder with the checkpoint's weights, or with seeded random ones of its shape (model.random_init)."""
@@ -140,6 +162,11 @@ class Audio(Kind):
                             f"validation's prompt puts text and {GREEDY_STEPS} generated tokens around a recording. Set "
                             f"export.max_context_len={room_needed(shortest_call(geometry))} or more.")
         check_encoder_unbuilt(cfg, what, "audio", "an audio-language")
+        if cfg.export.weights == "external" and speech_adapter(cfg.model) is not None:
+            raise UserError(f"{what}, and its folder holds the decoder's LoRA adapter for prompts with audio "
+                            "(adapter_config.json), which text_decoder applies; export.weights=external with that "
+                            "adapter is not built yet (its weights would need a data file of their own). Export it "
+                            "with the weights in the program (leave export.weights unset).")
 
     def plan(self, cfg: ExportConfig, basis: Basis) -> Component | None:
         """The audio encoder as a component of the plan (None for any other checkpoint)."""
@@ -149,11 +176,16 @@ class Audio(Kind):
         per_call = audio_per_call(geometry, basis.lengths.call_tokens)
         table = MethodTable({AUDIO_METHOD: audio_spec(geometry, per_call)}, {AUDIO_METHOD: None}, {},
                             {AUDIO_METHOD: AUDIO})
-        return Component(name=AUDIO, kind=ComponentKind.audio_encoder, build=AudioBuild(cfg.model, geometry, per_call),
+        build = AudioBuild(cfg.model, geometry, per_call, speech_adapter(cfg.model))
+        return Component(name=AUDIO, kind=ComponentKind.audio_encoder, build=build,
                          quant=QuantPlan(cfg.quant, cfg.export.tied_embedding, basis.shortcuts), methods=table)
 
     def decoder_methods(self, component: Component) -> Sequence[str]:
         return MULTIMODAL_METHODS
+
+    def decoder_adapters(self, component: Component) -> dict[str, str]:
+        """text_decoder computes with the checkpoint's adapter for prompts with audio, where it carries one."""
+        return {"text_decoder": SPEECH_ADAPTER} if component.build.adapter is not None else {}
 
     def open(self, part: Part, ctx: ExportContext) -> Footprint:
         """The audio encoder, alive beside the decoder from load to the end; read from the decoder's checkpoint."""
@@ -163,7 +195,21 @@ class Audio(Kind):
         return encoder_footprint(audio_parameters(checkpoint.hf_config))
 
     def load(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
-        models[part.name] = part.component.build.build(ctx.record(part.name).checkpoint)
+        """The encoder; and the decoder's adapter for prompts with audio, read and attached to the (unquantized)
+        decoder, which computes the base until a method applies it."""
+        build, record = part.component.build, ctx.record(part.name)
+        models[part.name] = build.build(record.checkpoint)
+        if build.adapter is not None:
+            decoder = models[ctx.plan.main.name]
+            family = audio_language_of(record.checkpoint.hf_config)
+            assert family is not None, "planned from this checkpoint's config"
+            record.adapter = read_adapter(SPEECH_ADAPTER, build.adapter, decoder, family.adapter_prefixes)
+            attach_adapters(decoder, [record.adapter])
+
+    def heard_through(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> Any:
+        """The eager decoder as text_decoder computes it: with the adapter for prompts with audio, where there is one."""
+        adapter = ctx.record(part.name).adapter
+        return active_adapter(models[ctx.plan.main.name], adapter.name if adapter is not None else None)
 
     def baseline(self, part: Part, ctx: ExportContext, models: dict[str, Any], windows: TextWindows | None) -> None:
         """The validation recording's features, and the audio prompt through the unquantized encoder and decoder."""
@@ -181,7 +227,8 @@ class Audio(Kind):
             seconds = 30.0 * record.features.shape[0]
         record.recording = f"{Path(recording.source).name} ({min(recording.seconds, seconds):.1f} s)"
         assert windows is not None, "an audio-language program's main model is a language model"
-        record.baseline = unquantized_path(model, models[part.name], record.features, windows.windows[0])
+        with self.heard_through(part, ctx, models):
+            record.baseline = unquantized_path(model, models[part.name], record.features, windows.windows[0])
 
     def quantize(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> None:
         """After the decoder: the encoder's output must be in the dtype the decoder now computes in."""
@@ -195,14 +242,16 @@ class Audio(Kind):
     def constants(self, part: Part, ctx: ExportContext, models: dict[str, Any]) -> dict[str, Any]:
         """What an app needs to make audio_encoder's input and to place its embeddings in a prompt."""
         build = part.component.build
-        return audio_constants(build.geometry, build.per_call)
+        adapter = {TEXT_DECODER_ADAPTER: SPEECH_ADAPTER} if build.adapter is not None else {}
+        return {**audio_constants(build.geometry, build.per_call), **adapter}
 
     def validate(self, part: Part, ctx: ExportContext, under: ProgramUnderTest, models: dict[str, Any]) -> None:
         record = ctx.record(part.name)
         assert record.features is not None, "the baseline stage read the validation recording"
-        record.check = AudioCheck(recording=record.recording, **check_encoder_path(
-            under.program, AUDIO_METHOD, record.features, models[ctx.plan.main.name], models[part.name],
-            under.text.windows[0], under.tolerance.max_kl, record.baseline))
+        with self.heard_through(part, ctx, models):
+            record.check = AudioCheck(recording=record.recording, **check_encoder_path(
+                under.program, AUDIO_METHOD, record.features, models[ctx.plan.main.name], models[part.name],
+                under.text.windows[0], under.tolerance.max_kl, record.baseline))
         log.info("  validate: audio path %s", "passed" if record.check.passed else "FAILED")
 
     def failures(self, part: Part, ctx: ExportContext) -> list[str]:
@@ -234,9 +283,11 @@ class Audio(Kind):
         def text(token_id: int | None) -> str | None:
             return vocabulary.id_to_token(token_id) if vocabulary is not None and token_id is not None else None
 
+        adapter = record.adapter
         common = dict(family=g.family, sample_rate=SAMPLE_RATE, mel_bins=g.bins, audio_token_id=g.audio_token_id,
                       audio_token=text(g.audio_token_id), preprocessor=PREPROCESSOR_FILE,
-                      quantization=record.quantization or "fp32", check=record.check)
+                      quantization=record.quantization or "fp32", check=record.check,
+                      adapter=None if adapter is None else adapter.describe())
         if not g.any_length:
             return AudioEntry(**common, frames=g.frames, tokens_per_window=g.tokens, max_windows=build.per_call,
                               input=f"float32 [windows, {g.bins}, {g.frames}]: log-mel features of 1 to "
@@ -262,7 +313,9 @@ class Audio(Kind):
 
     def describe(self, stage: str, part: Part, ctx: ExportContext, models: dict[str, Any]) -> str:
         if stage == "load":
-            return f"; {part.name}: {models[part.name].describe()}"
+            adapter = ctx.record(part.name).adapter
+            heard = "" if adapter is None else f"; text_decoder applies the adapter for audio prompts {adapter.describe()}"
+            return f"; {part.name}: {models[part.name].describe()}{heard}"
         if stage == "quantize":
             return f"; audio encoder: {ctx.record(part.name).quantization}"
         return ""
@@ -304,6 +357,12 @@ samples `[N]` and gives log-mel features `[windows, {a.mel_bins}, {a.frames}]`, 
 window, which `text_decoder` takes at the next positions; text goes through `token_embedding` then `text_decoder`. In a
 prompt the audio's place is token {a.audio_token_id} (`{a.audio_token}`), {a.tokens_per_window} times per window."""
         shape = f"`batch` = windows, `n_bins` = {a.mel_bins}, `n_frames` = {a.frames}"
+    if a.adapter:
+        what += f"""
+
+`text_decoder` computes with the checkpoint's LoRA adapter for prompts with audio ({a.adapter}), as transformers
+enables it whenever a prompt has audio; the text methods compute the base model (the same stored weights). Continue an
+audio prompt through `token_embedding` and `text_decoder`, as the `MultimodalRunner` does, not through the text methods."""
     return f"""## Audio
 
 {what}

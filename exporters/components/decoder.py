@@ -67,7 +67,8 @@ class Decoder(LanguageModel):
             quant=QuantPlan(base_quant(cfg), ex.tied_embedding, basis.shortcuts),
             # Aliases (forward = prefill) are emitted as renamed plans, a shortcut through the emitter's internals.
             methods=MethodTable.of(kinds, LAYOUTS[ex.layout], basis.lengths, list(cfg.model.adapters),
-                                   share_graphs=basis.shortcuts, slots=slot_plan(cfg)))
+                                   share_graphs=basis.shortcuts, slots=slot_plan(cfg),
+                                   applied=dict(basis.decoder_adapters)))
 
     def baseline(self, part: Part, ctx: ExportContext, models: dict[str, Any], windows: TextWindows) -> None:
         record, model = ctx.record(part.name), models[part.name]

@@ -60,6 +60,8 @@ class Basis:
     decoder_methods: tuple[str, ...] = ()
     # The state the other components need the decoder to keep beyond its caches (their decoder_state).
     decoder_state: tuple[str, ...] = ()
+    # The decoder's method kinds the other components need computed with an adapter (their decoder_adapters).
+    decoder_adapters: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -126,6 +128,11 @@ class Kind:
     def decoder_methods(self, component: Component) -> Sequence[str]:
         """The method kinds the decoder gets because the program holds ``component``."""
         return ()
+
+    def decoder_adapters(self, component: Component) -> dict[str, str]:
+        """The decoder's method kinds that compute with an adapter because the program holds ``component`` (kind ->
+        the adapter's name: Granite Speech's text_decoder applies its checkpoint's adapter for prompts with audio)."""
+        return {}
 
     def decoder_state(self, component: Component) -> Sequence[str]:
         """The state the decoder keeps because the program holds ``component`` (``final_hidden``: each position's

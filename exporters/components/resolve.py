@@ -110,8 +110,9 @@ def resolve(cfg: ExportConfig, resolved_config: dict[str, Any], sweeping: bool =
                                  for c in [kind.plan(cfg, basis)] if c is not None]
     needed = tuple(dict.fromkeys(k for c in others for k in KINDS[c.kind].decoder_methods(c)))
     state = tuple(dict.fromkeys(s for c in others for s in KINDS[c.kind].decoder_state(c)))
-    decoder = claimed[0] if claimed else decoder_kind.plan(cfg, dataclasses.replace(basis, decoder_methods=needed,
-                                                                                     decoder_state=state))
+    adapted = tuple((k, a) for c in others for k, a in KINDS[c.kind].decoder_adapters(c).items())
+    decoder = claimed[0] if claimed else decoder_kind.plan(cfg, dataclasses.replace(
+        basis, decoder_methods=needed, decoder_state=state, decoder_adapters=adapted))
     assert decoder is not None
     pt2e = cfg.quant.pt2e is not None
     return ExportPlan(

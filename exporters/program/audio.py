@@ -36,6 +36,10 @@ FRAMES_PER_TOKEN = "get_audio_frames_per_token"
 AUDIO_BEGIN_ID, AUDIO_END_ID = "get_audio_begin_token_id", "get_audio_end_token_id"
 # Granite Speech: positions per window of frames (the last partial), its frames' rate and axis ([1, frames, bins]).
 FRAME_WINDOW, FRAME_RATE, FRAMES_AXIS = "get_audio_frame_window", "get_audio_frames_per_second", "get_audio_frames_axis"
+# Where text_decoder applies the checkpoint's adapter for prompts with audio (Granite Speech), its name: such a prompt is
+# continued through token_embedding and text_decoder, as ExecuTorch's MultimodalRunner continues every prompt, not
+# through the text methods, which compute the base.
+TEXT_DECODER_ADAPTER = "get_text_decoder_adapter"
 
 
 def audio_spec(geometry: AudioGeometry, size: int) -> MethodSpec:

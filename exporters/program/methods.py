@@ -241,12 +241,17 @@ class MethodTable:
 
     @staticmethod
     def of(kinds: Sequence[str], layout: Layout, lengths: Lengths, adapters: Sequence[str] = (),
-           share_graphs: bool = True, slots: SlotPlan | None = None) -> "MethodTable":
+           share_graphs: bool = True, slots: SlotPlan | None = None,
+           applied: dict[str, str] | None = None) -> "MethodTable":
         """The base methods as ``layout`` names them, then each adapter's (``<adapter>_<method>``) unless the adapters
         go into ``slots``; ``share_graphs=False`` captures every method on its own (the stock path: no renamed
-        plans)."""
+        plans). ``applied``: base methods (by name) that compute with an adapter under their own name (Granite
+        Speech's text_decoder, with its checkpoint's adapter for prompts with audio)."""
         base = method_specs(list(kinds), layout, lengths)
         specs, adapter_of = dict(base), dict.fromkeys(base)
+        for name, adapter in (applied or {}).items():
+            assert name in specs, f"{name} is not one of the decoder's methods {list(specs)}"
+            adapter_of[name] = adapter
         for adapter in adapters if slots is None else ():
             for name, spec in base.items():
                 specs[adapter_method(adapter, name)] = spec
@@ -288,13 +293,17 @@ class MethodTable:
         return [name for name in self.specs if name not in self.aliases]
 
     def summary(self) -> str:
+        # A base method computing with an adapter under its own name (Granite Speech's text_decoder), in the base's list.
+        applied = {n: a for n, a in self.adapter_of.items() if a is not None and not n.startswith(f"{a}_")}
         base = ", ".join(f"{n}{'(dynamic)' if s.dynamic else ''}{f' = {self.aliases[n]}' if n in self.aliases else ''}"
-                         for n, s in self.of_adapter(None).items())
-        adapters = self.adapters
+                         f"{f' (with adapter {applied[n]})' if n in applied else ''}"
+                         for n, s in self.specs.items() if n in applied or (
+                             self.adapter_of.get(n) is None and n not in self.component_of))
+        adapters = [a for a in self.adapters if a not in applied.values()]
+        variants = sum(1 for n, a in self.adapter_of.items() if a in adapters)
         others = "".join(f"; {c}: {', '.join(self.of_component(c))}" for c in dict.fromkeys(self.component_of.values()))
         slots = f"; set_adapter ({self.slots.describe()})" if self.slots else ""
-        return base + (f"; the same for adapter(s) {', '.join(adapters)} "
-                       f"({len(self.specs) - len(self.of_adapter(None)) - len(self.component_of)} methods)"
+        return base + (f"; the same for adapter(s) {', '.join(adapters)} ({variants} methods)"
                        if adapters else "") + others + slots
 
 

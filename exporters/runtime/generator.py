@@ -18,6 +18,7 @@ import torch
 from exporters.errors import UserError, check_choice
 from exporters.manifest import AudioEntry, program_in
 from exporters.program.adapters import ADAPTERS_CONSTANT
+from exporters.program.audio import TEXT_DECODER_ADAPTER
 from exporters.program.constants import DRAFT_VOCAB
 from exporters.program.draft import ASSISTANT_METHOD, DRAFT, DRAFT_METHODS
 from exporters.program.vision import VISION_METHOD
@@ -304,16 +305,22 @@ class Generator:
         off, whose verify calls choose several tokens from one call.
         ``constraint``: only the tokens its grammar allows are chosen (exporters.runtime.constraint); it turns
         speculation off too."""
-        proposer = self.speculation(speculative, draft_tokens) if on_logits is None and constraint is None else None
+        # A prompt with audio where text_decoder applies an adapter the text methods do not (Granite Speech's) goes on
+        # through token_embedding and text_decoder, as the MultimodalRunner drives it, one token a call.
+        heard_apart = media is not None and TEXT_DECODER_ADAPTER in self.program.method_names
+        proposer = (self.speculation(speculative, draft_tokens)
+                    if on_logits is None and constraint is None and not heard_apart else None)
         ids = media.ids if media is not None else prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(ids)
         stream = TextStream(self.tokenizer)
         self.progress = progress = Progress(self._reusable(ids) if media is None else 0)
         self._in_cache = []  # until the prompt is run, nothing is known to be there
         start = time.perf_counter()
+        driver = self.driver
         if media is not None:
             roles = MethodRoles.through_embeddings(program_method_shapes(self.program))
             logits = prefill_parts(self.program, roles, media)
+            driver = Driver(self.program, roles) if heard_apart else driver
         else:
             logits = self.driver.prefill(torch.tensor([ids[progress.cached:]], dtype=torch.int64),
                                          start=progress.cached)
@@ -328,7 +335,7 @@ class Generator:
                 on_text(piece)
 
         new_ids, stop, stats = continue_text(
-            self.driver, ids, logits, cfg, Stops(self.eos_ids, self.max_context_len, self.endless),
+            driver, ids, logits, cfg, Stops(self.eos_ids, self.max_context_len, self.endless),
             Speculation(proposer, draft_tokens) if proposer is not None else None, Observers(emit, on_logits),
             constraint)
         if self._in_cache:
