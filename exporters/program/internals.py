@@ -284,8 +284,8 @@ def _redundant_copies(graph: Any) -> bool:
     whose input is a copy the other way with no other user, or is already in the copy's format; in a quantized graph
     the same through a dequantize -> copy -> quantize chain. On a decoder's partitions the copies it finds are the
     channels-last pair around each norm's mean, which it keeps: its retrace then changed nothing (0 of 130 partitions
-    of tiny, Whisper and Gemma 4 programs), about 5% of lowering (10.9 of SmolLM2's 205.7 s). The conditions below are its own, read from
-    ``_try_remove_regular_redundant_to_copy`` and ``_try_remove_quantized_redundant_to_copy``."""
+    of tiny, Whisper and Gemma 4 programs), about 5% of lowering (10.9 of SmolLM2's 205.7 s). The conditions below
+    are its own, read from ``_try_remove_regular_redundant_to_copy`` and ``_try_remove_quantized_redundant_to_copy``."""
     from executorch.backends.xnnpack._passes.channels_last_tagged_reshape_pass import \
         ChannelsLastTaggedReshapePass as Tagged
     from executorch.backends.xnnpack.utils.quant_utils import is_dequant, is_quant
