@@ -26,6 +26,7 @@ from models.errors import ModelError
 from models.tokenizer import CHAT_TEMPLATE_FILE
 from models.vision import PROCESSOR_FILES
 from models.families import decoder_args, tensor_namer
+from models.lora import WEIGHTS_FILE as ADAPTER_WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +90,9 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelError(f"{path}: cannot be read as JSON ({e}). Re-download or re-save the checkpoint.") from e
 
 
-# PEFT's weights file of an adapter saved in the model's own folder (Granite Speech's): the adapter's, not the base's
-# (models.lora reads it).
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-
-
 def weight_files_of(path: Path) -> list[Path]:
-    """The safetensors files of the checkpoint folder ``path`` (its index's shards, else every *.safetensors but an
-    adapter's)."""
+    """The safetensors files of the checkpoint folder ``path`` (its index's shards, else every *.safetensors but the
+    weights of a PEFT adapter saved in the model's own folder: Granite Speech's, which models.lora reads)."""
     index = path / WEIGHTS_INDEX
     if index.exists():
         weight_map = _read_json(index).get("weight_map")
@@ -110,7 +106,7 @@ def weight_files_of(path: Path) -> list[Path]:
                 "Copy every shard of the checkpoint into the directory."
             )
         return files
-    files = sorted(p for p in path.glob("*.safetensors") if p.name != ADAPTER_WEIGHTS)
+    files = sorted(p for p in path.glob("*.safetensors") if p.name != ADAPTER_WEIGHTS_FILE)
     if not files:
         found = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
         hint = (

@@ -211,7 +211,7 @@ def read_adapter(name: str, folder: str | Path, model: CausalLM, prefixes: tuple
 
     folder = Path(folder).expanduser()
     config = _read_config(name, folder)
-    weights = _decoder_keys(_read_weights(name, folder), prefixes) if prefixes else _read_weights(name, folder)
+    weights = _decoder_keys(_read_weights(name, folder), prefixes)
     found = _by_module(name, folder, weights)
     if "lm_head" in found:
         raise _fail(name, folder, "it adapts lm_head", "Adapters on the output projection are not supported (it may be "

@@ -49,7 +49,7 @@ from exporters.validation.encoder_prompt import (GREEDY_STEPS, EncoderBaseline, 
                                                 unquantized_path)
 from exporters.validation.speech import VALIDATION_RECORDING
 from models.audio_encoder import audio_parameters, load_audio_encoder, random_audio_encoder
-from models.audio_language import AudioGeometry, AudioLanguage, audio_language_of, is_audio_language
+from models.audio_language import AudioGeometry, audio_language_of, is_audio_language
 from models.lora import LoraAdapter, active_adapter, attach_adapters, read_adapter
 from models.processor_files import saved_architectures
 from models.tokenizer import find_tokenizer
@@ -83,8 +83,9 @@ class AudioRecord:
     adapter: LoraAdapter | None = None  # load: the decoder's adapter for prompts with audio, as the folder holds it
 
 
-def _audio_language(model: ModelConfig) -> tuple[AudioLanguage, Any, Path] | None:
-    """The audio-language family ``model.checkpoint`` holds, its ``config.json`` and folder; None for any other."""
+def audio_source(model: ModelConfig) -> tuple[AudioGeometry, str | None] | None:
+    """The audio encoder ``model.checkpoint`` holds, from its ``config.json``, and the folder of the decoder's LoRA
+    adapter for prompts with audio where the checkpoint carries one; None for any other checkpoint."""
     if model.source != Source.hf or model.checkpoint is None:
         return None
     path = Path(model.checkpoint).expanduser()
@@ -92,22 +93,10 @@ def _audio_language(model: ModelConfig) -> tuple[AudioLanguage, Any, Path] | Non
         return None
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     family = audio_language_of(hf_config)
-    return None if family is None else (family, hf_config, path)
-
-
-def audio_geometry(model: ModelConfig) -> AudioGeometry | None:
-    """The audio encoder ``model.checkpoint`` holds, from its ``config.json``; None for any other checkpoint."""
-    found = _audio_language(model)
-    return None if found is None else found[0].geometry(found[1])
-
-
-def speech_adapter(model: ModelConfig) -> str | None:
-    """The folder holding the decoder's LoRA adapter for prompts with audio, where the checkpoint carries one."""
-    found = _audio_language(model)
-    if found is None or found[0].audio_adapter is None:
+    if family is None:
         return None
-    folder = found[0].audio_adapter(found[1], found[2])
-    return None if folder is None else str(folder)
+    adapter = family.audio_adapter(hf_config, path) if family.audio_adapter is not None else None
+    return family.geometry(hf_config), None if adapter is None else str(adapter)
 
 
 def audio_per_call(geometry: AudioGeometry, call_tokens: int) -> int:
@@ -130,7 +119,7 @@ class AudioBuild(FolderBuild):
 
     geometry: AudioGeometry
     per_call: int  # windows a call of audio_encoder takes (a recording of any length: the most positions it gives)
-    adapter: str | None = None  # the folder of the decoder's adapter for prompts with audio (speech_adapter)
+    adapter: str | None = None  # the folder of the decoder's adapter for prompts with audio (audio_source)
 
     def build(self, checkpoint: Checkpoint, device: str = "cpu") -> AudioEncoder:
         """The encoder with the checkpoint's weights, or with seeded random ones of its shape (model.random_init)."""
@@ -149,12 +138,13 @@ class Audio(Kind):
     def check(self, cfg: ExportConfig, lengths: Lengths) -> None:
         """What an audio-language export cannot do, refused before any weight is read."""
         check_choice("quant.audio", cfg.quant.audio, [AUTO, *AUDIO_SCHEMES], "Fix quant.audio.")
-        geometry = audio_geometry(cfg.model)
-        if geometry is None:
+        source = audio_source(cfg.model)
+        if source is None:
             if cfg.quant.audio != AUTO and not is_speech(cfg.model):
                 raise UserError(f"quant.audio={cfg.quant.audio} quantizes an audio encoder (Whisper's, or an "
                                 "audio-language model's), and model.checkpoint has none. Leave quant.audio unset.")
             return
+        geometry, adapter = source
         what = f"{cfg.model.checkpoint} hears audio ({geometry.family}, {geometry.tokens} positions per 30 s)"
         check_runner_feeds(cfg, lengths, what, shortest_call(geometry), "a recording")
         if cfg.validate and room_needed(shortest_call(geometry)) > lengths.context:
@@ -162,7 +152,7 @@ class Audio(Kind):
                             f"validation's prompt puts text and {GREEDY_STEPS} generated tokens around a recording. Set "
                             f"export.max_context_len={room_needed(shortest_call(geometry))} or more.")
         check_encoder_unbuilt(cfg, what, "audio", "an audio-language")
-        if cfg.export.weights == "external" and speech_adapter(cfg.model) is not None:
+        if cfg.export.weights == "external" and adapter is not None:
             raise UserError(f"{what}, and its folder holds the decoder's LoRA adapter for prompts with audio "
                             "(adapter_config.json), which text_decoder applies; export.weights=external with that "
                             "adapter is not built yet (its weights would need a data file of their own). Export it "
@@ -170,13 +160,14 @@ class Audio(Kind):
 
     def plan(self, cfg: ExportConfig, basis: Basis) -> Component | None:
         """The audio encoder as a component of the plan (None for any other checkpoint)."""
-        geometry = audio_geometry(cfg.model)
-        if geometry is None:
+        source = audio_source(cfg.model)
+        if source is None:
             return None
+        geometry, adapter = source
         per_call = audio_per_call(geometry, basis.lengths.call_tokens)
         table = MethodTable({AUDIO_METHOD: audio_spec(geometry, per_call)}, {AUDIO_METHOD: None}, {},
                             {AUDIO_METHOD: AUDIO})
-        build = AudioBuild(cfg.model, geometry, per_call, speech_adapter(cfg.model))
+        build = AudioBuild(cfg.model, geometry, per_call, adapter)
         return Component(name=AUDIO, kind=ComponentKind.audio_encoder, build=build,
                          quant=QuantPlan(cfg.quant, cfg.export.tied_embedding, basis.shortcuts), methods=table)
 
