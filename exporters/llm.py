@@ -17,10 +17,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from exporters import console
-from exporters.components.resolve import plan_export
 from exporters.config import CONF_DIR, compose, register_configs
 from exporters.errors import REPORTED_ERRORS, Interrupted
-from exporters.export import export
 from exporters.help import help_text
 from exporters.output.folder import remove_if_nothing_written
 from exporters.output.interrupts import signal_of, sigterm_interrupts
@@ -43,6 +41,11 @@ def run(cfg: DictConfig) -> float | None:
                                 console.log_file(), console.VERBOSE)
         return objective(row, cfg.search)
     logging.captureWarnings(True)  # warnings become records: llm.log gets them, the console filter drops them
+    # The export's stack (torch, transformers, ExecuTorch: about 7 s of imports) is imported here, not at the top:
+    # --help, a typo, a bad override or a folder that cannot be written is answered before it, in about a second.
+    from exporters.components.resolve import plan_export
+    from exporters.export import export
+
     try:
         with sigterm_interrupts(), console.native_stderr_to(console.log_file()):
             result = export(plan_export(cfg, overrides=list(hydra_cfg.overrides.task)), output_dir)
