@@ -286,6 +286,34 @@ def test_the_copy_pass_runs_exactly_where_it_would_remove_a_copy(chain: str) -> 
     assert found == (len(graph.nodes) < before) == (chain != "norm")
 
 
+def test_the_cia_ops_collected_once_are_torchs_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within ``cia_ops_collected_once`` the operators torch.export may keep are torch's own set, collected once while
+    the registry is unchanged (a copy each time), and anew when an operator is registered; torch's function after it."""
+    import torch._export.utils as export_utils
+    import torch.export.decomp_utils as decomp_utils
+
+    from exporters.program.internals import cia_ops_collected_once
+
+    stock, collections = export_utils._collect_all_valid_cia_ops, []
+
+    def counted() -> set:
+        collections.append(1)
+        return stock()
+
+    monkeypatch.setattr(export_utils, "_collect_all_valid_cia_ops", counted)
+    with cia_ops_collected_once():
+        first = decomp_utils._collect_all_valid_cia_ops()
+        again = export_utils._collect_all_valid_cia_ops()
+        assert first == stock() and again == first and again is not first and len(collections) == 1
+        library = torch.library.Library("llm_exporters_cia_test", "DEF")  # a namespace and an operator the set lacks
+        library.define("twice(Tensor x) -> Tensor")
+        library.impl("twice", lambda x: x * 2, "CompositeImplicitAutograd")
+        grown = export_utils._collect_all_valid_cia_ops()
+        assert grown == stock() and grown - first == {torch.ops.llm_exporters_cia_test.twice.default}
+        assert len(collections) == 2
+    assert export_utils._collect_all_valid_cia_ops is counted
+
+
 def test_the_edge_passes_lowering_may_skip_are_the_ones_that_were_read() -> None:
     """Lowering skips an edge dialect pass where a method's graph lacks what was read from that pass's source; a pass
     of another ExecuTorch that is renamed or changed in any way fails here until it is read again."""
@@ -344,6 +372,9 @@ def test_the_stock_path_writes_the_same_program_as_the_shortcuts(tmp_path: Path)
     assert delegate.call_delegate_cpu.__module__ == delegate.__name__
     assert not hasattr(XnnpackBackend, "copy_exported_program_for_preprocess") or \
         XnnpackBackend.copy_exported_program_for_preprocess.__qualname__.startswith("BackendDetails")
+    import torch.export.exported_program as exported_program
+
+    assert exported_program._collect_all_valid_cia_ops.__module__ == "torch._export.utils"
     op = torch.ops.torchao.dequantize_affine.default  # torchao's own body is the kernel again
     codes, scale = torch.tensor([[2, -4]], dtype=torch.int8), torch.tensor([[0.5]])
     assert op(codes, [1, 2], scale, None, torch.int8).tolist() == [[1.0, -2.0]]

@@ -84,6 +84,12 @@ re-read; each has a test that fails if the internal changes behaviour:
   and runs torchao's body (kept by torchao in inductor's decomposition table) otherwise; the body is registered
   again on the way out. Programs are the same bytes.
   Test: ``tests/test_export.py::test_the_stock_path_writes_the_same_program_as_the_shortcuts``.
+- :func:`cia_ops_collected_once`: torch.export's ``_collect_all_valid_cia_ops`` (``torch/_export/utils.py``) walks every
+  operator namespace, and for each one that is not ``aten`` asks the C++ dispatcher for every CompositeImplicitAutograd
+  operator again: about 0.15 s a call, seven calls in the tiny model's export, twenty in Gemma 4's of every modality
+  (each ``run_decompositions`` and each decomposition table). Within this block the set is collected once and given
+  again while the operator registry is unchanged (the same namespaces, operators and CompositeImplicitAutograd
+  registrations). Test: ``tests/test_export.py::test_the_cia_ops_collected_once_are_torchs_own``.
 - :func:`pt2e_annotation_key`: the node-meta key a PT2E quantizer writes its annotations under (torchao's
   ``quantizer.quantizer.Q_ANNOTATION_KEY``, not exported by ``torchao.quantization.pt2e.quantizer``);
   ``exporters.quant.pt2e.LinearsOnly`` removes the annotations of every node but the model's linear layers.
@@ -755,6 +761,40 @@ def _set_quant_op_kernels(kernels: dict[str, Callable[..., Any]]) -> None:
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
             qp.quant_lib.impl(name, kernel, "CompositeImplicitAutograd")
         getattr(torch.ops.torchao, name).default._dispatch_cache.clear()
+
+
+@contextlib.contextmanager
+def cia_ops_collected_once() -> Iterator[None]:
+    """Within this block torch.export's collection of the CompositeImplicitAutograd operators it may keep runs once for
+    each state of the operator registry, not once per decomposition; a copy of the set each time (its callers are
+    told not to modify it, and one copies it anyway)."""
+    import torch
+    import torch._export.utils as export_utils
+    import torch.export.decomp_utils as decomp_utils
+    import torch.export.exported_program as exported_program
+
+    modules = (export_utils, decomp_utils, exported_program)  # the two import the function by name
+    stock = export_utils._collect_all_valid_cia_ops
+    collected: dict[tuple[Any, ...], set[Any]] = {}
+
+    def registry() -> tuple[Any, ...]:
+        return (tuple(torch.ops._dir), len(torch._C._dispatch_get_all_op_names()),
+                len(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")))
+
+    def once() -> set[Any]:
+        found = collected.get(registry())
+        if found is None:  # kept under the registry as collecting leaves it (it loads namespaces it walks)
+            found = stock()
+            collected[registry()] = found
+        return set(found)
+
+    for module in modules:
+        module._collect_all_valid_cia_ops = once  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in modules:
+            module._collect_all_valid_cia_ops = stock  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager

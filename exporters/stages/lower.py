@@ -19,8 +19,9 @@ from exporters.context.artifacts import CapturedMethods, LoweredProgram
 from exporters.backends import BACKENDS, Backend, partitioners
 from exporters.program.clock import LoweringClock
 from exporters.program.dynamic import convolutions_unguarded
-from exporters.program.internals import (edge_passes_only_where_they_apply, edge_programs_decomposed_once,
-                                         lowering_forgets_graphs, named_data_stored_once, torchao_quant_ops_shape_only)
+from exporters.program.internals import (cia_ops_collected_once, edge_passes_only_where_they_apply,
+                                         edge_programs_decomposed_once, lowering_forgets_graphs, named_data_stored_once,
+                                         torchao_quant_ops_shape_only)
 from exporters.program.weights import structure_namespace, tag_weights_by_data_file
 from exporters.stages.pipeline import Stage
 
@@ -77,18 +78,19 @@ def with_progress(found: list[Any], methods: list[str], backend: str, clock: Low
 @contextlib.contextmanager
 def lowering_shortcuts(enabled: bool, backend: Backend) -> Iterator[None]:
     """Lowering's shortcuts through private internals (exporters.program.internals), or ExecuTorch's stock path: the same
-    program bytes either way (tests/test_export.py). With them, lowering's passes propagate shapes through torchao's
-    quant ops without running their bodies, each method is decomposed once rather than three times and skips the edge
-    dialect's passes that have nothing to act on in it, a weight packed
-    for several methods is held once, nothing keeps a lowered graph (and through it the whole program) alive
-    afterwards, and the backend takes its own (XNNPACK's preprocess copies one partition at a time and runs only the
-    passes whose ops the partition holds)."""
+    program bytes either way (tests/test_export.py). With them, torch.export collects the operators it may keep once,
+    lowering's passes propagate shapes through torchao's quant ops without running their bodies, each method is
+    decomposed once rather than three times and skips the edge dialect's passes that have nothing to act on in it, a
+    weight packed for several methods is held once, nothing keeps a lowered graph (and through it the whole program)
+    alive afterwards, and the backend takes its own (XNNPACK's preprocess copies one partition at a time and runs only
+    the passes whose ops the partition holds)."""
     if not enabled:
         yield
         return
     with contextlib.ExitStack() as stack:
-        for shortcut in (torchao_quant_ops_shape_only, edge_programs_decomposed_once, edge_passes_only_where_they_apply,
-                         *backend.lowering_shortcuts, named_data_stored_once, lowering_forgets_graphs):
+        for shortcut in (cia_ops_collected_once, torchao_quant_ops_shape_only, edge_programs_decomposed_once,
+                         edge_passes_only_where_they_apply, *backend.lowering_shortcuts, named_data_stored_once,
+                         lowering_forgets_graphs):
             stack.enter_context(shortcut())
         yield
 
