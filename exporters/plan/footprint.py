@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from exporters.config import Algorithm, QuantConfig, TiedEmbeddingStorage
+from exporters.config import Algorithm, QuantConfig, RotationKind, TiedEmbeddingStorage
 from exporters.console import count
 from exporters.errors import UserError
 from exporters.quant.advice import changes
 from exporters.quant.distill import distill_bytes
+from exporters.quant.learned_rotation import learned_rotation_bytes
 from exporters.quant.mixed import Precision
 from exporters.quant.rotation import rotates
 from exporters.quant.schemes import DTYPES, EMBEDDING_SCHEMES, LINEAR_SCHEMES, layer_scheme
@@ -269,7 +270,9 @@ class MemoryBudget:
         """What quantize holds when a calibration text runs the model or a rotation turns it: the model whole in
         quant.dtype beside the stored weights and the quantized layers as they are made (and, distilling, what
         learning holds)."""
-        learning = distill_bytes(shapes, self.quant) if self.quant.algorithm == Algorithm.distill else 0
+        # The rotations are learned before the scales are (each phase frees what it held).
+        learning = max(distill_bytes(shapes, self.quant) if self.quant.algorithm == Algorithm.distill else 0,
+                       learned_rotation_bytes(shapes, self.quant) if self.quant.rotation == RotationKind.learned else 0)
         return stored_bytes + weights.eager + shapes.parameter_count() * DTYPES[self.quant.dtype].itemsize + learning
 
     def _validation_peaks(self, weights: Weights, stored_bytes: int, lowered: int, logits: int) -> dict[str, int]:

@@ -24,7 +24,7 @@ from exporters.quant.calibrated import Target, quantize_calibrated
 from exporters.quant.calibration import CalibrationText
 from exporters.quant.hqq import hqq_by_rows
 from exporters.quant.rotation import rotate, rotates
-from exporters.quant import distill, signround
+from exporters.quant import distill, learned_rotation, signround
 from exporters.quant.signround import Learning, quantize_learned
 from exporters.quant.mixed import (SENSITIVITY_TOKENS, Candidate, Precision, choose_upgrades, measure_sensitivity,
                                    weight_bytes)
@@ -317,9 +317,17 @@ def _prepare(model: CausalLM, cfg: QuantConfig, computing: dict[str, RolePlan], 
         assert calibration is not None, f"quant={cfg.name} needs a calibration text"
         text = calibration()
     if rotating:  # before any scale is chosen: the rotated weights are what gets quantized (and calibrated)
-        applied.rotation = rotate(model, cfg.rotation == RotationKind.hadamard, cfg.online_hadamard,
-                                  keep_tied=tied.is_tied(model), massive_in=None if calibrated else text,
-                                  seed=cfg.rotation_seed)
+        learned = cfg.rotation == RotationKind.learned
+        learn = None
+        if learned:
+            assert text is not None and cfg.linear in LINEAR_SCHEMES
+            scheme = LINEAR_SCHEMES[cfg.linear]
+            learn = learned_rotation.learner(model, text, scheme.grid(cfg.group_size), scheme.dynamic_activations,
+                                             cfg.rotation_steps)
+        applied.rotation = rotate(model, cfg.rotation != RotationKind.none, cfg.online_hadamard,
+                                  keep_tied=tied.is_tied(model),
+                                  massive_in=None if calibrated or learned else text, seed=cfg.rotation_seed,
+                                  learn=learn)
     if cfg.size_budget is not None and text is not None:
         applied.mixed = _mix(model, cfg, computing, text, DTYPES[cfg.dtype].itemsize)
     if calibrated:

@@ -34,6 +34,7 @@ the plain one does to float noise (tests/test_rotation.py, every family). LoRA a
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -146,6 +147,19 @@ def rotates(quant: QuantConfig) -> bool:
 
 def check_rotation(shapes: CausalLM, quant: QuantConfig) -> None:
     """What a rotation needs of the model's shapes, checked before any weight is read."""
+    if quant.rotation_steps is not None and (quant.rotation != RotationKind.learned or quant.rotation_steps < 1):
+        raise UserError(f"quant.rotation_steps={quant.rotation_steps}: the steps of quant.rotation=learned (at least 1; "
+                        f"null = the default), and quant.rotation={quant.rotation}. Use quant.rotation=learned with "
+                        "it, or drop quant.rotation_steps.")
+    if quant.rotation == RotationKind.learned:
+        if shapes.args.norms != Norms.pre:
+            raise UserError("quant.rotation=learned learns the rotations of pre-norm decoders (Llama, Qwen, SmolLM, "
+                            "Mistral, Phi-3), and this model norms its blocks' outputs after their projections (part "
+                            "of R1 then runs at run time, which learning does not model). Use quant.rotation=hadamard.")
+        if quant.linear is None:
+            raise UserError(f"quant.rotation=learned learns rotations for the linear layers' integer grid, and "
+                            f"quant={quant.name} has no integer linears (quant.linear is null). Use quant=8da4w_rotated "
+                            f"quant.rotation=learned, or quant.rotation=hadamard.")
     if rotates(quant) and shapes.args.per_layer_shapes:
         raise UserError("quant.rotation and quant.online_hadamard rotate every layer alike, and this model's layers "
                         "differ in head size, kv heads, MLP width or cache (Gemma 4). Export it without them "
@@ -217,27 +231,38 @@ def _around(d: int, kept: list[int], seed: int) -> tuple[torch.Tensor, str]:
     return q, what + (f"; {len(kept)} massive channel(s) kept in place" if kept else "")
 
 
+# Learns R1 and R2 from the Hadamard start (exporters.quant.learned_rotation): the learned pair and what the manifest
+# says of the learning.
+Learner = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, str]]
+
+
 @torch.no_grad()
 def rotate(model: CausalLM, residual_and_heads: bool, online_hadamard: bool, keep_tied: bool,
-           massive_in: CalibrationText | None = None, seed: int = 0) -> RotationRecord:
+           massive_in: CalibrationText | None = None, seed: int = 0, learn: Learner | None = None) -> RotationRecord:
     """Rotate ``model`` in place; ``keep_tied``: its embedding is tied to lm_head and stays one matrix;
     ``massive_in``: the text to find massive activations in, which R1 then leaves in place (None: every channel
-    is rotated, as for GPTQ)."""
+    is rotated, as for GPTQ); ``learn``: R1 and R2 learned from the Hadamard ones (R4 first, so they are learned with
+    it: it turns down_proj's inputs, R1 its outputs)."""
     started = time.perf_counter()
     a = model.args
     record = RotationRecord(residual=None, heads=None, seed=seed)
     orders = check_online_hadamard(a.intermediate_size) if online_hadamard else ()
+    if online_hadamard and learn is not None:
+        _down_inputs(model)
     if residual_and_heads:
         if massive_in is not None:
             record.massive_channels, record.massive_ratio = massive_channels(model, massive_in)
         kept = record.massive_channels
         q, record.residual = _around(a.hidden_size, kept, seed)
-        _residual(model, q, torch.tensor(kept, dtype=torch.long), keep_tied, record)
         q2, record.heads = random_rotation(a.head_dim, seed + 1)
+        if learn is not None:
+            q, q2, learned = learn(q, q2)
+            record.residual, record.heads = f"{learned}, from {record.residual}", f"learned, from {record.heads}"
+        _residual(model, q, torch.tensor(kept, dtype=torch.long), keep_tied, record)
         _heads(model, q2)
     if online_hadamard:
-        _down_inputs(model)
+        if learn is None:
+            _down_inputs(model)
         record.online.append(f"down_proj's input: Hadamard {a.intermediate_size} ({' x '.join(map(str, orders))})")
     record.seconds = round(time.perf_counter() - started, 1)
     return record
-

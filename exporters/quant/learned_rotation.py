@@ -1,0 +1,303 @@
+"""Learned rotations (``quant.rotation=learned``; SpinQuant, Liu et al. 2024): R1 and R2 learned on the Stiefel manifold.
+
+``quant.rotation=hadamard`` fuses a randomized Hadamard R1 (the residual stream) and R2 (each head's values): any
+rotation leaves the fp32 model's outputs unchanged, and that one spreads outliers evenly. Which rotation rounds best
+depends on the weights; here R1 and R2 start at those Hadamard rotations and are turned by Cayley SGD (Li et al.
+2020: each step stays exactly orthogonal) so that the model, its linears rounded to the 4-bit grid (round to nearest,
+straight-through) and its activations to int8 per token as the kernels do, predicts what the unquantized model
+predicts on the calibration text (the KL divergence, as ``quant.algorithm=distill`` learns by). The learned R1 and R2
+are then fused exactly as the Hadamard ones are (``exporters.quant.rotation.rotate``), and ``quant.algorithm`` (GPTQ in
+``quant=8da4w_rotated``) chooses the codes of the rotated model.
+
+Nothing is copied: each linear computes its rotated, rounded weight from its own weight and the norm gain before it
+when it runs, and again in the backward pass (``torch.utils.checkpoint``), so a step holds one layer's rotated
+weights at a time, not a second model. Pre-norm decoders only (Llama, Qwen, SmolLM, Mistral, Phi-3): the others
+are refused before any weight is read (``exporters.quant.rotation.check_rotation``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from exporters.config import QuantConfig
+from exporters.quant.calibration import WINDOW_TOKENS, CalibrationText, LayerByLayer
+from exporters.quant.gptq import IntGrid
+from exporters.quant.learning import every_attention_differentiable, round_ste
+from exporters.quant.mixed import mean_kl
+from exporters.quant.rotation import Learner
+from models.decoder import CausalLM, RMSNorm
+
+log = logging.getLogger("exporters")
+
+# Cayley SGD steps (one calibration window each) and step bound when quant.learning.steps / lr are null.
+DEFAULT_STEPS = 24
+DEFAULT_LR = 1.5  # SpinQuant's; each step is also bounded by 1 / |A| (Li et al.), which is what binds at first
+
+
+@dataclass(frozen=True)
+class RotationLearning:
+    """``steps`` Cayley SGD steps of one calibration window each, each at most ``lr`` along the gradient."""
+
+    steps: int
+    lr: float
+
+
+def cayley_step(r: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
+    """``r`` [n, n] orthogonal moved against ``grad`` along the manifold: with the skew-symmetric ``A = G R^T - R
+    G^T`` (the Riemannian gradient is ``A R``), ``(I + a/2 A)^-1 (I - a/2 A) R`` is orthogonal for any step ``a``;
+    ``a = min(lr, 1 / |A|)`` keeps the first steps from overshooting (Li et al.'s bound)."""
+    a = grad @ r.T - r @ grad.T
+    step = min(lr, 1.0 / (float(a.norm()) + 1e-8))
+    eye = torch.eye(r.shape[0], dtype=r.dtype)
+    return torch.linalg.solve(eye + step / 2 * a, (eye - step / 2 * a) @ r)
+
+
+def nearest_orthogonal(r: torch.Tensor) -> torch.Tensor:
+    """The orthogonal matrix nearest ``r`` (its polar factor), in float64: what is fused into the weights."""
+    u, _, vh = torch.linalg.svd(r.double())
+    return u @ vh
+
+
+def _rounded(w: torch.Tensor, grid: IntGrid) -> torch.Tensor:
+    """``w`` [rows, cols] on ``grid`` by round to nearest with the group's max |w| mapped to qmax + 0.5 and the scale
+    rounded as XNNPACK stores it, straight through the rounding of codes and scales."""
+    rows, cols = w.shape
+    group = grid.group_size or cols
+    g = w.view(rows, cols // group, group)
+    scale = g.abs().amax(dim=-1, keepdim=True) / (grid.qmax + 0.5)
+    scale = scale + (grid.round_scale(scale.detach()) - scale).detach()
+    return (torch.clamp(round_ste(g / scale), grid.qmin, grid.qmax) * scale).view(rows, cols)
+
+
+def _int8_per_token_ste(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to int8 per token (asymmetric, as XNNPACK's dynamic activations), straight through."""
+    lo, hi = x.amin(dim=-1, keepdim=True).clamp_max(0), x.amax(dim=-1, keepdim=True).clamp_min(0)
+    scale = ((hi - lo) / 255).clamp_min(1e-9)
+    zero = torch.round(-128 - lo / scale)
+    q = (torch.clamp(torch.round(x / scale) + zero, -128, 127) - zero) * scale
+    return x + (q - x).detach()
+
+
+class Rotations(nn.Module):
+    """R1 [hidden, hidden] and R2 [head_dim, head_dim], learned (fp32)."""
+
+    def __init__(self, r1: torch.Tensor, r2: torch.Tensor) -> None:
+        super().__init__()
+        self.r1 = nn.Parameter(r1.float().clone())
+        self.r2 = nn.Parameter(r2.float().clone())
+
+
+@dataclass(frozen=True)
+class Turn:
+    """How one linear's weight turns: its inputs by R1 after the norm ``gain`` (a reader of the stream), its outputs
+    by R1^T (a writer), its inputs per head by R2 (o_proj), the ``value_rows`` of its outputs per head by R2^T."""
+
+    gain: torch.Tensor | None = None
+    reads: bool = False
+    writes: bool = False
+    heads_in: bool = False
+    value_rows: slice | None = None
+
+
+def _turned(w: torch.Tensor, bias: torch.Tensor | None, turn: Turn, r1: torch.Tensor,
+            r2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias as ``exporters.quant.rotation`` fuses them for rotations ``r1`` and ``r2``."""
+    if turn.gain is not None:
+        w = w * turn.gain
+    if turn.reads:
+        w = w @ r1
+    if turn.heads_in:
+        k = r2.shape[0]
+        w = (w.view(w.shape[0], -1, k) @ r2).view_as(w)
+    if turn.writes:
+        w = r1.T @ w
+        bias = None if bias is None else r1.T @ bias
+    if turn.value_rows is not None:
+        k, rows = r2.shape[0], turn.value_rows
+        part = (r2.T @ w[rows].reshape(-1, k, w.shape[1])).reshape(-1, w.shape[1])
+        w = torch.cat([w[:rows.start], part]) if rows.start else part
+        if bias is not None:
+            b = (bias[rows].view(-1, k) @ r2).reshape(-1)
+            bias = torch.cat([bias[:rows.start], b]) if rows.start else b
+    return w, bias
+
+
+class TurnedLinear(nn.Module):
+    """A linear computing with its weight turned by the learned rotations and rounded to ``grid`` (its inputs to int8
+    when ``dynamic``); the turned weight is made in the forward pass and again in the backward one."""
+
+    def __init__(self, linear: nn.Linear, turn: Turn, rotations: Rotations, grid: IntGrid, dynamic: bool) -> None:
+        super().__init__()
+        self.linear, self.turn, self.grid, self.dynamic = linear, turn, grid, dynamic
+        self.rotations = [rotations]  # not a child: its parameters are the learner's, not this module's
+
+    @property
+    def in_features(self) -> int:
+        return self.linear.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.linear.out_features
+
+    def _run(self, x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
+        bias = None if self.linear.bias is None else self.linear.bias.float()
+        w, bias = _turned(self.linear.weight.float(), bias, self.turn, r1, r2)
+        x = _int8_per_token_ste(x) if self.dynamic else x
+        return F.linear(x, _rounded(w, self.grid).to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.rotations[0]
+        return checkpoint(self._run, x, r.r1, r.r2, use_reentrant=False)
+
+
+class _StreamTurn(nn.Module):
+    """The residual stream turned at run time by R1 (``back``: by R1^T), for the embedding's output and the final
+    norm's input while learning (exact in fp32; fused into the weights afterwards where they are not tied)."""
+
+    def __init__(self, rotations: Rotations, back: bool) -> None:
+        super().__init__()
+        self.rotations, self.back = [rotations], back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r1 = self.rotations[0].r1
+        return x @ (r1.T if self.back else r1).to(x.dtype)
+
+
+def _turns(model: CausalLM) -> dict[str, tuple[Turn, RMSNorm | None]]:
+    """Every decoder linear's turn and the norm whose gain it takes, by module path."""
+    a = model.args
+    out: dict[str, tuple[Turn, RMSNorm | None]] = {}
+    values = slice((a.num_attention_heads + a.num_key_value_heads) * a.head_dim, None) if a.fused_qkv else slice(0, None)
+    for i, layer in enumerate(model.model.layers):
+        mlp, at = layer.mlp, f"model.layers.{i}"
+        norm_a, norm_m = layer.input_layernorm, layer.post_attention_layernorm
+        if a.fused_qkv:
+            out[f"{at}.self_attn.qkv_proj"] = (Turn(reads=True, value_rows=values), norm_a)
+        else:
+            out[f"{at}.self_attn.q_proj"] = (Turn(reads=True), norm_a)
+            out[f"{at}.self_attn.k_proj"] = (Turn(reads=True), norm_a)
+            out[f"{at}.self_attn.v_proj"] = (Turn(reads=True, value_rows=values), norm_a)
+        out[f"{at}.self_attn.o_proj"] = (Turn(writes=True, heads_in=True), None)
+        for name in (["gate_up_proj"] if hasattr(mlp, "gate_up_proj") else ["gate_proj", "up_proj"]):
+            out[f"{at}.mlp.{name}"] = (Turn(reads=True), norm_m)
+        out[f"{at}.mlp.down_proj"] = (Turn(writes=True), None)
+    return out
+
+
+def _norm_gain(norm: RMSNorm) -> torch.Tensor:
+    return norm.weight.detach().float() + (1.0 if norm.unit_offset else 0.0)
+
+
+def learn_rotations(model: CausalLM, r1: torch.Tensor, r2: torch.Tensor, text: CalibrationText,
+                    teacher: list[torch.Tensor], grid: IntGrid, dynamic: bool,
+                    learning: RotationLearning) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+    """R1 and R2 learned from ``r1`` and ``r2`` (the Hadamard start) against ``teacher`` (the unquantized model's
+    log-probabilities per calibration window); the model is as it was afterwards. The learned pair (float64,
+    orthogonal) and the KL of each step."""
+    with torch.no_grad():
+        run = LayerByLayer(model, text.windows)
+    rotations = Rotations(r1, r2)
+    turns, learners, norms = _turns(model), {}, {}
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    for name, (turn, norm) in turns.items():
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        if norm is not None:
+            norms[id(norm)] = norm
+            turn = dataclasses.replace(turn, gain=_norm_gain(norm))
+        learners[name] = TurnedLinear(getattr(owner, child), turn, rotations, grid, dynamic)
+        setattr(owner, child, learners[name])
+    gains = {key: norm.weight.detach().clone() for key, norm in norms.items()}
+    for norm in norms.values():  # the gains are in the linears now: each norm scales by one while learning
+        norm.weight.data.fill_(0.0 if norm.unit_offset else 1.0)
+    saved_rotations = (model.embed_rotation, model.norm_rotation)
+    model.norm_rotation = _StreamTurn(rotations, back=True)
+    layers, losses = model.model.layers, []
+    started = time.perf_counter()
+    try:
+        with torch.enable_grad(), every_attention_differentiable(layers, run.embedded[0].dtype):
+            for step in range(learning.steps):
+                w = step % len(text.windows)
+                h = run.embedded[w] @ rotations.r1.to(run.embedded[w].dtype)
+                for i in range(len(layers)):
+                    h = run.window(i, w, h)
+                loss = mean_kl(teacher[w].float(), model.final_logits(h)[0])
+                rotations.zero_grad(set_to_none=True)
+                loss.backward()
+                with torch.no_grad():
+                    for r in (rotations.r1, rotations.r2):
+                        assert r.grad is not None
+                        r.copy_(cayley_step(r.double(), r.grad.double(), learning.lr).float())
+                losses.append(loss.item())
+                _progress(step, learning.steps, losses, time.perf_counter() - started, len(text.windows))
+                for buffer in model.buffers():
+                    buffer.detach_()
+    finally:
+        for name, learner in learners.items():
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, learner.linear)
+        for key, norm in norms.items():
+            norm.weight.data.copy_(gains[key])
+        model.embed_rotation, model.norm_rotation = saved_rotations
+        model.reset_cache()
+        for p in frozen:
+            p.requires_grad_(True)
+    return nearest_orthogonal(rotations.r1.detach()), nearest_orthogonal(rotations.r2.detach()), losses
+
+
+def _progress(step: int, steps: int, losses: list[float], elapsed: float, windows: int) -> None:
+    if step == 0:
+        log.info("  quantize: learning the rotations, %d steps of %.1f s (about %.0f s)", steps, elapsed,
+                 elapsed * steps)
+    elif (step + 1) % max(1, steps // 4) == 0 or step + 1 == steps:
+        recent = losses[-min(windows, len(losses)):]
+        log.info("  quantize: rotations learned %d/%d steps, KL to the unquantized model %.4f (last %d windows), "
+                 "%.0f s", step + 1, steps, sum(recent) / len(recent), len(recent), elapsed)
+
+
+def learner(model: CausalLM, text: CalibrationText, grid: IntGrid, dynamic: bool, steps: int | None) -> Learner:
+    """The ``learn`` of ``exporters.quant.rotation.rotate``: the unquantized model's predictions on ``text`` taken
+    first (the start rotations do not change them), then R1 and R2 learned against them for ``steps`` (null:
+    DEFAULT_STEPS)."""
+    from exporters.quant.distill import unquantized_predictions
+
+    learning = RotationLearning(steps or DEFAULT_STEPS, DEFAULT_LR)
+
+    def learn(r1: torch.Tensor, r2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+        teacher = unquantized_predictions(model, text)
+        q, q2, losses = learn_rotations(model, r1, r2, text, teacher, grid, dynamic, learning)
+        first, last = losses[:len(text.windows)], losses[-len(text.windows):]
+        return q, q2, (f"learned in {learning.steps} steps (KL to the unquantized model {sum(first) / len(first):.4f} "
+                       f"in the first pass, {sum(last) / len(last):.4f} in the last)")
+    return learn
+
+
+# Copies of the largest linear's weight alive at once while it is turned and rounded (the weight in fp32, times its
+# gain, rotated, grouped, rounded, and their gradients in the backward pass).
+TURNED_WEIGHT_COPIES = 6
+
+
+def learned_rotation_bytes(shapes: CausalLM, quant: QuantConfig) -> int:
+    """What learning the rotations holds beside the model (the memory estimate's term, from ``shapes`` on the meta
+    device): the teacher's predictions (bf16, at most quant.calibration.max_tokens), one window's graph (each linear
+    keeps only its input: the turned weights are made again in the backward pass), the largest linear turned."""
+    from exporters.quant.distill import SAVED_PER_LINEAR_VALUE, STEP_LOGITS_COPIES
+
+    a = shapes.args
+    window = min(a.max_context_len, WINDOW_TOKENS)
+    linears = [m for m in shapes.modules() if isinstance(m, nn.Linear)]
+    inputs = sum(m.in_features for m in linears)
+    largest = max(m.weight.numel() for m in linears)
+    scores = sum(layer.self_attn.args.num_attention_heads for layer in shapes.attention_layers()) * window * window
+    return (quant.calibration.max_tokens * a.vocab_size * 2 + STEP_LOGITS_COPIES * window * a.vocab_size * 4
+            + int(SAVED_PER_LINEAR_VALUE * window * inputs * 4) + 2 * scores * 4 + TURNED_WEIGHT_COPIES * largest * 4)
