@@ -272,8 +272,9 @@ class QuantConfig:
     online_hadamard: bool = False
     # Seed of the rotations' random signs: another seed is another rotation, of the same quality on average.
     rotation_seed: int = 0
-    # quant.rotation=learned: Cayley SGD steps, one calibration window each, from the Hadamard rotations toward the
-    # unquantized model's predictions through the 4-bit rounded one (null = 24; time grows linearly).
+    # The Cayley SGD steps of quant.rotation=learned (experimental), one calibration window each, from the Hadamard
+    # rotations toward the unquantized model's predictions through the 4-bit rounded one (null = 24; time grows
+    # linearly).
     rotation_steps: Optional[int] = None
     # Mixed precision: let the weights grow to this multiple of the uniform scheme's size (e.g. 1.05), spent on
     # 8 bits for the 4-bit linears (and lm_head) whose rounding costs the most KL per byte, measured on the

@@ -9,9 +9,8 @@ predicts on the calibration text (the KL divergence, as ``quant.algorithm=distil
 are then fused exactly as the Hadamard ones are (``exporters.quant.rotation.rotate``), and ``quant.algorithm`` (GPTQ in
 ``quant=8da4w_rotated``) chooses the codes of the rotated model.
 
-Nothing is copied: each linear computes its rotated, rounded weight from its own weight and the norm gain before it
-when it runs, and again in the backward pass (``torch.utils.checkpoint``), so a step holds one layer's rotated
-weights at a time, not a second model. Pre-norm decoders only (Llama, Qwen, SmolLM, Mistral, Phi-3): the others
+No weight is changed while learning: each linear computes its rotated, rounded weight from its own weight and the
+norm gain before it when it runs (a step holds the rounded copies autograd keeps: the linears once more in fp32). Pre-norm decoders only (Llama, Qwen, SmolLM, Mistral, Phi-3): the others
 are refused before any weight is read (``exporters.quant.rotation.check_rotation``).
 """
 
@@ -21,16 +20,16 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from exporters.config import QuantConfig
 from exporters.quant.calibration import WINDOW_TOKENS, CalibrationText, LayerByLayer
 from exporters.quant.gptq import IntGrid
-from exporters.quant.learning import every_attention_differentiable, round_ste
+from exporters.quant.learning import every_attention_differentiable
 from exporters.quant.mixed import mean_kl
 from exporters.quant.rotation import Learner
 from models.decoder import CausalLM, RMSNorm
@@ -66,24 +65,40 @@ def nearest_orthogonal(r: torch.Tensor) -> torch.Tensor:
     return u @ vh
 
 
-def _rounded(w: torch.Tensor, grid: IntGrid) -> torch.Tensor:
-    """``w`` [rows, cols] on ``grid`` by round to nearest with the group's max |w| mapped to qmax + 0.5 and the scale
-    rounded as XNNPACK stores it, straight through the rounding of codes and scales."""
+class _StraightThrough(torch.autograd.Function):
+    """``rounding(x)`` forward, the identity backward: the rounded values with no graph of their own (the rounding
+    and its scale are constants to the gradient, as the straight-through estimator treats them)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rounding: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return rounding(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _on_grid(w: torch.Tensor, grid: IntGrid) -> torch.Tensor:
+    """``w`` [rows, cols] rounded to nearest on ``grid``, the group's max |w| mapped to qmax + 0.5 and the scale
+    rounded as XNNPACK stores it."""
     rows, cols = w.shape
     group = grid.group_size or cols
     g = w.view(rows, cols // group, group)
-    scale = g.abs().amax(dim=-1, keepdim=True) / (grid.qmax + 0.5)
-    scale = scale + (grid.round_scale(scale.detach()) - scale).detach()
-    return (torch.clamp(round_ste(g / scale), grid.qmin, grid.qmax) * scale).view(rows, cols)
+    scale = grid.round_scale(g.abs().amax(dim=-1, keepdim=True) / (grid.qmax + 0.5))
+    return (grid.codes(g, scale) * scale).view(rows, cols)
 
 
-def _int8_per_token_ste(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded to int8 per token (asymmetric, as XNNPACK's dynamic activations), straight through."""
+def _rounded(w: torch.Tensor, grid: IntGrid) -> torch.Tensor:
+    """``w`` on ``grid`` (:func:`_on_grid`), straight through."""
+    return _StraightThrough.apply(w, lambda x: _on_grid(x, grid))
+
+
+def _int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to int8 per token, asymmetric, as XNNPACK's dynamic activations are."""
     lo, hi = x.amin(dim=-1, keepdim=True).clamp_max(0), x.amax(dim=-1, keepdim=True).clamp_min(0)
     scale = ((hi - lo) / 255).clamp_min(1e-9)
     zero = torch.round(-128 - lo / scale)
-    q = (torch.clamp(torch.round(x / scale) + zero, -128, 127) - zero) * scale
-    return x + (q - x).detach()
+    return (torch.clamp(torch.round(x / scale) + zero, -128, 127) - zero) * scale
 
 
 class Rotations(nn.Module):
@@ -110,10 +125,10 @@ class Turn:
 def _turned(w: torch.Tensor, bias: torch.Tensor | None, turn: Turn, r1: torch.Tensor,
             r2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weight and bias as ``exporters.quant.rotation`` fuses them for rotations ``r1`` and ``r2``."""
-    if turn.gain is not None:
+    if turn.reads:  # W diag(g) R1, the gain folded into the rotation: one product over the weight
+        w = w @ (r1 if turn.gain is None else turn.gain[:, None].to(r1.dtype) * r1)
+    elif turn.gain is not None:
         w = w * turn.gain
-    if turn.reads:
-        w = w @ r1
     if turn.heads_in:
         k = r2.shape[0]
         w = (w.view(w.shape[0], -1, k) @ r2).view_as(w)
@@ -132,7 +147,8 @@ def _turned(w: torch.Tensor, bias: torch.Tensor | None, turn: Turn, r1: torch.Te
 
 class TurnedLinear(nn.Module):
     """A linear computing with its weight turned by the learned rotations and rounded to ``grid`` (its inputs to int8
-    when ``dynamic``); the turned weight is made in the forward pass and again in the backward one."""
+    when ``dynamic``); the rounded weight is kept for the backward pass (recomputing it there instead measured 1.3x
+    the step's time on SmolLM2-135M for a copy of the linears in fp32)."""
 
     def __init__(self, linear: nn.Linear, turn: Turn, rotations: Rotations, grid: IntGrid, dynamic: bool) -> None:
         super().__init__()
@@ -150,12 +166,12 @@ class TurnedLinear(nn.Module):
     def _run(self, x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
         bias = None if self.linear.bias is None else self.linear.bias.float()
         w, bias = _turned(self.linear.weight.float(), bias, self.turn, r1, r2)
-        x = _int8_per_token_ste(x) if self.dynamic else x
+        x = _StraightThrough.apply(x, _int8_per_token) if self.dynamic else x
         return F.linear(x, _rounded(w, self.grid).to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.rotations[0]
-        return checkpoint(self._run, x, r.r1, r.r2, use_reentrant=False)
+        return self._run(x, r.r1, r.r2)
 
 
 class _StreamTurn(nn.Module):
@@ -282,22 +298,22 @@ def learner(model: CausalLM, text: CalibrationText, grid: IntGrid, dynamic: bool
     return learn
 
 
-# Copies of the largest linear's weight alive at once while it is turned and rounded (the weight in fp32, times its
-# gain, rotated, grouped, rounded, and their gradients in the backward pass).
-TURNED_WEIGHT_COPIES = 6
+# The linears' weights autograd keeps per step: the rounded weight each linear multiplied by, and the turned one a head
+# rotation passes on (fp32).
+SAVED_WEIGHT_COPIES = 1.5
 
 
 def learned_rotation_bytes(shapes: CausalLM, quant: QuantConfig) -> int:
     """What learning the rotations holds beside the model (the memory estimate's term, from ``shapes`` on the meta
-    device): the teacher's predictions (bf16, at most quant.calibration.max_tokens), one window's graph (each linear
-    keeps only its input: the turned weights are made again in the backward pass), the largest linear turned."""
+    device): the teacher's predictions (bf16, at most quant.calibration.max_tokens), one window's graph (the linears'
+    inputs, and their rounded weights)."""
     from exporters.quant.distill import SAVED_PER_LINEAR_VALUE, STEP_LOGITS_COPIES
 
     a = shapes.args
     window = min(a.max_context_len, WINDOW_TOKENS)
     linears = [m for m in shapes.modules() if isinstance(m, nn.Linear)]
     inputs = sum(m.in_features for m in linears)
-    largest = max(m.weight.numel() for m in linears)
+    weights = sum(m.weight.numel() for m in linears)
     scores = sum(layer.self_attn.args.num_attention_heads for layer in shapes.attention_layers()) * window * window
     return (quant.calibration.max_tokens * a.vocab_size * 2 + STEP_LOGITS_COPIES * window * a.vocab_size * 4
-            + int(SAVED_PER_LINEAR_VALUE * window * inputs * 4) + 2 * scores * 4 + TURNED_WEIGHT_COPIES * largest * 4)
+            + int(SAVED_PER_LINEAR_VALUE * window * inputs * 4) + 2 * scores * 4 + int(SAVED_WEIGHT_COPIES * weights * 4))
