@@ -28,6 +28,7 @@ from torch import nn
 
 from exporters.config import QuantConfig
 from exporters.quant.calibration import WINDOW_TOKENS, CalibrationText, LayerByLayer
+from exporters.quant.distill import SAVED_PER_LINEAR_VALUE, STEP_LOGITS_COPIES, unquantized_predictions
 from exporters.quant.gptq import IntGrid
 from exporters.quant.learning import every_attention_differentiable
 from exporters.quant.mixed import mean_kl
@@ -285,8 +286,6 @@ def learner(model: CausalLM, text: CalibrationText, grid: IntGrid, dynamic: bool
     """The ``learn`` of ``exporters.quant.rotation.rotate``: the unquantized model's predictions on ``text`` taken
     first (the start rotations do not change them), then R1 and R2 learned against them for ``steps`` (null:
     DEFAULT_STEPS)."""
-    from exporters.quant.distill import unquantized_predictions
-
     learning = RotationLearning(steps or DEFAULT_STEPS, DEFAULT_LR)
 
     def learn(r1: torch.Tensor, r2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -307,8 +306,6 @@ def learned_rotation_bytes(shapes: CausalLM, quant: QuantConfig) -> int:
     """What learning the rotations holds beside the model (the memory estimate's term, from ``shapes`` on the meta
     device): the teacher's predictions (bf16, at most quant.calibration.max_tokens), one window's graph (the linears'
     inputs, and their rounded weights)."""
-    from exporters.quant.distill import SAVED_PER_LINEAR_VALUE, STEP_LOGITS_COPIES
-
     a = shapes.args
     window = min(a.max_context_len, WINDOW_TOKENS)
     linears = [m for m in shapes.modules() if isinstance(m, nn.Linear)]
