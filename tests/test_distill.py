@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from exporters.config import QuantConfig, Source
 from exporters.quant.apply import quantize_model
-from exporters.quant.distill import _CodesTimesScales, _int8_per_token
+from exporters.quant.distill import _CodesTimesScales, int8_per_token
 from models.checkpoint import build_model, open_checkpoint
 from tests.helpers import compose_config
 
@@ -67,7 +67,7 @@ def test_the_backward_is_autograds_without_a_float_weight(rounded: bool) -> None
     ours.square().sum().backward()
     grads = x.grad.clone(), scales.grad.clone()
     x.grad = scales.grad = None
-    xq = x + (_int8_per_token(x) - x).detach() if rounded else x
+    xq = x + (int8_per_token(x) - x).detach() if rounded else x
     plain = F.linear(xq, (codes.view(24, 2, 32).float() * scales[..., None]).view(24, 64))
     plain.square().sum().backward()
     torch.testing.assert_close(ours, plain)

@@ -83,21 +83,28 @@ STEP_LOGITS_COPIES = 5
 SAVED_PER_LINEAR_VALUE = 1.5
 
 
-def distill_bytes(shapes: CausalLM, quant: QuantConfig) -> int:
-    """What distillation holds beside the calibrated model (the memory estimate's term, from ``shapes`` on the meta
-    device): the teacher's predictions (bf16, at most quant.calibration.max_tokens), one window's graph, and per
-    group scale its factor, gradient and Adam's two moments."""
+def learning_bytes(shapes: CausalLM, quant: QuantConfig, saved_values: int) -> int:
+    """What learning against the unquantized model's predictions holds, whatever it learns (from ``shapes`` on the
+    meta device): the teacher's predictions (bf16, at most quant.calibration.max_tokens), one window's logits and
+    their gradients, its attention scores, and ``saved_values`` values per token the linears keep for the backward
+    pass (fp32)."""
     a = shapes.args
     window = min(a.max_context_len, WINDOW_TOKENS)
+    scores = sum(layer.self_attn.args.num_attention_heads for layer in shapes.attention_layers()) * window * window
+    return (quant.calibration.max_tokens * a.vocab_size * 2 + STEP_LOGITS_COPIES * window * a.vocab_size * 4
+            + int(SAVED_PER_LINEAR_VALUE * window * saved_values * 4) + 2 * scores * 4)
+
+
+def distill_bytes(shapes: CausalLM, quant: QuantConfig) -> int:
+    """What distillation holds beside the calibrated model (the memory estimate's term): :func:`learning_bytes` with
+    each linear's input and output kept, and per group scale its factor, gradient and Adam's two moments."""
     linears = [m for m in shapes.modules() if isinstance(m, nn.Linear)]
     values = sum(m.in_features + m.out_features for m in linears)
     scales = sum(m.weight.numel() for m in linears) // max(quant.group_size, 1)
-    scores = sum(layer.self_attn.args.num_attention_heads for layer in shapes.attention_layers()) * window * window
-    return (quant.calibration.max_tokens * a.vocab_size * 2 + STEP_LOGITS_COPIES * window * a.vocab_size * 4
-            + int(SAVED_PER_LINEAR_VALUE * window * values * 4) + 2 * scores * 4 + scales * 4 * 4)
+    return learning_bytes(shapes, quant, values) + scales * 4 * 4
 
 
-def _int8_per_token(x: torch.Tensor) -> torch.Tensor:
+def int8_per_token(x: torch.Tensor) -> torch.Tensor:
     """``x`` through the kernels' dynamic activation rounding (int8, asymmetric, one scale per token), with torchao's
     public primitives in the order its ``IntxUnpackedToInt8Tensor`` linear calls them in eager (XNNPACK's 8da kernels
     in the program): the values the quantized eager model computes with."""
@@ -118,7 +125,7 @@ class _CodesTimesScales(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int,
                 rounded_activations: bool) -> torch.Tensor:
-        xq = _int8_per_token(x) if rounded_activations else x
+        xq = int8_per_token(x) if rounded_activations else x
         ctx.save_for_backward(xq, codes, scales)
         ctx.group = group
         return F.linear(xq, _weight(codes, scales, group).to(xq.dtype))

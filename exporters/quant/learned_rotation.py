@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from exporters.config import QuantConfig
-from exporters.quant.calibration import WINDOW_TOKENS, CalibrationText, LayerByLayer
-from exporters.quant.distill import SAVED_PER_LINEAR_VALUE, STEP_LOGITS_COPIES, unquantized_predictions
+from exporters.quant.calibration import CalibrationText, LayerByLayer
+from exporters.quant.distill import int8_per_token, learning_bytes, unquantized_predictions
 from exporters.quant.gptq import IntGrid
 from exporters.quant.learning import every_attention_differentiable
 from exporters.quant.mixed import mean_kl
@@ -97,14 +97,6 @@ def _rounded(w: torch.Tensor, grid: IntGrid) -> torch.Tensor:
     return _StraightThrough.apply(w, lambda x: _on_grid(x, grid))
 
 
-def _int8_per_token(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded to int8 per token, asymmetric, as XNNPACK's dynamic activations are."""
-    lo, hi = x.amin(dim=-1, keepdim=True).clamp_max(0), x.amax(dim=-1, keepdim=True).clamp_min(0)
-    scale = ((hi - lo) / 255).clamp_min(1e-9)
-    zero = torch.round(-128 - lo / scale)
-    return (torch.clamp(torch.round(x / scale) + zero, -128, 127) - zero) * scale
-
-
 class Rotations(nn.Module):
     """R1 [hidden, hidden] and R2 [head_dim, head_dim], learned (fp32)."""
 
@@ -167,28 +159,24 @@ class TurnedLinear(nn.Module):
     def out_features(self) -> int:
         return self.linear.out_features
 
-    def _run(self, x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
-        bias = None if self.linear.bias is None else self.linear.bias.float()
-        w, bias = _turned(self.linear.weight.float(), bias, self.turn, r1, r2)
-        x = _StraightThrough.apply(x, _int8_per_token) if self.dynamic else x
-        return F.linear(x, _rounded(w, self.grid).to(x.dtype), None if bias is None else bias.to(x.dtype))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.rotations[0]
-        return self._run(x, r.r1, r.r2)
+        bias = None if self.linear.bias is None else self.linear.bias.float()
+        w, bias = _turned(self.linear.weight.float(), bias, self.turn, r.r1, r.r2)
+        x = _StraightThrough.apply(x, int8_per_token) if self.dynamic else x
+        return F.linear(x, _rounded(w, self.grid).to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
-class _StreamTurn(nn.Module):
-    """The residual stream turned at run time by R1 (``back``: by R1^T), for the embedding's output and the final
-    norm's input while learning (exact in fp32; fused into the weights afterwards where they are not tied)."""
+class _TurnedBack(nn.Module):
+    """The residual stream turned back by R1^T before the final norm while learning (the embedding's output is turned
+    by R1 in the loop): exact in fp32, fused into the weights afterwards where they are not tied."""
 
-    def __init__(self, rotations: Rotations, back: bool) -> None:
+    def __init__(self, rotations: Rotations) -> None:
         super().__init__()
-        self.rotations, self.back = [rotations], back
+        self.rotations = [rotations]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r1 = self.rotations[0].r1
-        return x @ (r1.T if self.back else r1).to(x.dtype)
+        return x @ self.rotations[0].r1.T.to(x.dtype)
 
 
 def _turns(model: CausalLM) -> dict[str, tuple[Turn, RMSNorm | None]]:
@@ -240,8 +228,7 @@ def learn_rotations(model: CausalLM, r1: torch.Tensor, r2: torch.Tensor, text: C
     gains = {key: norm.weight.detach().clone() for key, norm in norms.items()}
     for norm in norms.values():  # the gains are in the linears now: each norm scales by one while learning
         norm.weight.data.fill_(0.0 if norm.unit_offset else 1.0)
-    saved_rotations = (model.embed_rotation, model.norm_rotation)
-    model.norm_rotation = _StreamTurn(rotations, back=True)
+    norm_rotation, model.norm_rotation = model.norm_rotation, _TurnedBack(rotations)
     layers, losses = model.model.layers, []
     started = time.perf_counter()
     try:
@@ -268,7 +255,7 @@ def learn_rotations(model: CausalLM, r1: torch.Tensor, r2: torch.Tensor, text: C
             setattr(model.get_submodule(parent), child, learner.linear)
         for key, norm in norms.items():
             norm.weight.data.copy_(gains[key])
-        model.embed_rotation, model.norm_rotation = saved_rotations
+        model.norm_rotation = norm_rotation
         model.reset_cache()
         for p in frozen:
             p.requires_grad_(True)
@@ -306,14 +293,9 @@ SAVED_WEIGHT_COPIES = 1.5
 
 
 def learned_rotation_bytes(shapes: CausalLM, quant: QuantConfig) -> int:
-    """What learning the rotations holds beside the model (the memory estimate's term, from ``shapes`` on the meta
-    device): the teacher's predictions (bf16, at most quant.calibration.max_tokens), one window's graph (the linears'
-    inputs, and their rounded weights)."""
-    a = shapes.args
-    window = min(a.max_context_len, WINDOW_TOKENS)
+    """What learning the rotations holds beside the model (the memory estimate's term): ``distill.learning_bytes``
+    with each linear's input kept, and the linears' rounded weights."""
     linears = [m for m in shapes.modules() if isinstance(m, nn.Linear)]
     inputs = sum(m.in_features for m in linears)
     weights = sum(m.weight.numel() for m in linears)
-    scores = sum(layer.self_attn.args.num_attention_heads for layer in shapes.attention_layers()) * window * window
-    return (quant.calibration.max_tokens * a.vocab_size * 2 + STEP_LOGITS_COPIES * window * a.vocab_size * 4
-            + int(SAVED_PER_LINEAR_VALUE * window * inputs * 4) + 2 * scores * 4 + int(SAVED_WEIGHT_COPIES * weights * 4))
+    return learning_bytes(shapes, quant, inputs) + int(SAVED_WEIGHT_COPIES * weights * 4)
